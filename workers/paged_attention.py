@@ -1,0 +1,128 @@
+"""The paged KV pool's tensors and the attention function transformers calls to read and write them.
+
+Registered with transformers' `AttentionInterface` as "mserve_paged": every decoder layer of the
+checkpoint's own model runs unchanged and hands us its query/key/value after RoPE. One forward
+covers a packed batch of requests of any lengths (prefill chunks and decode tokens together):
+new K/V are scattered into the pool by slot, then each request attends over its own blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_IMPLEMENTATION = "mserve_paged"
+
+
+class KVCache:
+    """Per layer, K and V as [num_blocks, kv_heads, block_size, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        shape = (num_blocks, kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        k = self.k[0]
+        return 2 * len(self.k) * k[0].numel() * k.element_size()
+
+    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A request's blocks as one tensor [layers, 2, n, kv_heads, block_size, head_dim]."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
+        return torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)])
+                            for k, v in zip(self.k, self.v)])
+
+    def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        expected = (len(self.k), 2, len(block_ids)) + tuple(self.k[0].shape[1:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(data.shape)} do not fit this pool (expected {expected})")
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
+        data = data.to(device=self.k[0].device, dtype=self.k[0].dtype)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            k.index_copy_(0, idx, data[layer, 0])
+            v.index_copy_(0, idx, data[layer, 1])
+
+
+@dataclass
+class PagedBatch:
+    """Where one step's tokens go in the pool and what each request attends to."""
+
+    kv: KVCache
+    slot_blocks: torch.Tensor  # [T] block of each new token
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    block_tables: torch.Tensor  # [B, max_blocks] padded with block 0
+    query_index: torch.Tensor  # [B, max_q] index of each request's queries in the packed T (padded)
+    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] True = may attend
+    out_rows: torch.Tensor  # [T] rows of the flattened [B * max_q] output that are real tokens
+
+    @classmethod
+    def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> "PagedBatch":
+        """`chunks`: per request (block ids, first position computed, number of tokens)."""
+        bs = kv.block_size
+        max_q = max(n for _, _, n in chunks)
+        max_blocks = max(len(b) for b, _, _ in chunks)
+        slot_blocks, slot_offsets, q_index, out_rows, tables, q_pos, ctx = [], [], [], [], [], [], []
+        packed = 0
+        for i, (blocks, start, n) in enumerate(chunks):
+            pos = range(start, start + n)
+            slot_blocks.extend(blocks[p // bs] for p in pos)
+            slot_offsets.extend(p % bs for p in pos)
+            # Padded query rows repeat the last real query: they never see an empty key set (NaN).
+            q_index.append([packed + min(j, n - 1) for j in range(max_q)])
+            q_pos.append([start + min(j, n - 1) for j in range(max_q)])
+            out_rows.extend(i * max_q + j for j in range(n))
+            tables.append(list(blocks) + [0] * (max_blocks - len(blocks)))
+            ctx.append(start + n)
+            packed += n
+        key_pos = torch.arange(max_blocks * bs, device=device)
+        qp = torch.tensor(q_pos, device=device)
+        mask = key_pos[None, None, :] <= qp[:, :, None]  # causal; also bounds keys to the context
+        return cls(
+            kv=kv,
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+            query_index=torch.tensor(q_index, dtype=torch.long, device=device),
+            mask=mask[:, None],
+            out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
+        )
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim], whole blocks at a time."""
+    b, nb = tables.shape
+    _, h, bs, d = cache.shape
+    return cache[tables].permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    batch: PagedBatch | None = kwargs.get("mserve_batch")
+    if batch is None:  # the model used outside the engine (e.g. HF generate on the same object)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, is_causal=attention_mask is None and query.shape[2] > 1)
+    layer = module.layer_idx
+    k_cache, v_cache = batch.kv.k[layer], batch.kv.v[layer]
+    # query/key/value: [1, heads, T, head_dim] for the packed batch.
+    k_cache[batch.slot_blocks, :, batch.slot_offsets] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache[batch.slot_blocks, :, batch.slot_offsets] = value[0].transpose(0, 1).to(v_cache.dtype)
+    k = _gather(k_cache, batch.block_tables)
+    v = _gather(v_cache, batch.block_tables)
+    q = query[0][:, batch.query_index].transpose(0, 1)  # [B, heads, max_q, head_dim]
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask, scale=scaling,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    b, h, max_q, d = out.shape
+    out = out.transpose(1, 2).reshape(b * max_q, h, d)[batch.out_rows]
+    return out.unsqueeze(0), None  # [1, T, heads, head_dim], as transformers' attention functions return
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
