@@ -1,0 +1,158 @@
+"""Tests for common.tiny_model: the random-weight VLM folders load offline and generate."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
+
+IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>"}
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+
+
+@pytest.fixture(scope="module", params=TINY_MODEL_ARCHS)
+def tiny(request, tmp_path_factory):
+    """(arch, path) of a tiny model, built once per arch for the whole module."""
+    arch = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, "tiny", seed=0)
+    return arch, path
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    arch, path = tiny
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    return arch, path, model, AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
+
+
+def _image(seed: int = 0) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (150, 200, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)  # 200 wide, 150 high
+
+
+def _prompt(tokenizer, question: str = "What is shown in this image?") -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _model_inputs(arch, path, tokenizer, image_processor, image) -> dict:
+    """Tokenized prompt with the image token expanded, plus pixel inputs."""
+    if arch == "llava":
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(path)
+        return dict(processor(images=image, text=_prompt(tokenizer), return_tensors="pt"))
+    # Qwen2VLProcessor needs torchvision (video processor): expand <|image_pad|> by hand.
+    pixels = image_processor(images=[image], return_tensors="pt")
+    n_tokens = int(pixels["image_grid_thw"][0].prod()) // image_processor.merge_size**2
+    text = _prompt(tokenizer).replace("<|image_pad|>", "<|image_pad|>" * n_tokens)
+    return {**tokenizer(text, return_tensors="pt"), **pixels}
+
+
+def test_folder_has_checkpoint_files(tiny):
+    arch, path = tiny
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "preprocessor_config.json", "chat_template.jinja"):
+        assert (path / name).is_file(), name
+    config = json.loads((path / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert config["architectures"] == [
+        {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}[arch]
+    ]
+
+
+def test_config_ids_match_tokenizer(loaded):
+    arch, _, model, tokenizer, _ = loaded
+    config = model.config
+    assert config.text_config.vocab_size == len(tokenizer) == 1000
+    assert config.image_token_id == tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch])
+    assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    if arch == "qwen2_vl":
+        for attr, token in [("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+                            ("vision_end_token_id", "<|vision_end|>")]:
+            assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
+        assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    else:
+        assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("</s>")
+
+
+def test_chat_template_renders_image_token(loaded):
+    arch, _, _, tokenizer, _ = loaded
+    prompt = _prompt(tokenizer)
+    ids = tokenizer(prompt)["input_ids"]
+    assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
+    if arch == "llava":
+        assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
+        assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
+    else:
+        assert prompt.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+        assert "<|vision_start|><|image_pad|><|vision_end|>What is shown" in prompt
+        assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_image_processing_shapes(loaded):
+    arch, path, _, tokenizer, image_processor = loaded
+    inputs = _model_inputs(arch, path, tokenizer, image_processor, _image())
+    n_image_tokens = int((inputs["input_ids"] == tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch])).sum())
+    if arch == "llava":
+        assert tuple(inputs["pixel_values"].shape) == (1, 3, 112, 112)
+        assert n_image_tokens == 64  # (112 / 14)^2
+    else:
+        # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
+        assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]
+        assert tuple(inputs["pixel_values"].shape) == (140, 3 * 2 * 14 * 14)
+        assert n_image_tokens == 35
+
+
+def test_greedy_generation_is_not_degenerate(loaded):
+    arch, path, model, tokenizer, image_processor = loaded
+    inputs = _model_inputs(arch, path, tokenizer, image_processor, _image())
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(new) == 12
+    assert len(set(new)) >= 3, new
+
+
+def test_auto_processor(tiny):
+    from transformers import AutoProcessor
+
+    arch, path = tiny
+    if arch == "qwen2_vl" and not HAS_TORCHVISION:
+        # Documented limitation: Qwen2VLProcessor requires Qwen2VLVideoProcessor -> torchvision.
+        with pytest.raises(ImportError, match="Torchvision"):
+            AutoProcessor.from_pretrained(path)
+        return
+    processor = AutoProcessor.from_pretrained(path)
+    assert type(processor).__name__ == {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor"}[arch]
+    assert processor.chat_template  # the processor carries the chat template too
+
+
+def test_same_seed_same_bytes(tiny, tmp_path):
+    arch, path = tiny
+    again = make_tiny_model(tmp_path / "again", arch, "tiny", seed=0)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (again / name).read_bytes() == (path / name).read_bytes(), name
+    other = make_tiny_model(tmp_path / "other", arch, "tiny", seed=1)
+    assert (other / "model.safetensors").read_bytes() != (path / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("arch, size", [("gpt2", "tiny"), ("llava", "huge")])
+def test_unknown_arch_or_size(tmp_path, arch, size):
+    with pytest.raises(ValueError, match="unknown (arch|size)"):
+        make_tiny_model(tmp_path, arch, size)
