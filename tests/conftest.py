@@ -1,0 +1,61 @@
+"""Shared pytest fixtures for the MServe test suite."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+# Tests never reach the network: models come from the local cache or not at all.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# pytest puts tests/ on sys.path, where tests/common/ (no __init__.py) would be
+# picked up as a namespace package shadowing the real `common` that the editable
+# install serves through an import hook; a real path entry for the repo wins.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import pytest  # noqa: E402
+import redis  # noqa: E402
+
+from common.redis_server import RedisServer, find_redis_server  # noqa: E402
+
+
+# ---- redis -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server on a free port, shared by the whole session."""
+    try:
+        binary = find_redis_server()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """URL of the session server, emptied before each test."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    yield redis_server.url
+
+
+# ---- models ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random-weight checkpoint per supported family, built offline once per session."""
+    from common.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_model(root / arch, arch, "tiny", seed=0) for arch in ("llava", "qwen2_vl")}
