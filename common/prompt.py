@@ -1,8 +1,8 @@
 """Builds prompt token ids from OpenAI-style chat messages with the checkpoint's own chat template.
 
-The template is rendered to text and tokenized with add_special_tokens=False (the template emits
-BOS itself, as vLLM and transformers do), then each image placeholder is expanded to the exact
-number of visual tokens of that image. No torch here: the coordinator uses this at admission.
+The template is rendered to text and tokenized with add_special_tokens=False (a template that emits
+BOS keeps exactly one; for one that does not, like llava-1.5's, the tokenizer's own BOS is put
+back), then each image placeholder is expanded to the exact number of visual tokens of that image. No torch here: the coordinator uses this at admission.
 """
 
 from __future__ import annotations
@@ -105,6 +105,13 @@ class PromptBuilder:
         self.family: ModelFamily = load_family(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.chat_template = load_chat_template(model_dir, self.tokenizer)
+        self.bos_token_id = self._implicit_bos()
+
+    def _implicit_bos(self) -> int | None:
+        """The BOS id this tokenizer adds by itself (llava-hf's Llama tokenizer), or None (Qwen)."""
+        bos = self.tokenizer.bos_token_id
+        with_specials = self.tokenizer("x", add_special_tokens=True)["input_ids"]
+        return bos if bos is not None and with_specials and with_specials[0] == bos else None
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
@@ -117,6 +124,10 @@ class PromptBuilder:
         sizes = [image_size_from_header(b) for b in images]
         text = self.render(norm)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # Templates that emit BOS themselves are tokenized as they are; the published llava-1.5
+        # template does not, and its model was trained with the BOS its tokenizer adds: keep it.
+        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
         return PreparedPrompt(self.family.expand_placeholders(ids, sizes), images, sizes, text)
 
     def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:

@@ -141,7 +141,8 @@ class Engine:
         outputs: list[StepOutput] = []
         for c in chunks:
             c.seq.num_computed_tokens = c.end
-            self.counters["prefill_tokens" if c.num_tokens > 1 or not c.seq.output_ids else "decode_tokens"] += c.num_tokens
+            is_decode = c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids)
+            self.counters["decode_tokens" if is_decode else "prefill_tokens"] += c.num_tokens
             if self.config.enable_prefix_caching:
                 self.pool.commit_full_blocks(c.seq.block_table, c.seq.prompt_ids, min(c.end, len(c.seq.prompt_ids)),
                                              c.seq.images)

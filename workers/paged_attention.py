@@ -100,7 +100,9 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim], whole blocks at a time."""
     b, nb = tables.shape
     _, h, bs, d = cache.shape
-    return cache[tables].permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)
+    # Index through a heads-first view: the copy comes out as [heads, B, blocks, block_size, head_dim],
+    # so [B, heads, L, head_dim] is a view of it and the blocks are copied once, not twice.
+    return cache.transpose(0, 1)[:, tables].permute(1, 0, 2, 3, 4).reshape(b, h, nb * bs, d)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,0 +1,31 @@
+"""Process-level CPU tuning applied once at start-up by every `mserve` process."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_malloc(threshold_bytes: int = 1 << 30) -> bool:
+    """Keep large freed blocks in glibc's heap instead of returning them to the kernel.
+
+    Every engine step allocates and frees multi-MB temporaries (gathered K/V, activations). With
+    glibc's defaults each one is a fresh mmap and its pages fault in again: on a 2-core box that
+    showed up as more system than user time and ~20% lower decode throughput.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, threshold_bytes))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    log.debug("malloc tuned: mmap/trim threshold %d bytes (%s)", threshold_bytes, ok)
+    return ok

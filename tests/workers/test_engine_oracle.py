@@ -1,0 +1,190 @@
+"""Every engine path gives exactly the greedy token ids of Hugging Face generate() on the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.prompt import PromptBuilder
+from tests.helpers import PROMPTS, hf_generate, make_image
+from workers.engine import Engine, EngineConfig
+from workers.sequence import SamplingParams
+
+ARCHS = ["llava", "qwen2_vl"]
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model_dir(request, tiny_model_dirs) -> str:
+    return str(tiny_model_dirs[request.param])
+
+
+@pytest.fixture(scope="module")
+def builder(model_dir) -> PromptBuilder:
+    return PromptBuilder(model_dir)
+
+
+def new_engine(model_dir: str, **overrides) -> Engine:
+    cfg = {"num_blocks": 512, "block_size": 16, "max_num_batched_tokens": 4096, **overrides}
+    return Engine(EngineConfig(model_dir, **cfg))
+
+
+def prepared(builder: PromptBuilder, i: int, n_images: int, size=(200, 150)):
+    images = [make_image(size[0] + 37 * k, size[1] + 23 * k, seed=100 * i + k) for k in range(n_images)]
+    return builder.prepare_text(PROMPTS[i % len(PROMPTS)], images)
+
+
+def greedy(n: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(max_tokens=n)
+
+
+def check_against_hf(model_dir, requests, results, max_new=MAX_NEW):
+    for rid, pp in requests.items():
+        expected = hf_generate(model_dir, pp.prompt_ids, pp.images, max_new)
+        assert results[rid] == expected, f"{rid}: engine {results[rid]} != HF {expected}"
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 2], ids=["text-only", "one-image", "two-images"])
+def test_single_request_matches_hf(model_dir, builder, n_images):
+    pp = prepared(builder, n_images, n_images)
+    engine = new_engine(model_dir)
+    engine.add_request("r", pp.prompt_ids, images=pp.images, sampling=greedy())
+    results = engine.run_until_done()
+    check_against_hf(model_dir, {"r": pp}, results)
+    engine.pool.check_integrity()
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_ragged_batch_decoded_together(model_dir, builder):
+    requests = {f"r{i}": prepared(builder, i, i % 3, size=(120 + 40 * i, 90 + 25 * i)) for i in range(9)}
+    assert len({len(p.prompt_ids) for p in requests.values()}) >= 5  # ragged
+    engine = new_engine(model_dir)
+    for rid, pp in requests.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
+    widest = 0
+    results: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        widest = max(widest, len(outs))
+        for o in outs:
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert widest == len(requests)  # one forward carried every request
+    check_against_hf(model_dir, requests, results)
+    engine.pool.check_integrity()
+
+
+def test_requests_join_midway(model_dir, builder):
+    first = {f"a{i}": prepared(builder, i, 1) for i in range(3)}
+    later = {f"b{i}": prepared(builder, i + 4, i % 2) for i in range(3)}
+    engine = new_engine(model_dir)
+    for rid, pp in first.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
+    results: dict[str, list[int]] = {}
+    for _ in range(4):
+        for o in engine.step():
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert all(0 < len(results[r]) < MAX_NEW for r in first)  # still decoding when the others join
+    for rid, pp in later.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
+    for rid, toks in engine.run_until_done().items():
+        results.setdefault(rid, []).extend(toks)
+    check_against_hf(model_dir, {**first, **later}, results)
+
+
+def test_chunked_prefill(model_dir, builder):
+    pp = prepared(builder, 2, 1)
+    engine = new_engine(model_dir, max_num_batched_tokens=16)
+    engine.add_request("r", pp.prompt_ids, images=pp.images, sampling=greedy())
+    steps_before_first_token = 0
+    results: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        if not results and not outs:
+            steps_before_first_token += 1
+        for o in outs:
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert steps_before_first_token >= len(pp.prompt_ids) // 16 - 1 >= 3
+    check_against_hf(model_dir, {"r": pp}, results)
+
+
+def test_kv_export_import_between_engines(model_dir, builder):
+    requests = {f"r{i}": prepared(builder, i, (i % 2) + 1) for i in range(3)}
+    prefill = new_engine(model_dir)
+    decode = new_engine(model_dir, num_blocks=300)  # a different pool: block ids will differ
+    for rid, pp in requests.items():
+        prefill.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy(), prefill_only=True)
+    first: dict[str, int] = {}
+    while prefill.has_unfinished():
+        for o in prefill.step():
+            assert o.finish_reason == "prefilled"
+            first[o.request_id] = o.new_token_ids[0]
+    # Occupy a few blocks so the imported request lands on other block ids than it had.
+    decode.pool.allocate(decode.requests.setdefault("pad", None) or _table(), 40)
+    for rid in requests:
+        payload = prefill.export_kv(rid)
+        decode.import_kv(payload)
+    assert prefill.pool.num_used_blocks == 0
+    results = decode.run_until_done()
+    merged = {rid: [first[rid]] + results[rid] for rid in requests}
+    check_against_hf(model_dir, requests, merged)
+
+
+def _table():
+    from workers.block_pool import BlockTable
+
+    return BlockTable()
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_tokens(model_dir, builder):
+    pp = prepared(builder, 4, 1)
+    engine = new_engine(model_dir)
+    engine.add_request("first", pp.prompt_ids, images=pp.images, sampling=greedy())
+    first = engine.run_until_done()["first"]
+    seq = engine.add_request("again", pp.prompt_ids, images=pp.images, sampling=greedy())
+    again = engine.run_until_done()["again"]
+    assert seq.num_cached_tokens >= (len(pp.prompt_ids) - 1) // 16 * 16 > 0
+    assert again == first == hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+    # A different image with the same placeholder ids must not hit the cache.
+    other = builder.prepare_text(PROMPTS[4], [make_image(200, 150, seed=999)])
+    seq = engine.add_request("other", other.prompt_ids, images=other.images, sampling=greedy())
+    engine.run_until_done()
+    assert seq.num_cached_tokens < pp.prompt_ids.index(engine.family.image_token_id) + 16
+
+
+def test_preemption_recomputes_exactly(model_dir, builder):
+    requests = {f"r{i}": prepared(builder, i, 1) for i in range(4)}
+    longest = max(len(p.prompt_ids) for p in requests.values())
+    blocks = -(-(longest + MAX_NEW) // 16) * 2 + 1  # room for about two requests at a time
+    engine = new_engine(model_dir, num_blocks=blocks, enable_prefix_caching=False)
+    for rid, pp in requests.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
+    results = engine.run_until_done()
+    check_against_hf(model_dir, requests, results)
+    engine.pool.check_integrity()
+
+
+def test_seeded_sampling_is_reproducible_across_engines(model_dir, builder):
+    pp = prepared(builder, 1, 1)
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, top_p=0.9, seed=7)
+    outs = []
+    for _ in range(2):
+        engine = new_engine(model_dir)
+        engine.add_request("s", pp.prompt_ids, images=pp.images, sampling=params)
+        outs.append(engine.run_until_done()["s"])
+    assert outs[0] == outs[1] and len(outs[0]) == 8
+    # Split across a prefill engine and a decode engine: same tokens.
+    pre, dec = new_engine(model_dir), new_engine(model_dir)
+    pre.add_request("s", pp.prompt_ids, images=pp.images, sampling=params, prefill_only=True)
+    tok = pre.run_until_done()["s"]
+    dec.import_kv(pre.export_kv("s"))
+    assert tok + dec.run_until_done()["s"] == outs[0]
+
+
+def test_stop_token_and_max_tokens(model_dir, builder):
+    pp = prepared(builder, 0, 0)
+    engine = new_engine(model_dir)
+    engine.add_request("full", pp.prompt_ids, sampling=greedy(6))
+    full = engine.run_until_done()["full"]
+    assert len(full) == 6
+    engine.add_request("stopped", pp.prompt_ids, sampling=SamplingParams(max_tokens=6, stop_token_ids=(full[2],)))
+    stopped = engine.run_until_done()["stopped"]
+    assert stopped == full[: full.index(full[2]) + 1]
