@@ -106,32 +106,44 @@ class ModelRunner:
         return pos[:, 0], int(delta.reshape(-1)[0])
 
     # -- prefill / decode step ---------------------------------------------------------------
-    def _chunk_inputs(self, chunk: ScheduledChunk) -> tuple[torch.Tensor, torch.Tensor]:
+    def _positions(self, chunk: ScheduledChunk) -> list[int] | list[list[int]]:
         seq, start, end = chunk.seq, chunk.start, chunk.end
-        ids = torch.tensor(seq.token_ids[start:end], dtype=torch.long, device=self.device)
-        embeds = self.embed_tokens(ids)
-        for span, image in zip(seq.images, seq.image_embeds):
-            lo, hi = max(start, span.start), min(end, span.end)
-            if lo < hi:
-                embeds[lo - start : hi - start] = image[lo - span.start : hi - span.start].to(embeds.dtype)
+        if not self.family.uses_mrope:
+            return list(range(start, end))
+        # Prompt tokens take their 3-D M-RoPE positions; generated tokens continue at index + delta.
+        pos = [[p + seq.rope_delta for p in range(start, end)] for _ in range(3)]
+        prompt_end = min(end, len(seq.prompt_ids))
+        if seq.mrope_positions is not None and start < prompt_end:
+            head = seq.mrope_positions[:, start:prompt_end].tolist()
+            pos = [h + row[prompt_end - start :] for h, row in zip(head, pos)]
+        return pos
+
+    def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed input embeddings [1, T, hidden] (images scattered in) and position ids."""
+        ids: list[int] = []
+        positions: list = []
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start : c.end])
+            positions.append(self._positions(c))
+        embeds = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
+        offset = 0
+        for c in chunks:
+            for span, image in zip(c.seq.images, c.seq.image_embeds):
+                lo, hi = max(c.start, span.start), min(c.end, span.end)
+                if lo < hi:
+                    dst = offset + lo - c.start
+                    embeds[dst : dst + hi - lo] = image[lo - span.start : hi - span.start].to(embeds.dtype)
+            offset += c.num_tokens
         if self.family.uses_mrope:
-            prompt_len = len(seq.prompt_ids)
-            pos = torch.arange(start, end, device=self.device).expand(3, -1) + seq.rope_delta
-            if seq.mrope_positions is not None and start < prompt_len:
-                k = min(end, prompt_len)
-                pos = pos.clone()
-                pos[:, : k - start] = seq.mrope_positions[:, start:k].to(self.device)
+            pos = torch.tensor([sum((p[r] for p in positions), []) for r in range(3)], device=self.device)[:, None]
         else:
-            pos = torch.arange(start, end, device=self.device)
-        return embeds, pos
+            pos = torch.tensor(sum(positions, []), device=self.device)[None]
+        return embeds[None], pos
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """One packed forward; returns logits [num completing chunks, vocab] in chunk order."""
-        parts = [self._chunk_inputs(c) for c in chunks]
-        embeds = torch.cat([p[0] for p in parts])[None]
-        positions = torch.cat([p[1] for p in parts], dim=-1)
-        positions = positions[:, None] if self.family.uses_mrope else positions[None]
+        embeds, positions = self._inputs(chunks)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
                                  self.device)
         hidden = self.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,

@@ -62,6 +62,9 @@ class PagedBatch:
     query_index: torch.Tensor  # [B, max_q] index of each request's queries in the packed T (padded)
     mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] True = may attend
     out_rows: torch.Tensor  # [T] rows of the flattened [B * max_q] output that are real tokens
+    # Every request has max_q tokens (all decode, or equal chunks): packed order is already
+    # [B, max_q], so queries and outputs are reshaped instead of gathered.
+    uniform: bool = False
 
     @classmethod
     def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> "PagedBatch":
@@ -93,6 +96,7 @@ class PagedBatch:
             query_index=torch.tensor(q_index, dtype=torch.long, device=device),
             mask=mask[:, None],
             out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
+            uniform=all(n == max_q for _, _, n in chunks),
         )
 
 
@@ -119,11 +123,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v_cache[batch.slot_blocks, :, batch.slot_offsets] = value[0].transpose(0, 1).to(v_cache.dtype)
     k = _gather(k_cache, batch.block_tables)
     v = _gather(v_cache, batch.block_tables)
-    q = query[0][:, batch.query_index].transpose(0, 1)  # [B, heads, max_q, head_dim]
+    b, max_q = batch.query_index.shape
+    heads, _, d = query[0].shape
+    if batch.uniform:
+        q = query[0].view(heads, b, max_q, d).transpose(0, 1)
+    else:
+        q = query[0][:, batch.query_index].transpose(0, 1)  # [B, heads, max_q, head_dim]
     out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask, scale=scaling,
                                          enable_gqa=q.shape[1] != k.shape[1])
-    b, h, max_q, d = out.shape
-    out = out.transpose(1, 2).reshape(b * max_q, h, d)[batch.out_rows]
+    out = out.transpose(1, 2).reshape(b * max_q, heads, d)
+    if not batch.uniform:
+        out = out[batch.out_rows]
     return out.unsqueeze(0), None  # [1, T, heads, head_dim], as transformers' attention functions return
 
 
