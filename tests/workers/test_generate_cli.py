@@ -1,0 +1,46 @@
+"""`mserve generate` as a user runs it: a real subprocess, checked against HF generate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import hf_generate, make_image
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_generate_json_matches_hf(tiny_model_dirs, tmp_path, arch):
+    model = str(tiny_model_dirs[arch])
+    img = tmp_path / "cat.png"
+    img.write_bytes(make_image(320, 240, seed=3))
+    res = run_cli("generate", "--model", model, "--prompt", "What animal is this?", "--image", str(img),
+                  "--max-tokens", "8", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert set(out) == {"prompt_token_ids", "token_ids", "text"}
+    assert out["token_ids"] == hf_generate(model, out["prompt_token_ids"], [img.read_bytes()], 8)
+    assert isinstance(out["text"], str)
+
+
+def test_generate_errors_are_clear(tiny_model_dirs, tmp_path):
+    model = str(tiny_model_dirs["llava"])
+    res = run_cli("generate", "--model", model, "--prompt", "hi", "--image", str(tmp_path / "missing.png"))
+    assert res.returncode != 0 and "missing.png: no such file" in res.stderr
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"not an image")
+    res = run_cli("generate", "--model", model, "--prompt", "hi", "--image", str(bad))
+    assert res.returncode != 0 and "cannot read image header" in res.stderr
+    res = run_cli("generate", "--model", model, "--prompt", "")
+    assert res.returncode != 0 and "prompt is empty" in res.stderr
+    res = run_cli("generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert res.returncode != 0 and "no config.json" in res.stderr
