@@ -65,6 +65,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings_from_args(cls, args: argparse.Namespace, fields: list[str]):
+    """Flags override MSERVE_* env vars, which override defaults (pydantic-settings does the env)."""
+    given = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    settings = cls(**given)
+    logging.getLogger("mserve").info("settings: %s", settings.model_dump_json())
+    return settings
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.server import Coordinator
+    from coordinator.settings import CoordinatorSettings
+
+    settings = _settings_from_args(CoordinatorSettings, args, ["model", "model_name", "bind", "worker_bind", "redis",
+                                                               "stage_timeout_s", "dead_after_s", "max_prompt_tokens",
+                                                               "max_tokens", "max_image_bytes", "max_image_pixels",
+                                                               "max_images_per_request"])
+    coord = Coordinator(settings)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: coord.stop())
+    try:
+        coord.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        coord.close()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from workers.settings import WorkerSettings
+    from workers.worker import Worker
+
+    settings = _settings_from_args(WorkerSettings, args, ["role", "model", "model_name", "coordinator", "redis",
+                                                          "worker_id", "device", "dtype", "threads", "transfer",
+                                                          "host", "num_blocks", "block_size", "max_num_seqs",
+                                                          "max_num_batched_tokens", "embedding_cache_mb"])
+    try:
+        Worker(settings).run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from coordinator.launcher import run_up
+
+    return run_up(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_cmd == "engine":
         from bench.engine_bench import main as engine_bench
@@ -105,6 +155,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help='print {"prompt_token_ids": [...], "token_ids": [...], "text": "..."} instead of the text')
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("coordinator", help="run the coordinator (admission, routing, request state machine)",
+                       description="Bind a ROUTER for clients (--bind) and one for workers (--worker-bind). Every "
+                                   "flag can also be set as MSERVE_<NAME> in the environment.")
+    p.add_argument("--model", help="local checkpoint folder (tokenizer, chat template, processor rules)")
+    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
+    p.add_argument("--bind", help="client address (default tcp://127.0.0.1:5555)")
+    p.add_argument("--worker-bind", help="worker address (default tcp://127.0.0.1:5556)")
+    p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "
+                                   "heartbeats only)")
+    p.add_argument("--stage-timeout-s", type=float, help="re-run a stage that makes no progress this long (60)")
+    p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (2)")
+    for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
+                         ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8")):
+        p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
+    p.set_defaults(func=cmd_coordinator)
+
+    p = sub.add_parser("worker", help="run one worker of a role: encode, prefill, decode or unified",
+                       description="Connect to the coordinator's worker address and serve one role. Every flag can "
+                                   "also be set as MSERVE_<NAME> in the environment.")
+    p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], help="which stage(s) to run")
+    p.add_argument("--model", help="local checkpoint folder")
+    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
+    p.add_argument("--coordinator", help="the coordinator's worker address (default tcp://127.0.0.1:5556)")
+    p.add_argument("--redis", help="redis URL (registry, load, cache indexes)")
+    p.add_argument("--worker-id", help="unique id (default role-host-pid)")
+    p.add_argument("--device", help="cpu (float32, default) or cuda (bfloat16)")
+    p.add_argument("--dtype", help="override the dtype: float32, bfloat16, float16")
+    p.add_argument("--threads", type=int, help="torch threads (default 1)")
+    p.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"],
+                   help="tensor transfer backend (default auto: shm on the same host, tcp otherwise)")
+    p.add_argument("--host", help="address peers reach this worker's data plane at (default 127.0.0.1)")
+    p.add_argument("--num-blocks", type=int, help="KV pool blocks (default 2048)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, help="running requests at most (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step (default 2048)")
+    p.add_argument("--embedding-cache-mb", type=int, help="encode workers' embedding cache (default 512)")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("up", help="start a whole local cluster: redis, coordinator and worker pools",
+                       description="Start Redis (unless --redis/REDIS_URL is given), the coordinator and the worker "
+                                   "pools; wait until every worker is ready; print the client address; stop "
+                                   "everything on Ctrl-C or SIGTERM.")
+    try:
+        from coordinator.launcher import add_up_arguments
+
+        add_up_arguments(p)
+    except ImportError:  # launcher not installed in this build
+        pass
+    p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench", help="benchmarks (see bench/README.md)")
     bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")

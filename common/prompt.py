@@ -43,8 +43,11 @@ def load_chat_template(model_dir: str | os.PathLike, tokenizer: Any) -> str:
     raise ValueError(f"{model_dir} has no chat template (chat_template.jinja / chat_template.json)")
 
 
-def image_bytes_from_part(part: dict[str, Any]) -> bytes:
-    """Image content part -> bytes. Accepts raw bytes, a file path, or a data URL (OpenAI shape)."""
+def image_bytes_from_part(part: dict[str, Any], allow_paths: bool = True) -> bytes:
+    """Image content part -> bytes. Accepts raw bytes, a data URL (OpenAI shape), or a file path.
+
+    A server passes allow_paths=False: a client must never make it read its own local files.
+    """
     value = part.get("image")
     if value is None and "image_url" in part:
         url = part["image_url"]
@@ -59,6 +62,8 @@ def image_bytes_from_part(part: dict[str, Any]) -> bytes:
                 raise ValueError(f"image data URL is not valid base64: {exc}") from exc
         if value.startswith(("http://", "https://")):
             raise ValueError("image URLs are not fetched: send the image bytes, a data URL or a local path")
+        if not allow_paths:
+            raise ValueError("image parts must carry the image bytes or a data URL, not a file path")
         path = Path(value)
         if not path.is_file():
             raise ValueError(f"image path {value!r} does not exist")
@@ -66,12 +71,15 @@ def image_bytes_from_part(part: dict[str, Any]) -> bytes:
     raise ValueError(f"image part has no usable image (got {type(value).__name__})")
 
 
-def normalize_messages(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
+def normalize_messages(messages: Sequence[dict[str, Any]],
+                       allow_paths: bool = True) -> tuple[list[dict[str, Any]], list[bytes]]:
     """Split images out of the messages; the template only needs to know where they were."""
     if not messages:
         raise ValueError("messages is empty")
     out, images = [], []
     for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValueError(f"messages[{i}] must be a map with role and content")
         role = msg.get("role")
         if role not in ("system", "user", "assistant"):
             raise ValueError(f"messages[{i}].role must be system, user or assistant (got {role!r})")
@@ -79,7 +87,7 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[st
         if isinstance(content, str):
             out.append({"role": role, "content": [{"type": "text", "text": content}]})
             continue
-        if not isinstance(content, list):
+        if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
             raise ValueError(f"messages[{i}].content must be a string or a list of parts")
         parts = []
         for part in content:
@@ -87,7 +95,7 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[st
             if kind == "text":
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
             elif kind in ("image", "image_url"):
-                images.append(image_bytes_from_part(part))
+                images.append(image_bytes_from_part(part, allow_paths))
                 parts.append({"type": "image"})
             else:
                 raise ValueError(f"messages[{i}] has an unsupported content part type {kind!r}")
@@ -119,16 +127,20 @@ class PromptBuilder:
 
     def prepare(self, messages: Sequence[dict[str, Any]]) -> PreparedPrompt:
         norm, images = normalize_messages(messages)
-        if not any(p.get("text") for m in norm for p in m["content"] if p["type"] == "text") and not images:
+        return self.prepare_normalized(norm, [image_size_from_header(b) for b in images], images)
+
+    def prepare_normalized(self, norm: list[dict[str, Any]], sizes: Sequence[tuple[int, int]],
+                           images: Sequence[bytes]) -> PreparedPrompt:
+        """Messages already split from their images (see normalize_messages), image sizes known."""
+        if not any(p.get("text", "").strip() for m in norm for p in m["content"] if p["type"] == "text") and not images:
             raise ValueError("prompt is empty: no text and no image")
-        sizes = [image_size_from_header(b) for b in images]
         text = self.render(norm)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         # Templates that emit BOS themselves are tokenized as they are; the published llava-1.5
         # template does not, and its model was trained with the BOS its tokenizer adds: keep it.
         if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
-        return PreparedPrompt(self.family.expand_placeholders(ids, sizes), images, sizes, text)
+        return PreparedPrompt(self.family.expand_placeholders(ids, sizes), list(images), list(sizes), text)
 
     def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:
         """One user turn: the images first, then the text (the llava-1.5 / Qwen2-VL convention)."""

@@ -76,6 +76,8 @@ class Engine:
         eos = gen.eos_token_id if gen is not None else None
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.counters = {"encoded_images": 0, "prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        # Hashes of prompt blocks that became reusable here; a worker publishes them to the cluster.
+        self.new_prefix_hashes: list[str] = []
 
     # -- encode ---------------------------------------------------------------------------------
     def encode(self, images: Sequence[bytes]) -> list[EncodedImage]:
@@ -90,8 +92,13 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes] = (),
                     encoded: Sequence[EncodedImage] | None = None, image_hashes: Sequence[str] | None = None,
-                    sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False) -> Seq:
-        """Queue a request. Images come as bytes (encoded here) or already encoded elsewhere."""
+                    sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
+                    output_ids: Sequence[int] = ()) -> Seq:
+        """Queue a request. Images come as bytes (encoded here) or already encoded elsewhere.
+
+        `output_ids` resumes a request whose first tokens were already delivered (a re-run after a
+        worker died): they are recomputed like a preempted request's, and generation continues.
+        """
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt (no token ids)")
         if request_id in self.requests:
@@ -110,7 +117,7 @@ class Engine:
         seq = Seq(request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling or SamplingParams(),
                   images=[ImageSpan(s, n, h) for (s, n), h in zip(spans, hashes)],
                   image_embeds=[e.embeds for e in encoded], priority=priority,
-                  eos_token_ids=self.eos_token_ids, prefill_only=prefill_only)
+                  eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids))
         if self.family.uses_mrope:
             seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, [e.grid_thw for e in encoded])
         self.scheduler.add(seq)
@@ -144,8 +151,8 @@ class Engine:
             is_decode = c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids)
             self.counters["decode_tokens" if is_decode else "prefill_tokens"] += c.num_tokens
             if self.config.enable_prefix_caching:
-                self.pool.commit_full_blocks(c.seq.block_table, c.seq.prompt_ids, min(c.end, len(c.seq.prompt_ids)),
-                                             c.seq.images)
+                self.new_prefix_hashes += self.pool.commit_full_blocks(
+                    c.seq.block_table, c.seq.prompt_ids, min(c.end, len(c.seq.prompt_ids)), c.seq.images)
         for c, tok in zip(completing, tokens):
             seq = c.seq
             seq.append_token(tok)

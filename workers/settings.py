@@ -1,0 +1,37 @@
+"""A worker's one settings object: flags and MSERVE_* environment variables, printed at start-up."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
+
+    role: Literal["encode", "prefill", "decode", "unified"]
+    model: str
+    model_name: str | None = None  # key for the Redis caches; defaults to the model path
+    coordinator: str = "tcp://127.0.0.1:5556"
+    redis: str | None = None
+    worker_id: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    threads: int = 1  # torch threads; 1 per worker on small hosts so pools do not fight over cores
+    transfer: Literal["auto", "shm", "tcp", "torch"] = "auto"
+    host: str = "127.0.0.1"  # address peers use for this worker's data plane
+    num_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    embedding_cache_mb: int = 512
+    heartbeat_s: float = 0.25
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+
+    def resolved_id(self) -> str:
+        return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
