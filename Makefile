@@ -1,0 +1,40 @@
+# Every target installs what it needs into .venv first, so a fresh machine needs only python3 + make.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+MSERVE := $(VENV)/bin/mserve
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_VERBOSITY := error
+
+.PHONY: install demo test test-quick bench-engine clean
+
+install: $(VENV)/.installed
+
+# torch is pinned first on its own: 2.13.0 is the CPU wheel this machine kind has on disk; any other
+# pin would pull a multi-GB CUDA build. pyproject's range accepts it, so nothing else replaces it.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	touch $@
+
+models/tiny-llava/config.json: | install
+	$(MSERVE) make-tiny-model models/tiny-llava --arch llava --size tiny
+
+models/small-llava/config.json: | install
+	$(MSERVE) make-tiny-model models/small-llava --arch llava --size small
+
+demo: install models/tiny-llava/config.json
+	$(PY) -m common.demo --model models/tiny-llava
+
+test: install
+	$(PY) -m pytest -q
+
+test-quick: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench-engine: install models/small-llava/config.json
+	$(MSERVE) bench engine --model models/small-llava --json-out bench/results/engine.json
+
+clean:
+	rm -rf $(VENV) models

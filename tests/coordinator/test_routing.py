@@ -1,0 +1,42 @@
+"""Routing policy without sockets: affinity, load, spare blocks, and when to wait."""
+
+from __future__ import annotations
+
+from coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
+
+
+def w(wid: str, role: str, **kw) -> WorkerView:
+    return WorkerView(wid, role, **kw)
+
+
+def test_encode_prefers_the_worker_holding_the_images_then_the_least_busy():
+    ws = [w("e0", "encode", inflight=3), w("e1", "encode"), w("e2", "encode", inflight=1)]
+    assert route_encode(ws, ["a"], {}).worker_id == "e1"
+    assert route_encode(ws, ["a", "b"], {"a": {"e2"}, "b": {"e2", "e0"}}).worker_id == "e2"
+    assert route_encode([w("e0", "encode", alive=False)], ["a"], {}) is None
+
+
+def test_prefill_balances_pending_tokens_and_credits_cached_prefixes():
+    ws = [w("p0", "prefill", inflight_tokens=2000), w("p1", "prefill", inflight_tokens=500)]
+    assert route_prefill(ws, 600).worker_id == "p1"
+    # p0 already holds 120 blocks of this prompt: cheaper despite its queue.
+    assert route_prefill(ws, 2000, {"p0": 120}, block_size=16).worker_id == "p0"
+
+
+def test_decode_goes_where_blocks_are_free():
+    ws = [w("d0", "decode", free_blocks=10, total_blocks=100), w("d1", "decode", free_blocks=90, total_blocks=100,
+                                                                     inflight=2)]
+    assert route_decode(ws, 20).worker_id == "d1"  # d0 cannot fit it
+    both_fit = [w("d0", "decode", free_blocks=50, total_blocks=100), w("d1", "decode", free_blocks=90,
+                                                                         total_blocks=100, inflight=2)]
+    assert route_decode(both_fit, 20).worker_id == "d0"  # both fit: the less busy one
+    assert route_decode(ws, 500).worker_id == "d1"  # nobody fits: the most spare blocks
+
+
+def test_pipeline_choice_skips_encode_for_text_and_falls_back_to_unified():
+    disagg = [w("p", "prefill"), w("d", "decode")]
+    assert pipeline_for(disagg, has_images=False) == "disagg"
+    assert pipeline_for(disagg, has_images=True) is None  # no encode pool: wait
+    assert pipeline_for(disagg + [w("u", "unified")], has_images=True) == "unified"
+    assert pipeline_for([w("u", "unified")], has_images=False) == "unified"
+    assert route_unified([w("u0", "unified", queue_len=4), w("u1", "unified")]).worker_id == "u1"
