@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import PurePath
@@ -220,7 +221,8 @@ class Client:
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER, connect=address, identity=_new_identity())
-        self._active: TokenStream | None = None
+        # Weak, so a stream the caller dropped mid-way is finalized (ABORT sent) instead of pinned here.
+        self._active: weakref.ref[TokenStream] | None = None
         self._closed = False
 
     def generate(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
@@ -240,20 +242,26 @@ class Client:
 
     def _start(self, messages: Sequence[dict[str, Any]], stream: bool, timeout_s: float | None,
                request_id: str | None, sampling: dict[str, Any]) -> TokenStream:
-        if self._closed:
-            raise RuntimeError("client is closed")
-        if self._active is not None and not self._active.done:
-            raise RuntimeError("a stream is still open on this Client: exhaust or close() it first "
-                               "(or use AsyncClient for concurrent requests)")
+        self._check_idle()
         rid = _new_request_id(request_id)
         payload = _generate_body(rid, messages, stream, **sampling)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         self._send(MsgType.GENERATE, payload, time.monotonic() + timeout, rid)
-        self._active = TokenStream(self, rid, time.monotonic() + timeout, timeout)
-        return self._active
+        stream = TokenStream(self, rid, time.monotonic() + timeout, timeout)
+        self._active = weakref.ref(stream)
+        return stream
+
+    def _check_idle(self) -> None:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        active = self._active() if self._active is not None else None
+        if active is not None and not active.done:  # its replies would be read, and lost, by this call
+            raise RuntimeError("a stream is still open on this Client: exhaust or close() it first "
+                               "(or use AsyncClient for concurrent requests)")
 
     def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """The coordinator's STATUS_REPLY body: workers, roles, model, redis_healthy."""
+        self._check_idle()
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         self._send(MsgType.STATUS, protocol.body(), deadline, None)
         while (reply := self._recv(deadline)) is not None:
@@ -269,8 +277,9 @@ class Client:
     def close(self) -> None:
         if self._closed:
             return
-        if self._active is not None:
-            self._active.close()
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
         self._closed = True
         self._sock.close(linger=0)
         self._ctx.term()

@@ -19,11 +19,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from common.redis_server import RedisServer
-from common.sockets import free_port
-from coordinator.client import Client, MServeError
+
+# common.sockets and coordinator.client pull in torch (via serde): imported where used, so that
+# `mserve --help`, which builds this module's parser, stays instant.
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ class LocalCluster:
         return self
 
     def _prepare(self) -> None:
+        from common.sockets import free_port
+
         if self._log_dir is None:
             self._log_dir = tempfile.mkdtemp(prefix="mserve-cluster-")
             self._own_log_dir = True
@@ -175,6 +178,8 @@ class LocalCluster:
         logger.info("started %s (pid %d), log %s", name, self._procs[name].pid, self.log_path(name))
 
     def _wait_ready(self, deadline: float) -> None:
+        from coordinator.client import Client, MServeError
+
         expected = self.worker_names()
         logger.info("waiting for %d worker(s) to report alive: %s", len(expected), ", ".join(expected))
         alive: set[str] = set()
@@ -307,7 +312,8 @@ def _watch(cluster: LocalCluster, stop: threading.Event) -> int:
         for name, proc in cluster.processes.items():
             if proc.poll() is not None and name not in reported:
                 reported.add(name)
-                logger.warning("%s exited with code %s; log tail:\n%s", name, proc.returncode, cluster.log_tail(name, 10))
+                logger.warning("%s exited with code %s; log tail:\n%s", name, proc.returncode,
+                               cluster.log_tail(name, 10))
                 if name == "coordinator":
                     logger.error("the coordinator is gone: stopping the cluster")
                     return 1

@@ -47,8 +47,20 @@ def reference_model(model_dir: str):
     return model, processor
 
 
-def hf_generate(model_dir: str, prompt_ids: Sequence[int], images: Sequence[bytes], max_new_tokens: int) -> list[int]:
-    """Greedy token ids from transformers' own generate() on the same prompt ids and images."""
+def hf_generate(model_dir: str, prompt_ids: Sequence[int], images: Sequence[bytes], max_new_tokens: int,
+                ignore_eos: bool = False) -> list[int]:
+    """Greedy token ids from transformers' own generate() on the same prompt ids and images.
+
+    ignore_eos: EOS does not stop generation (it can still be picked), as in vLLM and our engine.
+    """
+    return list(_hf_generate(str(model_dir), tuple(prompt_ids), tuple(images), max_new_tokens, ignore_eos))
+
+
+@lru_cache(maxsize=1024)
+def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[bytes, ...], max_new_tokens: int,
+                 ignore_eos: bool):
+    import copy
+
     model, processor = reference_model(model_dir)
     ids = torch.tensor([list(prompt_ids)])
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -60,6 +72,26 @@ def hf_generate(model_dir: str, prompt_ids: Sequence[int], images: Sequence[byte
             kwargs["image_grid_thw"] = inputs["image_grid_thw"]
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.do_sample = max_new_tokens, False
+    if ignore_eos:
+        config.eos_token_id = None
     with torch.inference_mode():
-        out = model.generate(**kwargs, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(**kwargs, generation_config=config)
+    return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def chat(text: str, images: Sequence[bytes] = ()) -> list[dict]:
+    """One user turn in the OpenAI shape: images first, then the text."""
+    return [{"role": "user", "content": [{"type": "image", "image": b} for b in images] + [{"type": "text", "text": text}]}]
+
+
+def request_mix(n: int, seed: int = 0) -> list[tuple[str, list[bytes]]]:
+    """n (text, images) pairs cycling text-only, one image and two images, of varied sizes."""
+    mix = []
+    for i in range(n):
+        k = i % 3
+        images = [make_image(96 + 53 * ((i + j) % 7), 80 + 41 * ((i * 3 + j) % 5), seed=seed * 1000 + 10 * i + j)
+                  for j in range(k)]
+        mix.append((PROMPTS[i % len(PROMPTS)], images))
+    return mix

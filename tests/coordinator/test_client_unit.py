@@ -1,0 +1,202 @@
+"""Client pure parts, no server: message normalization, error mapping, reply assembly, launcher commands."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import protocol
+from common.protocol import ErrorCode, MsgType
+from coordinator.client import (
+    Aborted,
+    BadRequest,
+    GenerateResult,
+    MServeError,
+    NoWorkers,
+    Overloaded,
+    RequestTimeout,
+    ServerError,
+    _Assembler,
+    _generate_body,
+    error_from_reply,
+    normalize_client_messages,
+)
+from coordinator.launcher import LocalCluster
+from tests.helpers import make_image
+
+IMAGE = make_image(32, 24, seed=1)
+
+
+def user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def only_image(messages):
+    (part,) = [p for p in messages[0]["content"] if p["type"] == "image"]
+    return part["image"]
+
+
+# ---- normalize_client_messages
+
+
+def test_bytes_part_passes_through_as_bytes():
+    out = normalize_client_messages(user({"type": "image", "image": bytearray(IMAGE)}, {"type": "text", "text": "hi"}))
+    assert only_image(out) == IMAGE and type(only_image(out)) is bytes
+    assert out[0]["content"][1] == {"type": "text", "text": "hi"}
+
+
+@pytest.mark.parametrize("as_path", [str, Path])
+def test_file_path_is_read(tmp_path, as_path):
+    f = tmp_path / "cat.png"
+    f.write_bytes(IMAGE)
+    assert only_image(normalize_client_messages(user({"type": "image", "image": as_path(f)}))) == IMAGE
+
+
+def test_data_url_is_decoded():
+    url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
+    assert only_image(normalize_client_messages(user({"type": "image", "image": url}))) == IMAGE
+
+
+@pytest.mark.parametrize("image_url", ["DATA", {"url": "DATA"}])
+def test_openai_image_url_part_becomes_image_part(image_url):
+    url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
+    image_url = url if image_url == "DATA" else {"url": url}
+    out = normalize_client_messages(user({"type": "image_url", "image_url": image_url}))
+    assert out[0]["content"] == [{"type": "image", "image": IMAGE}]
+
+
+def test_missing_file_names_the_part(tmp_path):
+    missing = str(tmp_path / "nope.png")
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\].*does not exist"):
+        normalize_client_messages(user({"type": "text", "text": "x"}, {"type": "image", "image": missing}))
+
+
+@pytest.mark.parametrize("part, pattern", [
+    ({"type": "audio", "audio": b"x"}, "unsupported part type 'audio'"),
+    ("just a string", "unsupported part type None"),
+    ({"type": "image", "image": 42}, "no usable image"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "not fetched"),
+])
+def test_unsupported_parts_are_refused(part, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        normalize_client_messages(user(part))
+
+
+@pytest.mark.parametrize("messages", [[], "hello", None, [{"role": "user", "content": 3}], ["not a dict"]])
+def test_malformed_message_lists_are_refused(messages):
+    with pytest.raises(ValueError):
+        normalize_client_messages(messages)
+
+
+def test_input_is_not_modified_and_extra_keys_survive(tmp_path):
+    f = tmp_path / "a.png"
+    f.write_bytes(IMAGE)
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "name": "ann", "content": [{"type": "image", "image": str(f)}]}]
+    out = normalize_client_messages(messages)
+    assert messages[1]["content"][0]["image"] == str(f)
+    assert out[0] == {"role": "system", "content": "be brief"}
+    assert out[1]["name"] == "ann" and only_image(out[1:]) == IMAGE
+
+
+def test_generate_body_has_the_protocol_fields():
+    body = _generate_body("r1", user({"type": "text", "text": "hi"}), True, max_tokens=5, seed=3,
+                          stop_token_ids=(7, 8), latency_class="batch", priority=2)
+    assert body["v"] == protocol.SCHEMA_VERSION
+    protocol.validate(MsgType.GENERATE, body, protocol.CLIENT_TO_COORDINATOR)
+    assert body["sampling"] == {"max_tokens": 5, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 3,
+                                "stop_token_ids": [7, 8], "ignore_eos": False}
+    assert (body["stream"], body["priority"], body["latency_class"]) == (True, 2, "batch")
+
+
+# ---- error mapping
+
+
+@pytest.mark.parametrize("code, cls", [
+    (ErrorCode.BAD_REQUEST, BadRequest), (ErrorCode.BAD_MESSAGE, BadRequest), (ErrorCode.OVERLOADED, Overloaded),
+    (ErrorCode.NO_WORKERS, NoWorkers), (ErrorCode.TIMEOUT, RequestTimeout), (ErrorCode.ABORTED, Aborted),
+    (ErrorCode.INTERNAL, ServerError), ("some_future_code", ServerError),
+])
+def test_error_codes_map_to_exceptions(code, cls):
+    exc = error_from_reply({"request_id": "r9", "code": code, "message": "max_tokens 9000 > limit 4096"})
+    assert type(exc) is cls and isinstance(exc, MServeError)
+    assert (exc.code, exc.request_id, exc.message) == (code, "r9", "max_tokens 9000 > limit 4096")
+    assert "max_tokens 9000" in str(exc) and "r9" in str(exc)
+
+
+# ---- reply assembly
+
+
+def tokens(index, ids, rid="r"):
+    return MsgType.TOKENS, {"request_id": rid, "index": index, "token_ids": ids}
+
+
+def result(ids, rid="r"):
+    return MsgType.RESULT, {"request_id": rid, "token_ids": ids, "text": "t", "finish_reason": "length",
+                            "timings": {"total_s": 0.5}, "prompt_tokens": 9, "visual_tokens": 4,
+                            "cache_hits": {"embedding": 1, "prefix_tokens": 0}, "attempts": 2}
+
+
+def test_assembler_drops_resent_overlap():
+    asm = _Assembler("r")
+    for reply in (tokens(0, [1, 2]), tokens(2, [3]), tokens(1, [2, 3, 4]), tokens(0, [1]), result([1, 2, 3, 4])):
+        asm.feed(*reply)
+    assert list(asm.ready) == [1, 2, 3, 4] and asm.finished
+    assert asm.result == GenerateResult("r", [1, 2, 3, 4], "t", "length", 9, 4, {"total_s": 0.5},
+                                        {"embedding": 1, "prefix_tokens": 0}, 2)
+
+
+def test_assembler_hands_out_result_tail_not_streamed():
+    asm = _Assembler("r")
+    asm.feed(*tokens(0, [5]))
+    asm.feed(*result([5, 6, 7]))
+    assert list(asm.ready) == [5, 6, 7]
+
+
+def test_assembler_refuses_a_gap():
+    asm = _Assembler("r")
+    asm.feed(*tokens(0, [1]))
+    with pytest.raises(ServerError, match="gap: expected index 1, got 3"):
+        asm.feed(*tokens(3, [4]))
+    assert not asm.finished
+
+
+def test_assembler_error_ends_the_request_with_our_id():
+    asm = _Assembler("r")
+    with pytest.raises(Overloaded) as info:
+        asm.feed(MsgType.ERROR, {"request_id": None, "code": ErrorCode.OVERLOADED, "message": "queue full"})
+    assert asm.finished and info.value.request_id == "r"
+
+
+def test_result_body_without_optional_fields():
+    r = GenerateResult.from_body({"request_id": "r", "token_ids": [], "text": "", "finish_reason": "stop",
+                                  "timings": {}})
+    assert (r.prompt_tokens, r.visual_tokens, r.cache_hits, r.attempts) == (0, 0, {}, 1)
+
+
+# ---- launcher commands (nothing started)
+
+
+def test_cluster_names_and_commands():
+    c = LocalCluster("/m", encode=1, prefill=2, decode=1, unified=1, redis_url="redis://127.0.0.1:1/0", port=7000,
+                     threads=2, transfer="tcp", extra_worker_args=["--device", "cpu"])
+    assert c.worker_names() == ["encode-0", "prefill-0", "prefill-1", "decode-0", "unified-0"]
+    assert c.worker_names("prefill") == ["prefill-0", "prefill-1"]
+    assert c.address == "tcp://127.0.0.1:7000"
+    c._worker_port = 7001
+    assert c.coordinator_command()[:3] == [sys.executable, "-m", "common.cli"]
+    assert c.coordinator_command()[3:] == ["coordinator", "--model", "/m", "--bind", "tcp://127.0.0.1:7000",
+                                           "--worker-bind", "tcp://127.0.0.1:7001", "--redis", "redis://127.0.0.1:1/0"]
+    assert c.worker_command("prefill-1")[3:] == [
+        "worker", "--role", "prefill", "--model", "/m", "--coordinator", "tcp://127.0.0.1:7001",
+        "--redis", "redis://127.0.0.1:1/0", "--threads", "2", "--transfer", "tcp", "--worker-id", "prefill-1",
+        "--device", "cpu"]
+
+
+@pytest.mark.parametrize("counts", [dict(encode=0, prefill=0, decode=0), dict(encode=-1)])
+def test_cluster_refuses_bad_worker_counts(counts):
+    with pytest.raises(ValueError, match="worker counts"):
+        LocalCluster("/m", **counts)

@@ -1,0 +1,95 @@
+"""Whole clusters of real processes (coordinator, workers, Redis) give exactly HF generate's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.prompt import PromptBuilder
+from common.redis_store import RedisStore
+from coordinator.client import AsyncClient
+from coordinator.launcher import LocalCluster
+from tests.helpers import chat, hf_generate, request_mix
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+
+
+async def generate_all(address: str, requests, max_tokens: int = MAX_TOKENS, **kw):
+    async with AsyncClient(address, timeout_s=120) as client:
+        return await asyncio.gather(*[client.generate(chat(text, images), max_tokens=max_tokens, **kw)
+                                      for text, images in requests])
+
+
+def expected(model_dir: str, requests, max_tokens: int = MAX_TOKENS, ignore_eos: bool = False) -> list[list[int]]:
+    builder = PromptBuilder(model_dir)
+    return [hf_generate(model_dir, builder.prepare_text(text, images).prompt_ids, images, max_tokens, ignore_eos)
+            for text, images in requests]
+
+
+@pytest.mark.parametrize("arch, pools, transfer", [
+    ("llava", {"encode": 1, "prefill": 1, "decode": 1}, "shm"),
+    ("qwen2_vl", {"encode": 2, "prefill": 2, "decode": 2}, "tcp"),
+    ("qwen2_vl", {"encode": 1, "prefill": 1, "decode": 1}, "torch"),
+    ("llava", {"unified": 1}, "auto"),
+    ("qwen2_vl", {"unified": 1, "encode": 0, "prefill": 0, "decode": 0}, "auto"),
+], ids=["llava-1e1p1d-shm", "qwen-2e2p2d-tcp", "qwen-1e1p1d-torch", "llava-unified", "qwen-unified"])
+def test_concurrent_batch_matches_hf(tiny_model_dirs, redis_url, arch, pools, transfer):
+    model = str(tiny_model_dirs[arch])
+    pools = {"encode": 0, "prefill": 0, "decode": 0, **pools} if "unified" in pools else pools
+    requests = request_mix(16, seed=7)
+    with LocalCluster(model, redis_url=redis_url, transfer=transfer, **pools) as cluster:
+        results = asyncio.run(generate_all(cluster.address, requests))
+        status = cluster.status() if hasattr(cluster, "status") else None
+    want = expected(model, requests)
+    for i, (res, exp) in enumerate(zip(results, want)):
+        assert res.token_ids == exp, f"request {i} ({len(requests[i][1])} images): {res.token_ids} != {exp}"
+        assert res.finish_reason in ("stop", "length") and res.attempts == 1
+    if "unified" not in pools or pools.get("encode"):
+        with_images = [r for r, (_, ims) in zip(results, requests) if ims]
+        assert all(r.timings["encode_s"] > 0 and r.timings["prefill_s"] > 0 for r in with_images)
+        assert all(r.timings["transfer_s"] > 0 for r in results)
+    del status
+
+
+@pytest.fixture(scope="module")
+def llava_cluster(tiny_model_dirs, redis_server):
+    """1 encode, 2 prefill, 2 decode workers; shared by the tests that do not break it."""
+    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=2, decode=2, redis_url=redis_server.url) as c:
+        yield c
+
+
+def test_same_image_is_encoded_once(llava_cluster, tiny_model_dirs):
+    model = str(tiny_model_dirs["llava"])
+    store = RedisStore(llava_cluster.redis_url)
+    encode_id = llava_cluster.worker_names("encode")[0]
+    before = store.get_counters(encode_id).get("encoded_images", 0)
+    requests = [("What is this?", request_mix(2, seed=99)[1][1])] * 2
+    first = asyncio.run(generate_all(llava_cluster.address, requests[:1]))[0]
+    second = asyncio.run(generate_all(llava_cluster.address, requests[1:]))[0]
+    assert first.cache_hits["embedding"] == 0 and second.cache_hits["embedding"] == 1
+    assert store.get_counters(encode_id)["encoded_images"] - before == 1
+    assert second.token_ids == first.token_ids == expected(model, requests[:1])[0]
+    from common.model import image_hash
+
+    holders = store.lookup_embedding(model, image_hash(requests[0][1][0]))
+    assert holders == {encode_id}
+    store.close()
+
+
+def test_redis_holds_registry_heartbeats_and_load(llava_cluster):
+    store = RedisStore(llava_cluster.redis_url)
+    workers = store.list_workers()
+    names = {n for role in ("encode", "prefill", "decode") for n in llava_cluster.worker_names(role)}
+    assert names <= set(workers)
+    assert {workers[n]["role"] for n in names} == {"encode", "prefill", "decode"}
+    assert all(workers[n]["data_address"].startswith("tcp://") for n in names)
+    import redis
+
+    raw = redis.Redis.from_url(llava_cluster.redis_url)
+    ttls = [raw.ttl(f"mserve:worker:{n}") for n in names]
+    assert all(0 < t <= 10 for t in ttls)  # heartbeats keep a short TTL alive
+    loads = store.get_loads(sorted(names))
+    assert all(loads[n]["total_blocks"] > 0 and "free_blocks" in loads[n] for n in names if not n.startswith("encode"))
+    store.close()

@@ -1,0 +1,112 @@
+"""Faults with real processes: kill -9 mid-stream, Redis going away, malformed frames and bad requests."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+import zmq
+
+from common.protocol import ErrorCode, MsgType, body
+from common.redis_server import RedisServer
+from common.sockets import make_socket, recv, send
+from coordinator.client import AsyncClient, BadRequest, Client
+from coordinator.launcher import LocalCluster
+from tests.coordinator.test_cluster import expected, generate_all
+from tests.helpers import chat, request_mix
+
+pytestmark = pytest.mark.slow
+LONG = 48  # tokens per request: long enough to be mid-stream when a worker is killed
+
+
+async def stream_all_and_kill(cluster: LocalCluster, requests, victim: str, after_tokens: int):
+    """Stream every request; kill -9 `victim` once any request has `after_tokens` tokens."""
+    killed = asyncio.Event()
+
+    async def one(client, text, images):
+        stream = client.stream(chat(text, images), max_tokens=LONG, ignore_eos=True)
+        seen = []
+        async for tok in stream:
+            seen.append(tok)
+            if len(seen) >= after_tokens and not killed.is_set():
+                killed.set()
+                cluster.kill_worker(victim, signal.SIGKILL)
+        return seen, stream.result
+
+    async with AsyncClient(cluster.address, timeout_s=120) as client:
+        out = await asyncio.gather(*[one(client, t, ims) for t, ims in requests])
+    assert killed.is_set()
+    return out
+
+
+@pytest.mark.parametrize("victim_role", ["decode", "prefill"])
+def test_kill_9_mid_stream_every_request_completes_once(tiny_model_dirs, redis_url, victim_role):
+    model = str(tiny_model_dirs["llava"])
+    requests = request_mix(12, seed=3)
+    # Small prefill chunks keep the prefill workers busy long enough to be killed mid-work.
+    with LocalCluster(model, encode=1, prefill=2, decode=2, redis_url=redis_url,
+                      extra_worker_args=["--max-num-batched-tokens", "48"],
+                      extra_coordinator_args=["--dead-after-s", "1.0"]) as cluster:
+        victim = cluster.worker_names(victim_role)[0]
+        out = asyncio.run(stream_all_and_kill(cluster, requests, victim, after_tokens=2))
+    want = expected(model, requests, LONG, ignore_eos=True)
+    reruns = 0
+    for (streamed, result), exp in zip(out, want):
+        assert result is not None
+        assert streamed == result.token_ids == exp  # no duplicated, missing or wrong token in the stream
+        reruns += result.attempts > 1
+    assert reruns >= 1  # the kill really hit requests in flight
+
+
+def test_redis_outage_degrades_routing_but_loses_nothing(tiny_model_dirs):
+    model = str(tiny_model_dirs["qwen2_vl"])
+    requests = request_mix(6, seed=11)
+    with RedisServer() as redis_srv:
+        with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_srv.url) as cluster:
+            redis_srv.stop()
+            time.sleep(1.0)  # heartbeats now fail against a dead Redis
+            results = asyncio.run(generate_all(cluster.address, requests))
+            assert [r.token_ids for r in results] == expected(model, requests)
+            assert Client(cluster.address).status()["redis_healthy"] is False
+
+
+@pytest.fixture(scope="module")
+def small_cluster(tiny_model_dirs, redis_server):
+    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=1, redis_url=redis_server.url) as c:
+        yield c
+
+
+def raw_socket(address: str) -> zmq.Socket:
+    return make_socket(zmq.Context.instance(), zmq.DEALER, connect=address)
+
+
+def test_malformed_frames_get_error_replies_and_serving_goes_on(small_cluster):
+    sock = raw_socket(small_cluster.address)
+    garbage = [[b"\x01", b"\xc1not msgpack"], [b"\xff", b"\x80"], [b"", b"x"], [b"\x01"],
+               [b"\x01", b"\x81\xa1v\x01", b"stray frame"], [b"\x14", b"\x80"]]
+    for frames in garbage:
+        sock.send_multipart(frames)
+        assert sock.poll(5000), f"no reply to {frames!r}"
+        _, kind, reply = recv(sock)
+        assert kind == MsgType.ERROR and reply["code"] == ErrorCode.BAD_MESSAGE and reply["message"]
+    sock.close(0)
+    with Client(small_cluster.address) as client:
+        assert client.generate(chat("Still there?"), max_tokens=4).token_ids
+
+
+def test_invalid_requests_are_rejected_with_the_reason(small_cluster):
+    sock = raw_socket(small_cluster.address)
+    send(sock, MsgType.GENERATE, body(request_id="bad-1", messages=[{"role": "robot", "content": "hi"}]))
+    assert sock.poll(5000)
+    _, kind, reply = recv(sock)
+    assert kind == MsgType.ERROR and reply["request_id"] == "bad-1" and reply["code"] == ErrorCode.BAD_REQUEST
+    assert "role must be system, user or assistant" in reply["message"]
+    sock.close(0)
+    with Client(small_cluster.address) as client:
+        with pytest.raises(BadRequest, match="max_tokens"):
+            client.generate(chat("hi"), max_tokens=0)
+        with pytest.raises(BadRequest, match="cannot read image header"):
+            client.generate(chat("hi", [b"definitely not an image"]))
+        assert client.generate(chat("And now a good one."), max_tokens=4).finish_reason in ("stop", "length")
