@@ -50,8 +50,8 @@ class RequestState:
     kv: dict | None = None  # descriptor + state of the prefilled request (on a prefill worker)
     kv_from: str | None = None
     output_ids: list[int] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in
-                                                                ("queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s")})
+    timings: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in (
+        "queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s", "worker_s")})
     cache_hits: dict[str, int] = field(default_factory=lambda: {"embedding": 0, "prefix_tokens": 0})
     charged: tuple[str, int] | None = None
 
@@ -359,6 +359,7 @@ class Coordinator:
         if st is None:
             return
         self._stage_done(st, "encode_s")
+        st.timings["worker_s"] += float(payload.get("worker_s", 0.0))
         st.embeddings, st.embeddings_from = payload["descriptor"], worker_id
         st.image_grids = [im.get("grid") for im in payload["images"]]
         st.cache_hits["embedding"] += int(payload.get("cache_hits", 0))
@@ -371,6 +372,7 @@ class Coordinator:
             return
         self._stage_done(st, "prefill_s")
         st.timings["transfer_s"] += float(payload.get("fetch_s", 0.0))
+        st.timings["worker_s"] += float(payload.get("worker_s", 0.0))
         st.cache_hits["prefix_tokens"] += int(payload.get("cached_tokens", 0))
         self._emit(st, [int(payload["token_id"])])
         if payload["finish_reason"] != "prefilled":
@@ -392,6 +394,7 @@ class Coordinator:
             st.stage_started = now
         self._emit(st, [int(t) for t in item["token_ids"]])
         if item.get("finished"):
+            st.timings["worker_s"] += float(item.get("worker_s", 0.0))
             self._stage_done(st, "decode_s")
             if stage == "run":
                 st.cache_hits["prefix_tokens"] += int(item.get("cached_tokens", 0))

@@ -83,6 +83,7 @@ class Worker:
         self.fetch_s: dict[str, float] = {}  # transfer time to report with a request's first output
         self.cached_tokens: dict[str, int] = {}
         self.fresh: set[str] = set()  # requests that have not reported a token yet
+        self.received: dict[str, float] = {}  # when each request's stage arrived: its worker_s
         self.running = True
         self._next_beat = 0.0
         self._tokens_ewma = 0.0
@@ -173,6 +174,7 @@ class Worker:
         elif kind is MsgType.CANCEL:
             self._cancel(str(p["request_id"]))
         elif kind is MsgType.ENCODE:
+            self.received[str(p["request_id"])] = time.perf_counter()
             self.encode_queue.append(p)
         elif kind is MsgType.PREFILL:
             self._start(p, self._add_prefill)
@@ -183,16 +185,19 @@ class Worker:
 
     def _cancel(self, rid: str) -> None:
         self.encode_queue = [q for q in self.encode_queue if q["request_id"] != rid]
+        self.received.pop(rid, None)
         if self.engine.abort(rid):
             log.info("%s cancelled", rid)
         self.attempts.pop(rid, None)
 
     def _failed(self, rid: str, attempt: int, message: str, retryable: bool) -> None:
+        self.received.pop(rid, None)
         log.warning("%s failed (attempt %d, %s): %s", rid, attempt, "retryable" if retryable else "final", message)
         send(self.sock, MsgType.FAILED, body(request_id=rid, attempt=attempt, message=message, retryable=retryable))
 
     def _start(self, p: dict[str, Any], add) -> None:
         rid, attempt = str(p["request_id"]), int(p["attempt"])
+        self.received[rid] = time.perf_counter()
         self.engine.abort(rid)  # an older attempt of the same request may still be here
         try:
             add(rid, p)
@@ -248,7 +253,12 @@ class Worker:
             self.store.incr_counter("embedding_cache_hits", self.worker_id, hits)
         desc = self.transfer.publish(f"{rid}:{attempt}:emb", tensors)
         send(self.sock, MsgType.ENCODED, body(request_id=rid, attempt=attempt, descriptor=desc, images=images,
-                                              cache_hits=hits))
+                                              cache_hits=hits, worker_s=self._worker_s(rid)))
+
+    def _worker_s(self, rid: str) -> float:
+        """Time this request's stage spent in this worker (queueing included), for overhead accounting."""
+        t0 = self.received.pop(rid, None)
+        return round(time.perf_counter() - t0, 6) if t0 is not None else 0.0
 
     # -- prefill / decode / unified -----------------------------------------------------------------------
     def _fetch(self, rid: str, descriptor: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -302,6 +312,7 @@ class Worker:
             items.append(item)
             if out.finished:
                 self.attempts.pop(rid, None)
+                item["worker_s"] = self._worker_s(rid)
         if items:
             send(self.sock, MsgType.STEP_TOKENS, body(items=items))
 
@@ -309,7 +320,8 @@ class Worker:
         self.attempts.pop(rid, None)
         msg = {"request_id": rid, "attempt": attempt, "token_id": out.new_token_ids[0],
                "finish_reason": out.finish_reason, "fetch_s": self.fetch_s.pop(rid, 0.0),
-               "cached_tokens": self.cached_tokens.pop(rid, 0), "descriptor": None, "state": None}
+               "cached_tokens": self.cached_tokens.pop(rid, 0), "descriptor": None, "state": None,
+               "worker_s": self._worker_s(rid)}
         if out.finish_reason == "prefilled":
             payload = self.engine.export_kv(rid)
             tensors = {"kv": payload.pop("kv")}
