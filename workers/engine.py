@@ -8,8 +8,6 @@ blocks, a decode worker imports blocks and steps; the unified role does all thre
 from __future__ import annotations
 
 import logging
-import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -20,7 +18,7 @@ from workers.block_pool import BlockPool, ImageSpan
 from workers.model_runner import EncodedImage, ModelRunner
 from workers.sampler import sample
 from workers.scheduler import Scheduler
-from workers.sequence import SamplingParams, Sequence as Seq, SeqStatus
+from workers.sequence import SamplingParams, Sequence as Seq
 
 log = logging.getLogger(__name__)
 
