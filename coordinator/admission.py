@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.model import ImageError, image_hash, image_size_from_header
@@ -31,6 +32,8 @@ class Limits(BaseModel):
 
 
 class SamplingIn(BaseModel):
+    # Unlike other bodies, unknown sampling fields are rejected, not ignored: silently dropping a
+    # parameter the client relies on (a typo, or one this server lacks) would change its results.
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: int = Field(64, ge=1)
@@ -110,8 +113,9 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
         admitted_images.append(AdmittedImage(image_hash(data), data, (w, h), tokens))
     try:
         prompt = builder.prepare_normalized(messages, [im.size for im in admitted_images], images)
-    except ValueError as exc:
-        raise AdmissionError(str(exc)) from None
+    except (ValueError, TemplateError) as exc:  # templates reject some conversations (roles, order)
+        raise AdmissionError(f"the chat template rejected the messages: {exc}" if isinstance(exc, TemplateError)
+                             else str(exc)) from None
     if len(prompt.prompt_ids) > limits.max_prompt_tokens:
         raise AdmissionError(f"prompt is {len(prompt.prompt_ids)} tokens ({sum(i.num_tokens for i in admitted_images)} "
                              f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}")

@@ -17,15 +17,15 @@ from typing import Any
 
 import zmq
 
-from common.protocol import (CLIENT_TO_COORDINATOR, WORKER_TO_COORDINATOR, ErrorCode, MsgType, ProtocolError, body,
-                             validate)
+from common.protocol import (CLIENT_TO_COORDINATOR, ROLES, WORKER_TO_COORDINATOR, ErrorCode, MsgType, ProtocolError,
+                             body, validate)
 from common.redis_store import RedisStore
 from common.serde import WireError, decode
 from common.sockets import make_socket, send
 from coordinator.admission import Admitted, AdmissionError, Limits, admit
 from coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
 from coordinator.settings import CoordinatorSettings
-from workers.block_pool import prompt_block_hashes
+from workers.block_pool import ImageSpan, prompt_block_hashes
 
 log = logging.getLogger("mserve.coordinator")
 
@@ -83,6 +83,8 @@ class Coordinator:
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.pending: deque[str] = deque()
         self.embedding_holders: dict[str, set[str]] = {}
+        # Requests moved off a worker declared dead: cancelled there if it turns out to be alive.
+        self.abandoned: dict[str, set[str]] = {}
         self.block_size = 16
         self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0}
         self._running = True
@@ -122,7 +124,10 @@ class Coordinator:
             frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        handler(frames)
+        try:
+            handler(frames)
+        except Exception:  # a message that validates but is wrong inside must not stop serving
+            log.exception("error while handling a message; the coordinator keeps serving")
         return True
 
     # -- clients -------------------------------------------------------------------------------------
@@ -156,7 +161,12 @@ class Coordinator:
         rid_in = payload.get("request_id")
         try:
             admitted = admit(self.builder, self.limits, payload)
-        except AdmissionError as exc:
+        except Exception as exc:
+            if not isinstance(exc, AdmissionError):
+                log.exception("%s: admission failed unexpectedly", rid_in)
+                self._error(client, rid_in if isinstance(rid_in, str) else None, ErrorCode.INTERNAL,
+                            f"admission failed: {exc.__class__.__name__}: {exc}")
+                return
             self.stats["rejected"] += 1
             log.info("%s rejected: %s", rid_in, exc)
             self._error(client, rid_in if isinstance(rid_in, str) else None, ErrorCode.BAD_REQUEST, str(exc))
@@ -192,7 +202,10 @@ class Coordinator:
                 self._end(st, error=(ErrorCode.INTERNAL, f"gave up after {st.attempt + 1} attempts: {reason}"))
                 return
             log.warning("%s re-run (attempt %d): %s", st.client_rid, st.attempt + 2, reason)
+        if not first:
+            self._cancel_on_worker(st)  # the stage may still be running on a live worker
         st.attempt += 0 if first else 1
+        st.deadline = 0.0
         st.embeddings = st.kv = st.embeddings_from = st.kv_from = None
         st.next_stage = "start"
         self._advance(st)
@@ -218,11 +231,11 @@ class Coordinator:
         self._to_worker(worker.worker_id, kind, payload)
 
     def _park(self, st: RequestState) -> None:
+        if st.stage != "queued" or st.deadline == 0.0:  # newly parked: a full stage timeout to find a worker
+            st.deadline = time.monotonic() + self.settings.stage_timeout_s
         st.stage = "queued"
         if st.rid not in self.pending:
             self.pending.append(st.rid)
-        if st.deadline == 0.0:
-            st.deadline = time.monotonic() + self.settings.stage_timeout_s
 
     def _route(self, st: RequestState) -> WorkerView | None:
         ws = self.workers.values()
@@ -233,7 +246,7 @@ class Coordinator:
             hashes = [im.hash for im in a.images]
             return route_encode(ws, hashes, self._holders(hashes))
         if st.next_stage == "prefill":
-            return route_prefill(ws, len(a.prompt_ids), self._prefix_hits(a.prompt_ids), self.block_size)
+            return route_prefill(ws, len(a.prompt_ids), self._prefix_hits(a), self.block_size)
         if st.next_stage == "decode":
             need = -(-(len(a.prompt_ids) + a.request.sampling.max_tokens) // self.block_size)
             return route_decode(ws, need)
@@ -263,10 +276,14 @@ class Coordinator:
                 holders[h] |= self.store.lookup_embedding(self.model_name, h)
         return holders
 
-    def _prefix_hits(self, prompt_ids: list[int]) -> dict[str, int]:
-        if self.store is None or not self.store.healthy or len(prompt_ids) < 2 * self.block_size:
+    def _prefix_hits(self, admitted: Admitted) -> dict[str, int]:
+        ids = admitted.prompt_ids
+        if self.store is None or not self.store.healthy or len(ids) < 2 * self.block_size:
             return {}
-        return self.store.match_prefix(self.model_name, prompt_block_hashes(prompt_ids, self.block_size)[:64])
+        # Same keys as the workers' block hashes: each image's hash and offset, not just its placeholder ids.
+        spans = [ImageSpan(start, n, im.hash)
+                 for (start, n), im in zip(self.builder.family.image_spans(ids), admitted.images)]
+        return self.store.match_prefix(self.model_name, prompt_block_hashes(ids, self.block_size, spans)[:64])
 
     def _charge(self, st: RequestState, worker: WorkerView, tokens: int) -> None:
         self._uncharge(st)
@@ -304,7 +321,12 @@ class Coordinator:
         worker_id = identity.decode(errors="replace")
         if kind is MsgType.READY:
             return self._on_ready(worker_id, payload)
-        if worker_id not in self.workers:
+        known = self.workers.get(worker_id)
+        if kind is MsgType.HEARTBEAT and "role" in payload and (known is None or not known.alive):
+            # A worker this coordinator never met (it restarted) or declared dead (it stalled): its
+            # heartbeat carries its registration, so it rejoins without a restart of its own.
+            return self._on_ready(worker_id, payload)
+        if known is None:
             log.warning("message %s from unregistered worker %s ignored", kind.name, worker_id)
             return
         self.last_seen[worker_id] = time.monotonic()
@@ -324,10 +346,15 @@ class Coordinator:
 
     def _on_ready(self, worker_id: str, payload: dict[str, Any]) -> None:
         role = payload["role"]
+        if role not in ROLES:
+            log.error("worker %s announced unknown role %r; ignored", worker_id, role)
+            return
         was_alive = worker_id in self.workers and self.workers[worker_id].alive
         if was_alive:  # a restarted process with the same id: its old work is lost
             self._worker_died(worker_id, "re-registered")
         self.workers[worker_id] = WorkerView(worker_id, role)
+        for rid in self.abandoned.pop(worker_id, ()):  # it was only stalled: stop its stale work
+            self._to_worker(worker_id, MsgType.CANCEL, {"request_id": rid})
         self.worker_info[worker_id] = dict(payload)
         self.last_seen[worker_id] = time.monotonic()
         self.block_size = int(payload.get("block_size") or self.block_size)
@@ -396,8 +423,7 @@ class Coordinator:
         if item.get("finished"):
             st.timings["worker_s"] += float(item.get("worker_s", 0.0))
             self._stage_done(st, "decode_s")
-            if stage == "run":
-                st.cache_hits["prefix_tokens"] += int(item.get("cached_tokens", 0))
+            st.cache_hits["prefix_tokens"] += int(item.get("cached_tokens", 0))
             self._end(st, finish_reason=item.get("finish_reason") or "stop")
 
     def _on_failed(self, worker_id: str, payload: dict[str, Any]) -> None:
@@ -424,6 +450,8 @@ class Coordinator:
             lost |= st.embeddings_from == worker_id and st.stage in ("queued", "prefill") and st.embeddings is not None
             lost |= st.kv_from == worker_id and st.stage == "queued" and st.kv is not None
             if lost:
+                if st.worker_id == worker_id:
+                    self.abandoned.setdefault(worker_id, set()).add(st.rid)
                 self._uncharge(st)
                 self._restart(st, reason=f"worker {worker_id} {why}")
 
@@ -453,8 +481,9 @@ class Coordinator:
             "attempts": st.attempt + 1})
 
     def _cancel_on_worker(self, st: RequestState) -> None:
-        if st.worker_id and st.stage in ACTIVE_STAGES:
-            self._to_worker(st.worker_id, MsgType.CANCEL, {"request_id": st.rid})
+        w = self.workers.get(st.worker_id or "")
+        if w is not None and w.alive and st.stage in ACTIVE_STAGES:
+            self._to_worker(w.worker_id, MsgType.CANCEL, {"request_id": st.rid})
 
     # -- housekeeping -------------------------------------------------------------------------------------
     def _retry_pending(self) -> None:
@@ -474,7 +503,6 @@ class Coordinator:
                     self._end(st, error=(ErrorCode.NO_WORKERS, f"no worker could take the request's {st.next_stage} "
                                                                f"stage within {self.settings.stage_timeout_s}s"))
                 else:
-                    self._cancel_on_worker(st)
                     self._uncharge(st)
                     self._restart(st, reason=f"{st.stage} stage timed out on {st.worker_id}")
         if self.pending:

@@ -44,11 +44,14 @@ class Scheduler:
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        max_tokens = self.pool.num_blocks * self.pool.block_size
-        if seq.num_tokens + seq.sampling.max_tokens - len(seq.output_ids) > max_tokens and not seq.prefill_only:
+        capacity = self.pool.num_blocks * self.pool.block_size
+        # A prefill-only request needs room for its prompt and first token; others for every token.
+        needed = seq.num_tokens + (1 if seq.prefill_only else seq.sampling.max_tokens - len(seq.output_ids))
+        if needed > capacity:
             raise ValueError(
-                f"request {seq.request_id}: prompt ({seq.num_tokens} tokens) + max_tokens "
-                f"({seq.sampling.max_tokens}) exceeds the KV pool capacity of {max_tokens} tokens"
+                f"request {seq.request_id}: prompt ({seq.num_tokens} tokens) + "
+                f"{'1' if seq.prefill_only else f'max_tokens ({seq.sampling.max_tokens})'} "
+                f"exceeds the KV pool capacity of {capacity} tokens"
             )
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
@@ -122,11 +125,14 @@ class Scheduler:
             bs = self.pool.block_size
             hashes = seq.prompt_hashes(bs) if self.enable_prefix_caching else []
             usable = (seq.num_tokens - 1) // bs
-            hits = len(self.pool.match_prefix(hashes[:usable], seq.token_ids)) if hashes else 0
+            hit_ids = self.pool.match_prefix(hashes[:usable], seq.token_ids) if hashes else []
+            hits = len(hit_ids)
             # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
-            # must be preempted wastes the work already done.
+            # must be preempted wastes the work already done. Cached hits that sit in the free
+            # list are taken out of it too, so they count against the free blocks.
             needed = self.pool.blocks_needed(seq.num_tokens) - hits
-            if not self.pool.can_allocate(needed + hits):
+            free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_count == 0)
+            if not self.pool.can_allocate(needed + free_hits):
                 break
             n = min(seq.num_tokens - hits * bs, budget)
             cached = self.pool.allocate(seq.block_table, hits * bs + n, hashes, seq.token_ids)
