@@ -183,6 +183,9 @@ def main(args: argparse.Namespace) -> int:
     results["image"] = _image_prefill_and_kv(args, engine_factory, (image_prompt.prompt_ids, [image]))
     print(render(results))
     if args.json_out:
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=2)
     return 0

@@ -93,7 +93,10 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
         for part in content:
             kind = part.get("type")
             if kind == "text":
-                parts.append({"type": "text", "text": str(part.get("text", ""))})
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ValueError(f"messages[{i}] has a text part whose text is not a string")
+                parts.append({"type": "text", "text": text})
             elif kind in ("image", "image_url"):
                 images.append(image_bytes_from_part(part, allow_paths))
                 parts.append({"type": "image"})

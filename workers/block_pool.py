@@ -1,6 +1,6 @@
 """Paged-KV block accounting: which block holds which tokens, who shares it, and what can be reused.
 
-Pure Python (no torch): the tensors live in `workers/kv_cache.py`; this module only hands out block
+Pure Python (no torch): the tensors live in `workers/paged_attention.py` (KVCache); this module only hands out block
 ids. Full blocks carry a chained hash (parent hash + token ids + the images they overlap), so a
 later prompt with the same prefix finds them again (prefix reuse) and a cluster can index them.
 """
@@ -215,8 +215,8 @@ class BlockPool:
             assert self.blocks[b].ref_count == 0, f"free block {b} still referenced"
         for h, b in self._hash_to_block.items():
             assert self.blocks[b].hash == h, f"hash index points block {b} at a stale hash"
-        cached = self.num_cached_blocks
-        assert (len(self._free) - cached) + len(used) + cached == self.num_blocks
+        cached = sum(1 for b in self._free if self.blocks[b].hash is not None)
+        assert self.num_cached_blocks == cached and cached <= len(self._free)
 
     def stats(self) -> dict[str, int]:
         return {
