@@ -1,10 +1,29 @@
-"""Bandwidth of common.transfer backends between two local processes, beside an in-process copy.
+"""KV hand-off bandwidth per transfer backend, beside an in-process copy of the same bytes.
 
-Usage: python -m bench.transfer_bench [MiB] [iters]
+Usage: python -m bench.transfer_bench [--iters 25] [--warmup 2] [--passes 5] [--threads 1]
+
+One run, two spawned processes (sender and receiver, both with ``tune_malloc`` and ``--threads``
+torch threads, as workers run with 1), every figure the median of ``--iters`` timed runs after
+warm-up. Payloads: one request's KV on the ``small`` llava checkpoint ([8 layers, 2, 38 blocks,
+4 kv heads, 16, 64] float32 = 9.5 MiB: a 597-token image prompt), and 64 MiB of the same layout.
+
+(a) transfer: bytes / (sender starts ``publish`` -> receiver holds usable tensors), with
+    ``fetch`` (copy=True: the receiver owns its memory) and ``fetch_view`` (zero-copy).
+(b) pool to pool, as workers hand KV off: prefill pool -> ``export_blocks`` -> transfer ->
+    ``import_blocks`` -> decode pool, against the same export + import inside one process.
+(c) ``dst.copy_(src)`` of the same bytes in one process (hot, pre-allocated dst): in the sender
+    process at ``--threads``, and in this parent process at torch's default thread count before
+    the children start (the brief's "~0.3 ms" figure is the latter on a 2-core host).
+(d) raw loopback tcp for the same bytes: zmq PAIR (copy=False; 1 frame, 4 frames, 4 MiB socket
+    buffers) and a plain socket (sendall -> recv_into a pre-allocated buffer): the tcp ceiling.
+
+Remote times include handing the descriptor over a multiprocessing Pipe (one-way latency
+printed). GB/s are 1e9 bytes per second of the median time; percentages compare medians.
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import statistics
 import sys
@@ -13,97 +32,100 @@ from typing import Any
 
 import torch
 
-from common.transfer import TransferEngine
-
-BACKENDS = ("shm", "tcp", "torch")
-WARMUP = 2  # the first torch transfer also builds the pair's process group
+from bench import transfer_bench_procs as procs
 
 
-def _sender(nbytes: int, backend: str, iters: int, to_rx: Any, from_rx: Any, report: Any) -> None:
-    src = {"payload": torch.randint(0, 256, (nbytes,), dtype=torch.uint8)}
-    publish_s = []
-    with TransferEngine("bench-tx") as tx:
-        for i in range(WARMUP + iters):
-            t0 = time.perf_counter()
-            desc = tx.publish(f"bench-{i}", src, backend=backend)
-            publish_s.append(time.perf_counter() - t0)
-            to_rx.send(desc)
-            from_rx.recv()  # one transfer in flight at a time: measures bandwidth, not queueing
-            while tx.pending():
-                time.sleep(0.0005)
-        to_rx.send(None)
-    report.put(("publish", publish_s[WARMUP:]))
-
-
-def _receiver(from_tx: Any, to_tx: Any, report: Any) -> None:
-    fetch_s = []
-    with TransferEngine("bench-rx") as rx:
-        while (desc := from_tx.recv()) is not None:
-            t0 = time.perf_counter()
-            out = rx.fetch(desc)
-            fetch_s.append(time.perf_counter() - t0)
-            del out
-            to_tx.send(True)
-    report.put(("fetch", fetch_s[WARMUP:]))
-
-
-def _copy_seconds(nbytes: int, iters: int) -> float:
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+def _hot_copy_s(shape: tuple[int, ...], iters: int) -> float:
+    src = torch.randn(shape)
     dst = torch.empty_like(src)
     times = []
-    for _ in range(WARMUP + iters):
+    for _ in range(iters + 3):
         t0 = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[WARMUP:])
+    return statistics.median(times[3:])
 
 
-def measure_bandwidth(backend: str, nbytes: int, iters: int = 10) -> dict[str, Any]:
-    """Move ``nbytes`` from one spawned process to another ``iters`` times through ``backend``.
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
-    fetch_gbps: the receiver's fetch call alone (request, bytes, copy-out, ack).
-    e2e_gbps: publish (staging copy on the sender) plus fetch, i.e. what a KV handoff costs.
-    copy_gbps: ``dst.copy_(src)`` of the same bytes inside this process, the memcpy ceiling.
-    GB/s are 1e9 bytes per second of median times.
-    """
-    ctx = mp.get_context("spawn")
-    tx_end, rx_end = ctx.Pipe()
-    ack_tx, ack_rx = ctx.Pipe()
-    report = ctx.Queue()
-    procs = [
-        ctx.Process(target=_sender, args=(nbytes, backend, iters, tx_end, ack_tx, report)),
-        ctx.Process(target=_receiver, args=(rx_end, ack_rx, report)),
-    ]
-    for p in procs:
-        p.start()
-    results = dict(report.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(30)
-    publish = statistics.median(results["publish"])
-    fetch = statistics.median(results["fetch"])
-    copy = _copy_seconds(nbytes, iters)
-    return {
-        "backend": backend,
-        "nbytes": nbytes,
-        "iters": iters,
-        "publish_ms": publish * 1e3,
-        "fetch_ms": fetch * 1e3,
-        "fetch_gbps": nbytes / fetch / 1e9,
-        "e2e_gbps": nbytes / (publish + fetch) / 1e9,
-        "copy_gbps": nbytes / copy / 1e9,
-    }
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.3f}"
+
+
+def report(res: dict[str, Any], parent_copy: dict[str, float], parent_threads: int) -> str:
+    times = res["times"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    iqr = {k: statistics.quantiles(v, n=4) for k, v in times.items()}
+    n = len(next(iter(times.values())))
+    thr = res["threads"]
+    out = [f"Median of {n} timed runs per path; sender/receiver at {thr} torch thread(s); "
+           f"descriptor hand-off over the Pipe {med[('misc', 'pipe')] * 1e6:.0f} us one-way.", ""]
+    head = ["payload", "path", "median ms", "p25-p75 ms", "GB/s",
+            f"% of copy_ ({thr} thr)", f"% of copy_ ({parent_threads} thr)"]
+    out += [_row(head), _row(["---"] * len(head))]
+    for size, shape in procs.SIZES.items():
+        nb = procs.nbytes(shape)
+        label = f"{nb / 2**20:.1f} MiB" + (" = 1 request's KV" if size == "kv" else "")
+        base = med[(size, "(c) dst.copy_(src), in-process")]
+        rows = [(p, m) for (s, p), m in med.items() if s == size]
+        rows.insert(1, (f"(c) dst.copy_(src), in-process, {parent_threads} threads", parent_copy[size]))
+        for path, m in rows:
+            spread = iqr.get((size, path))
+            spread_s = f"{_ms(spread[0])}-{_ms(spread[2])}" if spread else ""
+            if path == "(c) dst.copy_(src), in-process":
+                path = f"(c) dst.copy_(src), in-process, {thr} thread(s)"
+            out.append(_row([label, path, _ms(m), spread_s, f"{nb / m / 1e9:.2f}",
+                             f"{100 * base / m:.0f}%", f"{100 * parent_copy[size] / m:.0f}%"]))
+    kv_bytes = procs.nbytes(procs.KV_SHAPE)
+    out += ["", "(b) pool to pool, one request's KV: export_blocks -> transfer -> import_blocks", ""]
+    head = ["path", "median ms", "p25-p75 ms", "GB/s", "% of in-process"]
+    out += [_row(head), _row(["---"] * len(head))]
+    base = med[("pool", "in-process export + import")]
+    for (s, path), m in med.items():
+        if s == "pool":
+            q = iqr[(s, path)]
+            out.append(_row([path, _ms(m), f"{_ms(q[0])}-{_ms(q[2])}", f"{kv_bytes / m / 1e9:.2f}",
+                             f"{100 * base / m:.0f}%"]))
+    pool = res["pool"]
+    out += ["", f"Sender's shm pool after the run: {pool['created']} segments created, "
+            f"{pool['reused']} reuses, {pool['retained_bytes'] / 2**20:.0f} MiB retained."]
+    return "\n".join(out)
 
 
 def main(argv: list[str]) -> None:
-    nbytes = int(float(argv[0]) * 2**20) if argv else 64 * 2**20
-    iters = int(argv[1]) if len(argv) > 1 else 10
-    for backend in BACKENDS:
-        r = measure_bandwidth(backend, nbytes, iters)
-        print(
-            f"{backend:6s} {nbytes / 2**20:.0f} MiB: publish {r['publish_ms']:7.2f} ms  "
-            f"fetch {r['fetch_ms']:7.2f} ms  fetch {r['fetch_gbps']:6.2f} GB/s  "
-            f"end-to-end {r['e2e_gbps']:6.2f} GB/s  | in-process copy_ {r['copy_gbps']:6.2f} GB/s"
-        )
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=25, help="timed runs per path")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed runs before each block")
+    ap.add_argument("--passes", type=int, default=5, help="blocks per path (iters split among them)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads in the two processes (workers default to 1)")
+    args = ap.parse_args(argv)
+    from common.perf import tune_malloc
+
+    tune_malloc()
+    parent_copy = {k: _hot_copy_s(s, args.iters) for k, s in procs.SIZES.items()}
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    tx_rx, rx_tx = ctx.Pipe()
+    workers = [
+        ctx.Process(target=procs.sender,
+                    args=(child, tx_rx, args.warmup, args.iters, args.passes, args.threads)),
+        ctx.Process(target=procs.receiver, args=(rx_tx, args.threads)),
+    ]
+    for p in workers:
+        p.start()
+    try:
+        if not parent.poll(600):
+            raise TimeoutError("benchmark did not finish in 10 minutes")
+        res = parent.recv()
+    finally:
+        for p in workers:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    print(report(res, parent_copy, torch.get_num_threads()))
 
 
 if __name__ == "__main__":

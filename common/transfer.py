@@ -2,19 +2,31 @@
 
 A sender ``publish``es named tensors under a transfer id and gets a small msgpack-able
 descriptor; the control plane carries it to the receiver, whose ``fetch`` pulls the bytes over
-the backend the descriptor names and acks, at which point the sender frees its copy. Unfetched
-transfers are freed after ``ttl_s``. Every engine binds one ROUTER (``address``) served by a
-background thread; ``fetch`` talks to it from a DEALER opened for that one call, so fetch is
-safe to call from any thread and a late reply to an abandoned fetch can never be mistaken for
-the answer to the next one.
+the backend the descriptor names and acks, at which point the sender frees (or, for shm,
+recycles) its copy. Unfetched transfers are freed after ``ttl_s``. Every engine binds one
+ROUTER (``address``) served by a background thread; receivers talk to it from cached DEALERs
+(common.transfer_channel), so fetch is safe to call from any thread. A descriptor is for one
+receiver: a second fetch of it fails once the first is acked, and over tcp or shm a concurrent
+second fetch makes the sender unlink rather than reuse the memory.
+
+Two paths skip a copy each:
+* ``alloc`` + ``publish_allocated``: the sender writes its tensors straight into what it will
+  serve (a pooled shm segment), so publishing copies nothing.
+* ``fetch_view`` (or ``fetch(copy=False)`` + ``release_fetched``): shm tensors are views of the
+  sender's segment, valid until released; the ack, and with it the segment's reuse, waits for
+  the release. ``fetch`` (copy=True) returns memory the receiver owns and acks at once.
 
 Backends (the descriptor's ``backend``):
-* ``shm``: one POSIX shared-memory segment per transfer; the receiver copies each tensor out
-  (one copy, the result owns its memory) and the sender unlinks on the ack.
+* ``shm``: a segment from the sender's bounded pool (common.shm_pool), reused after its
+  receiver acks. The receiver sends nothing but that ack: it keeps its mapping of the segment
+  and leases it with a shared flock while reading (common.shm_mappings), so a fetch is a few
+  syscalls plus, with copy=True, one memcpy. Every other end of a transfer (expiry, an explicit
+  ``release``, close) unlinks the segment rather than reusing it, so a receiver still reading
+  it never sees its bytes change.
 * ``tcp``: the sender's tensors go out as zero-copy zmq frames (the sender keeps references,
   so callers must not modify published tensors in place until release). The receiver's
-  tensors alias the received zmq frames: memory the receiver alone owns, freed with the
-  tensors; no extra copy is made.
+  tensors alias the received zmq frames: memory the receiver alone owns; no extra copy is
+  made, with or without ``copy``.
 * ``torch``: a 2-rank torch.distributed group per (sender, receiver) pair, created on first use
   and cached (gloo on CPU, NCCL on CUDA); handshake over zmq, bytes in one ``send`` of a flat
   uint8 buffer. The receiver's tensors are views into that one freshly allocated buffer.
@@ -23,16 +35,16 @@ Backends (the descriptor's ``backend``):
 
 Descriptor (all msgpack-able)::
 
-    {"v": 1, "id": transfer_id, "backend": "shm"|"tcp"|"torch"|"auto",
+    {"v": 2, "id": transfer_id, "backend": "shm"|"tcp"|"torch"|"auto",
      "sender": worker_id, "instance": engine nonce, "address": "tcp://host:port",
      "host_id": "...", "nbytes": packed bytes,
      "tensors": [[name, dtype, shape, offset], ...],
-     "shm": segment name (shm/auto only), "pg": "gloo"|"nccl" (torch only)}
+     "shm": segment name, "shm_nonce": int, "shm_gen": int (shm/auto only),
+     "pg": "gloo"|"nccl" (torch only)}
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import secrets
 import threading
@@ -41,39 +53,34 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed
 import zmq
 
 from common import transfer_backends as tb
 from common.serde import WireError
-from common.sockets import bound_address, make_socket, recv, send
+from common.shm_pool import DEFAULT_POOL_BYTES, SegmentPool
+from common.sockets import bound_address, make_socket, recv
 from common.transfer_backends import TransferError
+from common.transfer_channel import Msg, send_nowait
+from common.transfer_fetch import Fetcher
+from common.transfer_handles import Allocation, FetchedView
+from common.transfer_torch import TorchSender
 
-__all__ = ["TransferEngine", "TransferError", "BACKENDS", "DEFAULT_TTL_S"]
+__all__ = [
+    "TransferEngine", "TransferError", "FetchedView", "Allocation", "BACKENDS", "DEFAULT_TTL_S",
+]
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "shm", "tcp", "torch")
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION = 2
 DEFAULT_TTL_S = 60.0
 # How long the sender side waits for a receiver to join a new torch group / finish a send.
 GROUP_TIMEOUT_S = 30.0
 _POLL_MS = 50
-# The ack is fire-and-forget on a socket closed right after; linger lets it leave the process.
-_ACK_LINGER_MS = 1000
 
-
-class _Msg(enum.IntEnum):
-    # Private to the data-plane socket; the control plane's types live elsewhere.
-    REQUEST = 1
-    DATA = 2
-    READY = 3
-    ERROR = 4
-    ACK = 5
-
-
-# Which fetch modes each published backend can answer ("auto" stages in shm, serves both).
-_SERVABLE = {"shm": ("shm",), "auto": ("shm", "tcp"), "tcp": ("tcp",), "torch": ("torch",)}
+# Which fetch requests each published backend answers ("auto" stages in shm, also serves tcp).
+# shm is never requested: a receiver leases the segment itself (common.shm_mappings).
+_SERVABLE = {"shm": (), "auto": ("tcp",), "tcp": ("tcp",), "torch": ("torch",)}
 
 
 @dataclass
@@ -81,10 +88,7 @@ class _Published:
     storage: Any
     backend: str
     deadline: float
-
-
-def _remaining(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
+    served: int = 0  # > 1: several receivers may hold it, so it is unlinked, never reused
 
 
 class TransferEngine:
@@ -97,6 +101,7 @@ class TransferEngine:
         ctx: zmq.Context | None = None,
         device: str = "cpu",
         ttl_s: float = DEFAULT_TTL_S,
+        shm_pool_bytes: int = DEFAULT_POOL_BYTES,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -112,6 +117,8 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._transfers: dict[str, _Published] = {}
         self._unfreed: list[Any] = []  # storages whose memory zmq still references
+        self._views: dict[str, FetchedView] = {}  # zero-copy fetches not yet released
+        self._pool = SegmentPool(shm_pool_bytes)
         self._stats: dict[str, Any] = {
             "published": 0, "served": 0, "acked": 0, "released": 0, "expired": 0,
             "fetched": 0, "fetch_errors": 0, "torch_groups": 0,
@@ -119,8 +126,12 @@ class TransferEngine:
             "bytes_received": {b: 0 for b in BACKENDS[1:]},
         }
         count_group = lambda: self._count("torch_groups")  # noqa: E731
-        self._torch_out = tb.TorchSender(host, GROUP_TIMEOUT_S, count_group)
-        self._torch_in = tb.TorchReceiver(host, self.device, count_group)
+        self._torch_out = TorchSender(host, GROUP_TIMEOUT_S, count_group)
+        self._fetcher = Fetcher(
+            self._ctx, host=host, device=self.device, host_id=self.host_id,
+            instance=self._instance, descriptor_version=DESCRIPTOR_VERSION, backends=BACKENDS,
+            on_new_group=count_group,
+        )
         self._closed = False
         self._stop = threading.Event()
         self._bound = threading.Event()
@@ -150,56 +161,48 @@ class TransferEngine:
         ``backend``/``ttl_s`` override the engine defaults for this transfer. shm and torch copy
         the tensors here; tcp keeps references (do not modify them in place until released).
         """
+        kind = self._check_publish(transfer_id, backend)
+        layout = tb.plan_layout(tensors)
+        storage, kind = tb.stage(kind, layout, tensors, pool=self._pool, device=self.device)
+        return self._register(transfer_id, storage, kind, layout, ttl_s)
+
+    def alloc(
+        self, spec: dict[str, tuple[Any, torch.dtype]], *, backend: str | None = None
+    ) -> Allocation:
+        """Writable tensors ``{name: (shape, dtype)}`` backed by what a transfer serves (a
+        pooled shm segment for shm/auto), to fill and then ``publish_allocated``: the data is
+        written once, with no staging copy at publish."""
         self._check_open()
-        kind = backend or self.backend
-        if kind not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {kind!r}")
-        with self._lock:
-            if transfer_id in self._transfers:
-                raise ValueError(f"transfer {transfer_id!r} is already published")
-        entries, total = tb.plan_layout(tensors)
-        desc: dict[str, Any] = {
-            "v": DESCRIPTOR_VERSION, "id": transfer_id, "sender": self.worker_id,
-            "instance": self._instance, "address": self.address, "host_id": self.host_id,
-            "nbytes": total, "tensors": tb.layout_to_wire(entries),
-        }
-        storage: Any
-        if kind in ("shm", "auto"):
-            try:
-                storage = tb.ShmStorage(tensors, entries, total)
-                desc["shm"] = storage.name
-            except OSError as exc:
-                if kind == "shm":
-                    raise TransferError(f"cannot stage {total} B in shared memory: {exc}") from exc
-                logger.warning("shm staging failed (%s); publishing %s over tcp", exc, transfer_id)
-                kind = "tcp"
-        if kind == "tcp":
-            storage = tb.TensorStorage(tensors)
-        elif kind == "torch":
-            if not torch.distributed.is_available():
-                raise TransferError("torch backend: this torch build has no torch.distributed")
-            storage = tb.FlatStorage(tb.pack_flat(tensors, entries, total, self.device))
-            desc["pg"] = "nccl" if storage.flat.is_cuda else "gloo"
-        desc["backend"] = kind
-        ttl = self.ttl_s if ttl_s is None else ttl_s
-        with self._lock:
-            duplicate = transfer_id in self._transfers  # lost a race with a concurrent publish
-            if not duplicate:
-                self._transfers[transfer_id] = _Published(storage, kind, time.monotonic() + ttl)
-                self._stats["published"] += 1
-        if duplicate:
-            self._free(storage)
-            raise ValueError(f"transfer {transfer_id!r} is already published")
-        return desc
+        kind = self._check_backend(backend)
+        layout = tb.plan_layout_spec(spec)
+        storage, kind = tb.stage(kind, layout, None, pool=self._pool, device=self.device)
+        if isinstance(storage, tb.FlatStorage):
+            tensors = tb.unpack_flat(storage.flat, layout[0])
+        else:
+            tensors = storage.tensors()
+        return Allocation(tensors, kind, storage, layout)
+
+    def publish_allocated(
+        self, transfer_id: str, allocation: Allocation, *, ttl_s: float | None = None
+    ) -> dict:
+        """Publish an ``alloc``ated transfer; the engine owns its memory from here on."""
+        if allocation.published:
+            raise ValueError("allocation was already published or freed")
+        self._check_publish(transfer_id, allocation.backend)
+        storage = allocation.storage
+        if isinstance(storage, tb.FlatStorage) and storage.flat.is_cuda:
+            # The send runs on another thread's stream; make the caller's writes visible to it.
+            torch.cuda.current_stream(storage.flat.device).synchronize()
+        elif any(t.is_cuda for t in allocation.tensors.values()):  # pragma: no cover
+            torch.cuda.synchronize()
+        allocation.published = True
+        allocation.tensors = {}
+        return self._register(transfer_id, storage, allocation.backend, allocation.layout, ttl_s)
 
     def release(self, transfer_id: str) -> None:
-        """Free a published transfer now (idempotent). The receiver's ack calls this."""
-        with self._lock:
-            pub = self._transfers.pop(transfer_id, None)
-            if pub is not None:
-                self._stats["released"] += 1
-        if pub is not None:
-            self._free(pub.storage)
+        """Free a published transfer now (idempotent). Its shm segment is unlinked, not reused:
+        a receiver may still be reading it."""
+        self._finish(transfer_id, acked=False)
 
     def pending(self) -> int:
         with self._lock:
@@ -209,126 +212,104 @@ class TransferEngine:
         with self._lock:
             out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
             out["pending"] = len(self._transfers)
+            out["views_open"] = len(self._views)
+        out["shm_pool"] = self._pool.stats()
+        out["shm_mapped"] = self._fetcher.stats()
         out["worker_id"] = self.worker_id
         return out
 
+    def _check_backend(self, backend: str | None) -> str:
+        kind = backend or self.backend
+        if kind not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {kind!r}")
+        return kind
+
+    def _check_publish(self, transfer_id: str, backend: str | None) -> str:
+        self._check_open()
+        kind = self._check_backend(backend)
+        with self._lock:
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer {transfer_id!r} is already published")
+        return kind
+
+    def _register(
+        self, transfer_id: str, storage: Any, kind: str,
+        layout: tuple[list[tb.LayoutEntry], int], ttl_s: float | None,
+    ) -> dict:
+        entries, total = layout
+        desc: dict[str, Any] = {
+            "v": DESCRIPTOR_VERSION, "id": transfer_id, "backend": kind, "sender": self.worker_id,
+            "instance": self._instance, "address": self.address, "host_id": self.host_id,
+            "nbytes": total, "tensors": tb.layout_to_wire(entries),
+        }
+        if isinstance(storage, tb.SegmentStorage):
+            seg = storage.segment
+            seg.tag(transfer_id)
+            desc.update(shm=seg.name, shm_nonce=seg.nonce, shm_gen=seg.gen)
+        elif kind == "torch":
+            desc["pg"] = "nccl" if storage.flat.is_cuda else "gloo"
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        with self._lock:
+            duplicate = transfer_id in self._transfers  # lost a race with a concurrent publish
+            if not duplicate:
+                pub = _Published(storage, kind, time.monotonic() + ttl)
+                self._transfers[transfer_id] = pub
+                self._stats["published"] += 1
+        if duplicate:
+            self._free(storage, recycle=True)  # nobody has seen it
+            raise ValueError(f"transfer {transfer_id!r} is already published")
+        return desc
+
     # ------------------------------------------------------------------ receiver API
 
-    def fetch(self, descriptor: dict, timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
-        """Pull a published transfer, ack it, and return tensors this process owns (on
-        ``device``). Raises TransferError within about ``timeout_s`` on any failure."""
+    def fetch(
+        self, descriptor: dict, timeout_s: float = 30.0, *, copy: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Pull a published transfer and return its tensors (on ``device``). Raises
+        TransferError within about ``timeout_s`` on any failure.
+
+        ``copy=True``: the tensors are this process's own memory; the sender is acked at once.
+        ``copy=False``: shm tensors are views of the sender's segment, valid until
+        ``release_fetched(descriptor)`` (which acks); see ``fetch_view``.
+        """
+        view = self.fetch_view(descriptor, timeout_s, copy=copy)
+        if view.zero_copy:
+            with self._lock:
+                self._views[view.transfer_id] = view
+        return view.tensors
+
+    def fetch_view(
+        self, descriptor: dict, timeout_s: float = 30.0, *, copy: bool = False
+    ) -> FetchedView:
+        """Pull a transfer without copying it out of shared memory; release the returned
+        handle (or leave its ``with`` block) when done with the tensors. (``copy=True`` is
+        ``fetch``'s path: a handle whose tensors the receiver owns.)"""
         self._check_open()
         deadline = time.monotonic() + timeout_s
         try:
-            out, mode, nbytes = self._fetch(descriptor, deadline)
+            tid, tensors, mode, nbytes, ack = self._fetcher.fetch(descriptor, deadline, not copy)
         except TransferError:
             self._count("fetch_errors")
             raise
         with self._lock:
             self._stats["fetched"] += 1
             self._stats["bytes_received"][mode] += nbytes
-        return out
+        if ack is None:
+            return FetchedView(tid, tensors, None)
+        return FetchedView(tid, tensors, lambda: self._release_view(tid, ack))
 
-    def _fetch(self, desc: dict, deadline: float) -> tuple[dict[str, torch.Tensor], str, int]:
-        try:
-            tid, address, backend = desc["id"], desc["address"], desc["backend"]
-            entries = tb.layout_from_wire(desc["tensors"], desc["nbytes"])
-            if desc.get("v") != DESCRIPTOR_VERSION or backend not in BACKENDS:
-                raise ValueError(f"unsupported version/backend {desc.get('v')}/{backend}")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TransferError(f"malformed transfer descriptor: {exc!r}") from exc
-        where = f"transfer {tid!r} from {desc.get('sender')!r} at {address}"
-        mode = backend
-        if backend == "auto":
-            mode = "shm" if desc.get("host_id") == self.host_id else "tcp"
-        try:
-            dealer = make_socket(self._ctx, zmq.DEALER, connect=address, linger_ms=_ACK_LINGER_MS)
-        except zmq.ZMQError as exc:
-            raise TransferError(f"{where}: cannot connect: {exc}") from exc
-        try:
-            if mode == "torch":
-                out = self._fetch_torch(dealer, desc, entries, where, deadline)
-            else:
-                reply = self._request(dealer, {"id": tid, "mode": mode}, where, deadline)
-                if mode == "shm":
-                    try:
-                        out = tb.read_shm(desc["shm"], entries, desc["nbytes"], self.device)
-                    except (OSError, ValueError) as exc:
-                        if backend != "auto":
-                            raise TransferError(
-                                f"{where}: cannot read shared memory segment {desc.get('shm')!r} "
-                                f"(sender host {desc.get('host_id')}, "
-                                f"this host {self.host_id}): {exc}"
-                            ) from exc
-                        # Same host id but no visible segment (e.g. /dev/shm not shared): use tcp.
-                        mode = "tcp"
-                        reply = self._request(dealer, {"id": tid, "mode": mode}, where, deadline)
-                if mode == "tcp":
-                    out = self._check_tcp(reply, entries, where)
-            self._send_nowait(dealer, _Msg.ACK, {"id": tid})
-        finally:
-            dealer.close()
-        return out, mode, sum(e.nbytes for e in entries)
+    def release_fetched(self, descriptor: dict | str) -> None:
+        """End a ``fetch(copy=False)``: the sender may reuse the memory (idempotent)."""
+        tid = descriptor if isinstance(descriptor, str) else descriptor.get("id")
+        with self._lock:
+            view = self._views.pop(tid, None)
+        if view is not None:
+            view.release()
 
-    def _check_tcp(
-        self, body: Any, entries: list[tb.LayoutEntry], where: str
-    ) -> dict[str, torch.Tensor]:
-        tensors = body.get("t") if isinstance(body, dict) else None
-        if not isinstance(tensors, dict) or list(tensors) != [e.name for e in entries]:
-            raise TransferError(f"{where}: reply does not carry the described tensors")
-        for e in entries:
-            t = tensors[e.name]
-            if t.dtype != e.dtype or tuple(t.shape) != e.shape:
-                got = f"{t.dtype}{list(t.shape)}"
-                raise TransferError(f"{where}: tensor {e.name!r} arrived as {got}")
-        if self.device != "cpu":
-            tensors = {k: t.to(self.device) for k, t in tensors.items()}
-        return tensors
-
-    def _fetch_torch(
-        self,
-        dealer: zmq.Socket,
-        desc: dict,
-        entries: list[tb.LayoutEntry],
-        where: str,
-        deadline: float,
-    ) -> dict[str, torch.Tensor]:
-        def ask(gid: str | None) -> dict:
-            body = {"id": desc["id"], "mode": "torch", "gid": gid, "peer": self._instance}
-            return self._request(dealer, body, where, deadline)
-
-        return self._torch_in.fetch(
-            desc["instance"], desc.get("pg", "gloo"), desc["nbytes"], entries, ask, deadline, where
-        )
-
-    def _request(self, dealer: zmq.Socket, body: dict, where: str, deadline: float) -> Any:
-        # IMMEDIATE on the DEALER means it is writable only once connected: a dead sender shows
-        # up as "never writable" rather than as a request silently queued forever.
-        if not dealer.poll(int(_remaining(deadline) * 1000), zmq.POLLOUT):
-            raise TransferError(f"{where}: cannot connect to the sender (gone?) within the timeout")
-        self._send_nowait(dealer, _Msg.REQUEST, body)
-        if not dealer.poll(int(_remaining(deadline) * 1000), zmq.POLLIN):
-            raise TransferError(f"{where}: no reply from the sender within the timeout")
-        try:
-            _, msg_type, reply = recv(dealer)
-        except WireError as exc:
-            raise TransferError(f"{where}: malformed reply: {exc}") from exc
-        if msg_type == _Msg.ERROR:
-            raise TransferError(f"{where}: {reply.get('error')}")
-        if msg_type not in (_Msg.DATA, _Msg.READY) or not isinstance(reply, dict):
-            raise TransferError(f"{where}: unexpected reply type {msg_type}")
-        return reply
-
-    @staticmethod
-    def _send_nowait(
-        sock: zmq.Socket, msg_type: int, body: Any, identity: bytes | None = None
-    ) -> bool:
-        try:
-            send(sock, msg_type, body, identity=identity, flags=zmq.NOBLOCK)
-            return True
-        except (zmq.Again, zmq.ZMQError) as exc:  # peer gone or full: it will time out and retry
-            logger.debug("data-plane send dropped: %s", exc)
-            return False
+    def _release_view(self, tid: str, release: Any) -> None:
+        with self._lock:
+            self._views.pop(tid, None)
+        release()  # drops the lease; the ack part is a no-op once the engine is closed
 
     # ------------------------------------------------------------------ server thread
 
@@ -356,22 +337,21 @@ class TransferEngine:
                             self._handle(router, identity, msg_type, body)
                         except Exception:  # one bad request must not kill the data plane
                             logger.exception("data-plane request failed")
-                            error = {"error": "sender-side error, see its log"}
-                            self._send_nowait(router, _Msg.ERROR, error, identity)
+                            error = {"error": "sender-side error, see its log",
+                                     "rq": body.get("rq") if isinstance(body, dict) else None}
+                            send_nowait(router, Msg.ERROR, error, identity)
                 self._reap()
         finally:
             router.close(linger=0)
 
     def _handle(self, router: zmq.Socket, identity: bytes, msg_type: int, body: Any) -> None:
         tid = body.get("id") if isinstance(body, dict) else None
-        if msg_type == _Msg.ACK:
-            with self._lock:
-                known = tid in self._transfers
-                self._stats["acked"] += known
-            self.release(tid)
+        if msg_type == Msg.ACK:
+            self._finish(tid, acked=True)
             return
-        if msg_type != _Msg.REQUEST:
+        if msg_type != Msg.REQUEST:
             return
+        rq = body.get("rq")
         # Serve under the lock: a concurrent release() then either wins (the id is unknown) or
         # waits until the reply is queued, and the queued frames keep their memory alive.
         with self._lock:
@@ -379,25 +359,40 @@ class TransferEngine:
             if pub is None:
                 error = (f"unknown transfer id {tid!r} at {self.worker_id!r} "
                          "(never published, already fetched, or expired)")
-                self._send_nowait(router, _Msg.ERROR, {"error": error}, identity)
+                send_nowait(router, Msg.ERROR, {"error": error, "rq": rq}, identity)
                 return
             mode = body.get("mode")
             if mode not in _SERVABLE[pub.backend]:
                 error = f"transfer {tid!r} is {pub.backend}, cannot serve {mode!r}"
-                self._send_nowait(router, _Msg.ERROR, {"error": error}, identity)
+                send_nowait(router, Msg.ERROR, {"error": error, "rq": rq}, identity)
                 return
-            if mode == "shm":
-                sent = self._send_nowait(router, _Msg.READY, {}, identity)
-            elif mode == "tcp":
-                sent = self._send_nowait(router, _Msg.DATA, {"t": pub.storage.tensors()}, identity)
+            if mode == "tcp":
+                reply = {"t": pub.storage.tensors(), "rq": rq}
+                sent = send_nowait(router, Msg.DATA, reply, identity)
             else:
                 reply = self._torch_out.serve(
                     body.get("gid"), str(body.get("peer")), pub.storage.flat, tid
                 )
-                sent = self._send_nowait(router, _Msg.READY, reply, identity)
+                sent = send_nowait(router, Msg.READY, {**reply, "rq": rq}, identity)
             if sent:
+                pub.served += 1
                 self._stats["served"] += 1
                 self._stats["bytes_sent"][mode] += pub.storage.nbytes
+
+    def _finish(self, tid: Any, *, acked: bool) -> None:
+        with self._lock:
+            pub = self._transfers.pop(tid, None)
+            if pub is not None:
+                self._stats["released"] += 1
+                self._stats["acked"] += acked
+                if acked and not pub.served and isinstance(pub.storage, tb.SegmentStorage):
+                    self._stats["served"] += 1  # read through shm: the ack is all we see
+                    self._stats["bytes_sent"]["shm"] += pub.storage.nbytes
+        if pub is not None:
+            # Reuse the memory only once the receiver says it is done, and never after serving
+            # it twice over tcp (the other receiver may still be reading). Over shm the segment
+            # lock catches a second reader (common.shm_pool).
+            self._free(pub.storage, recycle=acked and pub.served <= 1)
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -416,8 +411,8 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _free(self, storage: Any) -> None:
-        if not storage.free():
+    def _free(self, storage: Any, recycle: bool = False) -> None:
+        if not storage.free(recycle):
             with self._lock:
                 self._unfreed.append(storage)
 
@@ -436,7 +431,10 @@ class TransferEngine:
             raise RuntimeError(f"TransferEngine {self.worker_id!r} is closed")
 
     def close(self) -> None:
-        """Stop serving, free every pending transfer, drop groups. Idempotent."""
+        """Stop serving, unlink every segment, drop groups and sockets. Idempotent.
+
+        Views still held are not acked (their senders expire them, unlinking rather than
+        reusing the memory), so a late reader of one never sees its bytes change."""
         if self._closed:
             return
         self._closed = True
@@ -444,15 +442,18 @@ class TransferEngine:
         self._thread.join()
         with self._lock:
             pending, self._transfers = list(self._transfers.values()), {}
+            self._views.clear()
         for pub in pending:
             self._free(pub.storage)
+        with self._lock:
+            self._unfreed.extend(self._pool.close())
         for _ in range(20):  # zmq may still be flushing a frame that views a segment
             self._retry_unfreed()
             if not self._unfreed:
                 break
             time.sleep(0.05)
+        self._fetcher.close()
         self._torch_out.close()
-        self._torch_in.close()
         if self._own_ctx:
             self._ctx.term()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -177,22 +177,42 @@ class Engine:
         return self.run_until_done()
 
     # -- KV hand-off (prefill -> decode) ------------------------------------------------------------
-    def export_kv(self, request_id: str, *, release: bool = True) -> dict[str, Any]:
-        """A prefilled request as a msgpack-able dict: metadata plus its KV blocks and prompt inputs."""
+    def export_kv(self, request_id: str, *, release: bool = True,
+                  alloc: Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, torch.Tensor]] | None = None
+                  ) -> dict[str, Any]:
+        """A prefilled request as a msgpack-able dict: metadata plus its KV blocks and prompt inputs.
+
+        `alloc` ({name: (shape, dtype)} -> {name: tensor}, e.g. a transfer engine's shared-memory
+        allocation) provides the buffers the tensors are written to, so they are copied once, straight
+        into what the decode side will read. Names: "kv", "mrope" (if any) and "emb{i}" per image.
+        """
         seq = self.requests[request_id]
         assert seq.num_computed_tokens > 0, f"request {request_id} has no computed KV to export"
         n_blocks = self.pool.blocks_needed(seq.num_computed_tokens)
+        kv_cache = self.runner.kv
+        block_ids = seq.block_table.block_ids[:n_blocks]
+        kv, mrope, embeds = None, seq.mrope_positions, seq.image_embeds
+        if alloc is not None:
+            spec = {"kv": (kv_cache.export_shape(n_blocks), kv_cache.dtype)}
+            if mrope is not None:
+                spec["mrope"] = (tuple(mrope.shape), mrope.dtype)
+            spec.update({f"emb{i}": (tuple(e.shape), e.dtype) for i, e in enumerate(embeds)})
+            out = alloc(spec)
+            kv = kv_cache.export_blocks(block_ids, out=out["kv"])
+            if mrope is not None:
+                mrope = out["mrope"].copy_(mrope)
+            embeds = [out[f"emb{i}"].copy_(e) for i, e in enumerate(embeds)]
         payload = {
             "request_id": seq.request_id,
             "prompt_ids": seq.prompt_ids,
             "output_ids": seq.output_ids,
             "num_computed_tokens": seq.num_computed_tokens,
             "block_size": self.pool.block_size,
-            "kv": self.runner.kv.export_blocks(seq.block_table.block_ids[:n_blocks]),
+            "kv": kv if kv is not None else kv_cache.export_blocks(block_ids),
             "images": [[s.start, s.length, s.image_hash] for s in seq.images],
             # Carried so the receiver can recompute the prompt if it must preempt the request.
-            "image_embeds": seq.image_embeds,
-            "mrope_positions": seq.mrope_positions,
+            "image_embeds": embeds,
+            "mrope_positions": mrope,
             "rope_delta": seq.rope_delta,
             "sampling": sampling_to_dict(seq.sampling),
             "priority": seq.priority,
@@ -203,7 +223,10 @@ class Engine:
         return payload
 
     def import_kv(self, payload: dict[str, Any], *, request_id: str | None = None) -> Seq:
-        """Adopt a request prefilled elsewhere: copy its blocks into this pool and decode it here."""
+        """Adopt a request prefilled elsewhere: copy its blocks into this pool and decode it here.
+
+        "kv" may be a view of someone else's memory (it is copied here); "image_embeds" and
+        "mrope_positions" are kept for the request's lifetime, so they must not be."""
         if payload["block_size"] != self.pool.block_size:
             raise ValueError(f"block size mismatch: sender {payload['block_size']}, receiver {self.pool.block_size}")
         rid = request_id or payload["request_id"]

@@ -34,14 +34,37 @@ class KVCache:
         k = self.k[0]
         return 2 * len(self.k) * k[0].numel() * k.element_size()
 
-    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A request's blocks as one tensor [layers, 2, n, kv_heads, block_size, head_dim]."""
+    def export_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of ``export_blocks`` for ``num_blocks`` blocks."""
+        return (len(self.k), 2, num_blocks) + tuple(self.k[0].shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    def export_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A request's blocks as one tensor [layers, 2, n, kv_heads, block_size, head_dim].
+
+        ``out`` (e.g. a transfer's shared-memory buffer) receives the blocks directly: each block
+        is copied exactly once, gathered straight into place.
+        """
+        expected = self.export_shape(len(block_ids))
+        if out is None:
+            out = torch.empty(expected, dtype=self.dtype, device=self.k[0].device)
+        elif tuple(out.shape) != expected:
+            raise ValueError(f"export buffer of shape {tuple(out.shape)}, expected {expected}")
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
-        return torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)])
-                            for k, v in zip(self.k, self.v)])
+        direct = out.device == self.k[0].device and out.dtype == self.dtype and out.is_contiguous()
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            for kind, cache in ((0, k), (1, v)):
+                if direct:
+                    torch.index_select(cache, 0, idx, out=out[layer, kind])
+                else:  # another device or dtype: gather here, then one copy across
+                    out[layer, kind].copy_(cache.index_select(0, idx))
+        return out
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        expected = (len(self.k), 2, len(block_ids)) + tuple(self.k[0].shape[1:])
+        expected = self.export_shape(len(block_ids))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV blocks of shape {tuple(data.shape)} do not fit this pool (expected {expected})")
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)

@@ -74,7 +74,7 @@ class Worker:
             max_image_bytes=settings.max_image_bytes))
         self.ctx = zmq.Context.instance()
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
-                                       device=settings.device)
+                                       device=settings.device, shm_pool_bytes=settings.transfer_pool_mb * 2**20)
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=settings.coordinator, identity=self.worker_id.encode())
         self.store = RedisStore(settings.redis) if settings.redis else None
         self.cache = EmbeddingCache(settings.embedding_cache_mb * 2**20)
@@ -280,12 +280,22 @@ class Worker:
         self.cached_tokens[rid] = seq.num_cached_tokens
 
     def _add_decode(self, rid: str, p: dict[str, Any]) -> None:
-        tensors = self._fetch(rid, p["descriptor"])
-        state = dict(p["state"])
-        n_images = len(state["images"])
-        payload = {**state, "kv": tensors["kv"], "mrope_positions": tensors.get("mrope"),
-                   "image_embeds": [tensors[f"emb{i}"] for i in range(n_images) if f"emb{i}" in tensors]}
-        self.engine.import_kv(payload, request_id=rid)
+        # Zero-copy: over shm the tensors are views of the prefill worker's segment and
+        # import_kv's copy into this pool is the only copy on this side. Leaving the block
+        # releases the view: the ack that lets the sender reuse the segment.
+        t0 = time.perf_counter()
+        view = self.transfer.fetch_view(p["descriptor"])
+        self.fetch_s[rid] = self.fetch_s.get(rid, 0.0) + time.perf_counter() - t0
+        with view as tensors:
+            # The request keeps its prompt inputs for its lifetime (recompute after preemption),
+            # so those must not stay views; they are small next to the KV.
+            keep = (lambda t: t.clone()) if view.zero_copy else (lambda t: t)
+            state = dict(p["state"])
+            n_images = len(state["images"])
+            mrope = tensors.get("mrope")
+            payload = {**state, "kv": tensors["kv"], "mrope_positions": keep(mrope) if mrope is not None else None,
+                       "image_embeds": [keep(tensors[f"emb{i}"]) for i in range(n_images) if f"emb{i}" in tensors]}
+            self.engine.import_kv(payload, request_id=rid)
 
     def _add_unified(self, rid: str, p: dict[str, Any]) -> None:
         images = [im["data"] for im in p.get("images") or []]
@@ -323,13 +333,21 @@ class Worker:
                "cached_tokens": self.cached_tokens.pop(rid, 0), "descriptor": None, "state": None,
                "worker_s": self._worker_s(rid)}
         if out.finish_reason == "prefilled":
-            payload = self.engine.export_kv(rid)
-            tensors = {"kv": payload.pop("kv")}
-            mrope = payload.pop("mrope_positions")
-            if mrope is not None:
-                tensors["mrope"] = mrope
-            for i, emb in enumerate(payload.pop("image_embeds")):
-                tensors[f"emb{i}"] = emb
-            msg["descriptor"] = self.transfer.publish(f"{rid}:{attempt}:kv", tensors)
+            # The KV blocks are gathered straight into the transfer's buffer (a pooled shm
+            # segment for shm/auto): publishing then copies nothing.
+            allocs = []
+
+            def alloc(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+                allocs.append(self.transfer.alloc(spec))
+                return allocs[-1].tensors
+
+            try:
+                payload = self.engine.export_kv(rid, alloc=alloc)
+                msg["descriptor"] = self.transfer.publish_allocated(f"{rid}:{attempt}:kv", allocs[0])
+            finally:
+                for a in allocs:
+                    a.free()  # a no-op once published
+            for key in ("kv", "mrope_positions", "image_embeds"):
+                payload.pop(key)
             msg["state"] = payload
         send(self.sock, MsgType.PREFILLED, body(**msg))

@@ -125,8 +125,19 @@ def test_roundtrip(sender: SenderProc, receiver: TransferEngine, backend: str) -
     assert sender.call("wait_pending", 0, 5.0) == 0
     payload = sum(t.numel() * t.element_size() for t in make_tensors(1).values())
     assert receiver.stats()["bytes_received"][backend] - before == payload
-    if backend == "shm":
-        assert not os.path.exists(f"/dev/shm/{desc['shm']}"), "sender must unlink on ack"
+    if backend == "shm":  # acked: back in the sender's pool for the next transfer, not unlinked
+        assert os.path.exists(f"/dev/shm/{desc['shm']}")
+        assert sender.call("stats")["shm_pool"]["recycled"] >= 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_view_roundtrip(sender: SenderProc, receiver: TransferEngine, backend: str) -> None:
+    desc = sender.publish(f"view-{backend}", backend, seed=12)
+    with receiver.fetch_view(desc, timeout_s=10) as got:
+        assert_same(got, seed=12)
+        if backend == "shm":  # views of the sender's segment: no ack until released
+            assert sender.call("wait_pending", 0, 0.3) == 1
+    assert sender.call("wait_pending", 0, 5.0) == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
