@@ -22,6 +22,7 @@ class WorkerSettings(BaseSettings):
     dtype: str | None = None
     threads: int = 1  # torch threads; 1 per worker on small hosts so pools do not fight over cores
     transfer: Literal["auto", "shm", "tcp", "torch"] = "auto"
+    transfer_pool_mb: int = 1024  # bound on the shared-memory segments a sender keeps for reuse
     host: str = "127.0.0.1"  # address peers use for this worker's data plane
     num_blocks: int = 2048
     block_size: int = 16
