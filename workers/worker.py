@@ -24,11 +24,16 @@ from common.redis_store import RedisStore
 from common.serde import WireError
 from common.sockets import make_socket, recv, send
 from common.transfer import TransferEngine, TransferError
+from workers.block_pool import OutOfBlocks
 from workers.engine import Engine, EngineConfig, StepOutput, sampling_from_dict
 from workers.model_runner import EncodedImage
 from workers.settings import WorkerSettings
 
 log = logging.getLogger("mserve.worker")
+
+# Fetches run inside the worker loop: bounded well below the stage timeout, so a vanished sender
+# costs one retryable failure quickly instead of a stalled worker.
+FETCH_TIMEOUT_S = 10.0
 
 
 class EmbeddingCache:
@@ -100,7 +105,7 @@ class Worker:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         if self.store:
             self.store.register_worker(self.worker_id, self.info(), ttl_s=max(3.0, 8 * self.s.heartbeat_s))
-        send(self.sock, MsgType.READY, body(**self.info(), load=self.load()))
+        self._send(MsgType.READY, body(**self.info(), load=self.load()))
         log.info("worker %s ready: role %s, data plane %s (%s)", self.worker_id, self.role, self.transfer.address,
                  self.s.transfer)
         try:
@@ -111,7 +116,7 @@ class Worker:
                 if self.encode_queue:
                     self._encode_batch()
                 elif self.engine.has_unfinished():
-                    self._report(self.engine.step())
+                    self._step()
                 self._heartbeat()
         finally:
             self.close()
@@ -146,14 +151,25 @@ class Worker:
         self._tokens_ewma = 0.7 * self._tokens_ewma + 0.3 * rate
         self._tokens_since, self._last_rate_t = 0, now
         load = self.load()
-        send(self.sock, MsgType.HEARTBEAT, body(worker_id=self.worker_id, load=load))
+        # The registration rides along: a coordinator that restarted (or declared this worker dead
+        # during a long step) re-admits it from its next heartbeat.
+        self._send(MsgType.HEARTBEAT, body(**self.info(), load=load))
         if self.store:
             ttl = max(3.0, 8 * self.s.heartbeat_s)
             self.store.heartbeat(self.worker_id, ttl_s=ttl)
             self.store.publish_load(self.worker_id, load, ttl_s=ttl)
-            if self.engine.new_prefix_hashes:
-                self.store.add_prefix_blocks(self.model_name, self.worker_id, self.engine.new_prefix_hashes)
+            if self.engine.new_prefix_hashes and self.store.add_prefix_blocks(
+                    self.model_name, self.worker_id, self.engine.new_prefix_hashes[-4096:]):
                 self.engine.new_prefix_hashes = []
+        self.engine.new_prefix_hashes = self.engine.new_prefix_hashes[-4096:]  # bounded through outages
+
+    def _send(self, kind: MsgType, payload: dict[str, Any]) -> None:
+        """Non-blocking: with no coordinator connected the message is dropped (and logged) rather
+        than wedging the loop; the coordinator re-runs whatever it does not hear back about."""
+        try:
+            send(self.sock, kind, payload, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("coordinator unreachable: %s for %s dropped", kind.name, payload.get("request_id", "-"))
 
     # -- messages ------------------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -185,15 +201,20 @@ class Worker:
 
     def _cancel(self, rid: str) -> None:
         self.encode_queue = [q for q in self.encode_queue if q["request_id"] != rid]
-        self.received.pop(rid, None)
+        self._forget(rid)
         if self.engine.abort(rid):
             log.info("%s cancelled", rid)
         self.attempts.pop(rid, None)
 
+    def _forget(self, rid: str) -> None:
+        for table in (self.received, self.fetch_s, self.cached_tokens):
+            table.pop(rid, None)
+        self.fresh.discard(rid)
+
     def _failed(self, rid: str, attempt: int, message: str, retryable: bool) -> None:
-        self.received.pop(rid, None)
+        self._forget(rid)
         log.warning("%s failed (attempt %d, %s): %s", rid, attempt, "retryable" if retryable else "final", message)
-        send(self.sock, MsgType.FAILED, body(request_id=rid, attempt=attempt, message=message, retryable=retryable))
+        self._send(MsgType.FAILED, body(request_id=rid, attempt=attempt, message=message, retryable=retryable))
 
     def _start(self, p: dict[str, Any], add) -> None:
         rid, attempt = str(p["request_id"]), int(p["attempt"])
@@ -205,6 +226,12 @@ class Worker:
             return self._failed(rid, attempt, f"transfer failed: {exc}", retryable=True)
         except (ValueError, ImageError) as exc:
             return self._failed(rid, attempt, str(exc), retryable=False)
+        except OutOfBlocks as exc:  # the pool filled since routing: another worker may have room
+            return self._failed(rid, attempt, str(exc), retryable=True)
+        except Exception as exc:  # a bug must cost this request an attempt, not the worker its life
+            log.exception("%s: cannot start", rid)
+            self.engine.abort(rid)
+            return self._failed(rid, attempt, f"{exc.__class__.__name__}: {exc}", retryable=True)
         self.attempts[rid] = attempt
         self.fresh.add(rid)
 
@@ -224,7 +251,14 @@ class Worker:
                         self._failed(req["request_id"], req["attempt"], str(exc), retryable=False)
                         break
         if pending:
-            encoded = self.engine.runner.encode_images(list(pending.values()))
+            try:
+                encoded = self.engine.runner.encode_images(list(pending.values()))
+            except Exception as exc:  # the vision tower failed on this batch: its requests try elsewhere
+                log.exception("vision forward failed for %d images", len(pending))
+                for req in batch:
+                    if req["request_id"] not in failed:
+                        self._failed(req["request_id"], req["attempt"], f"encode failed: {exc}", retryable=True)
+                return
             for h, enc in zip(pending, encoded):
                 for gone in self.cache.put(h, enc):
                     if self.store:
@@ -252,7 +286,7 @@ class Worker:
         if hits and self.store:
             self.store.incr_counter("embedding_cache_hits", self.worker_id, hits)
         desc = self.transfer.publish(f"{rid}:{attempt}:emb", tensors)
-        send(self.sock, MsgType.ENCODED, body(request_id=rid, attempt=attempt, descriptor=desc, images=images,
+        self._send(MsgType.ENCODED, body(request_id=rid, attempt=attempt, descriptor=desc, images=images,
                                               cache_hits=hits, worker_s=self._worker_s(rid)))
 
     def _worker_s(self, rid: str) -> float:
@@ -263,7 +297,7 @@ class Worker:
     # -- prefill / decode / unified -----------------------------------------------------------------------
     def _fetch(self, rid: str, descriptor: dict[str, Any]) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        tensors = self.transfer.fetch(descriptor)
+        tensors = self.transfer.fetch(descriptor, timeout_s=FETCH_TIMEOUT_S)
         self.fetch_s[rid] = self.fetch_s.get(rid, 0.0) + time.perf_counter() - t0
         return tensors
 
@@ -284,7 +318,7 @@ class Worker:
         # import_kv's copy into this pool is the only copy on this side. Leaving the block
         # releases the view: the ack that lets the sender reuse the segment.
         t0 = time.perf_counter()
-        view = self.transfer.fetch_view(p["descriptor"])
+        view = self.transfer.fetch_view(p["descriptor"], timeout_s=FETCH_TIMEOUT_S)
         self.fetch_s[rid] = self.fetch_s.get(rid, 0.0) + time.perf_counter() - t0
         with view as tensors:
             # The request keeps its prompt inputs for its lifetime (recompute after preemption),
@@ -299,9 +333,23 @@ class Worker:
 
     def _add_unified(self, rid: str, p: dict[str, Any]) -> None:
         images = [im["data"] for im in p.get("images") or []]
-        self.engine.add_request(rid, p["prompt_ids"], images=images,
-                                sampling=sampling_from_dict(p["sampling"]), priority=int(p.get("priority", 0)),
-                                output_ids=p.get("output_ids") or [])
+        seq = self.engine.add_request(rid, p["prompt_ids"], images=images,
+                                      sampling=sampling_from_dict(p["sampling"]), priority=int(p.get("priority", 0)),
+                                      output_ids=p.get("output_ids") or [])
+        self.cached_tokens[rid] = seq.num_cached_tokens
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing its requests")
+            for rid in list(self.engine.requests):
+                attempt = self.attempts.pop(rid, None)
+                self.engine.abort(rid)
+                if attempt is not None:
+                    self._failed(rid, attempt, f"engine step failed: {exc.__class__.__name__}: {exc}", retryable=True)
+            return
+        self._report(outputs)
 
     def _report(self, outputs: list[StepOutput]) -> None:
         items = []
@@ -323,8 +371,9 @@ class Worker:
             if out.finished:
                 self.attempts.pop(rid, None)
                 item["worker_s"] = self._worker_s(rid)
+                item["cached_tokens"] = self.cached_tokens.pop(rid, 0)
         if items:
-            send(self.sock, MsgType.STEP_TOKENS, body(items=items))
+            self._send(MsgType.STEP_TOKENS, body(items=items))
 
     def _send_prefilled(self, rid: str, attempt: int, out: StepOutput) -> None:
         self.attempts.pop(rid, None)
@@ -350,4 +399,4 @@ class Worker:
             for key in ("kv", "mrope_positions", "image_embeds"):
                 payload.pop(key)
             msg["state"] = payload
-        send(self.sock, MsgType.PREFILLED, body(**msg))
+        self._send(MsgType.PREFILLED, body(**msg))

@@ -133,7 +133,7 @@ def test_view_blocks_reuse_until_released(pair: tuple[TransferEngine, TransferEn
 
 
 def test_expiry_under_a_view_unlinks_instead_of_reusing() -> None:
-    with TransferEngine("tx", backend="shm", ttl_s=0.2) as tx, TransferEngine("rx") as rx:
+    with TransferEngine("tx", backend="shm", ttl_s=1.0) as tx, TransferEngine("rx") as rx:
         desc = tx.publish("slow", payload(4))
         with rx.fetch_view(desc) as got:
             assert wait_pending(tx) == 0  # expired (after a fresh ttl) while the view is held
