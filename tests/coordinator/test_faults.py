@@ -110,3 +110,51 @@ def test_invalid_requests_are_rejected_with_the_reason(small_cluster):
         with pytest.raises(BadRequest, match="cannot read image header"):
             client.generate(chat("hi", [b"definitely not an image"]))
         assert client.generate(chat("And now a good one."), max_tokens=4).finish_reason in ("stop", "length")
+
+
+def wait_alive(address: str, names: set[str], alive: bool, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    with Client(address, timeout_s=5) as client:
+        while True:
+            try:
+                status = client.status()
+                if all(status["workers"].get(n, {}).get("alive", False) == alive for n in names):
+                    return status
+            except Exception:  # the coordinator may still be starting
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers {names} not alive={alive} within {timeout_s}s")
+            time.sleep(0.2)
+
+
+def test_stalled_worker_is_declared_dead_then_rejoins(tiny_model_dirs, redis_url):
+    model = str(tiny_model_dirs["llava"])
+    requests = request_mix(3, seed=21)
+    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_url,
+                      extra_coordinator_args=["--dead-after-s", "1.0"]) as cluster:
+        decode = cluster.worker_names("decode")[0]
+        cluster.kill_worker(decode, signal.SIGSTOP)
+        wait_alive(cluster.address, {decode}, alive=False)
+        cluster.kill_worker(decode, signal.SIGCONT)
+        wait_alive(cluster.address, {decode}, alive=True)
+        results = asyncio.run(generate_all(cluster.address, requests))
+    assert [r.token_ids for r in results] == expected(model, requests)
+
+
+def test_restarted_coordinator_readmits_running_workers(tiny_model_dirs, redis_url):
+    import subprocess
+
+    model = str(tiny_model_dirs["qwen2_vl"])
+    requests = request_mix(3, seed=22)
+    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_url) as cluster:
+        names = set(cluster.worker_names())
+        cluster.kill_worker("coordinator", signal.SIGKILL)
+        replacement = subprocess.Popen(cluster.coordinator_command(), stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_alive(cluster.address, names, alive=True, timeout_s=60)  # no worker was restarted
+            results = asyncio.run(generate_all(cluster.address, requests))
+        finally:
+            replacement.terminate()
+            replacement.wait(10)
+    assert [r.token_ids for r in results] == expected(model, requests)
