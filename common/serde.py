@@ -58,7 +58,7 @@ _EXT_TENSOR_INLINE = 2
 _FIRST_TENSOR_FRAME = 2
 
 # The only dtypes a peer may name. A closed table is what keeps decoding free of code execution.
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float32": torch.float32,
     "float16": torch.float16,
@@ -70,7 +70,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
 class WireError(ValueError):
@@ -109,7 +109,7 @@ def encode(msg_type: int, body: Any) -> list[bytes | memoryview]:
     def default(obj: Any) -> msgpack.ExtType:
         if not isinstance(obj, torch.Tensor):
             raise TypeError(f"cannot serialize object of type {type(obj).__name__}")
-        name = _DTYPE_NAMES.get(obj.dtype)
+        name = DTYPE_NAMES.get(obj.dtype)
         if name is None:
             raise TypeError(f"unsupported tensor dtype {obj.dtype}")
         shape = list(obj.shape)
@@ -149,7 +149,7 @@ def _parse_header(data: bytes, with_index: bool) -> tuple[torch.dtype, list[int]
     if not isinstance(header, list) or len(header) != 3:
         raise WireError("tensor header must be [dtype, shape, frame|data]")
     name, shape, last = header
-    if not isinstance(name, str) or name not in _DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise WireError(f"unknown tensor dtype {name!r}")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -160,7 +160,7 @@ def _parse_header(data: bytes, with_index: bool) -> tuple[torch.dtype, list[int]
             raise WireError(f"tensor frame index must be an int, got {last!r}")
     elif not isinstance(last, bytes):
         raise WireError("inline tensor data must be bytes")
-    return _DTYPES[name], shape, last
+    return DTYPES[name], shape, last
 
 
 def _build_tensor(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

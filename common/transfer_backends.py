@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+from common.serde import DTYPE_NAMES, DTYPES
 from common.shm_pool import HEADER, Segment, SegmentPool
 
 logger = logging.getLogger(__name__)
@@ -42,21 +43,9 @@ __all__ = [
 # so views into a segment or flat buffer never need a fix-up copy.
 ALIGN = 64
 
-# Same closed table as common.serde: a descriptor names dtypes, and a name must never be able
+# The closed dtype table of common.serde: a descriptor names dtypes, and a name must never be able
 # to reach an arbitrary attribute of the torch module.
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_DTYPE_NAMES = DTYPE_NAMES
 
 
 class TransferError(RuntimeError):
