@@ -158,3 +158,28 @@ def test_restarted_coordinator_readmits_running_workers(tiny_model_dirs, redis_u
             replacement.terminate()
             replacement.wait(10)
     assert [r.token_ids for r in results] == expected(model, requests)
+
+
+def test_client_abort_frees_the_request_on_its_worker(small_cluster):
+    """Closing a stream early sends ABORT: the decode worker drops the request and its KV blocks."""
+    decode = small_cluster.worker_names("decode")[0]
+    with Client(small_cluster.address) as client, Client(small_cluster.address) as watcher:
+        before = watcher.status()
+        total = before["workers"][decode]["load"]["total_blocks"]
+        stream = client.stream(chat("Tell me a long story.", request_mix(2, seed=5)[1][1]), max_tokens=4000,
+                               ignore_eos=True)
+        got = [tok for _, tok in zip(range(5), stream)]
+        assert len(got) == 5
+        busy = watcher.status()["workers"][decode]["load"]
+        stream.close()  # the client walks away mid-stream
+        deadline = time.monotonic() + 3  # far sooner than 4000 tokens would take to generate
+        while time.monotonic() < deadline:
+            load = watcher.status()["workers"][decode]["load"]
+            if load["running"] == 0 and load["free_blocks"] == total:
+                break
+            time.sleep(0.1)
+        assert load["running"] == 0 and load["free_blocks"] == total, (busy, load)
+        after = watcher.status()
+        assert after["requests_in_flight"] == 0
+        assert after["stats"]["completed"] == before["stats"]["completed"]  # it ended as aborted, not done
+        assert client.generate(chat("Next one?"), max_tokens=3).token_ids  # and it keeps serving
