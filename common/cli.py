@@ -120,6 +120,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from bench.engine_bench import main as engine_bench
 
         return engine_bench(args)
+    if args.bench_cmd == "serve":
+        from bench.serve import main as serve_bench
+
+        return serve_bench(args)
+    if args.bench_cmd == "compare":
+        from bench.compare import main as compare_bench
+
+        return compare_bench(args)
     raise SystemExit(f"unknown bench command {args.bench_cmd!r}")
 
 
@@ -166,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "
                                    "heartbeats only)")
     p.add_argument("--stage-timeout-s", type=float, help="re-run a stage that makes no progress this long (60)")
-    p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (2)")
+    p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (10)")
     for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
                          ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8")):
         p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
@@ -211,6 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.engine_bench import add_arguments as add_engine_bench
 
     add_engine_bench(bsub.add_parser("engine", help="engine decode/prefill/KV-transfer throughput vs HF baselines"))
+    from bench.compare import add_arguments as add_compare_bench
+    from bench.serve import add_arguments as add_serve_bench
+
+    add_serve_bench(bsub.add_parser(
+        "serve", help="replay a trace against a cluster (zmq://) or an OpenAI-compatible server (http://)",
+        description="Replay a seeded trace (Poisson/gamma arrivals or all at once) and write results.json, "
+                    "report.md and PNG plots. See bench/README.md."))
+    add_compare_bench(bsub.add_parser(
+        "compare", help="launch each configuration in turn, run the same trace, print one comparison table",
+        description="Configurations: disagg:XeYpZd, unified:N, hf-sequential, openai:http://HOST:PORT/v1, "
+                    "zmq://HOST:PORT. Each runs the identical trace; ratios are against the first."))
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -83,6 +83,7 @@ class AsyncClient:
     async def abort(self, request_id: str) -> None:
         if not self._closed:
             _send_abort(self._sock, request_id)
+            self._drain()
 
     async def close(self) -> None:
         """Abort what is in flight, stop the reader and close the socket."""
@@ -118,6 +119,10 @@ class AsyncClient:
         while True:
             try:
                 send(self._sock, kind, payload, flags=zmq.NOBLOCK)
+                # A send on the shared socket can consume the "readable" edge of its FD, and the
+                # reader would then wait forever on replies already queued: read them here.
+                if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._drain()
                 return
             except zmq.Again:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -125,18 +130,22 @@ class AsyncClient:
                     raise RequestTimeout(f"coordinator at {self.address} is not reachable",
                                          request_id=request_id) from None
 
+    def _drain(self) -> None:
+        while True:
+            try:
+                reply = _recv_valid(self._sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if reply is not None:
+                self._dispatch(*reply)
+
     async def _read_loop(self) -> None:
         assert self._waiter is not None
         try:
             while True:
-                await self._waiter.poll(None, zmq.POLLIN)
-                while True:  # drain: the socket's FD is edge-triggered
-                    try:
-                        reply = _recv_valid(self._sock, zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if reply is not None:
-                        self._dispatch(*reply)
+                # Edge-triggered FD: also look every 50 ms in case an edge was consumed elsewhere.
+                await self._waiter.poll(50, zmq.POLLIN)
+                self._drain()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a dead reader would hang every caller: fail them instead

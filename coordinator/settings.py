@@ -14,7 +14,9 @@ class CoordinatorSettings(BaseSettings):
     worker_bind: str = "tcp://127.0.0.1:5556"  # workers connect here
     redis: str | None = None
     stage_timeout_s: float = 60.0  # a stage making no progress this long is re-run elsewhere
-    dead_after_s: float = 2.0  # heartbeat silence after which a worker is declared dead
+    # Heartbeat silence after which a worker is declared dead. Workers beat between engine steps,
+    # so this must exceed the longest step a loaded CPU worker takes (big prefill batches: seconds).
+    dead_after_s: float = 10.0
     max_attempts: int = 3
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -93,3 +94,21 @@ def test_redis_holds_registry_heartbeats_and_load(llava_cluster):
     loads = store.get_loads(sorted(names))
     assert all(loads[n]["total_blocks"] > 0 and "free_blocks" in loads[n] for n in names if not n.startswith("encode"))
     store.close()
+
+
+def test_async_client_never_loses_replies_while_sending(llava_cluster):
+    """Regression: a send on the client's socket could swallow the readable edge of its FD, leaving
+    replies that had already arrived unread (37 of 200 streamed requests completed)."""
+
+    async def run(n: int = 150, rate: float = 100.0) -> list[int]:
+        async with AsyncClient(llava_cluster.address, timeout_s=30) as client:
+            async def one(i: int) -> int:
+                return len([t async for t in client.stream(chat(f"hello {i}"), max_tokens=1, ignore_eos=True)])
+
+            start, tasks = time.perf_counter(), []
+            for i in range(n):
+                await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(i)))
+            return await asyncio.gather(*tasks)
+
+    assert asyncio.run(run()) == [1] * 150
