@@ -230,8 +230,11 @@ async def _consume_stream(events: AsyncIterator[tuple[float, str]], rec: Request
         rec.end_s = ts  # like vLLM: end-to-end ends at the last data event, not at [DONE]
         for choice in obj.get("choices") or []:
             delta = choice.get("delta") or {}
-            # Reasoning models stream thinking tokens separately; they are still generated tokens.
-            if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+            # Reasoning models stream thinking tokens separately; they are still generated tokens. A chunk
+            # with token_ids (vLLM's return_token_ids, bench/hf_server.py) is a token even when its text is
+            # empty (a special token, or a byte held back until its UTF-8 character completes).
+            if (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                    or choice.get("token_ids")):
                 if rec.first_token_s is None:
                     rec.first_token_s = ts
                 rec.token_times_s.append(ts)

@@ -69,14 +69,18 @@ def _overall(summary: dict[str, Any]) -> dict[str, Any]:
     return summary.get("overall", summary)
 
 
-def compare_table(named_summaries: list[tuple[str, dict[str, Any]]]) -> str:
-    """One markdown table of headline metrics for several runs, each with its ratio to the first."""
+def compare_table(named_summaries: list[tuple[str, dict[str, Any]]],
+                  metrics: Sequence[tuple[str, tuple[str, ...]]] = HEADLINE) -> str:
+    """One markdown table of headline metrics for several runs, each with its ratio to the first.
+
+    metrics: (label, path into each run's overall summary) rows; HEADLINE by default.
+    """
     if not named_summaries:
         return ""
     base_name, base = named_summaries[0][0], _overall(named_summaries[0][1])
     header = ["metric", base_name] + [f"{name} (vs {base_name})" for name, _ in named_summaries[1:]]
     rows = []
-    for label, path in HEADLINE:
+    for label, path in metrics:
         base_v = _get(base, path)
         row = [label, _fmt(base_v)]
         for _, summ in named_summaries[1:]:

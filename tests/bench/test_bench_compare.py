@@ -1,0 +1,54 @@
+"""`mserve bench compare`: configuration parsing, and a tiny real run of two launched configurations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.compare import ConfigSpec, parse_config, parse_configs
+from common.cli import main as cli_main
+
+
+def test_parse_configs() -> None:
+    specs = parse_configs("disagg:1e1p1d, unified:2,hf-sequential,openai:http://127.0.0.1:8000/v1,zmq://127.0.0.1:5555")
+    assert specs == [
+        ConfigSpec("disagg:1e1p1d", "cluster", {"encode": 1, "prefill": 1, "decode": 1, "unified": 0}),
+        ConfigSpec("unified:2", "cluster", {"encode": 0, "prefill": 0, "decode": 0, "unified": 2}),
+        ConfigSpec("hf-sequential", "hf"),
+        ConfigSpec("openai:http://127.0.0.1:8000/v1", "http", url="http://127.0.0.1:8000/v1"),
+        ConfigSpec("zmq://127.0.0.1:5555", "zmq", url="zmq://127.0.0.1:5555"),
+    ]
+    assert parse_config("disagg:2e3p4d").pools == {"encode": 2, "prefill": 3, "decode": 4, "unified": 0}
+    assert parse_config("disagg").pools == {"encode": 1, "prefill": 1, "decode": 1, "unified": 0}
+    assert parse_config("unified").pools["unified"] == 1
+
+
+@pytest.mark.parametrize("bad", ["disagg:1e1p", "disagg:0e1p1d", "unified:0", "unified:x", "openai:ftp://x",
+                                 "vllm", "", "unified:1,unified:1"])
+def test_parse_configs_rejects(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_configs(bad)
+
+
+@pytest.mark.slow
+def test_compare_runs_each_configuration(tiny_model_dirs, redis_url, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)  # the launched cluster uses the test's redis
+    out = tmp_path / "cmp"
+    rc = cli_main(["bench", "compare", "--model", str(tiny_model_dirs["llava"]), "--configs", "unified:1,hf-sequential",
+                   "--trace", "mixed", "--num-requests", "6", "--max-tokens", "4", "--ignore-eos",
+                   "--resolutions", "64x64", "--slo", "ttft=60000", "--warmup", "1", "--no-progress", "--no-plots",
+                   "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    md = (out / "compare.md").read_text()
+    assert "| metric | unified:1 | hf-sequential (vs unified:1) |" in printed and printed.strip() in md
+    for label in ("text-only TTFT p99 ms", "image TTFT p50 ms", "goodput req/s", "req/s"):
+        assert f"| {label} |" in md
+    data = json.loads((out / "compare.json").read_text())
+    assert data["configs"] == ["unified:1", "hf-sequential"] and not data["failures"]
+    for sub in ("0-unified_1", "1-hf-sequential"):
+        res = json.loads((out / sub / "results.json").read_text())
+        assert res["summary"]["overall"]["completed"] == 6
+        assert all(r["output_tokens"] == 4 for r in res["records"])  # ignore_eos reached both systems
+    assert (out / "1-hf-sequential" / "logs" / "hf_server.log").is_file()
