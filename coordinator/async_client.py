@@ -15,7 +15,7 @@ from common import protocol
 from common.protocol import MsgType
 from common.sockets import make_socket, send
 from coordinator.client import (Aborted, GenerateResult, MServeError, RequestTimeout, ServerError, _Assembler,
-                                _generate_body, _new_identity, _new_request_id, _recv_valid, _send_abort)
+                                _generate_body, _new_identity, _new_request_id, _recv_valid, _send_abort, _StreamState)
 
 logger = logging.getLogger("coordinator.client")
 
@@ -172,7 +172,7 @@ class AsyncClient:
         queue.put_nowait((kind, payload))
 
 
-class AsyncTokenStream:
+class AsyncTokenStream(_StreamState):
     """Async iterator of token ids for one request of an AsyncClient; ``.result`` once exhausted."""
 
     def __init__(self, client: AsyncClient, request_id: str, payload: dict[str, Any], timeout_s: float) -> None:
@@ -184,14 +184,6 @@ class AsyncTokenStream:
         self._queue: asyncio.Queue[tuple[int | None, Any]] | None = None
         self._asm = _Assembler(request_id)
         self._closed = False
-
-    @property
-    def result(self) -> GenerateResult | None:
-        return self._asm.result
-
-    @property
-    def done(self) -> bool:
-        return self._closed or self._asm.finished
 
     def __aiter__(self) -> AsyncTokenStream:
         return self

@@ -322,7 +322,22 @@ class Client:
         return None
 
 
-class TokenStream:
+class _StreamState:
+    """What the sync and async token streams share: the assembled result and whether they are done."""
+
+    _asm: _Assembler
+    _closed: bool
+
+    @property
+    def result(self) -> GenerateResult | None:
+        return self._asm.result
+
+    @property
+    def done(self) -> bool:
+        return self._closed or self._asm.finished
+
+
+class TokenStream(_StreamState):
     """Iterator of token ids for one request of a sync Client; ``.result`` once exhausted."""
 
     def __init__(self, client: Client, request_id: str, deadline: float, timeout_s: float) -> None:
@@ -332,14 +347,6 @@ class TokenStream:
         self._timeout_s = timeout_s
         self._asm = _Assembler(request_id)
         self._closed = False
-
-    @property
-    def result(self) -> GenerateResult | None:
-        return self._asm.result
-
-    @property
-    def done(self) -> bool:
-        return self._closed or self._asm.finished
 
     def __iter__(self) -> TokenStream:
         return self
