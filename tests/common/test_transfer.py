@@ -183,6 +183,9 @@ def test_unfetched_transfers_are_reclaimed(sender: SenderProc, receiver: Transfe
     descs = [sender.publish(f"ttl-{b}", b, seed=4, ttl_s=0.3) for b in BACKENDS]
     assert sender.call("wait_pending", 0, 5.0) == 0
     assert sender.call("stats")["expired"] - expired_before == len(BACKENDS)
+    deadline = time.monotonic() + 5  # the reaper stops tracking a transfer, then unlinks it
+    while os.path.exists(f"/dev/shm/{descs[0]['shm']}") and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert not os.path.exists(f"/dev/shm/{descs[0]['shm']}")
     for desc in descs:
         with pytest.raises(TransferError, match="unknown transfer id"):
