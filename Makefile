@@ -25,7 +25,7 @@ models/small-llava/config.json: | install
 	$(MSERVE) make-tiny-model models/small-llava --arch llava --size small
 
 demo: install models/tiny-llava/config.json
-	$(PY) -m common.demo --model models/tiny-llava
+	$(PY) -m mserve.demo --model models/tiny-llava
 
 test: install
 	$(PY) -m pytest -q

@@ -11,9 +11,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# pytest puts tests/ on sys.path, where tests/common/ (no __init__.py) would be
-# picked up as a namespace package shadowing the real `common` that the editable
-# install serves through an import hook; a real path entry for the repo wins.
+# The repo root first on sys.path: the `mserve` package in this checkout is the one under test,
+# with or without the editable install.
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -21,7 +20,7 @@ if _ROOT not in sys.path:
 import pytest  # noqa: E402
 import redis  # noqa: E402
 
-from common.redis_server import RedisServer, find_redis_server  # noqa: E402
+from mserve.common.redis_server import RedisServer, find_redis_server  # noqa: E402
 
 
 # ---- redis -------------------------------------------------------------------
@@ -55,7 +54,7 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random-weight checkpoint per supported family, built offline once per session."""
-    from common.tiny_model import make_tiny_model
+    from mserve.common.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {arch: make_tiny_model(root / arch, arch, "tiny", seed=0) for arch in ("llava", "qwen2_vl")}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bench.compare import ConfigSpec, parse_config, parse_configs
-from common.cli import main as cli_main
+from mserve.bench.compare import ConfigSpec, parse_config, parse_configs
+from mserve.cli import main as cli_main
 
 
 def test_parse_configs() -> None:

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from bench.http_target import HttpOptions, build_payload, image_data_url, run_request
-from bench.traces import make_trace
-from common.prompt import PromptBuilder
+from mserve.bench.http_target import HttpOptions, build_payload, image_data_url, run_request
+from mserve.bench.traces import make_trace
+from mserve.common.prompt import PromptBuilder
 from tests.helpers import hf_generate, make_image
 
 MAX_TOKENS = 10
@@ -19,7 +19,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def hf_server(tiny_model_dirs):
-    from bench.hf_server import HFGenerator, Server
+    from mserve.bench.hf_server import HFGenerator, Server
 
     server = Server(("127.0.0.1", 0), HFGenerator(str(tiny_model_dirs["llava"]), threads=1), "tiny")
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)

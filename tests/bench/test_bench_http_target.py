@@ -8,8 +8,8 @@ import json
 import socket
 from typing import Any
 
-from bench.http_target import HttpOptions, build_payload, run_request
-from bench.traces import make_trace
+from mserve.bench.http_target import HttpOptions, build_payload, run_request
+from mserve.bench.traces import make_trace
 
 DELAYS_S = [0.05, 0.02, 0.02, 0.02, 0.02]  # before each of the 5 content chunks
 

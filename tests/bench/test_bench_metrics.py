@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.metrics import RequestRecord, run_duration, summarize
+from mserve.bench.metrics import RequestRecord, run_duration, summarize
 
 
 def rec(rid: str, ttft_ms: float, token_gaps_ms: list[float], *, start: float = 10.0, **kw) -> RequestRecord:

@@ -8,9 +8,9 @@ import json
 import pytest
 from PIL import Image
 
-from bench.metrics import RequestRecord, summarize
-from bench.report import compare_table, write_report
-from bench.traces import make_trace, trace_digest
+from mserve.bench.metrics import RequestRecord, summarize
+from mserve.bench.report import compare_table, write_report
+from mserve.bench.traces import make_trace, trace_digest
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 

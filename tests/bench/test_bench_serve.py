@@ -11,9 +11,9 @@ import time
 import pytest
 from PIL import Image
 
-from bench.serve import drive, parse_slo
-from bench.traces import load_trace, make_trace, trace_digest
-from common.cli import main as cli_main
+from mserve.bench.serve import drive, parse_slo
+from mserve.bench.traces import load_trace, make_trace, trace_digest
+from mserve.cli import main as cli_main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -92,7 +92,7 @@ def _check_png(path) -> None:
 
 @pytest.mark.slow
 def test_bench_serve_against_a_tiny_cluster(tiny_model_dirs, redis_url, tmp_path) -> None:
-    from coordinator.launcher import LocalCluster
+    from mserve.coordinator.launcher import LocalCluster
 
     out, replay = tmp_path / "run", tmp_path / "replay"
     common = ["--rate", "inf", "--warmup", "1", "--no-progress", "--slo", "ttft=60000,tpot=60000"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.traces import (
+from mserve.bench.traces import (
     IMAGE_RESOLUTIONS,
     TRACE_NAMES,
     load_trace,

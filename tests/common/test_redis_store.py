@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from common.redis_server import RedisServer, find_redis_server
-from common.redis_store import RedisStore
+from mserve.common.redis_server import RedisServer, find_redis_server
+from mserve.common.redis_store import RedisStore
 
 
 @pytest.fixture
@@ -192,7 +192,7 @@ def test_counters(store: RedisStore) -> None:
 
 
 def test_degraded_mode_and_recovery(redis_binary: str, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="common.redis_store")
+    caplog.set_level(logging.WARNING, logger="mserve.common.redis_store")
     server = RedisServer(binary=redis_binary).start()
     port = server.port
     store = RedisStore(server.url, retry_interval_s=0.05)

@@ -1,4 +1,4 @@
-"""Tests for common.serde: frame layout, tensor round-trips, zero-copy, and garbage rejection."""
+"""Tests for mserve.common.serde: frame layout, tensor round-trips, zero-copy, and garbage rejection."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from common.serde import (
+from mserve.common.serde import (
     INLINE_MAX_BYTES,
     SCHEMA_VERSION,
     WireError,

@@ -1,4 +1,4 @@
-"""Tests for common.sockets: options, port-0 binds, and a real ROUTER<->DEALER exchange over TCP."""
+"""Tests for mserve.common.sockets: options, port-0 binds, and a real ROUTER<->DEALER exchange over TCP."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import zmq
 
-from common.serde import WireError, encode
-from common.sockets import bound_address, free_port, make_socket, recv, send
+from mserve.common.serde import WireError, encode
+from mserve.common.sockets import bound_address, free_port, make_socket, recv, send
 
 TIMEOUT_MS = 5000
 

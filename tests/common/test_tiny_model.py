@@ -1,4 +1,4 @@
-"""Tests for common.tiny_model: the random-weight VLM folders load offline and generate."""
+"""Tests for mserve.common.tiny_model: the random-weight VLM folders load offline and generate."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
+from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>"}
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None

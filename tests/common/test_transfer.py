@@ -1,4 +1,4 @@
-"""Tests for common.transfer: real sender and receiver processes over shm, tcp and torch."""
+"""Tests for mserve.common.transfer: real sender and receiver processes over shm, tcp and torch."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import torch
 
-from common.transfer import TransferEngine, TransferError
+from mserve.common.transfer import TransferEngine, TransferError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Pooled shm segments, zero-copy views and in-place allocation in common.transfer.
+"""Pooled shm segments, zero-copy views and in-place allocation in mserve.common.transfer.
 
 Sender and receiver engines share one process here: the receiver still maps the sender's
 segments through its own shm_open + mmap, exactly as another process would.
@@ -17,11 +17,11 @@ from multiprocessing import shared_memory
 import pytest
 import torch
 
-from common import shm_mappings
-from common.shm_mappings import MappingCache
-from common.shm_pool import SegmentPool, reap_orphans, size_class
-from common.transfer import TransferEngine, TransferError
-from workers.paged_attention import KVCache
+from mserve.common import shm_mappings
+from mserve.common.shm_mappings import MappingCache
+from mserve.common.shm_pool import SegmentPool, reap_orphans, size_class
+from mserve.common.transfer import TransferEngine, TransferError
+from mserve.workers.paged_attention import KVCache
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -246,7 +246,7 @@ def test_fetch_errors_keep_working_channels(pair: tuple[TransferEngine, Transfer
 def test_segments_of_a_killed_sender_are_reaped() -> None:
     """kill -9 of a worker's process group takes its resource tracker along: the next pool
     unlinks what the dead process left, and nothing of a live one."""
-    code = ("from common.transfer import TransferEngine; import torch, time\n"
+    code = ("from mserve.common.transfer import TransferEngine; import torch, time\n"
             "tx = TransferEngine('doomed', backend='shm')\n"
             "print(tx.publish('t', {'x': torch.ones(1000)})['shm'], flush=True)\n"
             "time.sleep(60)\n")

@@ -6,8 +6,8 @@ import base64
 
 import pytest
 
-from common.prompt import PromptBuilder
-from coordinator.admission import AdmissionError, Limits, admit
+from mserve.common.prompt import PromptBuilder
+from mserve.coordinator.admission import AdmissionError, Limits, admit
 from tests.helpers import make_image
 
 

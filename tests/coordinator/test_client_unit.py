@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from common import protocol
-from common.protocol import ErrorCode, MsgType
-from coordinator.client import (
+from mserve.common import protocol
+from mserve.common.protocol import ErrorCode, MsgType
+from mserve.coordinator.client import (
     Aborted,
     BadRequest,
     GenerateResult,
@@ -24,7 +24,7 @@ from coordinator.client import (
     error_from_reply,
     normalize_client_messages,
 )
-from coordinator.launcher import LocalCluster
+from mserve.coordinator.launcher import LocalCluster
 from tests.helpers import make_image
 
 IMAGE = make_image(32, 24, seed=1)
@@ -187,7 +187,7 @@ def test_cluster_names_and_commands():
     assert c.worker_names("prefill") == ["prefill-0", "prefill-1"]
     assert c.address == "tcp://127.0.0.1:7000"
     c._worker_port = 7001
-    assert c.coordinator_command()[:3] == [sys.executable, "-m", "common.cli"]
+    assert c.coordinator_command()[:3] == [sys.executable, "-m", "mserve.cli"]
     assert c.coordinator_command()[3:] == ["coordinator", "--model", "/m", "--bind", "tcp://127.0.0.1:7000",
                                            "--worker-bind", "tcp://127.0.0.1:7001", "--redis", "redis://127.0.0.1:1/0"]
     assert c.worker_command("prefill-1")[3:] == [

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from common.prompt import PromptBuilder
-from common.redis_store import RedisStore
-from coordinator.client import AsyncClient
-from coordinator.launcher import LocalCluster
+from mserve.common.prompt import PromptBuilder
+from mserve.common.redis_store import RedisStore
+from mserve.coordinator.client import AsyncClient
+from mserve.coordinator.launcher import LocalCluster
 from tests.helpers import chat, hf_generate, request_mix
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_same_image_is_encoded_once(llava_cluster, tiny_model_dirs):
     assert first.cache_hits["embedding"] == 0 and second.cache_hits["embedding"] == 1
     assert store.get_counters(encode_id)["encoded_images"] - before == 1
     assert second.token_ids == first.token_ids == expected(model, requests[:1])[0]
-    from common.model import image_hash
+    from mserve.common.model import image_hash
 
     holders = store.lookup_embedding(model, image_hash(requests[0][1][0]))
     assert holders == {encode_id}

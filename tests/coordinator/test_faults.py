@@ -9,11 +9,11 @@ import time
 import pytest
 import zmq
 
-from common.protocol import ErrorCode, MsgType, body
-from common.redis_server import RedisServer
-from common.sockets import make_socket, recv, send
-from coordinator.client import AsyncClient, BadRequest, Client
-from coordinator.launcher import LocalCluster
+from mserve.common.protocol import ErrorCode, MsgType, body
+from mserve.common.redis_server import RedisServer
+from mserve.common.sockets import make_socket, recv, send
+from mserve.coordinator.client import AsyncClient, BadRequest, Client
+from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import chat, request_mix
 

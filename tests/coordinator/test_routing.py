@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
+from mserve.coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
 
 
 def w(wid: str, role: str, **kw) -> WorkerView:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.block_pool import BlockPool, BlockTable, ImageSpan, OutOfBlocks, block_hash, prompt_block_hashes
+from mserve.common.hashing import ImageSpan, block_hash, prompt_block_hashes
+from mserve.workers.block_pool import BlockPool, BlockTable, OutOfBlocks
 
 
 def allocate_prompt(pool: BlockPool, tokens: list[int], images=()) -> tuple[BlockTable, int]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from common.model import ImageError
-from common.prompt import PromptBuilder
+from mserve.common.model import ImageError
+from mserve.common.prompt import PromptBuilder
 from tests.helpers import hf_generate, make_image
-from workers.engine import Engine, EngineConfig
-from workers.sequence import SamplingParams
+from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.sequence import SamplingParams
 
 
 @pytest.fixture(scope="module")

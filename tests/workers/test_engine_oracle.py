@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.prompt import PromptBuilder
+from mserve.common.prompt import PromptBuilder
 from tests.helpers import PROMPTS, hf_generate, make_image
-from workers.engine import Engine, EngineConfig
-from workers.sequence import SamplingParams
+from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.sequence import SamplingParams
 
 ARCHS = ["llava", "qwen2_vl"]
 MAX_NEW = 10
@@ -129,7 +129,7 @@ def test_kv_export_import_between_engines(model_dir, builder):
 
 
 def _table():
-    from workers.block_pool import BlockTable
+    from mserve.workers.block_pool import BlockTable
 
     return BlockTable()
 

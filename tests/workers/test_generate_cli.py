@@ -14,7 +14,7 @@ from tests.helpers import hf_generate, make_image
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "mserve.cli", *args], capture_output=True, text=True, env=env,
                           timeout=120)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from workers.block_pool import BlockPool
-from workers.scheduler import Scheduler
-from workers.sequence import SamplingParams, Sequence
+from mserve.workers.block_pool import BlockPool
+from mserve.workers.scheduler import Scheduler
+from mserve.workers.sequence import SamplingParams, Sequence
 
 
 def make_seq(rid: str, n_prompt: int, *, max_tokens: int = 4, priority: int = 0) -> Sequence:

@@ -1,0 +1,1 @@
+"""MServe: disaggregated encode / prefill / decode serving for vision-language models."""

@@ -1,0 +1,286 @@
+"""`mserve bench compare`: launch each serving configuration in turn, replay one trace on each, print one table.
+
+Configurations (comma-separated, the first is the baseline of the ratios):
+
+* ``disagg:XeYpZd``  a LocalCluster with X encode, Y prefill and Z decode workers (``disagg`` = 1e1p1d)
+* ``unified:N``      a LocalCluster with N unified workers and no stage pools (``unified`` = 1)
+* ``hf-sequential``  bench/hf_server.py: transformers ``generate``, one request at a time
+* ``openai:URL``     an already running OpenAI-compatible server (e.g. vLLM), not launched here
+* ``zmq://HOST:PORT`` an already running MServe coordinator, not launched here
+
+Every launched configuration gets --threads torch threads per worker/server (default 1), is stopped
+before the next one starts, and sees the identical trace (saved as trace.jsonl in --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from mserve.bench.serve import add_load_arguments
+
+log = logging.getLogger("mserve.bench.compare")
+
+_DISAGG = re.compile(r"^(\d+)e(\d+)p(\d+)d$")
+
+# (label, path into the augmented overall summary built by `headline_summary`).
+COMPARE_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("completed", ("completed",)),
+    ("failed", ("failed",)),
+    ("req/s", ("request_throughput",)),
+    ("output tok/s", ("output_throughput",)),
+    ("goodput req/s", ("goodput",)),
+    ("TTFT p50 ms", ("ttft_ms", "p50")),
+    ("TTFT p99 ms", ("ttft_ms", "p99")),
+    ("TPOT p50 ms", ("tpot_ms", "p50")),
+    ("TPOT p99 ms", ("tpot_ms", "p99")),
+    ("E2E p50 ms", ("e2e_ms", "p50")),
+    ("E2E p99 ms", ("e2e_ms", "p99")),
+    ("text-only TTFT p50 ms", ("text", "ttft_ms", "p50")),
+    ("text-only TTFT p99 ms", ("text", "ttft_ms", "p99")),
+    ("image TTFT p50 ms", ("image", "ttft_ms", "p50")),
+    ("image TTFT p99 ms", ("image", "ttft_ms", "p99")),
+    ("text-only goodput req/s", ("text", "goodput")),
+    ("image goodput req/s", ("image", "goodput")),
+    ("generator lag p99 ms", ("loadgen", "dispatch_lag_ms", "p99")),
+)
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    label: str
+    kind: str  # "cluster" | "hf" | "http" | "zmq"
+    pools: dict[str, int] = field(default_factory=dict)
+    url: str | None = None
+
+
+def parse_config(text: str) -> ConfigSpec:
+    """One configuration string -> ConfigSpec; ValueError with the accepted forms otherwise."""
+    text = text.strip()
+    kind, _, arg = text.partition(":")
+    if kind == "disagg":
+        m = _DISAGG.match(arg or "1e1p1d")
+        if not m or not all(int(x) > 0 for x in m.groups()):
+            raise ValueError(f"{text!r}: expected disagg:XeYpZd with X, Y, Z >= 1 (e.g. disagg:1e1p1d)")
+        e, p, d = (int(x) for x in m.groups())
+        return ConfigSpec(text, "cluster", {"encode": e, "prefill": p, "decode": d, "unified": 0})
+    if kind == "unified":
+        if arg and not (arg.isdigit() and int(arg) > 0):
+            raise ValueError(f"{text!r}: expected unified:N with N >= 1")
+        return ConfigSpec(text, "cluster", {"encode": 0, "prefill": 0, "decode": 0, "unified": int(arg or 1)})
+    if text in ("hf-sequential", "hf"):
+        return ConfigSpec(text, "hf")
+    if kind == "openai":
+        if not arg.startswith(("http://", "https://")):
+            raise ValueError(f"{text!r}: expected openai:http://HOST:PORT/v1")
+        return ConfigSpec(text, "http", url=arg)
+    if kind in ("zmq", "tcp") and arg.startswith("//"):
+        return ConfigSpec(text, "zmq", url=text)
+    raise ValueError(f"unknown configuration {text!r}; expected disagg:XeYpZd, unified:N, hf-sequential, "
+                     "openai:http://HOST:PORT/v1 or zmq://HOST:PORT")
+
+
+def parse_configs(text: str) -> list[ConfigSpec]:
+    specs = [parse_config(item) for item in text.split(",") if item.strip()]
+    if not specs:
+        raise ValueError("no configuration given")
+    labels = [s.label for s in specs]
+    dupes = {x for x in labels if labels.count(x) > 1}
+    if dupes:
+        raise ValueError(f"configuration(s) given twice: {', '.join(sorted(dupes))}")
+    return specs
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local checkpoint folder every configuration serves")
+    p.add_argument("--configs", default="disagg:1e1p1d,unified:1,hf-sequential",
+                   help="comma-separated configurations; ratios are against the first "
+                        "(default disagg:1e1p1d,unified:1,hf-sequential)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker / server (default 1)")
+    p.add_argument("--transfer", default="auto", help="cluster tensor transport (default auto)")
+    p.add_argument("--openai-model", default=None,
+                   help="model name for openai: configurations (default: the first of its /v1/models)")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for a configuration")
+    p.add_argument("--dead-after-s", type=float, default=None,
+                   help="launched coordinators' heartbeat timeout (default: the coordinator's own, 2 s); raise it "
+                        "when one engine step can outlast it under saturation")
+    add_load_arguments(p)
+    p.add_argument("--out", default=None, help="output folder (default out/bench/compare-TRACE-TIME)")
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def _http_get_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback URL we built)
+        return json.loads(resp.read())
+
+
+@contextlib.contextmanager
+def launched(spec: ConfigSpec, args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, str | None]]:
+    """Start the configuration (if it is ours to start); yield (target URL, HTTP model name); always stop it."""
+    if spec.kind == "cluster":
+        from mserve.coordinator.launcher import LocalCluster
+
+        extra = ["--dead-after-s", str(args.dead_after_s)] if args.dead_after_s is not None else []
+        cluster = LocalCluster(args.model, **spec.pools, threads=args.threads, transfer=args.transfer,
+                               log_dir=str(log_dir), extra_coordinator_args=extra)
+        try:
+            cluster.start(timeout_s=args.start_timeout)
+            yield cluster.address, None
+        finally:
+            cluster.stop()
+    elif spec.kind == "hf":
+        from mserve.common.sockets import free_port
+
+        port = free_port()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "mserve.bench.hf_server", "--model", str(args.model), "--port", str(port),
+               "--threads", str(args.threads), "--served-model-name", "hf-sequential"]
+        with open(log_dir / "hf_server.log", "wb") as logf:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            deadline = time.monotonic() + args.start_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"hf_server exited with code {proc.returncode}; see {log_dir / 'hf_server.log'}")
+                try:
+                    _http_get_json(f"http://127.0.0.1:{port}/health", timeout=1.0)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("hf_server did not come up in time") from None
+                    time.sleep(0.3)
+            yield f"http://127.0.0.1:{port}/v1", "hf-sequential"
+        finally:
+            _stop_group(proc)
+    elif spec.kind == "http":
+        model = args.openai_model
+        if model is None:
+            try:
+                model = _http_get_json(spec.url.rstrip("/") + "/models")["data"][0]["id"]
+            except (OSError, ValueError, KeyError, IndexError) as exc:
+                raise RuntimeError(f"cannot read {spec.url}/models ({exc}); pass --openai-model") from None
+        yield spec.url, model
+    else:
+        yield spec.url, None
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def headline_summary(summary: dict[str, Any], records: list[Any], slos: dict[str, float],
+                     loadgen: dict[str, Any]) -> dict[str, Any]:
+    """The overall summary plus "text" (text-only) and "image" (any image) groups and the generator stats."""
+    from mserve.bench.metrics import run_duration, summarize_group
+
+    duration = run_duration(records)
+    out = dict(summary.get("overall", {}))
+    out["text"] = summarize_group([r for r in records if r.modality == "text"], duration, slos or None)
+    out["image"] = summarize_group([r for r in records if r.modality != "text"], duration, slos or None)
+    out["loadgen"] = loadgen
+    return out
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "config"
+
+
+def main(args: argparse.Namespace) -> int:
+    import shlex
+
+    from mserve.bench.report import compare_table
+    from mserve.bench.serve import build_trace, default_out, finish_run, json_rate, make_target, run_trace
+    from mserve.bench.traces import save_trace
+
+    def _terminate(*_: Any) -> None:
+        raise SystemExit(143)  # unwinds through `launched`, which stops what it started
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        specs = parse_configs(args.configs)
+    except ValueError as exc:
+        raise SystemExit(f"error: --configs: {exc}") from None
+    trace = build_trace(args)
+    trace_name = Path(args.trace_file).stem if args.trace_file else args.trace
+    out = Path(args.out) if args.out else default_out("compare", trace_name)
+    save_trace(trace, out / "trace.jsonl")
+    max_tokens = max((r.max_tokens for r in trace), default=8)
+
+    rows: list[tuple[str, dict[str, Any]]] = []
+    failures: dict[str, str] = {}
+    hosts: list[str] = []
+    for idx, spec in enumerate(specs):
+        sub = out / f"{idx}-{slug(spec.label)}"
+        print(f"== [{idx + 1}/{len(specs)}] {spec.label}", file=sys.stderr, flush=True)
+        t0, load_before = time.perf_counter(), os.getloadavg()[0]
+        try:
+            with launched(spec, args, sub / "logs") as (url, http_model):
+                target = make_target(url, http_model, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout)
+                records, lg = asyncio.run(run_trace(
+                    target, trace, max_concurrency=args.max_concurrency, warmup=args.warmup, max_tokens=max_tokens,
+                    progress_label=None if args.no_progress else spec.label))
+        except Exception as exc:  # one configuration failing must not lose the others' results
+            log.error("%s failed: %s", spec.label, exc)
+            failures[spec.label] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            rows.append((spec.label, {}))
+            continue
+        meta = {"target": url, "config": spec.label, "model": str(args.model), "trace": trace_name,
+                "num_requests": len(trace), "rate": None if args.trace_file else json_rate(args.rate),
+                "burstiness": args.burstiness, "seed": args.seed,
+                "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "threads": args.threads,
+                "dead_after_s": args.dead_after_s,
+                # Other tenants of a small host show up here: compare against the configuration's own load.
+                "host_loadavg_1m": {"start": load_before, "end": os.getloadavg()[0]}}
+        summary, _ = finish_run(sub, trace, records, lg, meta, args.slo, plots=not args.no_plots)
+        rows.append((spec.label, headline_summary(summary, records, args.slo, lg)))
+        hosts.append(f"- {spec.label}: host load average (1 min) {load_before:.2f} before, "
+                     f"{meta['host_loadavg_1m']['end']:.2f} after")
+        print(f"   {spec.label}: {summary['overall']['completed']}/{len(trace)} ok in "
+              f"{time.perf_counter() - t0:.0f}s (incl. start/stop) -> {sub}", file=sys.stderr, flush=True)
+
+    table = compare_table(rows, COMPARE_METRICS)
+    load = (f"trace `{trace_name}`, {len(trace)} requests, rate {args.rate} req/s (burstiness {args.burstiness}), "
+            f"max_tokens {args.max_tokens}{' (ignore_eos)' if args.ignore_eos else ''}, seed {args.seed}, "
+            f"{args.threads} torch thread(s) per worker/server"
+            + (f", coordinator --dead-after-s {args.dead_after_s:g}" if args.dead_after_s is not None else "")
+            + (f", SLOs {args.slo} ms" if args.slo else ""))
+    md = "\n".join([
+        "# MServe serving comparison", "", f"- command: `{shlex.join(sys.argv)}`", f"- load: {load}",
+        *(f"- **{k} failed**: {v}" for k, v in failures.items()), "", table, "", *hosts, ""])
+    (out / "compare.md").write_text(md, encoding="utf-8")
+    (out / "compare.json").write_text(json.dumps({"configs": [s.label for s in specs], "load": load,
+                                                  "summaries": dict(rows), "failures": failures},
+                                                 indent=1, default=str) + "\n", encoding="utf-8")
+    print(table)
+    print(f"\nwrote {out / 'compare.md'} and per-configuration reports under {out}", file=sys.stderr)
+    return 1 if failures else 0

@@ -1,0 +1,247 @@
+"""The `mserve` command: one entry point, one subcommand per role (names are a contract, see DESIGN.md).
+
+Heavy imports (torch, transformers) happen inside each handler so `mserve --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # transformers' progress bars and advice are noise in a CLI that prints JSON.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from mserve.common.tiny_model import make_tiny_model
+
+    t0 = time.perf_counter()
+    out = make_tiny_model(args.out_dir, args.arch, args.size, seed=args.seed)
+    print(f"wrote {args.arch} ({args.size}, seed {args.seed}) checkpoint to {out} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mserve.common.model import ImageError
+    from mserve.common.prompt import PromptBuilder
+    from mserve.workers.engine import Engine, EngineConfig
+    from mserve.workers.sequence import SamplingParams
+
+    images = []
+    for path in args.image:
+        p = Path(path)
+        if not p.is_file():
+            raise SystemExit(f"error: --image {path}: no such file")
+        images.append(p.read_bytes())
+    try:
+        builder = PromptBuilder(args.model)
+        prompt = builder.prepare_text(args.prompt, images)
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed)
+        engine = Engine(EngineConfig(args.model, device=args.device, threads=args.threads,
+                                     num_blocks=args.num_blocks, block_size=args.block_size))
+        t0 = time.perf_counter()
+        engine.add_request("cli", prompt.prompt_ids, images=images, sampling=sampling)
+        tokens = engine.run_until_done()["cli"]
+        elapsed = time.perf_counter() - t0
+    except (ValueError, ImageError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}")
+    text = builder.decode(tokens)
+    if args.json:
+        print(json.dumps({"prompt_token_ids": prompt.prompt_ids, "token_ids": tokens, "text": text}))
+    else:
+        print(text)
+        print(f"[{len(prompt.prompt_ids)} prompt tokens, {len(tokens)} generated in {elapsed:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def _settings_from_args(cls, args: argparse.Namespace, fields: list[str]):
+    """Flags override MSERVE_* env vars, which override defaults (pydantic-settings does the env)."""
+    given = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    settings = cls(**given)
+    logging.getLogger("mserve").info("settings: %s", settings.model_dump_json())
+    return settings
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from mserve.coordinator.server import Coordinator
+    from mserve.coordinator.settings import CoordinatorSettings
+
+    settings = _settings_from_args(CoordinatorSettings, args, ["model", "model_name", "bind", "worker_bind", "redis",
+                                                               "stage_timeout_s", "dead_after_s", "max_prompt_tokens",
+                                                               "max_tokens", "max_image_bytes", "max_image_pixels",
+                                                               "max_images_per_request"])
+    coord = Coordinator(settings)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: coord.stop())
+    try:
+        coord.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        coord.close()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from mserve.workers.settings import WorkerSettings
+    from mserve.workers.worker import Worker
+
+    settings = _settings_from_args(WorkerSettings, args, ["role", "model", "model_name", "coordinator", "redis",
+                                                          "worker_id", "device", "dtype", "threads", "transfer",
+                                                          "host", "num_blocks", "block_size", "max_num_seqs",
+                                                          "max_num_batched_tokens", "embedding_cache_mb"])
+    try:
+        Worker(settings).run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from mserve.coordinator.launcher import run_up
+
+    return run_up(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_cmd == "engine":
+        from mserve.bench.engine_bench import main as engine_bench
+
+        return engine_bench(args)
+    if args.bench_cmd == "serve":
+        from mserve.bench.serve import main as serve_bench
+
+        return serve_bench(args)
+    if args.bench_cmd == "compare":
+        from mserve.bench.compare import main as compare_bench
+
+        return compare_bench(args)
+    raise SystemExit(f"unknown bench command {args.bench_cmd!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mserve", description="MServe: disaggregated serving for vision-language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("make-tiny-model", help="build a random-weight llava or qwen2_vl checkpoint offline",
+                       description="Write a complete save_pretrained folder (config, safetensors, trained byte-level "
+                                   "BPE tokenizer, image processor, chat template) with random weights.")
+    p.add_argument("out_dir", help="folder to write (created if missing)")
+    p.add_argument("--arch", choices=["llava", "qwen2_vl"], default="llava", help="model family (default: llava)")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny",
+                   help="tiny (~1M params, tests) or small (~31M params, benchmarks); default tiny")
+    p.add_argument("--seed", type=int, default=0, help="weight and tokenizer seed (default 0)")
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("generate", help="run encode -> prefill -> decode in one process and print the answer",
+                       description="Load a local llava-hf or Qwen2-VL folder and answer one prompt (with images).")
+    p.add_argument("--model", required=True, help="local checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the user's text")
+    p.add_argument("--image", action="append", default=[], metavar="PATH", help="an image file; repeat for more")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampled output")
+    p.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16); default cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks (default 1024)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"prompt_token_ids": [...], "token_ids": [...], "text": "..."} instead of the text')
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("coordinator", help="run the coordinator (admission, routing, request state machine)",
+                       description="Bind a ROUTER for clients (--bind) and one for workers (--worker-bind). Every "
+                                   "flag can also be set as MSERVE_<NAME> in the environment.")
+    p.add_argument("--model", help="local checkpoint folder (tokenizer, chat template, processor rules)")
+    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
+    p.add_argument("--bind", help="client address (default tcp://127.0.0.1:5555)")
+    p.add_argument("--worker-bind", help="worker address (default tcp://127.0.0.1:5556)")
+    p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "
+                                   "heartbeats only)")
+    p.add_argument("--stage-timeout-s", type=float, help="re-run a stage that makes no progress this long (60)")
+    p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (10)")
+    for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
+                         ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8")):
+        p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
+    p.set_defaults(func=cmd_coordinator)
+
+    p = sub.add_parser("worker", help="run one worker of a role: encode, prefill, decode or unified",
+                       description="Connect to the coordinator's worker address and serve one role. Every flag can "
+                                   "also be set as MSERVE_<NAME> in the environment.")
+    p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], help="which stage(s) to run")
+    p.add_argument("--model", help="local checkpoint folder")
+    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
+    p.add_argument("--coordinator", help="the coordinator's worker address (default tcp://127.0.0.1:5556)")
+    p.add_argument("--redis", help="redis URL (registry, load, cache indexes)")
+    p.add_argument("--worker-id", help="unique id (default role-host-pid)")
+    p.add_argument("--device", help="cpu (float32, default) or cuda (bfloat16)")
+    p.add_argument("--dtype", help="override the dtype: float32, bfloat16, float16")
+    p.add_argument("--threads", type=int, help="torch threads (default 1)")
+    p.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"],
+                   help="tensor transfer backend (default auto: shm on the same host, tcp otherwise)")
+    p.add_argument("--host", help="address peers reach this worker's data plane at (default 127.0.0.1)")
+    p.add_argument("--num-blocks", type=int, help="KV pool blocks (default 2048)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, help="running requests at most (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step (default 2048)")
+    p.add_argument("--embedding-cache-mb", type=int, help="encode workers' embedding cache (default 512)")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("up", help="start a whole local cluster: redis, coordinator and worker pools",
+                       description="Start Redis (unless --redis/REDIS_URL is given), the coordinator and the worker "
+                                   "pools; wait until every worker is ready; print the client address; stop "
+                                   "everything on Ctrl-C or SIGTERM.")
+    try:
+        from mserve.coordinator.launcher import add_up_arguments
+
+        add_up_arguments(p)
+    except ImportError:  # launcher not installed in this build
+        pass
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("bench", help="benchmarks (see bench/README.md)")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
+    from mserve.bench.engine_bench import add_arguments as add_engine_bench
+
+    add_engine_bench(bsub.add_parser("engine", help="engine decode/prefill/KV-transfer throughput vs HF baselines"))
+    from mserve.bench.compare import add_arguments as add_compare_bench
+    from mserve.bench.serve import add_arguments as add_serve_bench
+
+    add_serve_bench(bsub.add_parser(
+        "serve", help="replay a trace against a cluster (zmq://) or an OpenAI-compatible server (http://)",
+        description="Replay a seeded trace (Poisson/gamma arrivals or all at once) and write results.json, "
+                    "report.md and PNG plots. See bench/README.md."))
+    add_compare_bench(bsub.add_parser(
+        "compare", help="launch each configuration in turn, run the same trace, print one comparison table",
+        description="Configurations: disagg:XeYpZd, unified:N, hf-sequential, openai:http://HOST:PORT/v1, "
+                    "zmq://HOST:PORT. Each runs the identical trace; ratios are against the first."))
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    from mserve.common.perf import tune_malloc
+
+    tune_malloc()
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Builds prompt token ids from OpenAI-style chat messages with the checkpoint's own chat template.
+
+The template is rendered to text and tokenized with add_special_tokens=False (a template that emits
+BOS keeps exactly one; for one that does not, like llava-1.5's, the tokenizer's own BOS is put
+back), then each image placeholder is expanded to the exact number of visual tokens of that image. No torch here: the coordinator uses this at admission.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from mserve.common.model import ModelFamily, image_size_from_header, load_family
+
+
+@dataclass
+class PreparedPrompt:
+    prompt_ids: list[int]  # placeholders expanded
+    images: list[bytes]
+    image_sizes: list[tuple[int, int]]
+    text: str
+
+
+def load_chat_template(model_dir: str | os.PathLike, tokenizer: Any) -> str:
+    """The processor's chat template (llava-hf and Qwen2-VL keep it beside the processor)."""
+    d = Path(model_dir)
+    if (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text()
+    if (d / "chat_template.json").is_file():
+        return json.loads((d / "chat_template.json").read_text())["chat_template"]
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        p = d / name
+        if p.is_file():
+            tmpl = json.loads(p.read_text()).get("chat_template")
+            if isinstance(tmpl, str):
+                return tmpl
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    raise ValueError(f"{model_dir} has no chat template (chat_template.jinja / chat_template.json)")
+
+
+def image_bytes_from_part(part: dict[str, Any], allow_paths: bool = True) -> bytes:
+    """Image content part -> bytes. Accepts raw bytes, a data URL (OpenAI shape), or a file path.
+
+    A server passes allow_paths=False: a client must never make it read its own local files.
+    """
+    value = part.get("image")
+    if value is None and "image_url" in part:
+        url = part["image_url"]
+        value = url.get("url") if isinstance(url, dict) else url
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        if value.startswith("data:"):
+            try:
+                return base64.b64decode(value.split(",", 1)[1], validate=False)
+            except Exception as exc:
+                raise ValueError(f"image data URL is not valid base64: {exc}") from exc
+        if value.startswith(("http://", "https://")):
+            raise ValueError("image URLs are not fetched: send the image bytes, a data URL or a local path")
+        if not allow_paths:
+            raise ValueError("image parts must carry the image bytes or a data URL, not a file path")
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"image path {value!r} does not exist")
+        return path.read_bytes()
+    raise ValueError(f"image part has no usable image (got {type(value).__name__})")
+
+
+def normalize_messages(messages: Sequence[dict[str, Any]],
+                       allow_paths: bool = True) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Split images out of the messages; the template only needs to know where they were."""
+    if not messages:
+        raise ValueError("messages is empty")
+    out, images = [], []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValueError(f"messages[{i}] must be a map with role and content")
+        role = msg.get("role")
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"messages[{i}].role must be system, user or assistant (got {role!r})")
+        content = msg.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": [{"type": "text", "text": content}]})
+            continue
+        if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ValueError(f"messages[{i}] has a text part whose text is not a string")
+                parts.append({"type": "text", "text": text})
+            elif kind in ("image", "image_url"):
+                images.append(image_bytes_from_part(part, allow_paths))
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(f"messages[{i}] has an unsupported content part type {kind!r}")
+        out.append({"role": role, "content": parts})
+    return out, images
+
+
+class PromptBuilder:
+    """Tokenizer + chat template + family rules for one checkpoint."""
+
+    def __init__(self, model_dir: str | os.PathLike) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = str(model_dir)
+        self.family: ModelFamily = load_family(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.chat_template = load_chat_template(model_dir, self.tokenizer)
+        self.bos_token_id = self._implicit_bos()
+
+    def _implicit_bos(self) -> int | None:
+        """The BOS id this tokenizer adds by itself (llava-hf's Llama tokenizer), or None (Qwen)."""
+        bos = self.tokenizer.bos_token_id
+        with_specials = self.tokenizer("x", add_special_tokens=True)["input_ids"]
+        return bos if bos is not None and with_specials and with_specials[0] == bos else None
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def prepare(self, messages: Sequence[dict[str, Any]]) -> PreparedPrompt:
+        norm, images = normalize_messages(messages)
+        return self.prepare_normalized(norm, [image_size_from_header(b) for b in images], images)
+
+    def prepare_normalized(self, norm: list[dict[str, Any]], sizes: Sequence[tuple[int, int]],
+                           images: Sequence[bytes]) -> PreparedPrompt:
+        """Messages already split from their images (see normalize_messages), image sizes known."""
+        if not any(p.get("text", "").strip() for m in norm for p in m["content"] if p["type"] == "text") and not images:
+            raise ValueError("prompt is empty: no text and no image")
+        text = self.render(norm)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # Templates that emit BOS themselves are tokenized as they are; the published llava-1.5
+        # template does not, and its model was trained with the BOS its tokenizer adds: keep it.
+        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return PreparedPrompt(self.family.expand_placeholders(ids, sizes), list(images), list(sizes), text)
+
+    def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:
+        """One user turn: the images first, then the text (the llava-1.5 / Qwen2-VL convention)."""
+        if not prompt.strip() and not images:
+            raise ValueError("prompt is empty: give --prompt text or at least one image")
+        content: list[dict[str, Any]] = [{"type": "image", "image": b} for b in images]
+        content.append({"type": "text", "text": prompt})
+        return self.prepare([{"role": "user", "content": content}])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -1,0 +1,134 @@
+"""The receiver half of mserve.common.transfer: resolve a descriptor, pull its bytes, say when to ack.
+
+Kept apart from the engine because it is the one place that knows how each backend's bytes
+reach this process: shm through a leased, cached mapping of the sender's segment (views, or one
+copy out; no message to the sender but the ack), tcp as zmq frames the receiver owns (one
+request), torch through a cached pair group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+
+from mserve.common import transfer_backends as tb
+from mserve.common.shm_mappings import MappingCache
+from mserve.common.transfer_backends import TransferError
+from mserve.common.transfer_channel import Channels
+from mserve.common.transfer_torch import TorchReceiver
+
+__all__ = ["Fetcher", "Fetched"]
+
+# (transfer id, tensors, mode used, payload bytes, ack to send once the caller is done with
+# the tensors, or None when the sender was acked already)
+Fetched = tuple[str, dict[str, torch.Tensor], str, int, Callable[[], None] | None]
+
+
+class Fetcher:
+    def __init__(
+        self, ctx: zmq.Context, *, host: str, device: str, host_id: str, instance: str,
+        descriptor_version: int, backends: tuple[str, ...], on_new_group: Callable[[], None],
+    ) -> None:
+        self.device = device
+        self.host_id = host_id
+        self._instance = instance
+        self._version = descriptor_version
+        self._backends = backends
+        self.maps = MappingCache()
+        self.channels = Channels(ctx)
+        self._torch_in = TorchReceiver(host, device, on_new_group)
+
+    def fetch(self, desc: dict, deadline: float, view: bool) -> Fetched:
+        """Pull one transfer. ``view``: leave shm tensors as views of the sender's segment and
+        return the ack for the caller to send when done; otherwise ack before returning."""
+        try:
+            tid, address, backend = desc["id"], desc["address"], desc["backend"]
+            entries = tb.layout_from_wire(desc["tensors"], desc["nbytes"])
+            if desc.get("v") != self._version or backend not in self._backends:
+                raise ValueError(f"unsupported version/backend {desc.get('v')}/{backend}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(f"malformed transfer descriptor: {exc!r}") from exc
+        where = f"transfer {tid!r} from {desc.get('sender')!r} at {address}"
+        nbytes = sum(e.nbytes for e in entries)
+        mode = backend
+        if backend == "auto":
+            mode = "shm" if desc.get("host_id") == self.host_id else "tcp"
+        ack = lambda: self.channels.ack(address, tid)  # noqa: E731
+        if mode == "torch":
+            out = self._fetch_torch(address, desc, entries, where, deadline)
+            ack()
+            return tid, out, mode, nbytes, None
+        if mode == "shm":
+            # No round trip: the lease (a shared flock on the segment) keeps the sender off it,
+            # the header under the lease proves it still holds this transfer.
+            try:
+                mm, lease = self.maps.lease(desc["shm"], desc["shm_nonce"], desc["shm_gen"], tid,
+                                            desc["nbytes"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TransferError(f"{where}: unknown transfer id {tid!r}: {exc}") from exc
+            except OSError as exc:
+                if backend != "auto":
+                    raise TransferError(
+                        f"{where}: cannot open shared memory segment {desc.get('shm')!r}: unknown "
+                        "transfer id (already fetched, freed or expired) or a /dev/shm not "
+                        f"shared with the sender (sender host {desc.get('host_id')}, this host "
+                        f"{self.host_id}): {exc}") from exc
+                # Same host id but no visible segment (e.g. /dev/shm not shared): use tcp.
+                mode = "tcp"
+            else:
+                out = tb.segment_views(mm, entries)
+                del mm
+                if view and self.device == "cpu":
+                    def release() -> None:
+                        lease.release()  # first: the ack may make the sender reclaim at once
+                        ack()
+
+                    return tid, out, mode, nbytes, release
+                try:  # one copy: clone on CPU, straight host->device otherwise
+                    out = {k: t.clone() if self.device == "cpu" else t.to(self.device)
+                           for k, t in out.items()}
+                finally:
+                    lease.release()
+                ack()
+                return tid, out, mode, nbytes, None
+        reply = self.channels.request(address, {"id": tid, "mode": "tcp"}, where, deadline)
+        out = self._check_tcp(reply, entries, where)
+        ack()
+        return tid, out, "tcp", nbytes, None
+
+    def _check_tcp(
+        self, body: Any, entries: list[tb.LayoutEntry], where: str
+    ) -> dict[str, torch.Tensor]:
+        tensors = body.get("t") if isinstance(body, dict) else None
+        if not isinstance(tensors, dict) or list(tensors) != [e.name for e in entries]:
+            raise TransferError(f"{where}: reply does not carry the described tensors")
+        for e in entries:
+            t = tensors[e.name]
+            if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+                got = f"{t.dtype}{list(t.shape)}"
+                raise TransferError(f"{where}: tensor {e.name!r} arrived as {got}")
+        if self.device != "cpu":
+            tensors = {k: t.to(self.device) for k, t in tensors.items()}
+        return tensors
+
+    def _fetch_torch(
+        self, address: str, desc: dict, entries: list[tb.LayoutEntry], where: str, deadline: float
+    ) -> dict[str, torch.Tensor]:
+        def ask(gid: str | None) -> dict:
+            body = {"id": desc["id"], "mode": "torch", "gid": gid, "peer": self._instance}
+            return self.channels.request(address, body, where, deadline)
+
+        return self._torch_in.fetch(
+            desc["instance"], desc.get("pg", "gloo"), desc["nbytes"], entries, ask, deadline, where
+        )
+
+    def stats(self) -> dict[str, int]:
+        return {"segments": len(self.maps), "attached": self.maps.attached, "stale": self.maps.stale}
+
+    def close(self) -> None:
+        self.maps.close()
+        self.channels.close()
+        self._torch_in.close()

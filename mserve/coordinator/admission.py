@@ -1,0 +1,122 @@
+"""Admission: validate a client's request at the edge and turn it into prompt ids, before any pixel is decoded.
+
+Each image is hashed and only its header is read (for its size); the exact visual token count
+comes from the model family's processor rules, so the full prompt length is known here and every
+limit is enforced with a message that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mserve.common.model import ImageError, image_hash, image_size_from_header
+from mserve.common.prompt import PromptBuilder, normalize_messages
+
+
+class AdmissionError(ValueError):
+    """The request is invalid or over a limit; the message says which field and which limit."""
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    max_images_per_request: int = 8
+    max_prompt_tokens: int = 16384
+    max_tokens: int = 4096
+
+
+class SamplingIn(BaseModel):
+    # Unlike other bodies, unknown sampling fields are rejected, not ignored: silently dropping a
+    # parameter the client relies on (a typo, or one this server lacks) would change its results.
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class GenerateIn(BaseModel):
+    """The GENERATE body as a client sends it (extra fields from newer clients are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    request_id: str = Field(min_length=1, max_length=128)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    sampling: SamplingIn = Field(default_factory=SamplingIn)
+    priority: int = Field(0, ge=-100, le=100)
+    latency_class: Literal["interactive", "batch"] = "interactive"
+    stream: bool = False
+
+
+@dataclass
+class AdmittedImage:
+    hash: str
+    data: bytes
+    size: tuple[int, int]
+    num_tokens: int
+
+
+@dataclass
+class Admitted:
+    request: GenerateIn
+    prompt_ids: list[int]
+    images: list[AdmittedImage]
+
+    @property
+    def visual_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images)
+
+
+def _pydantic_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(x) for x in err["loc"]) or "request"
+        parts.append(f"{field}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Admitted:
+    try:
+        req = GenerateIn.model_validate(payload)
+    except ValidationError as exc:
+        raise AdmissionError(_pydantic_message(exc)) from None
+    if req.sampling.max_tokens > limits.max_tokens:
+        raise AdmissionError(f"sampling.max_tokens={req.sampling.max_tokens} is over the limit max_tokens={limits.max_tokens}")
+    try:
+        messages, images = normalize_messages(req.messages, allow_paths=False)
+    except ValueError as exc:
+        raise AdmissionError(str(exc)) from None
+    if len(images) > limits.max_images_per_request:
+        raise AdmissionError(f"{len(images)} images is over the limit max_images_per_request={limits.max_images_per_request}")
+    admitted_images = []
+    for i, data in enumerate(images):
+        if len(data) > limits.max_image_bytes:
+            raise AdmissionError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={limits.max_image_bytes}")
+        try:
+            w, h = image_size_from_header(data)
+            if w * h > limits.max_image_pixels:
+                raise AdmissionError(f"image {i} is {w}x{h} = {w * h} pixels, over the limit "
+                                     f"max_image_pixels={limits.max_image_pixels}")
+            tokens = builder.family.visual_token_count((w, h))
+        except ImageError as exc:
+            raise AdmissionError(f"image {i}: {exc}") from None
+        admitted_images.append(AdmittedImage(image_hash(data), data, (w, h), tokens))
+    try:
+        prompt = builder.prepare_normalized(messages, [im.size for im in admitted_images], images)
+    except (ValueError, TemplateError) as exc:  # templates reject some conversations (roles, order)
+        raise AdmissionError(f"the chat template rejected the messages: {exc}" if isinstance(exc, TemplateError)
+                             else str(exc)) from None
+    if len(prompt.prompt_ids) > limits.max_prompt_tokens:
+        raise AdmissionError(f"prompt is {len(prompt.prompt_ids)} tokens ({sum(i.num_tokens for i in admitted_images)} "
+                             f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}")
+    return Admitted(req, prompt.prompt_ids, admitted_images)

@@ -1,0 +1,190 @@
+"""Paged-KV block accounting: which block holds which tokens, who shares it, and what can be reused.
+
+Pure Python (no torch): the tensors live in `workers/paged_attention.py` (KVCache); this module only hands out block
+ids. Full blocks carry a chained hash (parent hash + token ids + the images they overlap), so a
+later prompt with the same prefix finds them again (prefix reuse) and a cluster can index them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mserve.common.hashing import ImageSpan, block_extra_keys, block_hash
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised when a request needs more KV blocks than the pool can free."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: str | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class BlockTable:
+    """One request's blocks in order, and how many of its leading tokens are hashed."""
+
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[str] = field(default_factory=list)
+
+
+class BlockPool:
+    """Hands out fixed-size KV blocks with ref counts, lazy-LRU reuse of freed hashed blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (oldest first). Freed hashed blocks go to the tail so the
+        # most recently used prefixes survive longest; a cache hit is pulled out in O(1).
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[str, int] = {}
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached-but-unreferenced ones included)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(1 for b in self._free if self.blocks[b].hash is not None)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _take_free_block(self) -> Block:
+        if not self._free:
+            raise OutOfBlocks(f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens are in use")
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict the stale prefix this block held
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block
+
+    def match_prefix(self, hashes: Sequence[str], token_ids: Sequence[int]) -> list[int]:
+        """Block ids already holding the leading full blocks of a prompt (no ref taken)."""
+        found: list[int] = []
+        for i, h in enumerate(hashes):
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            # Re-check the tokens: a hash is a claim, the token ids are the proof.
+            expected = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != expected:
+                break
+            found.append(block_id)
+        return found
+
+    def allocate(
+        self, table: BlockTable, num_tokens: int, hashes: Sequence[str] = (), token_ids: Sequence[int] = ()
+    ) -> int:
+        """Grow `table` to cover `num_tokens`; reuse cached prefix blocks when `table` is empty.
+
+        Returns the number of leading tokens whose K/V is already in the pool (prefix hits).
+        Raises OutOfBlocks, leaving `table` unchanged, when the pool cannot cover the request.
+        """
+        cached: list[int] = []
+        if not table.block_ids and hashes:
+            self.prefix_queries += 1
+            # Never reuse the block holding the last prompt token: its logits must be computed.
+            usable = (num_tokens - 1) // self.block_size
+            cached = self.match_prefix(hashes[:usable], token_ids)
+        needed = self.blocks_needed(num_tokens) - len(table.block_ids) - len(cached)
+        reusable_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if needed > len(self._free) - reusable_free:
+            raise OutOfBlocks(
+                f"KV pool exhausted: need {needed} more blocks of {self.block_size} tokens, "
+                f"{len(self._free) - reusable_free} free of {self.num_blocks}"
+            )
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            table.block_ids.append(block_id)
+            table.hashes.append(block.hash)  # type: ignore[arg-type]
+        if cached:
+            self.prefix_hits += 1
+        for _ in range(needed):
+            table.block_ids.append(self._take_free_block().block_id)
+        return len(cached) * self.block_size
+
+    def commit_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int,
+                           images: Sequence[ImageSpan] = ()) -> list[str]:
+        """Hash the blocks that became full (their K/V written) so later prompts can reuse them.
+
+        Returns the new hashes (the worker publishes them to the cluster's prefix index).
+        """
+        new: list[str] = []
+        full = min(num_computed // self.block_size, len(table.block_ids))
+        while len(table.hashes) < full:
+            i = len(table.hashes)
+            start, end = i * self.block_size, (i + 1) * self.block_size
+            parent = table.hashes[-1] if table.hashes else None
+            h = block_hash(parent, token_ids[start:end], block_extra_keys(start, end, images))
+            table.hashes.append(h)
+            block = self.blocks[table.block_ids[i]]
+            if block.hash is None and h not in self._hash_to_block:
+                block.hash, block.token_ids = h, tuple(token_ids[start:end])
+                self._hash_to_block[h] = block.block_id
+                new.append(h)
+        return new
+
+    def free(self, table: BlockTable) -> None:
+        """Drop one reference to each block of `table`; unreferenced blocks become reusable."""
+        # Reverse order: the tail of a prompt is the least likely to be shared, so evict it first.
+        for block_id in reversed(table.block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self._free[block_id] = None
+                    self._free.move_to_end(block_id, last=False)  # uncached: reuse first
+                else:
+                    self._free[block_id] = None
+        table.block_ids.clear()
+        table.hashes.clear()
+
+    # -- invariants ---------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """free + used == total, and every index entry points at a block holding that hash."""
+        used = [b for b in self.blocks if b.ref_count > 0]
+        assert len(used) + len(self._free) == self.num_blocks, "free + used != total"
+        for b in self._free:
+            assert self.blocks[b].ref_count == 0, f"free block {b} still referenced"
+        for h, b in self._hash_to_block.items():
+            assert self.blocks[b].hash == h, f"hash index points block {b} at a stale hash"
+        cached = sum(1 for b in self._free if self.blocks[b].hash is not None)
+        assert self.num_cached_blocks == cached and cached <= len(self._free)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "total_blocks": self.num_blocks,
+            "free_blocks": self.num_free_blocks,
+            "cached_blocks": self.num_cached_blocks,
+            "used_blocks": self.num_used_blocks,
+            "prefix_hits": self.prefix_hits,
+            "prefix_queries": self.prefix_queries,
+        }

@@ -1,0 +1,263 @@
+"""The stage engine: encode, prefill and continuous-batch decode over a paged KV pool, in one object.
+
+`step()` is schedule, run, postprocess. Workers of every role drive one Engine: an encode worker
+calls `encode()`, a prefill worker adds requests with `prefill_only=True` and exports their KV
+blocks, a decode worker imports blocks and steps; the unified role does all three.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from mserve.common.model import decode_image, image_hash
+from mserve.common.hashing import ImageSpan
+from mserve.workers.block_pool import BlockPool
+from mserve.workers.model_runner import EncodedImage, ModelRunner
+from mserve.workers.sampler import sample
+from mserve.workers.scheduler import Scheduler
+from mserve.workers.sequence import SamplingParams, Sequence as Seq
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    num_blocks: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = 20 * 1024 * 1024
+    threads: int | None = None
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestInput:
+    """What a caller hands the engine: prompt ids with placeholders already expanded, plus images."""
+
+    request_id: str
+    prompt_ids: list[int]
+    images: list[bytes] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.runner = ModelRunner(config.model_dir, device=config.device, dtype=config.dtype,
+                                  num_blocks=config.num_blocks, block_size=config.block_size, model=model)
+        self.family = self.runner.family
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   enable_prefix_caching=config.enable_prefix_caching)
+        self.requests: dict[str, Seq] = {}
+        gen = self.runner.model.generation_config
+        eos = gen.eos_token_id if gen is not None else None
+        self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.counters = {"encoded_images": 0, "prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        # Hashes of prompt blocks that became reusable here; a worker publishes them to the cluster.
+        self.new_prefix_hashes: list[str] = []
+
+    # -- encode ---------------------------------------------------------------------------------
+    def encode(self, images: Sequence[bytes]) -> list[EncodedImage]:
+        """Image bytes -> embeddings; every image is checked against the limits before decoding."""
+        for i, data in enumerate(images):
+            if len(data) > self.config.max_image_bytes:
+                raise ValueError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={self.config.max_image_bytes}")
+        pil = [decode_image(d, self.config.max_image_pixels) for d in images]
+        self.counters["encoded_images"] += len(pil)
+        return self.runner.encode_images(pil)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes] = (),
+                    encoded: Sequence[EncodedImage] | None = None, image_hashes: Sequence[str] | None = None,
+                    sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
+                    output_ids: Sequence[int] = ()) -> Seq:
+        """Queue a request. Images come as bytes (encoded here) or already encoded elsewhere.
+
+        `output_ids` resumes a request whose first tokens were already delivered (a re-run after a
+        worker died): they are recomputed like a preempted request's, and generation continues.
+        """
+        if not prompt_ids:
+            raise ValueError(f"request {request_id}: empty prompt (no token ids)")
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id}: already in this engine")
+        spans = self.family.image_spans(prompt_ids)
+        if encoded is None:
+            encoded = self.encode(images)
+            image_hashes = [image_hash(d) for d in images]
+        if len(spans) != len(encoded):
+            raise ValueError(f"request {request_id}: prompt has {len(spans)} image placeholder runs but {len(encoded)} images")
+        hashes = list(image_hashes or [f"anon-{request_id}-{i}" for i in range(len(encoded))])
+        for i, ((start, length), enc) in enumerate(zip(spans, encoded)):
+            if enc.embeds.shape[0] != length:
+                raise ValueError(f"request {request_id}: image {i} has {enc.embeds.shape[0]} embeddings "
+                                 f"for {length} placeholder tokens")
+        seq = Seq(request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling or SamplingParams(),
+                  images=[ImageSpan(s, n, h) for (s, n), h in zip(spans, hashes)],
+                  image_embeds=[e.embeds for e in encoded], priority=priority,
+                  eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids))
+        if self.family.uses_mrope:
+            seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, [e.grid_thw for e in encoded])
+        self.scheduler.add(seq)
+        self.requests[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+        self.scheduler.release_blocks(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.execute(chunks)
+        completing = [c for c in chunks if c.completes_sequence]
+        tokens = sample(logits, [c.seq.sampling for c in completing], [len(c.seq.output_ids) for c in completing])
+        self.counters["steps"] += 1
+        outputs: list[StepOutput] = []
+        for c in chunks:
+            c.seq.num_computed_tokens = c.end
+            is_decode = c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids)
+            self.counters["decode_tokens" if is_decode else "prefill_tokens"] += c.num_tokens
+            if self.config.enable_prefix_caching:
+                self.new_prefix_hashes += self.pool.commit_full_blocks(
+                    c.seq.block_table, c.seq.prompt_ids, min(c.end, len(c.seq.prompt_ids)), c.seq.images)
+        for c, tok in zip(completing, tokens):
+            seq = c.seq
+            seq.append_token(tok)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq, seq.finish_reason)
+                # A prefilled request keeps its blocks until export_kv hands them on.
+                if seq.finish_reason != "prefilled":
+                    self.scheduler.release_blocks(seq)
+                    self.requests.pop(seq.request_id, None)
+            outputs.append(StepOutput(seq.request_id, [tok], seq.is_finished, seq.finish_reason))
+        return outputs
+
+    def run_until_done(self) -> dict[str, list[int]]:
+        """Step until every queued request is finished; returns output ids per request."""
+        results: dict[str, list[int]] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return results
+
+    def generate(self, requests: Iterable[RequestInput]) -> dict[str, list[int]]:
+        for r in requests:
+            self.add_request(r.request_id, r.prompt_ids, images=r.images, sampling=r.sampling, priority=r.priority)
+        return self.run_until_done()
+
+    # -- KV hand-off (prefill -> decode) ------------------------------------------------------------
+    def export_kv(self, request_id: str, *, release: bool = True,
+                  alloc: Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, torch.Tensor]] | None = None
+                  ) -> dict[str, Any]:
+        """A prefilled request as a msgpack-able dict: metadata plus its KV blocks and prompt inputs.
+
+        `alloc` ({name: (shape, dtype)} -> {name: tensor}, e.g. a transfer engine's shared-memory
+        allocation) provides the buffers the tensors are written to, so they are copied once, straight
+        into what the decode side will read. Names: "kv", "mrope" (if any) and "emb{i}" per image.
+        """
+        seq = self.requests[request_id]
+        assert seq.num_computed_tokens > 0, f"request {request_id} has no computed KV to export"
+        n_blocks = self.pool.blocks_needed(seq.num_computed_tokens)
+        kv_cache = self.runner.kv
+        block_ids = seq.block_table.block_ids[:n_blocks]
+        kv, mrope, embeds = None, seq.mrope_positions, seq.image_embeds
+        if alloc is not None:
+            spec = {"kv": (kv_cache.export_shape(n_blocks), kv_cache.dtype)}
+            if mrope is not None:
+                spec["mrope"] = (tuple(mrope.shape), mrope.dtype)
+            spec.update({f"emb{i}": (tuple(e.shape), e.dtype) for i, e in enumerate(embeds)})
+            out = alloc(spec)
+            kv = kv_cache.export_blocks(block_ids, out=out["kv"])
+            if mrope is not None:
+                mrope = out["mrope"].copy_(mrope)
+            embeds = [out[f"emb{i}"].copy_(e) for i, e in enumerate(embeds)]
+        payload = {
+            "request_id": seq.request_id,
+            "prompt_ids": seq.prompt_ids,
+            "output_ids": seq.output_ids,
+            "num_computed_tokens": seq.num_computed_tokens,
+            "block_size": self.pool.block_size,
+            "kv": kv if kv is not None else kv_cache.export_blocks(block_ids),
+            "images": [[s.start, s.length, s.image_hash] for s in seq.images],
+            # Carried so the receiver can recompute the prompt if it must preempt the request.
+            "image_embeds": embeds,
+            "mrope_positions": mrope,
+            "rope_delta": seq.rope_delta,
+            "sampling": sampling_to_dict(seq.sampling),
+            "priority": seq.priority,
+        }
+        if release:
+            self.requests.pop(request_id, None)
+            self.scheduler.release_blocks(seq)
+        return payload
+
+    def import_kv(self, payload: dict[str, Any], *, request_id: str | None = None) -> Seq:
+        """Adopt a request prefilled elsewhere: copy its blocks into this pool and decode it here.
+
+        "kv" may be a view of someone else's memory (it is copied here); "image_embeds" and
+        "mrope_positions" are kept for the request's lifetime, so they must not be."""
+        if payload["block_size"] != self.pool.block_size:
+            raise ValueError(f"block size mismatch: sender {payload['block_size']}, receiver {self.pool.block_size}")
+        rid = request_id or payload["request_id"]
+        seq = Seq(request_id=rid, prompt_ids=list(payload["prompt_ids"]),
+                  sampling=sampling_from_dict(payload["sampling"]),
+                  images=[ImageSpan(int(s), int(n), str(h)) for s, n, h in payload["images"]],
+                  image_embeds=list(payload.get("image_embeds") or []),
+                  mrope_positions=payload.get("mrope_positions"), rope_delta=int(payload.get("rope_delta", 0)),
+                  priority=int(payload.get("priority", 0)), eos_token_ids=self.eos_token_ids)
+        seq.output_ids = list(payload["output_ids"])
+        n_computed = int(payload["num_computed_tokens"])
+        self.pool.allocate(seq.block_table, max(n_computed, seq.num_tokens))
+        kv = payload["kv"]
+        self.runner.kv.import_blocks(seq.block_table.block_ids[: kv.shape[2]], kv)
+        seq.num_computed_tokens = n_computed
+        if self.config.enable_prefix_caching:
+            self.pool.commit_full_blocks(seq.block_table, seq.prompt_ids, min(n_computed, len(seq.prompt_ids)), seq.images)
+        self.requests[rid] = seq
+        self.scheduler.add_running(seq)
+        return seq
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, **self.pool.stats(), "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions}
+
+
+def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
+    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+            "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos}
+
+
+def sampling_from_dict(d: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})

@@ -1,0 +1,159 @@
+"""Runs the checkpoint's own transformers modules: vision encoding, and one packed forward per engine step.
+
+The runner owns the model and the KV pool tensors. It never decides what to run (the scheduler
+does); it turns scheduled chunks into embeddings, positions and slot indices, calls the language
+model with the paged attention function, and returns the logits of requests that need a new token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from mserve.common.model import ModelFamily, load_family
+from mserve.workers import paged_attention
+from mserve.workers.paged_attention import KVCache, PagedBatch
+from mserve.workers.scheduler import ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EncodedImage:
+    """One image after the vision tower + projector: what prefill scatters into the prompt."""
+
+    embeds: torch.Tensor  # [num_visual_tokens, hidden]
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid; None for LLaVA
+
+
+def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | None = None):
+    """The checkpoint's own model class, in eval mode, with paged attention on the text model."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype))
+    model.to(device).eval()
+    # Only the language model reads the paged pool; the vision tower keeps its own attention.
+    model.model.language_model.config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
+    return model
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
+                 num_blocks: int = 1024, block_size: int = 16, model: torch.nn.Module | None = None) -> None:
+        self.device = torch.device(device)
+        self.family: ModelFamily = load_family(model_dir)
+        self.model = model if model is not None else load_vlm(model_dir, device, dtype)
+        self.dtype = next(self.model.parameters()).dtype
+        self.language_model = self.model.model.language_model
+        self.embed_tokens = self.language_model.get_input_embeddings()
+        text = self.model.config.text_config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.hidden_size = text.hidden_size
+        self.kv = KVCache(text.num_hidden_layers, num_blocks, text.num_key_value_heads, block_size, head_dim,
+                          dtype=self.dtype, device=self.device)
+        self._image_processor = None
+        self.model_dir = str(model_dir)
+
+    # -- encode stage ------------------------------------------------------------------------
+    @property
+    def image_processor(self):
+        if self._image_processor is None:
+            from transformers import AutoImageProcessor
+
+            # PIL backend: torchvision is not installed on CPU hosts.
+            self._image_processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
+        return self._image_processor
+
+    @torch.inference_mode()
+    def encode_images(self, images: Sequence) -> list[EncodedImage]:
+        """PIL images -> one embedding tensor per image, all images in one vision forward."""
+        if not images:
+            return []
+        inputs = self.image_processor(images=list(images), return_tensors="pt")
+        pixel_values = inputs["pixel_values"].to(self.device, self.dtype)
+        if self.family.uses_mrope:
+            grid = inputs["image_grid_thw"].to(self.device)
+            out = self.model.model.get_image_features(pixel_values=pixel_values, image_grid_thw=grid, return_dict=True)
+            grids = [tuple(int(x) for x in g) for g in grid.tolist()]
+        else:
+            cfg = self.model.config
+            out = self.model.model.get_image_features(
+                pixel_values=pixel_values,
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                return_dict=True,
+            )
+            grids = [None] * len(images)
+        return [EncodedImage(e.reshape(-1, self.hidden_size).contiguous(), g) for e, g in zip(out.pooler_output, grids)]
+
+    @torch.inference_mode()
+    def mrope_positions(self, prompt_ids: Sequence[int], grids: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
+        """Qwen2-VL 3-D positions of the prompt [3, P] and the rope delta decode adds to text positions."""
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        types = (ids == self.family.image_token_id).int()
+        grid_t = torch.tensor(list(grids), dtype=torch.long) if grids else None
+        pos, delta = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid_t)
+        return pos[:, 0], int(delta.reshape(-1)[0])
+
+    # -- prefill / decode step ---------------------------------------------------------------
+    def _positions(self, chunk: ScheduledChunk) -> list[int] | list[list[int]]:
+        seq, start, end = chunk.seq, chunk.start, chunk.end
+        if not self.family.uses_mrope:
+            return list(range(start, end))
+        # Prompt tokens take their 3-D M-RoPE positions; generated tokens continue at index + delta.
+        pos = [[p + seq.rope_delta for p in range(start, end)] for _ in range(3)]
+        prompt_end = min(end, len(seq.prompt_ids))
+        if seq.mrope_positions is not None and start < prompt_end:
+            head = seq.mrope_positions[:, start:prompt_end].tolist()
+            pos = [h + row[prompt_end - start :] for h, row in zip(head, pos)]
+        return pos
+
+    def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed input embeddings [1, T, hidden] (images scattered in) and position ids."""
+        ids: list[int] = []
+        positions: list = []
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start : c.end])
+            positions.append(self._positions(c))
+        embeds = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
+        offset = 0
+        for c in chunks:
+            for span, image in zip(c.seq.images, c.seq.image_embeds):
+                lo, hi = max(c.start, span.start), min(c.end, span.end)
+                if lo < hi:
+                    dst = offset + lo - c.start
+                    embeds[dst : dst + hi - lo] = image[lo - span.start : hi - span.start].to(embeds.dtype)
+            offset += c.num_tokens
+        if self.family.uses_mrope:
+            pos = torch.tensor([sum((p[r] for p in positions), []) for r in range(3)], device=self.device)[:, None]
+        else:
+            pos = torch.tensor(sum(positions, []), device=self.device)[None]
+        return embeds[None], pos
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """One packed forward; returns logits [num completing chunks, vocab] in chunk order."""
+        embeds, positions = self._inputs(chunks)
+        batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
+                                 self.device)
+        hidden = self.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
+                                     mserve_batch=batch).last_hidden_state[0]
+        last_rows, offset = [], 0
+        for c in chunks:
+            offset += c.num_tokens
+            if c.completes_sequence:
+                last_rows.append(offset - 1)
+        if not last_rows:
+            return hidden.new_empty((0, self.model.config.text_config.vocab_size))
+        rows = hidden[torch.tensor(last_rows, device=self.device)]
+        return self.model.lm_head(rows).float()

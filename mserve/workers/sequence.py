@@ -1,0 +1,115 @@
+"""One request's life inside an engine: its tokens, images, blocks, sampling settings and progress.
+
+No torch import here: the scheduler and block accounting are pure Python. The tensors a request
+carries (image embeddings, M-RoPE positions) are opaque to everything but the model runner.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from mserve.common.hashing import ImageSpan, prompt_block_hashes
+from mserve.workers.block_pool import BlockTable
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. temperature 0 means greedy (argmax)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+_arrival = itertools.count()
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    images: list[ImageSpan] = field(default_factory=list)
+    # One embedding tensor [num_visual_tokens, hidden] per entry of `images`, same order.
+    image_embeds: list[Any] = field(default_factory=list)
+    # Qwen2-VL: 3-D positions for the prompt [3, prompt_len] and the offset decode adds.
+    mrope_positions: Any = None
+    rope_delta: int = 0
+    priority: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    # Prefill workers stop after the first token and hand the KV blocks on.
+    prefill_only: bool = False
+
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    block_table: BlockTable = field(default_factory=BlockTable)
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    _prompt_hashes: list[str] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Higher priority first, then first come first served."""
+        return (-self.priority, self.arrival)
+
+    def prompt_hashes(self, block_size: int) -> list[str]:
+        if self._prompt_hashes is None:
+            self._prompt_hashes = prompt_block_hashes(self.prompt_ids, block_size, self.images)
+        return self._prompt_hashes
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token and finish the sequence if a stop condition holds."""
+        self.output_ids.append(token_id)
+        if not self.sampling.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif token_id in self.sampling.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.sampling.max_tokens:
+            self.finish_reason = "length"
+        elif self.prefill_only:
+            self.finish_reason = "prefilled"
