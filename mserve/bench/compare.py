@@ -219,7 +219,8 @@ def main(args: argparse.Namespace) -> int:
     import shlex
 
     from mserve.bench.report import compare_table
-    from mserve.bench.serve import build_trace, default_out, finish_run, json_rate, make_target, run_trace
+    from mserve.bench.serve import build_trace, default_out, finish_run, json_rate, run_trace
+    from mserve.bench.targets import make_target
     from mserve.bench.traces import save_trace
 
     def _terminate(*_: Any) -> None:

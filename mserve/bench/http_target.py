@@ -1,4 +1,8 @@
-"""Stdlib asyncio client that replays one TraceRequest against an OpenAI-compatible streaming chat server."""
+"""Stdlib asyncio client that replays one TraceRequest against an OpenAI-compatible streaming chat server.
+
+``run_request`` sends one request and returns its record; ``HttpTarget`` is the same behind the
+bench Target interface (mserve.bench.targets) that `mserve bench serve` drives.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
 from mserve.bench.metrics import RequestRecord
+from mserve.bench.targets import Target
 from mserve.bench.traces import TraceRequest
 
 # aiohttp is not a project dependency, so HTTP/1.1 is spoken by hand over asyncio streams.
@@ -262,16 +267,21 @@ async def run_request(
     back as a record with error and error_type set, keeping any partial timings.
     Without `usage` in the stream, output_tokens is the number of content chunks.
     """
-    opts = session_or_conn or HttpOptions()
     rec = RequestRecord(
         request_id=req.request_id, modality=req.modality, priority=req.priority, latency_class=req.latency_class
     )
+    await record_request(session_or_conn or HttpOptions(), base_url, model, req, rec)
+    return rec
+
+
+async def record_request(opts: HttpOptions, base_url: str, model: str, req: TraceRequest, rec: RequestRecord) -> None:
+    """run_request into a record the caller made (e.g. a subclass with more fields); never raises either."""
     try:
         # Encoding happens before start_s, as in vLLM, so base64 of big images is not billed to TTFT.
         body = json.dumps(build_payload(model, req, opts.extra_body)).encode()
     except (TypeError, ValueError) as exc:
         rec.error, rec.error_type = f"cannot encode request: {exc}", "BadRequest"
-        return rec
+        return
     rec.start_s = time.perf_counter()
     try:
         await asyncio.wait_for(_exchange(base_url, opts, body, rec), timeout=opts.timeout_s)
@@ -285,4 +295,18 @@ async def run_request(
         rec.error, rec.error_type = repr(exc), type(exc).__name__
     if rec.end_s is None:
         rec.end_s = time.perf_counter()
-    return rec
+
+
+class HttpTarget(Target):
+    """An OpenAI-compatible streaming chat server as a bench Target: one connection per request.
+
+    open/close/prepare are Target's no-ops: the JSON body is built in ``run``, before ``start_s``
+    (as in vLLM), so a whole trace's base64 bodies are never held at once.
+    """
+
+    def __init__(self, base_url: str, model: str, *, ignore_eos: bool, timeout_s: float) -> None:
+        self.base_url, self.model = base_url.rstrip("/"), model
+        self.opts = HttpOptions(timeout_s=timeout_s, extra_body={"ignore_eos": True} if ignore_eos else {})
+
+    async def run(self, req: TraceRequest, prepared: None, rec: RequestRecord) -> None:
+        await record_request(self.opts, self.base_url, self.model, req, rec)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import math
 import sys
 import time
@@ -21,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-# Only stdlib at module level: `mserve --help` builds this module's parser. numpy, torch (via the
-# ZeroMQ client) and the trace/metric modules are imported where used.
+from mserve.bench.targets import Target, make_target
+
+# Only stdlib at module level (targets.py included): `mserve --help` builds this module's parser. numpy,
+# the targets' clients and the trace/metric modules are imported where used.
 
 STAGES = ("queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s", "worker_s", "total_s")
 
@@ -93,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default out/bench/serve-TRACE-TIME)")
 
 
-# --------------------------------------------------------------------------- records and targets
+# --------------------------------------------------------------------------- records
 
 
 _RECORD_CLASS: Any = None
@@ -124,46 +125,6 @@ def record_class() -> Any:
 def new_record(req: Any) -> Any:
     return record_class()(request_id=req.request_id, modality=req.modality, priority=req.priority,
                           latency_class=req.latency_class, conversation_id=req.conversation_id, turn=req.turn)
-
-
-class HttpTarget:
-    """An OpenAI-compatible streaming chat server through mserve.bench.http_target."""
-
-    def __init__(self, base_url: str, model: str, *, ignore_eos: bool, timeout_s: float) -> None:
-        from mserve.bench.http_target import HttpOptions
-
-        self.base_url, self.model = base_url.rstrip("/"), model
-        self.opts = HttpOptions(timeout_s=timeout_s, extra_body={"ignore_eos": True} if ignore_eos else {})
-
-    async def open(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def prepare(self, req: Any) -> Any:
-        return None
-
-    async def run(self, req: Any, prepared: Any, rec: Any) -> None:
-        from mserve.bench.http_target import run_request
-
-        got = await run_request(self.opts, self.base_url, self.model, req)
-        for f in dataclasses.fields(got):
-            setattr(rec, f.name, getattr(got, f.name))
-        if rec.first_token_s is None and rec.token_times_s:
-            rec.first_token_s = rec.token_times_s[0]
-
-
-def make_target(url: str, model: str | None, *, ignore_eos: bool, timeout_s: float) -> Any:
-    if url.startswith(("zmq://", "tcp://", "ipc://")):
-        from mserve.bench.zmq_target import ZmqTarget
-
-        return ZmqTarget(url, ignore_eos=ignore_eos, timeout_s=timeout_s)
-    if url.startswith(("http://", "https://")):
-        if not model:
-            raise SystemExit("error: --model NAME is required for an HTTP target")
-        return HttpTarget(url, model, ignore_eos=ignore_eos, timeout_s=timeout_s)
-    raise SystemExit(f"error: --target {url!r}: expected zmq://HOST:PORT or http://HOST:PORT/v1")
 
 
 # --------------------------------------------------------------------------- the load generator
@@ -199,7 +160,7 @@ class Progress:
             sys.stderr.flush()
 
 
-async def drive(target: Any, trace: Sequence[Any], *, max_concurrency: int | None = None,
+async def drive(target: Target, trace: Sequence[Any], *, max_concurrency: int | None = None,
                 progress: Progress | None = None) -> tuple[list[Any], dict[str, Any]]:
     """Send the trace at its arrival times; return (records in trace order, load generator stats)."""
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
@@ -285,7 +246,7 @@ def loadgen_stats(trace: Sequence[Any], records: Sequence[Any], t0: float) -> di
     return out
 
 
-async def _warmup(target: Any, n: int, max_tokens: int) -> None:
+async def _warmup(target: Target, n: int, max_tokens: int) -> None:
     """Untimed requests (text and image alternately) so first-call costs do not land in the run."""
     from mserve.bench.traces import make_trace
 
@@ -296,7 +257,7 @@ async def _warmup(target: Any, n: int, max_tokens: int) -> None:
         await target.run(req, target.prepare(req), new_record(req))
 
 
-async def run_trace(target: Any, trace: Sequence[Any], *, max_concurrency: int | None = None, warmup: int = 0,
+async def run_trace(target: Target, trace: Sequence[Any], *, max_concurrency: int | None = None, warmup: int = 0,
                     max_tokens: int = 8, progress_label: str | None = "serve") -> tuple[list[Any], dict[str, Any]]:
     """Open the target, warm it up, drive the trace, close the target."""
     await target.open()

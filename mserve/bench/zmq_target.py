@@ -1,22 +1,26 @@
 """The ZeroMQ target of `mserve bench serve`: one TraceRequest through MServe's AsyncClient, every token timed.
 
-Workaround kept here until coordinator/client.py fixes it: AsyncClient's reader task waits on the
-DEALER's edge-triggered ZMQ_FD, but the client's sends go through the same socket, and a send makes
-libzmq process pending commands, which can consume the read edge while replies sit unread. The
-reader then sleeps forever. Seen intermittently with AsyncClient alone: requests streamed at 100 req/s
-to a unified tiny cluster, 37 of 200 completed and the rest timed out although the coordinator had
-answered every one. So after every send, and every 5 ms in a watchdog, the target drains whatever
-zmq.EVENTS says is readable, exactly as the reader loop would (0 losses in 10 runs of 200-2500 requests).
+A bench Target (mserve.bench.targets) built on AsyncClient's public API only:
+
+* ``AsyncTokenStream.chunks()`` yields the tokens of each reply as it arrives, so every token is
+  stamped with the arrival of the TOKENS message that carried it (tokens of one message share a time).
+* ``AsyncClient(poll_interval_s=0.005)``: the client's reader also looks at the socket every 5 ms,
+  so a readiness edge consumed by a send (see AsyncClient's docstring) delays a reply by 5 ms at
+  most, not the default 50 ms that would show up in the measured latencies. (This used to be a
+  watchdog task here that drained the client's socket through its private members every 5 ms.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
+from mserve.bench.targets import Target
 
-class ZmqTarget:
+POLL_INTERVAL_S = 0.005
+
+
+class ZmqTarget(Target):
     """MServe's AsyncClient: one DEALER for all requests; each TOKENS message's arrival is timestamped."""
 
     def __init__(self, address: str, *, ignore_eos: bool, timeout_s: float) -> None:
@@ -24,37 +28,15 @@ class ZmqTarget:
         self.ignore_eos = ignore_eos
         self.timeout_s = timeout_s
         self.client: Any = None
-        self._watchdog: asyncio.Task | None = None
 
     async def open(self) -> None:
         from mserve.coordinator.client import AsyncClient
 
-        self.client = AsyncClient(self.address, timeout_s=self.timeout_s)
-        self._watchdog = asyncio.create_task(self._watch())
+        self.client = AsyncClient(self.address, timeout_s=self.timeout_s, poll_interval_s=POLL_INTERVAL_S)
 
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
         if self.client is not None:
             await self.client.close()
-
-    def _drain(self) -> None:
-        import zmq
-
-        from mserve.coordinator.client import _recv_valid
-
-        client = self.client
-        if client is None or client._closed:
-            return
-        while client._sock.get(zmq.EVENTS) & zmq.POLLIN:
-            reply = _recv_valid(client._sock, zmq.NOBLOCK)
-            if reply is not None:
-                client._dispatch(*reply)
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(0.005)
-            self._drain()
 
     def prepare(self, req: Any) -> Any:
         """The stream object (request body built, nothing sent): done before the clock starts."""
@@ -66,20 +48,11 @@ class ZmqTarget:
         from mserve.coordinator.client import MServeError
 
         times = rec.token_times_s
-        asm = getattr(stream, "_asm", None)
         rec.start_s = time.perf_counter()
         try:
-            if hasattr(stream, "_start"):  # send now, so the reader can be nudged right after the send
-                await stream._start()
-                self._drain()
-            while True:
-                # A token already buffered came in the same TOKENS message as the previous one: same arrival.
-                buffered = asm is not None and len(asm.ready) > 0
-                try:
-                    await stream.__anext__()
-                except StopAsyncIteration:
-                    break
-                times.append(times[-1] if buffered and times else time.perf_counter())
+            async for ids in stream.chunks():  # the request is sent on the first iteration
+                now = time.perf_counter()
+                times.extend([now] * len(ids))
             rec.end_s = time.perf_counter()
             res = stream.result
             rec.output_tokens = len(res.token_ids)

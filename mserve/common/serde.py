@@ -28,16 +28,23 @@ Buffer lifetimes and copies (integrators: read this):
   Buffers whose address is not a multiple of the element size are copied too, so kernels never
   see misaligned data.
 * Decoded tensors are always on the CPU.
+
+torch is imported lazily, the first time a tensor is decoded (or the dtype tables are read):
+a process that only exchanges plain bodies (the client) never loads it. Encoding recognises
+tensors through ``sys.modules``: if torch was never imported, no value can be a tensor.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -57,20 +64,30 @@ _EXT_TENSOR_FRAME = 1
 _EXT_TENSOR_INLINE = 2
 _FIRST_TENSOR_FRAME = 2
 
-# The only dtypes a peer may name. A closed table is what keeps decoding free of code execution.
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# The only dtypes a peer may name (each is the torch attribute of that name). A closed table is
+# what keeps decoding free of code execution.
+_WIRE_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+_tables: tuple[dict[str, torch.dtype], dict[torch.dtype, str]] | None = None
+
+
+def _dtype_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """(DTYPES, DTYPE_NAMES), built on first use; this is where serde imports torch."""
+    global _tables
+    if _tables is None:
+        import torch
+
+        dtypes = {name: getattr(torch, name) for name in _WIRE_DTYPES}
+        _tables = dtypes, {v: k for k, v in dtypes.items()}
+    return _tables
+
+
+def __getattr__(name: str) -> Any:
+    # DTYPES (name -> torch.dtype) and DTYPE_NAMES (the reverse) are module attributes built lazily.
+    if name == "DTYPES":
+        return _dtype_tables()[0]
+    if name == "DTYPE_NAMES":
+        return _dtype_tables()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class WireError(ValueError):
@@ -87,6 +104,8 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """A flat byte view of ``t``'s data, sharing memory with ``t`` whenever possible."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -107,9 +126,10 @@ def encode(msg_type: int, body: Any) -> list[bytes | memoryview]:
     buffers: list[memoryview] = []
 
     def default(obj: Any) -> msgpack.ExtType:
-        if not isinstance(obj, torch.Tensor):
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(obj, torch.Tensor):
             raise TypeError(f"cannot serialize object of type {type(obj).__name__}")
-        name = DTYPE_NAMES.get(obj.dtype)
+        name = _dtype_tables()[1].get(obj.dtype)
         if name is None:
             raise TypeError(f"unsupported tensor dtype {obj.dtype}")
         shape = list(obj.shape)
@@ -149,7 +169,7 @@ def _parse_header(data: bytes, with_index: bool) -> tuple[torch.dtype, list[int]
     if not isinstance(header, list) or len(header) != 3:
         raise WireError("tensor header must be [dtype, shape, frame|data]")
     name, shape, last = header
-    if not isinstance(name, str) or name not in DTYPES:
+    if not isinstance(name, str) or name not in _WIRE_DTYPES:
         raise WireError(f"unknown tensor dtype {name!r}")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -160,10 +180,12 @@ def _parse_header(data: bytes, with_index: bool) -> tuple[torch.dtype, list[int]
             raise WireError(f"tensor frame index must be an int, got {last!r}")
     elif not isinstance(last, bytes):
         raise WireError("inline tensor data must be bytes")
-    return DTYPES[name], shape, last
+    return _dtype_tables()[0][name], shape, last
 
 
 def _build_tensor(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    import torch
+
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = math.prod(shape) * itemsize
     if buf.nbytes != expected:

@@ -1,4 +1,8 @@
-"""The asyncio client: many concurrent requests over one DEALER socket (see coordinator/client.py)."""
+"""The asyncio client: many concurrent requests over one DEALER socket (see coordinator/client.py).
+
+Builds only on client_core (never on client.py, which re-exports AsyncClient), so either module can be
+imported first.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import zmq
 import zmq.asyncio
@@ -14,10 +18,11 @@ import zmq.asyncio
 from mserve.common import protocol
 from mserve.common.protocol import MsgType
 from mserve.common.sockets import make_socket, send
-from mserve.coordinator.client import (Aborted, GenerateResult, MServeError, RequestTimeout, ServerError, _Assembler,
-                                _generate_body, _new_identity, _new_request_id, _recv_valid, _send_abort, _StreamState)
+from mserve.coordinator.client_core import (Aborted, Assembler, GenerateResult, MServeError, RequestTimeout,
+                                            ServerError, StreamState, generate_body, logger, new_identity,
+                                            new_request_id, recv_valid, send_abort)
 
-logger = logging.getLogger("mserve.coordinator.client")
+__all__ = ["AsyncClient", "AsyncTokenStream"]
 
 # --------------------------------------------------------------------------- async client
 
@@ -29,13 +34,22 @@ class AsyncClient:
     of it only waits for readiness: sends then never wait on the loop, so ABORT can go out from
     ``close()`` or a finalizer, and the shared ``send``/``recv`` helpers are used unchanged.
     Use it from one event loop.
+
+    ``poll_interval_s`` bounds how late a reply can be read. The reader waits on the socket's
+    edge-triggered FD, and a send on the same socket can consume a "readable" edge while replies sit
+    unread; after each send the client reads what is queued, and the reader also looks at the socket
+    every ``poll_interval_s`` even without an edge. The default (50 ms) costs nothing measurable; a
+    benchmark timing every token wants a few milliseconds (mserve.bench.zmq_target uses 5 ms).
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 120.0, poll_interval_s: float = 0.05) -> None:
+        if not poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.address = address
         self.timeout_s = timeout_s
+        self.poll_interval_s = poll_interval_s
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=address, identity=_new_identity())
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=address, identity=new_identity())
         self._waiter: zmq.asyncio.Socket | None = None  # created inside the running loop
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[str, asyncio.Queue[tuple[int | None, Any]]] = {}
@@ -60,10 +74,10 @@ class AsyncClient:
                 request_id: str | None, sampling: dict[str, Any]) -> AsyncTokenStream:
         if self._closed:
             raise RuntimeError("client is closed")
-        rid = _new_request_id(request_id)
+        rid = new_request_id(request_id)
         if rid in self._pending:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
-        payload = _generate_body(rid, messages, stream, **sampling)
+        payload = generate_body(rid, messages, stream, **sampling)
         return AsyncTokenStream(self, rid, payload, self.timeout_s if timeout_s is None else timeout_s)
 
     async def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
@@ -82,7 +96,7 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         if not self._closed:
-            _send_abort(self._sock, request_id)
+            send_abort(self._sock, request_id)
             self._drain()
 
     async def close(self) -> None:
@@ -91,7 +105,7 @@ class AsyncClient:
             return
         self._closed = True
         for rid, queue in list(self._pending.items()):
-            _send_abort(self._sock, rid)
+            send_abort(self._sock, rid)
             queue.put_nowait((None, Aborted("client closed", request_id=rid)))
         if self._reader is not None:
             self._reader.cancel()
@@ -133,7 +147,7 @@ class AsyncClient:
     def _drain(self) -> None:
         while True:
             try:
-                reply = _recv_valid(self._sock, zmq.NOBLOCK)
+                reply = recv_valid(self._sock, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if reply is not None:
@@ -141,10 +155,11 @@ class AsyncClient:
 
     async def _read_loop(self) -> None:
         assert self._waiter is not None
+        poll_ms = max(1, round(self.poll_interval_s * 1000))
         try:
             while True:
-                # Edge-triggered FD: also look every 50 ms in case an edge was consumed elsewhere.
-                await self._waiter.poll(50, zmq.POLLIN)
+                # Edge-triggered FD: also look every poll_ms in case an edge was consumed elsewhere.
+                await self._waiter.poll(poll_ms, zmq.POLLIN)
                 self._drain()
         except asyncio.CancelledError:
             raise
@@ -172,7 +187,7 @@ class AsyncClient:
         queue.put_nowait((kind, payload))
 
 
-class AsyncTokenStream(_StreamState):
+class AsyncTokenStream(StreamState):
     """Async iterator of token ids for one request of an AsyncClient; ``.result`` once exhausted."""
 
     def __init__(self, client: AsyncClient, request_id: str, payload: dict[str, Any], timeout_s: float) -> None:
@@ -182,19 +197,37 @@ class AsyncTokenStream(_StreamState):
         self._timeout_s = timeout_s
         self._deadline = 0.0
         self._queue: asyncio.Queue[tuple[int | None, Any]] | None = None
-        self._asm = _Assembler(request_id)
+        self._asm = Assembler(request_id)
         self._closed = False
 
     def __aiter__(self) -> AsyncTokenStream:
         return self
 
     async def __anext__(self) -> int:
+        if not await self._fill():
+            raise StopAsyncIteration
+        return self._asm.ready.popleft()
+
+    async def chunks(self) -> AsyncIterator[list[int]]:
+        """The token ids grouped by arrival: ``async for ids in stream.chunks()``.
+
+        Each list holds the tokens one reply added (a TOKENS message, or the tail only RESULT
+        carried), so the time an item is received is the arrival time of all its tokens. Use either
+        this or token-by-token iteration on one stream, not both. ``.result`` is set once exhausted.
+        """
+        while await self._fill():
+            ids = list(self._asm.ready)
+            self._asm.ready.clear()
+            yield ids
+
+    async def _fill(self) -> bool:
+        """Wait until tokens are ready (True) or the request is over (False); sends on first use."""
         if self._queue is None and not self._closed:
             await self._start()
         while not self._asm.ready:
             if self.done:
                 self._release()
-                raise StopAsyncIteration
+                return False
             assert self._queue is not None
             try:
                 kind, payload = await asyncio.wait_for(self._queue.get(), self._deadline - time.monotonic())
@@ -214,7 +247,7 @@ class AsyncTokenStream(_StreamState):
             except MServeError:
                 self.close()
                 raise
-        return self._asm.ready.popleft()
+        return True
 
     async def _start(self) -> None:
         client = self._client
@@ -234,7 +267,7 @@ class AsyncTokenStream(_StreamState):
     def close(self) -> None:
         """Stop early: sends ABORT unless the server already finished (or it was never sent)."""
         if not self.done and self._queue is not None and not self._client._closed:
-            _send_abort(self._client._sock, self.request_id)
+            send_abort(self._client._sock, self.request_id)
         self._closed = True
         self._release()
 

@@ -23,8 +23,8 @@ from typing import Sequence
 
 from mserve.common.redis_server import RedisServer
 
-# mserve.common.sockets and mserve.coordinator.client pull in torch (via serde): imported where used, so that
-# `mserve --help`, which builds this module's parser, stays instant.
+# zmq and the client are imported where used, so that `mserve --help`, which builds this module's
+# parser, stays instant.
 
 logger = logging.getLogger(__name__)
 

@@ -123,3 +123,28 @@ def test_multiturn_history_payload() -> None:
     assert [m["role"] for m in msgs] == ["user", "assistant"] * later.turn + ["user"]
     assert isinstance(msgs[1]["content"], str)
     assert msgs[0]["content"][0]["type"] == "image_url"
+
+
+def test_http_target_fills_the_serve_record_through_run_trace() -> None:
+    """HttpTarget behind the Target interface: the same record run_request gives, in the record serve made."""
+    from mserve.bench.http_target import HttpTarget
+    from mserve.bench.serve import record_class, run_trace
+    from mserve.bench.targets import Target
+
+    async def go() -> tuple[list, list[dict[str, Any]]]:
+        seen: list[dict[str, Any]] = []
+        server = await asyncio.start_server(lambda r, w: _handle(r, w, seen), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        target = HttpTarget(f"http://127.0.0.1:{port}/v1/", "good", ignore_eos=True, timeout_s=30)
+        assert isinstance(target, Target) and target.prepare(REQ) is None
+        async with server:
+            records, _ = await run_trace(target, [REQ], progress_label=None)
+        return records, seen
+
+    (r,), seen = asyncio.run(go())
+    assert type(r) is record_class() and r.request_id == REQ.request_id and r.modality == REQ.modality
+    assert r.ok and r.output_tokens == 5 and len(r.token_times_s) == 5 and r.prompt_tokens == 42
+    assert r.start_s < r.first_token_s == r.token_times_s[0] <= r.end_s and r.scheduled_s <= r.start_s
+    assert r.cache_hits == {"prefix": (16, 42)}
+    assert seen[0]["request_line"] == "POST /v1/chat/completions HTTP/1.1"
+    assert seen[0]["body"]["ignore_eos"] is True and "authorization" not in seen[0]["headers"]

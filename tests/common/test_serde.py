@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -296,3 +299,25 @@ def test_fuzz_only_wire_error():
         except WireError:
             pass
     assert count > 500
+
+
+def test_torch_is_imported_only_to_decode_a_tensor():
+    """Plain bodies never load torch; the first tensor decoded does (same frames, same results)."""
+    frames = [bytes(f) for f in encode(5, {"t": torch.arange(300, dtype=torch.int16), "s": "x"})]
+    code = (
+        "import sys\n"
+        "from mserve.common.serde import decode, encode\n"
+        "plain = [bytes(f) for f in encode(4, {'a': [1, 2.5, None, b'b'], 's': 'x'})]\n"
+        "assert decode(plain) == (4, {'a': [1, 2.5, None, b'b'], 's': 'x'})\n"
+        "try:\n"
+        "    encode(4, {1, 2})\n"
+        "except TypeError:\n"
+        "    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported for plain bodies'\n"
+        f"kind, body = decode({frames!r})\n"
+        "assert 'torch' in sys.modules and kind == 5 and body['s'] == 'x'\n"
+        "assert body['t'].tolist() == list(range(300)) and str(body['t'].dtype) == 'torch.int16'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr

@@ -1,17 +1,24 @@
-"""Client pure parts, no server: message normalization, error mapping, reply assembly, launcher commands."""
+"""Client pure parts, no cluster: message normalization, error mapping, reply assembly, module imports, token
+chunks against an in-test ROUTER, launcher commands."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zmq
 
 from mserve.common import protocol
 from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.serde import SCHEMA_VERSION
+from mserve.common.sockets import make_socket, recv, send
 from mserve.coordinator.client import (
     Aborted,
+    AsyncClient,
     BadRequest,
     GenerateResult,
     MServeError,
@@ -19,11 +26,10 @@ from mserve.coordinator.client import (
     Overloaded,
     RequestTimeout,
     ServerError,
-    _Assembler,
-    _generate_body,
     error_from_reply,
     normalize_client_messages,
 )
+from mserve.coordinator.client_core import Assembler, generate_body
 from mserve.coordinator.launcher import LocalCluster
 from tests.helpers import make_image
 
@@ -103,9 +109,9 @@ def test_input_is_not_modified_and_extra_keys_survive(tmp_path):
 
 
 def test_generate_body_has_the_protocol_fields():
-    body = _generate_body("r1", user({"type": "text", "text": "hi"}), True, max_tokens=5, seed=3,
-                          stop_token_ids=(7, 8), latency_class="batch", priority=2)
-    assert body["v"] == protocol.SCHEMA_VERSION
+    body = generate_body("r1", user({"type": "text", "text": "hi"}), True, max_tokens=5, seed=3,
+                         stop_token_ids=(7, 8), latency_class="batch", priority=2)
+    assert body["v"] == SCHEMA_VERSION
     protocol.validate(MsgType.GENERATE, body, protocol.CLIENT_TO_COORDINATOR)
     assert body["sampling"] == {"max_tokens": 5, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 3,
                                 "stop_token_ids": [7, 8], "ignore_eos": False}
@@ -141,7 +147,7 @@ def result(ids, rid="r"):
 
 
 def test_assembler_drops_resent_overlap():
-    asm = _Assembler("r")
+    asm = Assembler("r")
     for reply in (tokens(0, [1, 2]), tokens(2, [3]), tokens(1, [2, 3, 4]), tokens(0, [1]), result([1, 2, 3, 4])):
         asm.feed(*reply)
     assert list(asm.ready) == [1, 2, 3, 4] and asm.finished
@@ -150,14 +156,14 @@ def test_assembler_drops_resent_overlap():
 
 
 def test_assembler_hands_out_result_tail_not_streamed():
-    asm = _Assembler("r")
+    asm = Assembler("r")
     asm.feed(*tokens(0, [5]))
     asm.feed(*result([5, 6, 7]))
     assert list(asm.ready) == [5, 6, 7]
 
 
 def test_assembler_refuses_a_gap():
-    asm = _Assembler("r")
+    asm = Assembler("r")
     asm.feed(*tokens(0, [1]))
     with pytest.raises(ServerError, match="gap: expected index 1, got 3"):
         asm.feed(*tokens(3, [4]))
@@ -165,7 +171,7 @@ def test_assembler_refuses_a_gap():
 
 
 def test_assembler_error_ends_the_request_with_our_id():
-    asm = _Assembler("r")
+    asm = Assembler("r")
     with pytest.raises(Overloaded) as info:
         asm.feed(MsgType.ERROR, {"request_id": None, "code": ErrorCode.OVERLOADED, "message": "queue full"})
     assert asm.finished and info.value.request_id == "r"
@@ -175,6 +181,60 @@ def test_result_body_without_optional_fields():
     r = GenerateResult.from_body({"request_id": "r", "token_ids": [], "text": "", "finish_reason": "stop",
                                   "timings": {}})
     assert (r.prompt_tokens, r.visual_tokens, r.cache_hits, r.attempts) == (0, 0, {}, 1)
+
+
+# ---- module structure
+
+
+@pytest.mark.parametrize("modules", [("async_client", "client"), ("client", "async_client")])
+def test_client_modules_import_alone_in_either_order_without_torch(modules):
+    imports = ", ".join(f"mserve.coordinator.{m}" for m in modules)
+    code = (f"import {imports}, mserve.common.sockets, mserve.common.protocol, mserve.common.serde, sys\n"
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "from mserve.coordinator.client import AsyncClient, Client, MServeError\n"
+            "from mserve.coordinator import async_client\n"
+            "assert AsyncClient is async_client.AsyncClient\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr
+
+
+# ---- AsyncClient against an in-test ROUTER (no cluster)
+
+
+async def _serve_chunks(router: zmq.Socket, replies: list[tuple[MsgType, dict]]) -> list[list[int]]:
+    """Answer one GENERATE with `replies` (all sent at once) and collect the stream's chunks."""
+    async with AsyncClient(router.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=10,
+                           poll_interval_s=0.005) as client:
+        stream = client.stream(user({"type": "text", "text": "hi"}), request_id="r", max_tokens=4)
+        chunks = stream.chunks()
+        first = asyncio.ensure_future(chunks.__anext__())  # sends GENERATE
+        loop = asyncio.get_running_loop()
+        identity, kind, body = await loop.run_in_executor(None, lambda: recv(router))
+        assert (kind, body["request_id"], body["stream"]) == (MsgType.GENERATE, "r", True)
+        for reply_kind, reply in replies:
+            send(router, reply_kind, protocol.body(**reply), identity=identity)
+        got = [await first]
+        got += [ids async for ids in chunks]
+        assert stream.done and stream.result is not None and stream.result.token_ids == [1, 2, 3, 4]
+        return got
+
+
+def test_async_stream_chunks_group_tokens_by_reply():
+    ctx = zmq.Context()
+    router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+    try:
+        got = asyncio.run(_serve_chunks(router, [tokens(0, [1, 2]), tokens(2, [3]), result([1, 2, 3, 4])]))
+    finally:
+        router.close(linger=0)
+        ctx.term()
+    assert got == [[1, 2], [3], [4]]  # the last token only came with RESULT
+
+
+def test_async_client_refuses_a_bad_poll_interval():
+    with pytest.raises(ValueError, match="poll_interval_s"):
+        AsyncClient("tcp://127.0.0.1:1", poll_interval_s=0)
 
 
 # ---- launcher commands (nothing started)
