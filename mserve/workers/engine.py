@@ -33,6 +33,7 @@ class EngineConfig:
     num_blocks: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens: int | None = None  # prompt tokens per step (the chunk cap); None: the whole budget
     enable_prefix_caching: bool = True
     max_image_pixels: int = 4096 * 4096
     max_image_bytes: int = 20 * 1024 * 1024
@@ -69,6 +70,7 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_prefill_tokens=config.max_prefill_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[str, Seq] = {}
         gen = self.runner.model.generation_config
@@ -92,7 +94,7 @@ class Engine:
     def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes] = (),
                     encoded: Sequence[EncodedImage] | None = None, image_hashes: Sequence[str] | None = None,
                     sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
-                    output_ids: Sequence[int] = ()) -> Seq:
+                    output_ids: Sequence[int] = (), latency_class: str = "interactive") -> Seq:
         """Queue a request. Images come as bytes (encoded here) or already encoded elsewhere.
 
         `output_ids` resumes a request whose first tokens were already delivered (a re-run after a
@@ -115,7 +117,7 @@ class Engine:
                                  f"for {length} placeholder tokens")
         seq = Seq(request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling or SamplingParams(),
                   images=[ImageSpan(s, n, h) for (s, n), h in zip(spans, hashes)],
-                  image_embeds=[e.embeds for e in encoded], priority=priority,
+                  image_embeds=[e.embeds for e in encoded], priority=priority, latency_class=latency_class,
                   eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids))
         if self.family.uses_mrope:
             seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, [e.grid_thw for e in encoded])
@@ -217,6 +219,7 @@ class Engine:
             "rope_delta": seq.rope_delta,
             "sampling": sampling_to_dict(seq.sampling),
             "priority": seq.priority,
+            "latency_class": seq.latency_class,
         }
         if release:
             self.requests.pop(request_id, None)
@@ -236,7 +239,8 @@ class Engine:
                   images=[ImageSpan(int(s), int(n), str(h)) for s, n, h in payload["images"]],
                   image_embeds=list(payload.get("image_embeds") or []),
                   mrope_positions=payload.get("mrope_positions"), rope_delta=int(payload.get("rope_delta", 0)),
-                  priority=int(payload.get("priority", 0)), eos_token_ids=self.eos_token_ids)
+                  priority=int(payload.get("priority", 0)), eos_token_ids=self.eos_token_ids,
+                  latency_class=str(payload.get("latency_class", "interactive")))
         seq.output_ids = list(payload["output_ids"])
         n_computed = int(payload["num_computed_tokens"])
         self.pool.allocate(seq.block_table, max(n_computed, seq.num_tokens))

@@ -1,13 +1,18 @@
 """Decides, each engine step, which requests run and how many of their tokens: pure Python, no torch.
 
-One token budget per step covers decode tokens (one per running request) and prefill chunks
-(prompts longer than what is left of the budget are prefilled over several steps). Requests are
-admitted only when the pool can hold their whole prompt; when a running request cannot grow, the
-lowest-priority, latest request is preempted (its blocks freed, its tokens recomputed later).
+A step first gives every running request that is decoding its one token, then spends at most
+`max_prefill_tokens` (the chunk cap) on prompts, so a stream never waits behind more than one
+chunk. Prompts (new ones and half-prefilled ones alike) are served in policy order: higher
+priority first, then the `interactive` latency class, then the fewest remaining prompt tokens,
+where waiting counts as progress (`aging_tokens_per_s`) so a long prompt cannot starve. A new
+request is admitted only when the pool can hold its whole prompt; when a running request cannot
+grow, the lowest-priority, latest request is preempted (blocks freed, tokens recomputed later).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
@@ -30,14 +35,22 @@ class ScheduledChunk:
         return self.end == self.seq.num_tokens
 
 
+LATENCY_CLASSES = ("interactive", "batch")  # in serving order
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True) -> None:
+                 max_prefill_tokens: int | None = None, aging_tokens_per_s: float = 1000.0,
+                 enable_prefix_caching: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = min(max_prefill_tokens or max_num_batched_tokens, max_num_batched_tokens)
+        assert self.max_prefill_tokens > 0
+        self.aging_tokens_per_s = aging_tokens_per_s
         self.enable_prefix_caching = enable_prefix_caching
+        self.clock = clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -54,12 +67,13 @@ class Scheduler:
                 f"exceeds the KV pool capacity of {capacity} tokens"
             )
         seq.status = SeqStatus.WAITING
+        seq.queued_at = self.clock()
         self.waiting.append(seq)
-        self.waiting.sort(key=Sequence.sort_key)
 
     def add_running(self, seq: Sequence) -> None:
         """Adopt a request whose blocks are already allocated and filled (imported KV)."""
         seq.status = SeqStatus.RUNNING
+        seq.queued_at = self.clock()
         self.running.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -76,26 +90,52 @@ class Scheduler:
     def release_blocks(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
 
+    def prefill_key(self, seq: Sequence, now: float) -> tuple[int, int, float, int]:
+        """Serving order of prompts: priority, latency class, then remaining tokens less what waiting earned."""
+        aged = seq.num_uncomputed_tokens - self.aging_tokens_per_s * max(0.0, now - seq.queued_at)
+        return (-seq.priority, LATENCY_CLASSES.index(seq.latency_class), aged, seq.arrival)
+
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted = False
         self.running.sort(key=Sequence.sort_key)
-        for seq in list(self.running):
+        preempted = False
+        for seq in list(self.running):  # decode: one token each
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._grow_or_preempt(seq, seq.num_computed_tokens + n):
+            if not self._grow_or_preempt(seq, seq.num_tokens):
                 preempted = True
                 continue
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-            budget -= n
-        if not preempted:
-            budget = self._admit_waiting(chunks, budget)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+            budget -= 1
+        self._schedule_prompts(chunks, min(budget, self.max_prefill_tokens), admit=not preempted)
         return chunks
+
+    def _schedule_prompts(self, chunks: list[ScheduledChunk], budget: int, admit: bool) -> None:
+        """Half-prefilled and waiting prompts in policy order, until the chunk cap is spent."""
+        now = self.clock()
+        partial = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        candidates = partial + (self.waiting if admit else [])
+        for seq in sorted(candidates, key=lambda s: self.prefill_key(s, now)):
+            if budget <= 0:
+                break
+            if seq.status is SeqStatus.RUNNING:
+                n = min(seq.num_uncomputed_tokens, budget)
+                if not self._grow_or_preempt(seq, seq.num_computed_tokens + n):
+                    return  # the pool is exhausted: admit nothing new this step either
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
+            elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+                if len(self.running) >= self.max_num_seqs:
+                    continue
+                n = self._admit(seq, budget)
+                if n is None:
+                    return  # keep the order: nothing jumps a prompt that is waiting for blocks
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s table cover `num_tokens`, preempting later requests if needed."""
@@ -117,31 +157,27 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
-        self.waiting.sort(key=Sequence.sort_key)
 
-    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            bs = self.pool.block_size
-            hashes = seq.prompt_hashes(bs) if self.enable_prefix_caching else []
-            usable = (seq.num_tokens - 1) // bs
-            hit_ids = self.pool.match_prefix(hashes[:usable], seq.token_ids) if hashes else []
-            hits = len(hit_ids)
-            # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
-            # must be preempted wastes the work already done. Cached hits that sit in the free
-            # list are taken out of it too, so they count against the free blocks.
-            needed = self.pool.blocks_needed(seq.num_tokens) - hits
-            free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_count == 0)
-            if not self.pool.can_allocate(needed + free_hits):
-                break
-            n = min(seq.num_tokens - hits * bs, budget)
-            cached = self.pool.allocate(seq.block_table, hits * bs + n, hashes, seq.token_ids)
-            assert cached == hits * bs
-            seq.num_computed_tokens = cached
-            seq.num_cached_tokens = cached
-            self.waiting.pop(0)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, cached, n))
-            budget -= n
-        return budget
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Start prefilling `seq` (cached prefix blocks first); None when its prompt does not fit."""
+        bs = self.pool.block_size
+        hashes = seq.prompt_hashes(bs) if self.enable_prefix_caching else []
+        usable = (seq.num_tokens - 1) // bs
+        hit_ids = self.pool.match_prefix(hashes[:usable], seq.token_ids) if hashes else []
+        hits = len(hit_ids)
+        # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
+        # must be preempted wastes the work already done. Cached hits that sit in the free
+        # list are taken out of it too, so they count against the free blocks.
+        needed = self.pool.blocks_needed(seq.num_tokens) - hits
+        free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_count == 0)
+        if not self.pool.can_allocate(needed + free_hits):
+            return None
+        n = min(seq.num_tokens - hits * bs, budget)
+        cached = self.pool.allocate(seq.block_table, hits * bs + n, hashes, seq.token_ids)
+        assert cached == hits * bs
+        seq.num_computed_tokens = cached
+        seq.num_cached_tokens = cached
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return n

@@ -63,6 +63,7 @@ class Sequence:
     mrope_positions: Any = None
     rope_delta: int = 0
     priority: int = 0
+    latency_class: str = "interactive"  # or "batch": second to priority in the serving order
     eos_token_ids: tuple[int, ...] = ()
     # Prefill workers stop after the first token and hand the KV blocks on.
     prefill_only: bool = False
@@ -75,6 +76,7 @@ class Sequence:
     finish_reason: str | None = None
     block_table: BlockTable = field(default_factory=BlockTable)
     arrival: int = field(default_factory=lambda: next(_arrival))
+    queued_at: float = 0.0  # the scheduler's clock when it took the request (for aging)
     _prompt_hashes: list[str] | None = None
 
     @property

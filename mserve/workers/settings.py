@@ -28,6 +28,9 @@ class WorkerSettings(BaseSettings):
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prompt tokens per engine step: one long prompt delays a short one (and a running stream) by
+    # at most one chunk of this size. Chosen by measurement (bench/README.md, chunk cap).
+    max_prefill_tokens: int = 512
     enable_prefix_caching: bool = True
     embedding_cache_mb: int = 512
     heartbeat_s: float = 0.25

@@ -9,9 +9,19 @@ from mserve.workers.scheduler import Scheduler
 from mserve.workers.sequence import SamplingParams, Sequence
 
 
-def make_seq(rid: str, n_prompt: int, *, max_tokens: int = 4, priority: int = 0) -> Sequence:
-    return Sequence(request_id=rid, prompt_ids=list(range(1000 * len(rid) + n_prompt, 1000 * len(rid) + 2 * n_prompt)),
-                    sampling=SamplingParams(max_tokens=max_tokens), priority=priority)
+def make_seq(rid: str, n_prompt: int, *, max_tokens: int = 4, priority: int = 0,
+             latency_class: str = "interactive") -> Sequence:
+    base = 1000 * sum(map(ord, rid))  # distinct prompts, so no prefix blocks are shared by accident
+    return Sequence(request_id=rid, prompt_ids=list(range(base + n_prompt, base + 2 * n_prompt)),
+                    sampling=SamplingParams(max_tokens=max_tokens), priority=priority, latency_class=latency_class)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def run_step(sched: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
@@ -57,10 +67,10 @@ def test_admission_waits_for_free_blocks():
     sched = Scheduler(pool, max_num_batched_tokens=100)
     sched.add(make_seq("a", 16, max_tokens=2))
     sched.add(make_seq("b", 12, max_tokens=2))
-    assert [r for r, _, _ in run_step(sched)] == ["a"]  # b's 3 blocks do not fit beside a's 4
+    assert [r for r, _, _ in run_step(sched)] == ["b"]  # shorter first; a's 4 blocks do not fit beside b's 3
     while sched.running:
         run_step(sched)
-    assert [r for r, _, _ in run_step(sched)] == ["b"]
+    assert [r for r, _, _ in run_step(sched)] == ["a"]
     pool.check_integrity()
 
 
@@ -90,3 +100,59 @@ def test_max_num_seqs_caps_the_running_set():
     for r in "abc":
         sched.add(make_seq(r * 2, 3))
     assert len(run_step(sched)) == 2
+
+
+def test_prompts_served_by_priority_then_latency_class_then_fewest_tokens():
+    sched = Scheduler(BlockPool(256, 4), max_num_batched_tokens=100, clock=FakeClock())
+    sched.add(make_seq("batch-short", 3, latency_class="batch"))
+    sched.add(make_seq("long", 11))
+    sched.add(make_seq("short", 5))
+    sched.add(make_seq("high-long", 9, priority=2, latency_class="batch"))
+    assert [r for r, _, _ in run_step(sched)] == ["high-long", "short", "long", "batch-short"]
+    cut = Scheduler(BlockPool(256, 4), max_num_batched_tokens=12, clock=FakeClock())
+    for seq in (make_seq("long", 11), make_seq("short", 5), make_seq("high-long", 9, priority=2)):
+        cut.add(seq)
+    assert run_step(cut) == [("high-long", 0, 9), ("short", 0, 3)]  # the budget ends inside "short"
+    assert run_step(cut) == [("high-long", 9, 1), ("short", 3, 2), ("long", 0, 9)]
+
+
+def test_aging_lets_a_long_prompt_overtake_newer_short_ones():
+    clock = FakeClock()
+    sched = Scheduler(BlockPool(256, 4), max_num_batched_tokens=600, max_prefill_tokens=600,
+                      aging_tokens_per_s=1000.0, clock=clock)
+    sched.add(make_seq("image", 600))
+    clock.now = 0.55  # 550 tokens' worth of waiting: ranks as 50 remaining
+    sched.add(make_seq("text", 60))
+    assert [r for r, _, _ in run_step(sched)] == ["image"]
+    fresh = Scheduler(BlockPool(256, 4), max_num_batched_tokens=600, clock=FakeClock())
+    fresh.add(make_seq("image", 600))
+    fresh.add(make_seq("text", 60))
+    assert [r for r, _, _ in run_step(fresh)][0] == "text"  # without the wait, shortest first
+
+
+def test_chunk_cap_delays_a_short_prompt_by_at_most_one_chunk():
+    sched = Scheduler(BlockPool(512, 4), max_num_batched_tokens=2048, max_prefill_tokens=64, clock=FakeClock())
+    sched.add(make_seq("image", 600))
+    assert run_step(sched) == [("image", 0, 64)]
+    sched.add(make_seq("text", 40))  # arrives while the image prompt is half prefilled
+    assert run_step(sched) == [("text", 0, 40), ("image", 64, 24)]
+    steps = [run_step(sched) for _ in range(3)]
+    assert steps[0][0] == ("text", 40, 1)  # the text request decodes beside every further chunk
+    assert all(("image", 0, 0) != c for step in steps for c in step)
+    assert all(sum(n for r, _, n in step if r == "image") <= 64 for step in steps)
+
+
+def test_running_streams_decode_in_every_step_while_prompts_prefill():
+    sched = Scheduler(BlockPool(512, 4), max_num_batched_tokens=2048, max_prefill_tokens=32, clock=FakeClock())
+    for i in range(3):
+        sched.add(make_seq(f"s{i}", 4, max_tokens=50))
+    run_step(sched)
+    sched.add(make_seq("long", 300))
+    for _ in range(8):
+        step = run_step(sched)
+        assert {r for r, _, n in step if n == 1} >= {"s0", "s1", "s2"}
+        assert sum(n for r, _, n in step if r == "long") == 32
+
+
+def test_prefill_cap_never_exceeds_the_step_budget():
+    assert Scheduler(BlockPool(8, 4), max_num_batched_tokens=16, max_prefill_tokens=64).max_prefill_tokens == 16
