@@ -17,7 +17,8 @@ warm-up. Payloads: one request's KV on the ``small`` llava checkpoint ([8 layers
 (d) raw loopback tcp for the same bytes: zmq PAIR (copy=False; 1 frame, 4 frames, 4 MiB socket
     buffers) and a plain socket (sendall -> recv_into a pre-allocated buffer): the tcp ceiling.
 
-Remote times include handing the descriptor over a multiprocessing Pipe (one-way latency
+Remote times include handing the descriptor over a multiprocessing Pipe (its ``to_wire()``
+dict, which the receiver's fetch parses as it would off the control plane; one-way latency
 printed). GB/s are 1e9 bytes per second of the median time; percentages compare medians.
 """
 

@@ -79,7 +79,7 @@ def receiver(conn: Any, threads: int) -> None:
                 while got < len(view):
                     got += raw.recv_into(view[got:])
                 conn.send(time.perf_counter())
-            else:  # "fetch" / "import"
+            else:  # "fetch" / "import": the descriptor's wire dict, as the control plane carries it
                 desc, copy = args
                 handle = None if copy else rx.fetch_view(desc, timeout_s=30)
                 tensors = rx.fetch(desc, timeout_s=30) if copy else handle.tensors
@@ -176,7 +176,7 @@ class Sender:
     def transfer(self, size: str, backend: str, copy: bool) -> float:
         t0 = time.perf_counter()
         desc = self.tx.publish(self._tid(), self.payloads[size], backend=backend)
-        return self._remote(t0, "fetch", desc, copy)
+        return self._remote(t0, "fetch", desc.to_wire(), copy)
 
     def pool_local(self) -> float:
         t0 = time.perf_counter()
@@ -193,7 +193,7 @@ class Sender:
         else:
             kv = self.src_pool.export_blocks(self.src_ids)
             desc = self.tx.publish(self._tid(), {"kv": kv}, backend=backend)
-        return self._remote(t0, "import", desc, copy)
+        return self._remote(t0, "import", desc.to_wire(), copy)
 
     def paths(self) -> dict[tuple[str, str], Callable[[], float]]:
         """(table, row) -> run. Rows of the "kv"/"big" tables are a/c/d paths of that payload."""

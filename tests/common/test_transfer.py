@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import msgpack
 import pytest
 import torch
 
-from mserve.common.transfer import TransferEngine, TransferError
+from mserve.common.transfer import Descriptor, TransferEngine, TransferError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,7 +87,7 @@ class SenderProc:
             raise TimeoutError(f"sender did not answer {cmd[0]}")
         return self.conn.recv()
 
-    def publish(self, tid: str, backend: str, seed: int, ttl_s: float | None = None) -> dict:
+    def publish(self, tid: str, backend: str, seed: int, ttl_s: float | None = None) -> Descriptor:
         return self.call("publish", tid, backend, seed, ttl_s)
 
     def stop(self) -> None:
@@ -117,16 +118,17 @@ def receiver() -> Iterator[TransferEngine]:
 def test_roundtrip(sender: SenderProc, receiver: TransferEngine, backend: str) -> None:
     before = receiver.stats()["bytes_received"][backend]
     desc = sender.publish(f"rt-{backend}", backend, seed=1)
-    assert desc["backend"] == backend
-    assert msgpack.unpackb(msgpack.packb(desc)) == desc  # the control plane can carry it
-    got = receiver.fetch(desc, timeout_s=10)
+    assert desc.backend == backend
+    wire = msgpack.unpackb(msgpack.packb(desc.to_wire()))  # the control plane can carry it
+    assert wire == desc.to_wire() and Descriptor.from_wire(wire) == desc
+    got = receiver.fetch(wire, timeout_s=10)
     assert_same(got, seed=1)
     got["hidden"].add_(1.0)  # the receiver owns writable memory
     assert sender.call("wait_pending", 0, 5.0) == 0
     payload = sum(t.numel() * t.element_size() for t in make_tensors(1).values())
     assert receiver.stats()["bytes_received"][backend] - before == payload
     if backend == "shm":  # acked: back in the sender's pool for the next transfer, not unlinked
-        assert os.path.exists(f"/dev/shm/{desc['shm']}")
+        assert os.path.exists(f"/dev/shm/{desc.shm}")
         assert sender.call("stats")["shm_pool"]["recycled"] >= 1
 
 
@@ -158,7 +160,7 @@ def test_unknown_transfer_id(sender: SenderProc, receiver: TransferEngine, backe
     desc = sender.publish(f"known-{backend}", backend, seed=2)
     t0 = time.monotonic()
     with pytest.raises(TransferError, match="unknown transfer id"):
-        receiver.fetch(dict(desc, id=f"never-published-{backend}"), timeout_s=10)
+        receiver.fetch(dict(desc.to_wire(), id=f"never-published-{backend}"), timeout_s=10)
     assert time.monotonic() - t0 < 2.0, "an unknown id is answered, not timed out"
     assert_same(receiver.fetch(desc, timeout_s=10), seed=2)
     with pytest.raises(TransferError, match="unknown transfer id"):  # already fetched and freed
@@ -184,9 +186,9 @@ def test_unfetched_transfers_are_reclaimed(sender: SenderProc, receiver: Transfe
     assert sender.call("wait_pending", 0, 5.0) == 0
     assert sender.call("stats")["expired"] - expired_before == len(BACKENDS)
     deadline = time.monotonic() + 5  # the reaper stops tracking a transfer, then unlinks it
-    while os.path.exists(f"/dev/shm/{descs[0]['shm']}") and time.monotonic() < deadline:
+    while os.path.exists(f"/dev/shm/{descs[0].shm}") and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert not os.path.exists(f"/dev/shm/{descs[0]['shm']}")
+    assert not os.path.exists(f"/dev/shm/{descs[0].shm}")
     for desc in descs:
         with pytest.raises(TransferError, match="unknown transfer id"):
             receiver.fetch(desc, timeout_s=5)
@@ -195,14 +197,14 @@ def test_unfetched_transfers_are_reclaimed(sender: SenderProc, receiver: Transfe
 def test_auto_picks_shm_on_same_host(sender: SenderProc, receiver: TransferEngine) -> None:
     before = receiver.stats()["bytes_received"]
     desc = sender.publish("auto-local", "auto", seed=5)
-    assert desc["host_id"] == receiver.host_id
+    assert desc.host_id == receiver.host_id
     assert_same(receiver.fetch(desc, timeout_s=10), seed=5)
     after = receiver.stats()["bytes_received"]
     assert after["shm"] > before["shm"] and after["tcp"] == before["tcp"]
 
     # A receiver on another host cannot see the segment: the same transfer comes over tcp.
     desc = sender.publish("auto-remote", "auto", seed=6)
-    assert_same(receiver.fetch(dict(desc, host_id="some-other-host"), timeout_s=10), seed=6)
+    assert_same(receiver.fetch(replace(desc, host_id="some-other-host"), timeout_s=10), seed=6)
     assert receiver.stats()["bytes_received"]["tcp"] > after["tcp"]
     assert sender.call("wait_pending", 0, 5.0) == 0
 
@@ -214,11 +216,11 @@ def test_release_and_close_free_segments() -> None:
         engine.release("dropped")
         engine.release("dropped")  # idempotent
         assert engine.pending() == 1
-        assert not os.path.exists(f"/dev/shm/{dropped['shm']}")
-        assert os.path.exists(f"/dev/shm/{kept['shm']}")
+        assert not os.path.exists(f"/dev/shm/{dropped.shm}")
+        assert os.path.exists(f"/dev/shm/{kept.shm}")
         with pytest.raises(ValueError, match="already published"):
             engine.publish("kept", make_tensors(8))
-    assert not os.path.exists(f"/dev/shm/{kept['shm']}"), "close() frees what is still pending"
+    assert not os.path.exists(f"/dev/shm/{kept.shm}"), "close() frees what is still pending"
 
 
 def _shm_receiver_main(queue: Any, results: Any) -> None:
@@ -251,7 +253,7 @@ def _shm_tracker_scenario() -> None:
         for i, backend in enumerate(("shm", "auto")):
             queue.put(tx.publish(f"spawned-{i}", make_tensors(7), backend=backend))
             desc = tx.publish(f"other-{i}", make_tensors(7), backend=backend)
-            other.stdin.write(json.dumps(desc) + "\n")
+            other.stdin.write(json.dumps(desc.to_wire()) + "\n")
             other.stdin.flush()
             assert other.stdout.readline().strip() == "ok"
         other.stdin.close()

@@ -12,14 +12,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from multiprocessing import shared_memory
 
 import pytest
 import torch
 
-from mserve.common import shm_mappings
-from mserve.common.shm_mappings import MappingCache
-from mserve.common.shm_pool import SegmentPool, reap_orphans, size_class
+from mserve.common.transfer import shm_mappings
+from mserve.common.transfer.shm_mappings import MappingCache
+from mserve.common.transfer.shm_pool import SegmentPool, reap_orphans, size_class
 from mserve.common.transfer import TransferEngine, TransferError
 from mserve.workers.paged_attention import KVCache
 
@@ -80,7 +81,7 @@ def test_segments_are_reused_and_bounded(pair: tuple[TransferEngine, TransferEng
     for i in range(50):
         want = payload(i, nbytes=MiB * (1 + i % 3))
         desc = tx.publish(f"t{i}", want)
-        names.add(desc["shm"])
+        names.add(desc.shm)
         if i % 2:
             assert same(rx.fetch(desc, timeout_s=10), want)
         else:
@@ -105,13 +106,13 @@ def test_pool_limit_unlinks_idle_and_overflow() -> None:
         for desc, seed in zip(small + [big], (0, 1, 9)):
             assert same(rx.fetch(desc), payload(seed, nbytes=2 * MiB if seed == 9 else MiB))
         assert wait_pending(tx) == 0
-        assert unlinked(big["shm"]), "a one-off segment is unlinked after its use"
+        assert unlinked(big.shm), "a one-off segment is unlinked after its use"
         again = tx.publish("big2", payload(9, nbytes=2 * MiB))  # evicts an idle 1 MiB one
         pool = tx.stats()["shm_pool"]
         assert pool["retained_bytes"] <= 3 * MiB and pool["idle"] == 1, pool
-        assert sum(on_disk(d["shm"]) for d in small) == 1
+        assert sum(on_disk(d.shm) for d in small) == 1
         assert same(rx.fetch(again), payload(9, nbytes=2 * MiB))
-    assert not any(on_disk(d["shm"]) for d in small + [again])
+    assert not any(on_disk(d.shm) for d in small + [again])
 
 
 def test_view_blocks_reuse_until_released(pair: tuple[TransferEngine, TransferEngine]) -> None:
@@ -123,7 +124,7 @@ def test_view_blocks_reuse_until_released(pair: tuple[TransferEngine, TransferEn
     # Held views are the sender's memory: nothing is copied, and the sender may not reuse it.
     assert wait_pending(tx, want=1, timeout_s=0.2) == 1
     second = tx.publish("second", payload(2))
-    assert second["shm"] != first["shm"], "a segment under a live view was handed out again"
+    assert second.shm != first.shm, "a segment under a live view was handed out again"
     assert same(rx.fetch(second), payload(2))
     assert same(view.tensors, want), "the view changed while held"
     view.release()
@@ -131,8 +132,8 @@ def test_view_blocks_reuse_until_released(pair: tuple[TransferEngine, TransferEn
     assert view.tensors == {}
     assert wait_pending(tx) == 0
     third = tx.publish("third", payload(3))
-    assert third["shm"] in (first["shm"], second["shm"]), "released segments are reused"
-    assert (third["shm_gen"] > first["shm_gen"]) or third["shm"] != first["shm"]
+    assert third.shm in (first.shm, second.shm), "released segments are reused"
+    assert (third.shm_gen > first.shm_gen) or third.shm != first.shm
     # fetch(copy=False) is the same view, released by descriptor.
     got = rx.fetch(third, copy=False)
     assert same(got, payload(3)) and rx.stats()["views_open"] == 1
@@ -145,9 +146,9 @@ def test_expiry_under_a_view_unlinks_instead_of_reusing() -> None:
         desc = tx.publish("slow", payload(4))
         with rx.fetch_view(desc) as got:
             assert wait_pending(tx) == 0  # expired (after a fresh ttl) while the view is held
-            assert unlinked(desc["shm"])
+            assert unlinked(desc.shm)
             nxt = tx.publish("next", payload(5))
-            assert nxt["shm"] != desc["shm"]
+            assert nxt.shm != desc.shm
             assert same(got, payload(4)), "an unlinked segment keeps its bytes for the reader"
         assert tx.stats()["expired"] == 1
 
@@ -170,14 +171,14 @@ def test_stale_mapping_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
         with TransferEngine("tx1", backend="shm") as tx1:
             desc = tx1.publish("old", payload(7))
             assert same(rx.fetch(desc), payload(7))
-        name = desc["shm"]
+        name = desc.shm
         assert not on_disk(name)
         real = shared_memory.SharedMemory
         monkeypatch.setattr(shared_memory, "SharedMemory",
                             lambda _name, create, size: real(name=name, create=create, size=size))
         with TransferEngine("tx2", backend="shm") as tx2:
             desc2 = tx2.publish("new", payload(8))
-            assert desc2["shm"] == name and desc2["shm_nonce"] != desc["shm_nonce"]
+            assert desc2.shm == name and desc2.shm_nonce != desc.shm_nonce
             assert same(rx.fetch(desc2), payload(8))
             assert rx.stats()["shm_mapped"]["stale"] == 1
 
@@ -239,7 +240,7 @@ def test_fetch_errors_keep_working_channels(pair: tuple[TransferEngine, Transfer
     tx, rx = pair
     desc = tx.publish("known", payload(9))
     with pytest.raises(TransferError, match="unknown transfer id"):
-        rx.fetch(dict(desc, id="never"), timeout_s=5)
+        rx.fetch(replace(desc, id="never"), timeout_s=5)
     assert same(rx.fetch(desc, timeout_s=5), payload(9))  # same cached socket, right reply
 
 
@@ -248,7 +249,7 @@ def test_segments_of_a_killed_sender_are_reaped() -> None:
     unlinks what the dead process left, and nothing of a live one."""
     code = ("from mserve.common.transfer import TransferEngine; import torch, time\n"
             "tx = TransferEngine('doomed', backend='shm')\n"
-            "print(tx.publish('t', {'x': torch.ones(1000)})['shm'], flush=True)\n"
+            "print(tx.publish('t', {'x': torch.ones(1000)}).shm, flush=True)\n"
             "time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             start_new_session=True, cwd=os.path.dirname(__file__) + "/../..")
@@ -256,7 +257,7 @@ def test_segments_of_a_killed_sender_are_reaped() -> None:
         name = proc.stdout.readline().strip()
         assert on_disk(name)
         with TransferEngine("alive", backend="shm") as alive:
-            mine = alive.publish("m", payload(0))["shm"]
+            mine = alive.publish("m", payload(0)).shm
             assert reap_orphans() == 0 and on_disk(name), "the creator is still alive"
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)

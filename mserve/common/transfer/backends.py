@@ -1,35 +1,31 @@
-"""Byte movers behind mserve.common.transfer: tensor layouts and the per-backend sender storages.
+"""Byte movers behind the transfer engine: tensor layouts and the per-backend sender storages.
 
-Pooled shm segments live in mserve.common.shm_pool, torch pair groups in mserve.common.transfer_torch.
+Pooled shm segments live in mserve.common.transfer.shm_pool, torch pair groups in
+mserve.common.transfer.torch_pairs, the wire form of a layout in mserve.common.transfer.descriptor.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed
 
-from mserve.common.serde import DTYPE_NAMES, DTYPES
-from mserve.common.shm_pool import HEADER, Segment, SegmentPool
+from mserve.common.serde import DTYPE_NAMES
+from mserve.common.transfer.descriptor import LayoutEntry, TransferError
+from mserve.common.transfer.shm_pool import HEADER, Segment, SegmentPool
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "TransferError",
     "ALIGN",
-    "DTYPES",
-    "LayoutEntry",
     "host_id",
     "plan_layout",
     "plan_layout_spec",
-    "layout_to_wire",
-    "layout_from_wire",
     "segment_views",
     "TensorStorage",
     "SegmentStorage",
@@ -43,26 +39,9 @@ __all__ = [
 # so views into a segment or flat buffer never need a fix-up copy.
 ALIGN = 64
 
-# The closed dtype table of mserve.common.serde: a descriptor names dtypes, and a name must never be able
-# to reach an arbitrary attribute of the torch module.
+# The closed dtype table of mserve.common.serde: a descriptor names dtypes, and a name must never
+# be able to reach an arbitrary attribute of the torch module.
 _DTYPE_NAMES = DTYPE_NAMES
-
-
-class TransferError(RuntimeError):
-    """A fetch failed (sender gone, transfer unknown or expired, timeout, transport error).
-    The transfer may be retried or re-routed; nothing was half-delivered to the caller."""
-
-
-@dataclass(frozen=True)
-class LayoutEntry:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def host_id() -> str:
@@ -108,30 +87,6 @@ def plan_layout_spec(
     return entries, offset
 
 
-def layout_to_wire(entries: list[LayoutEntry]) -> list[list[Any]]:
-    return [[e.name, _DTYPE_NAMES[e.dtype], list(e.shape), e.offset] for e in entries]
-
-
-def layout_from_wire(wire: Any, total: int) -> list[LayoutEntry]:
-    """Validate a descriptor's tensor list against the advertised buffer size."""
-    if not isinstance(wire, list):
-        raise ValueError("tensors must be a list")
-    entries = []
-    for item in wire:
-        if not (isinstance(item, list) and len(item) == 4):
-            raise ValueError(f"bad tensor entry {item!r}")
-        name, dtype, shape, offset = item
-        if not isinstance(name, str) or dtype not in DTYPES:
-            raise ValueError(f"bad tensor entry {item!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise ValueError(f"bad shape in {item!r}")
-        entry = LayoutEntry(name, DTYPES[dtype], tuple(shape), offset)
-        if not (isinstance(offset, int) and 0 <= offset and offset + entry.nbytes <= total):
-            raise ValueError(f"tensor {name!r} lies outside the {total}-byte buffer")
-        entries.append(entry)
-    return entries
-
-
 def _view(buf: Any, e: LayoutEntry, base: int = 0) -> torch.Tensor:
     """A tensor aliasing ``e``'s bytes at ``base + e.offset`` inside a writable buffer (no copy).
     It keeps ``buf`` alive for as long as it lives."""
@@ -141,7 +96,7 @@ def _view(buf: Any, e: LayoutEntry, base: int = 0) -> torch.Tensor:
     return raw.view(e.dtype).view(e.shape)
 
 
-def segment_views(buf: Any, entries: list[LayoutEntry]) -> dict[str, torch.Tensor]:
+def segment_views(buf: Any, entries: Sequence[LayoutEntry]) -> dict[str, torch.Tensor]:
     """The tensors of a transfer inside a shm segment's mapping (sender's or receiver's)."""
     return {e.name: _view(buf, e, HEADER) for e in entries}
 
@@ -224,7 +179,7 @@ def pack_flat(
     return flat
 
 
-def unpack_flat(flat: torch.Tensor, entries: list[LayoutEntry]) -> dict[str, torch.Tensor]:
+def unpack_flat(flat: torch.Tensor, entries: Sequence[LayoutEntry]) -> dict[str, torch.Tensor]:
     """Views into ``flat``: the tensors share (and keep alive) the one buffer."""
     out = {}
     for e in entries:

@@ -25,7 +25,7 @@ import zmq
 
 from mserve.common.serde import WireError
 from mserve.common.sockets import make_socket, recv, send
-from mserve.common.transfer_backends import TransferError
+from mserve.common.transfer.descriptor import TransferError
 
 __all__ = ["Msg", "Channels", "send_nowait"]
 

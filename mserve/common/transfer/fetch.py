@@ -1,4 +1,4 @@
-"""The receiver half of mserve.common.transfer: resolve a descriptor, pull its bytes, say when to ack.
+"""The receiver half of the transfer engine: resolve a descriptor, pull its bytes, say when to ack.
 
 Kept apart from the engine because it is the one place that knows how each backend's bytes
 reach this process: shm through a leased, cached mapping of the sender's segment (views, or one
@@ -8,17 +8,17 @@ request), torch through a cached pair group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import zmq
 
-from mserve.common import transfer_backends as tb
-from mserve.common.shm_mappings import MappingCache
-from mserve.common.transfer_backends import TransferError
-from mserve.common.transfer_channel import Channels
-from mserve.common.transfer_torch import TorchReceiver
+from mserve.common.transfer import backends as tb
+from mserve.common.transfer.channel import Channels
+from mserve.common.transfer.descriptor import Descriptor, LayoutEntry, TransferError
+from mserve.common.transfer.shm_mappings import MappingCache
+from mserve.common.transfer.torch_pairs import TorchReceiver
 
 __all__ = ["Fetcher", "Fetched"]
 
@@ -30,56 +30,48 @@ Fetched = tuple[str, dict[str, torch.Tensor], str, int, Callable[[], None] | Non
 class Fetcher:
     def __init__(
         self, ctx: zmq.Context, *, host: str, device: str, host_id: str, instance: str,
-        descriptor_version: int, backends: tuple[str, ...], on_new_group: Callable[[], None],
+        on_new_group: Callable[[], None],
     ) -> None:
         self.device = device
         self.host_id = host_id
         self._instance = instance
-        self._version = descriptor_version
-        self._backends = backends
         self.maps = MappingCache()
         self.channels = Channels(ctx)
         self._torch_in = TorchReceiver(host, device, on_new_group)
 
-    def fetch(self, desc: dict, deadline: float, view: bool) -> Fetched:
+    def fetch(self, desc: Descriptor, deadline: float, view: bool) -> Fetched:
         """Pull one transfer. ``view``: leave shm tensors as views of the sender's segment and
         return the ack for the caller to send when done; otherwise ack before returning."""
-        try:
-            tid, address, backend = desc["id"], desc["address"], desc["backend"]
-            entries = tb.layout_from_wire(desc["tensors"], desc["nbytes"])
-            if desc.get("v") != self._version or backend not in self._backends:
-                raise ValueError(f"unsupported version/backend {desc.get('v')}/{backend}")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TransferError(f"malformed transfer descriptor: {exc!r}") from exc
-        where = f"transfer {tid!r} from {desc.get('sender')!r} at {address}"
-        nbytes = sum(e.nbytes for e in entries)
+        tid, address, backend = desc.id, desc.address, desc.backend
+        where = f"transfer {tid!r} from {desc.sender!r} at {address}"
+        nbytes = desc.payload_nbytes
         mode = backend
         if backend == "auto":
-            mode = "shm" if desc.get("host_id") == self.host_id else "tcp"
+            mode = "shm" if desc.host_id == self.host_id else "tcp"
         ack = lambda: self.channels.ack(address, tid)  # noqa: E731
         if mode == "torch":
-            out = self._fetch_torch(address, desc, entries, where, deadline)
+            out = self._fetch_torch(desc, where, deadline)
             ack()
             return tid, out, mode, nbytes, None
         if mode == "shm":
             # No round trip: the lease (a shared flock on the segment) keeps the sender off it,
             # the header under the lease proves it still holds this transfer.
             try:
-                mm, lease = self.maps.lease(desc["shm"], desc["shm_nonce"], desc["shm_gen"], tid,
-                                            desc["nbytes"])
-            except (ValueError, KeyError, TypeError) as exc:
+                mm, lease = self.maps.lease(desc.shm, desc.shm_nonce, desc.shm_gen, tid,
+                                            desc.nbytes)
+            except ValueError as exc:
                 raise TransferError(f"{where}: unknown transfer id {tid!r}: {exc}") from exc
             except OSError as exc:
                 if backend != "auto":
                     raise TransferError(
-                        f"{where}: cannot open shared memory segment {desc.get('shm')!r}: unknown "
+                        f"{where}: cannot open shared memory segment {desc.shm!r}: unknown "
                         "transfer id (already fetched, freed or expired) or a /dev/shm not "
-                        f"shared with the sender (sender host {desc.get('host_id')}, this host "
+                        f"shared with the sender (sender host {desc.host_id}, this host "
                         f"{self.host_id}): {exc}") from exc
                 # Same host id but no visible segment (e.g. /dev/shm not shared): use tcp.
                 mode = "tcp"
             else:
-                out = tb.segment_views(mm, entries)
+                out = tb.segment_views(mm, desc.tensors)
                 del mm
                 if view and self.device == "cpu":
                     def release() -> None:
@@ -95,12 +87,12 @@ class Fetcher:
                 ack()
                 return tid, out, mode, nbytes, None
         reply = self.channels.request(address, {"id": tid, "mode": "tcp"}, where, deadline)
-        out = self._check_tcp(reply, entries, where)
+        out = self._check_tcp(reply, desc.tensors, where)
         ack()
         return tid, out, "tcp", nbytes, None
 
     def _check_tcp(
-        self, body: Any, entries: list[tb.LayoutEntry], where: str
+        self, body: Any, entries: Sequence[LayoutEntry], where: str
     ) -> dict[str, torch.Tensor]:
         tensors = body.get("t") if isinstance(body, dict) else None
         if not isinstance(tensors, dict) or list(tensors) != [e.name for e in entries]:
@@ -115,14 +107,14 @@ class Fetcher:
         return tensors
 
     def _fetch_torch(
-        self, address: str, desc: dict, entries: list[tb.LayoutEntry], where: str, deadline: float
+        self, desc: Descriptor, where: str, deadline: float
     ) -> dict[str, torch.Tensor]:
         def ask(gid: str | None) -> dict:
-            body = {"id": desc["id"], "mode": "torch", "gid": gid, "peer": self._instance}
-            return self.channels.request(address, body, where, deadline)
+            body = {"id": desc.id, "mode": "torch", "gid": gid, "peer": self._instance}
+            return self.channels.request(desc.address, body, where, deadline)
 
         return self._torch_in.fetch(
-            desc["instance"], desc.get("pg", "gloo"), desc["nbytes"], entries, ask, deadline, where
+            desc.instance, desc.pg or "gloo", desc.nbytes, desc.tensors, ask, deadline, where
         )
 
     def stats(self) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The two handles mserve.common.transfer gives out: a receiver's zero-copy ``FetchedView`` and a
+"""The two handles the transfer engine gives out: a receiver's zero-copy ``FetchedView`` and a
 sender's ``Allocation`` (tensors written in place, then published without a staging copy)."""
 
 from __future__ import annotations

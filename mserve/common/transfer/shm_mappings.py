@@ -1,7 +1,8 @@
 """Reusable POSIX shared-memory segments, receiver side: cached mappings and per-fetch leases.
 
 A receiver maps each sender segment once and keeps the mapping (the sender reuses its segments,
-mserve.common.shm_pool), so a fetch costs a few syscalls instead of an mmap plus a page fault per 4 KiB.
+mserve.common.transfer.shm_pool), so a fetch costs a few syscalls instead of an mmap plus a page
+fault per 4 KiB.
 Each fetch takes a ``Lease``: its own ``shm_open`` of the segment with a shared ``flock``, held
 until the receiver is done with the bytes. The lock is what keeps the sender from reusing the
 segment under a reader, without asking the sender anything (no round trip); the header check
@@ -21,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from mserve.common.shm_pool import DEFAULT_POOL_BYTES, HEADER, read_header, transfer_tag
+from mserve.common.transfer.shm_pool import DEFAULT_POOL_BYTES, HEADER, read_header, transfer_tag
 
 try:  # POSIX only; the same module SharedMemory itself uses.
     import _posixshmem

@@ -2,8 +2,8 @@
 
 Why a pool: creating, fallocating, faulting in and unlinking a 10 MiB segment for every transfer
 cost ~3 ms, ten times the memcpy it exists for. Here a segment is created and pre-faulted once,
-then handed out again and again (receivers keep their mappings too: mserve.common.shm_mappings), so a
-steady-state transfer touches only warm pages.
+then handed out again and again (receivers keep their mappings too:
+mserve.common.transfer.shm_mappings), so a steady-state transfer touches only warm pages.
 
 Segment header (``HEADER`` bytes, then the data): ``nonce`` (random per segment creation),
 ``gen`` (bumped whenever the segment starts or stops holding a transfer) and ``tag`` (a hash of
@@ -178,7 +178,7 @@ class Segment:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def free(self, recycle: bool = False) -> bool:
-        """The storage protocol of mserve.common.transfer_backends, for retrying ``destroy``."""
+        """The storage protocol of mserve.common.transfer.backends, for retrying ``destroy``."""
         return self.destroy()
 
     def destroy(self) -> bool:

@@ -1,8 +1,8 @@
-"""torch.distributed pair groups behind mserve.common.transfer's ``torch`` backend.
+"""torch.distributed pair groups behind the transfer engine's ``torch`` backend.
 
 A 2-rank group per (sender, receiver) pair, created on first use and cached (gloo on CPU, NCCL
 on CUDA); the handshake rides the zmq data plane, the bytes go in one ``send`` of a flat uint8
-buffer (see ``transfer_backends.FlatStorage``).
+buffer (see ``backends.FlatStorage``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from mserve.common.transfer_backends import LayoutEntry, TransferError, unpack_flat
+from mserve.common.transfer.backends import unpack_flat
+from mserve.common.transfer.descriptor import LayoutEntry, TransferError
 
 __all__ = ["TorchSender", "TorchReceiver"]
 
@@ -157,7 +158,7 @@ class TorchReceiver:
         sender: str,
         pg_backend: str,
         nbytes: int,
-        entries: list[LayoutEntry],
+        entries: Sequence[LayoutEntry],
         ask: Callable[[str | None], dict[str, Any]],
         deadline: float,
         where: str,
