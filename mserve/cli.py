@@ -78,7 +78,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from mserve.coordinator.settings import CoordinatorSettings
 
     settings = _settings_from_args(CoordinatorSettings, args, ["model", "model_name", "bind", "worker_bind", "redis",
-                                                               "stage_timeout_s", "dead_after_s", "max_prompt_tokens",
+                                                               "stage_timeout_s", "dead_after_s", "max_waiting_requests",
+                                                               "max_prompt_tokens",
                                                                "max_tokens", "max_image_bytes", "max_image_pixels",
                                                                "max_images_per_request"])
     coord = Coordinator(settings)
@@ -96,14 +97,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from mserve.workers.settings import WorkerSettings
-    from mserve.workers.worker import Worker
+    from mserve.workers.worker import make_worker
 
     settings = _settings_from_args(WorkerSettings, args, ["role", "model", "model_name", "coordinator", "redis",
                                                           "worker_id", "device", "dtype", "threads", "transfer",
                                                           "host", "num_blocks", "block_size", "max_num_seqs",
-                                                          "max_num_batched_tokens", "embedding_cache_mb"])
+                                                          "max_num_batched_tokens", "max_prefill_tokens",
+                                                          "embedding_cache_mb"])
     try:
-        Worker(settings).run()
+        make_worker(settings).run()
     except KeyboardInterrupt:
         pass
     return 0
@@ -173,8 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-bind", help="worker address (default tcp://127.0.0.1:5556)")
     p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "
                                    "heartbeats only)")
-    p.add_argument("--stage-timeout-s", type=float, help="re-run a stage that makes no progress this long (60)")
-    p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (10)")
+    p.add_argument("--stage-timeout-s", type=float,
+                   help="re-run a stage that makes no progress this long (default 60; a request merely queued at a "
+                        "live worker is not re-run)")
+    p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (default 5)")
+    p.add_argument("--max-waiting-requests", type=int,
+                   help="requests waiting for their first token, at most; past it the lowest class is shed with an "
+                        "overloaded error and a retry-after hint (default 256)")
     for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
                          ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8")):
         p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
@@ -199,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, help="running requests at most (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step (default 2048)")
+    p.add_argument("--max-prefill-tokens", type=int,
+                   help="prompt tokens per engine step, the prefill chunk cap: a long prompt delays a short one "
+                        "or a running stream by at most one chunk (default 512)")
     p.add_argument("--embedding-cache-mb", type=int, help="encode workers' embedding cache (default 512)")
     p.set_defaults(func=cmd_worker)
 

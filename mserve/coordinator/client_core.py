@@ -40,10 +40,12 @@ class MServeError(Exception):
 
     default_code = ErrorCode.INTERNAL
 
-    def __init__(self, message: str, *, code: str | None = None, request_id: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, request_id: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         self.code = code or self.default_code
         self.message = message
         self.request_id = request_id
+        self.retry_after_s = retry_after_s  # with `overloaded`: about when a retry may be admitted
         where = f" (request {request_id})" if request_id else ""
         super().__init__(f"{self.code}: {message}{where}")
 
@@ -83,7 +85,9 @@ def error_from_reply(body: dict[str, Any]) -> MServeError:
     """The exception for an ERROR body; unknown codes (newer servers) become ServerError, code kept."""
     code = str(body.get("code") or ErrorCode.INTERNAL)
     cls = _ERRORS_BY_CODE.get(code, ServerError)
-    return cls(str(body.get("message", "")), code=code, request_id=body.get("request_id"))
+    retry = body.get("retry_after_s")
+    return cls(str(body.get("message", "")), code=code, request_id=body.get("request_id"),
+               retry_after_s=float(retry) if isinstance(retry, (int, float)) else None)
 
 
 @dataclass

@@ -13,10 +13,14 @@ class CoordinatorSettings(BaseSettings):
     bind: str = "tcp://127.0.0.1:5555"  # clients connect here
     worker_bind: str = "tcp://127.0.0.1:5556"  # workers connect here
     redis: str | None = None
-    stage_timeout_s: float = 60.0  # a stage making no progress this long is re-run elsewhere
-    # Heartbeat silence after which a worker is declared dead. Workers beat between engine steps,
-    # so this must exceed the longest step a loaded CPU worker takes (big prefill batches: seconds).
-    dead_after_s: float = 10.0
+    # A stage making no progress this long is re-run elsewhere (one merely queued at a live worker is not).
+    stage_timeout_s: float = 60.0
+    # Heartbeat silence after which a worker is declared dead. Workers beat from a thread of their
+    # own, every 0.25 s whatever their engine does, so a few seconds is safe under load.
+    dead_after_s: float = 5.0
+    # Requests waiting for their first token, at most; past it the lowest class is shed with an
+    # explicit `overloaded` error carrying a retry-after hint (never a silent drop or an unbounded queue).
+    max_waiting_requests: int = 256
     max_attempts: int = 3
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096

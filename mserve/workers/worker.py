@@ -1,9 +1,11 @@
-"""A worker process: one role (encode, prefill, decode or unified) around one Engine, driven by the coordinator.
+"""The worker process around one role: sockets, registration, heartbeats, and the loop that drives the role.
 
-The loop is: take every queued control message, run one batch of work (a vision forward over all
-queued images, or one engine step), report results, heartbeat. Tensors leave through the
-transfer engine (the coordinator only ever sees their descriptors); Redis gets this worker's
-registration, load and cache indexes.
+The loop is: take every queued control message, run one batch of the role's work, report.
+Heartbeats and load reports come from their own thread (mserve/workers/liveness.py), so a long
+engine step never makes a busy worker look dead. A role (mserve/workers/roles/) is a subclass that says which stage messages it accepts
+and how it runs them; a message meant for another role is refused, never run. Tensors leave
+through the transfer engine (the coordinator only ever sees their descriptors); Redis gets this
+worker's registration, load and cache indexes.
 """
 
 from __future__ import annotations
@@ -11,22 +13,25 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
-from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import torch
 import zmq
 
-from mserve.common.model import ImageError, decode_image
-from mserve.common.protocol import COORDINATOR_TO_WORKER, MsgType, ProtocolError, body, validate
+from mserve.common.model import ImageError
+from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, validate
+from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
+from mserve.common.protocol.to_worker import TO_WORKER, Cancel
+from mserve.common.protocol.typed import Message
 from mserve.common.redis_store import RedisStore
 from mserve.common.serde import WireError
 from mserve.common.sockets import make_socket, recv, send
 from mserve.common.transfer import TransferEngine, TransferError
 from mserve.workers.block_pool import OutOfBlocks
-from mserve.workers.engine import Engine, EngineConfig, StepOutput, sampling_from_dict
-from mserve.workers.model_runner import EncodedImage
+from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.liveness import Pulse
 from mserve.workers.settings import WorkerSettings
 
 log = logging.getLogger("mserve.worker")
@@ -36,88 +41,89 @@ log = logging.getLogger("mserve.worker")
 FETCH_TIMEOUT_S = 10.0
 
 
-class EmbeddingCache:
-    """Encoded images by hash, least recently used evicted first, bounded by bytes."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity = capacity_bytes
-        self.used = 0
-        self._items: OrderedDict[str, EncodedImage] = OrderedDict()
-
-    def get(self, key: str) -> EncodedImage | None:
-        item = self._items.get(key)
-        if item is not None:
-            self._items.move_to_end(key)
-        return item
-
-    def put(self, key: str, item: EncodedImage) -> list[str]:
-        """Insert; returns the keys evicted to make room."""
-        size = item.embeds.numel() * item.embeds.element_size()
-        evicted = []
-        while self._items and self.used + size > self.capacity:
-            old_key, old = self._items.popitem(last=False)
-            self.used -= old.embeds.numel() * old.embeds.element_size()
-            evicted.append(old_key)
-        self._items[key] = item
-        self.used += size
-        return evicted
-
-
 class Worker:
+    """What every role shares. Subclasses set ROLE and implement `start()` and `work()`."""
+
+    ROLE: ClassVar[str] = ""
+
     def __init__(self, settings: WorkerSettings) -> None:
+        assert settings.role == self.ROLE, (settings.role, self.ROLE)
         torch.set_num_threads(settings.threads)
         self.s = settings
         self.worker_id = settings.resolved_id()
         self.role = settings.role
+        self.accepts = ROLE_ACCEPTS[self.role]
         self.model_name = settings.model_name or settings.model
-        num_blocks = 16 if self.role == "encode" else settings.num_blocks  # encode keeps no KV
-        self.engine = Engine(EngineConfig(
-            settings.model, device=settings.device, dtype=settings.dtype, block_size=settings.block_size,
-            num_blocks=num_blocks, max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            enable_prefix_caching=settings.enable_prefix_caching, max_image_pixels=settings.max_image_pixels,
-            max_image_bytes=settings.max_image_bytes))
+        self.engine = Engine(self.engine_config(settings))
         self.ctx = zmq.Context.instance()
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
                                        device=settings.device, shm_pool_bytes=settings.transfer_pool_mb * 2**20)
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=settings.coordinator, identity=self.worker_id.encode())
+        self.sock_lock = threading.Lock()  # the loop and the pulse thread share the socket
+        self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
         self.store = RedisStore(settings.redis) if settings.redis else None
-        self.cache = EmbeddingCache(settings.embedding_cache_mb * 2**20)
-        self.encode_queue: list[dict[str, Any]] = []
-        self.attempts: dict[str, int] = {}  # engine request id -> coordinator attempt
-        self.fetch_s: dict[str, float] = {}  # transfer time to report with a request's first output
-        self.cached_tokens: dict[str, int] = {}
-        self.fresh: set[str] = set()  # requests that have not reported a token yet
         self.received: dict[str, float] = {}  # when each request's stage arrived: its worker_s
         self.running = True
-        self._next_beat = 0.0
+        self._next_prefix_publish = 0.0
         self._tokens_ewma = 0.0
         self._last_rate_t = time.monotonic()
         self._tokens_since = 0
 
-    # -- lifecycle ---------------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "role": self.role, "data_address": self.transfer.address,
-                "host_id": self.transfer.host_id, "pid": os.getpid(), "model": self.model_name,
-                "block_size": self.s.block_size, "num_blocks": self.engine.pool.num_blocks}
+    def engine_config(self, s: WorkerSettings) -> EngineConfig:
+        return EngineConfig(
+            s.model, device=s.device, dtype=s.dtype, block_size=s.block_size, num_blocks=s.num_blocks,
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            max_prefill_tokens=s.max_prefill_tokens,
+            enable_prefix_caching=s.enable_prefix_caching, max_image_pixels=s.max_image_pixels,
+            max_image_bytes=s.max_image_bytes)
+
+    # -- what a role implements ------------------------------------------------------------------------
+    def start(self, task: Message) -> None:
+        """Take one stage message of this role's kind (ENCODE, PREFILL, DECODE or RUN)."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def work(self) -> None:
+        """One batch of work: called whenever `busy()`."""
+        raise NotImplementedError
+
+    def cancel(self, rid: str) -> None:
+        self.received.pop(rid, None)
+        if self.engine.abort(rid):
+            log.info("%s cancelled", rid)
+
+    def queued_ids(self) -> list[str]:
+        """Requests this worker holds but has not started: a stage timeout does not re-run them."""
+        return [seq.request_id for seq in list(self.engine.scheduler.waiting)]
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(worker_id=self.worker_id, role=self.role, data_address=self.transfer.address,
+                          host_id=self.transfer.host_id, pid=os.getpid(), model=self.model_name,
+                          block_size=self.s.block_size, num_blocks=self.engine.pool.num_blocks, load=self.load())
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        ttl = max(3.0, 8 * self.s.heartbeat_s)
         if self.store:
-            self.store.register_worker(self.worker_id, self.info(), ttl_s=max(3.0, 8 * self.s.heartbeat_s))
-        self._send(MsgType.READY, body(**self.info(), load=self.load()))
+            self.store.register_worker(self.worker_id, {k: v for k, v in self.info().fields().items() if k != "load"},
+                                       ttl_s=ttl)
+        self.send(self.info())
+        self.pulse.start()
         log.info("worker %s ready: role %s, data plane %s (%s)", self.worker_id, self.role, self.transfer.address,
                  self.s.transfer)
         try:
             while self.running:
-                busy = bool(self.encode_queue) or self.engine.has_unfinished()
-                if self.sock.poll(0 if busy else 20):
+                busy = self.busy()
+                with self.sock_lock:
+                    readable = self.sock.poll(0 if busy else 20)
+                if readable:
                     self._drain()
-                if self.encode_queue:
-                    self._encode_batch()
-                elif self.engine.has_unfinished():
-                    self._step()
-                self._heartbeat()
+                if self.busy():
+                    self.work()
+                self._publish_prefixes()
         finally:
             self.close()
 
@@ -125,8 +131,9 @@ class Worker:
         self.running = False
 
     def close(self) -> None:
+        self.pulse.stop()
         try:
-            send(self.sock, MsgType.BYE, body(worker_id=self.worker_id), flags=zmq.NOBLOCK)
+            send(self.sock, MsgType.BYE, Bye(worker_id=self.worker_id).to_body(), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         if self.store:
@@ -137,266 +144,112 @@ class Worker:
         log.info("worker %s stopped", self.worker_id)
 
     def load(self) -> dict[str, Any]:
-        sched = self.engine.scheduler
-        return {"queue_len": len(sched.waiting) + len(self.encode_queue), "running": len(sched.running),
+        queued = self.queued_ids()
+        return {"queue_len": len(queued), "running": len(self.engine.scheduler.running), "queued": queued,
                 "free_blocks": self.engine.pool.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
-                "tokens_per_s": round(self._tokens_ewma, 2)}
+                "tokens_per_s": round(self._tokens_ewma, 2),
+                "at": time.time()}  # lets the coordinator drop a report older than one it already has
+
+    def count_tokens(self, n: int) -> None:
+        self._tokens_since += n
 
     def _heartbeat(self) -> None:
+        """On the pulse thread: tell the coordinator (and Redis) this worker lives, and its load."""
         now = time.monotonic()
-        if now < self._next_beat:
-            return
-        self._next_beat = now + self.s.heartbeat_s
         rate = self._tokens_since / max(now - self._last_rate_t, 1e-6)
         self._tokens_ewma = 0.7 * self._tokens_ewma + 0.3 * rate
         self._tokens_since, self._last_rate_t = 0, now
-        load = self.load()
-        # The registration rides along: a coordinator that restarted (or declared this worker dead
-        # during a long step) re-admits it from its next heartbeat.
-        self._send(MsgType.HEARTBEAT, body(**self.info(), load=load))
+        info = self.info()
+        # The registration rides along: a coordinator that restarted (or declared this worker dead)
+        # re-admits it from its next heartbeat.
+        self.send(info, kind=MsgType.HEARTBEAT)
         if self.store:
             ttl = max(3.0, 8 * self.s.heartbeat_s)
             self.store.heartbeat(self.worker_id, ttl_s=ttl)
-            self.store.publish_load(self.worker_id, load, ttl_s=ttl)
-            if self.engine.new_prefix_hashes and self.store.add_prefix_blocks(
-                    self.model_name, self.worker_id, self.engine.new_prefix_hashes[-4096:]):
-                self.engine.new_prefix_hashes = []
-        self.engine.new_prefix_hashes = self.engine.new_prefix_hashes[-4096:]  # bounded through outages
+            self.store.publish_load(self.worker_id, {k: v for k, v in info.load.items() if k != "queued"}, ttl_s=ttl)
 
-    def _send(self, kind: MsgType, payload: dict[str, Any]) -> None:
+    def _publish_prefixes(self) -> None:
+        """On the loop: index the prompt blocks that became reusable here (bounded through outages)."""
+        now = time.monotonic()
+        if now < self._next_prefix_publish:
+            return
+        self._next_prefix_publish = now + self.s.heartbeat_s
+        if self.store and self.engine.new_prefix_hashes and self.store.add_prefix_blocks(
+                self.model_name, self.worker_id, self.engine.new_prefix_hashes[-4096:]):
+            self.engine.new_prefix_hashes = []
+        self.engine.new_prefix_hashes = self.engine.new_prefix_hashes[-4096:]
+
+    def send(self, msg: Message, kind: MsgType | None = None) -> None:
         """Non-blocking: with no coordinator connected the message is dropped (and logged) rather
         than wedging the loop; the coordinator re-runs whatever it does not hear back about."""
+        kind = kind or msg.KIND
         try:
-            send(self.sock, kind, payload, flags=zmq.NOBLOCK)
+            with self.sock_lock:
+                send(self.sock, kind, msg.to_body(), flags=zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("coordinator unreachable: %s for %s dropped", kind.name, payload.get("request_id", "-"))
+            log.warning("coordinator unreachable: %s for %s dropped", kind.name, getattr(msg, "request_id", "-"))
 
-    # -- messages ------------------------------------------------------------------------------------
+    # -- messages ------------------------------------------------------------------------------------------
     def _drain(self) -> None:
         while True:
+            payload: Any = None
             try:
-                _, msg_type, payload = recv(self.sock, flags=zmq.NOBLOCK)
-                kind = validate(msg_type, payload, COORDINATOR_TO_WORKER)
+                with self.sock_lock:
+                    _, msg_type, payload = recv(self.sock, flags=zmq.NOBLOCK)
+                kind = validate(msg_type, payload, self.accepts)
+                msg = TO_WORKER[kind].from_body(payload)
             except zmq.Again:
                 return
             except (WireError, ProtocolError) as exc:
-                log.error("dropped a bad message from the coordinator: %s", exc)
+                log.error("dropped a message from the coordinator (%s worker): %s", self.role, exc)
+                self._refuse(payload, str(exc))
                 continue
-            self._dispatch(kind, payload)
+            if kind is MsgType.SHUTDOWN:
+                self.stop()
+            elif isinstance(msg, Cancel):
+                self.cancel(msg.request_id)
+            else:
+                self.received[msg.request_id] = time.perf_counter()
+                self.start(msg)
 
-    def _dispatch(self, kind: MsgType, p: dict[str, Any]) -> None:
-        if kind is MsgType.SHUTDOWN:
-            self.stop()
-        elif kind is MsgType.CANCEL:
-            self._cancel(str(p["request_id"]))
-        elif kind is MsgType.ENCODE:
-            self.received[str(p["request_id"])] = time.perf_counter()
-            self.encode_queue.append(p)
-        elif kind is MsgType.PREFILL:
-            self._start(p, self._add_prefill)
-        elif kind is MsgType.DECODE:
-            self._start(p, self._add_decode)
-        elif kind is MsgType.RUN:
-            self._start(p, self._add_unified)
+    def _refuse(self, payload: Any, why: str) -> None:
+        """A stage message this worker cannot run (another role's, or malformed) still ends its
+        attempt at once: FAILED, retryable, so the coordinator routes it elsewhere without a timeout."""
+        if isinstance(payload, dict) and isinstance(payload.get("request_id"), str) \
+                and type(payload.get("attempt")) is int:
+            self.failed(payload["request_id"], payload["attempt"], f"{self.role} worker refused it: {why}",
+                        retryable=True)
 
-    def _cancel(self, rid: str) -> None:
-        self.encode_queue = [q for q in self.encode_queue if q["request_id"] != rid]
-        self._forget(rid)
-        if self.engine.abort(rid):
-            log.info("%s cancelled", rid)
-        self.attempts.pop(rid, None)
-
-    def _forget(self, rid: str) -> None:
-        for table in (self.received, self.fetch_s, self.cached_tokens):
-            table.pop(rid, None)
-        self.fresh.discard(rid)
-
-    def _failed(self, rid: str, attempt: int, message: str, retryable: bool) -> None:
-        self._forget(rid)
+    def failed(self, rid: str, attempt: int, message: str, retryable: bool) -> None:
+        self.received.pop(rid, None)
         log.warning("%s failed (attempt %d, %s): %s", rid, attempt, "retryable" if retryable else "final", message)
-        self._send(MsgType.FAILED, body(request_id=rid, attempt=attempt, message=message, retryable=retryable))
+        self.send(Failed(request_id=rid, attempt=attempt, message=message, retryable=retryable))
 
-    def _start(self, p: dict[str, Any], add) -> None:
-        rid, attempt = str(p["request_id"]), int(p["attempt"])
-        self.received[rid] = time.perf_counter()
-        self.engine.abort(rid)  # an older attempt of the same request may still be here
+    def guarded(self, rid: str, attempt: int, action: Callable[[], None]) -> bool:
+        """Run `action` for one request; any failure costs that request an attempt (or ends it, when
+        the request itself is bad), never the worker its life. True when it went through."""
         try:
-            add(rid, p)
+            action()
+            return True
         except TransferError as exc:
-            return self._failed(rid, attempt, f"transfer failed: {exc}", retryable=True)
+            self.failed(rid, attempt, f"transfer failed: {exc}", retryable=True)
         except (ValueError, ImageError) as exc:
-            return self._failed(rid, attempt, str(exc), retryable=False)
+            self.failed(rid, attempt, str(exc), retryable=False)
         except OutOfBlocks as exc:  # the pool filled since routing: another worker may have room
-            return self._failed(rid, attempt, str(exc), retryable=True)
+            self.failed(rid, attempt, str(exc), retryable=True)
         except Exception as exc:  # a bug must cost this request an attempt, not the worker its life
-            log.exception("%s: cannot start", rid)
-            self.engine.abort(rid)
-            return self._failed(rid, attempt, f"{exc.__class__.__name__}: {exc}", retryable=True)
-        self.attempts[rid] = attempt
-        self.fresh.add(rid)
+            log.exception("%s: failed", rid)
+            self.failed(rid, attempt, f"{exc.__class__.__name__}: {exc}", retryable=True)
+        return False
 
-    # -- encode ----------------------------------------------------------------------------------------
-    def _encode_batch(self) -> None:
-        """All queued images of all queued requests through one vision forward."""
-        batch, self.encode_queue = self.encode_queue, []
-        pending: dict[str, Any] = {}
-        failed: set[str] = set()
-        for req in batch:
-            for im in req["images"]:
-                if self.cache.get(im["hash"]) is None and im["hash"] not in pending:
-                    try:
-                        pending[im["hash"]] = decode_image(im["data"], self.s.max_image_pixels)
-                    except ImageError as exc:
-                        failed.add(req["request_id"])
-                        self._failed(req["request_id"], req["attempt"], str(exc), retryable=False)
-                        break
-        if pending:
-            try:
-                encoded = self.engine.runner.encode_images(list(pending.values()))
-            except Exception as exc:  # the vision tower failed on this batch: its requests try elsewhere
-                log.exception("vision forward failed for %d images", len(pending))
-                for req in batch:
-                    if req["request_id"] not in failed:
-                        self._failed(req["request_id"], req["attempt"], f"encode failed: {exc}", retryable=True)
-                return
-            for h, enc in zip(pending, encoded):
-                for gone in self.cache.put(h, enc):
-                    if self.store:
-                        self.store.remove_embedding(self.model_name, gone, self.worker_id)
-                if self.store:
-                    self.store.add_embedding(self.model_name, h, self.worker_id)
-            self.engine.counters["encoded_images"] += len(pending)
-            if self.store:
-                self.store.incr_counter("encoded_images", self.worker_id, len(pending))
-        for req in batch:
-            if req["request_id"] not in failed:
-                self._send_encoded(req, new_hashes=set(pending))
-
-    def _send_encoded(self, req: dict[str, Any], new_hashes: set[str]) -> None:
-        rid, attempt = req["request_id"], req["attempt"]
-        tensors, images, hits = {}, [], 0
-        for i, im in enumerate(req["images"]):
-            enc = self.cache.get(im["hash"])
-            if enc is None:  # evicted by this very batch: tiny cache; fail over to a re-run
-                return self._failed(rid, attempt, "embedding evicted before it was sent", retryable=True)
-            tensors[f"img{i}"] = enc.embeds
-            images.append({"hash": im["hash"], "tokens": int(enc.embeds.shape[0]),
-                           "grid": list(enc.grid_thw) if enc.grid_thw else None})
-            hits += im["hash"] not in new_hashes
-        if hits and self.store:
-            self.store.incr_counter("embedding_cache_hits", self.worker_id, hits)
-        desc = self.transfer.publish(f"{rid}:{attempt}:emb", tensors)
-        self._send(MsgType.ENCODED, body(request_id=rid, attempt=attempt, descriptor=desc, images=images,
-                                              cache_hits=hits, worker_s=self._worker_s(rid)))
-
-    def _worker_s(self, rid: str) -> float:
+    def worker_s(self, rid: str) -> float:
         """Time this request's stage spent in this worker (queueing included), for overhead accounting."""
         t0 = self.received.pop(rid, None)
         return round(time.perf_counter() - t0, 6) if t0 is not None else 0.0
 
-    # -- prefill / decode / unified -----------------------------------------------------------------------
-    def _fetch(self, rid: str, descriptor: dict[str, Any]) -> dict[str, torch.Tensor]:
-        t0 = time.perf_counter()
-        tensors = self.transfer.fetch(descriptor, timeout_s=FETCH_TIMEOUT_S)
-        self.fetch_s[rid] = self.fetch_s.get(rid, 0.0) + time.perf_counter() - t0
-        return tensors
 
-    def _add_prefill(self, rid: str, p: dict[str, Any]) -> None:
-        encoded = []
-        if p.get("embeddings"):
-            tensors = self._fetch(rid, p["embeddings"])
-            grids = p.get("grids") or [None] * len(tensors)
-            encoded = [EncodedImage(tensors[f"img{i}"], tuple(grids[i]) if grids[i] else None)
-                       for i in range(len(tensors))]
-        seq = self.engine.add_request(rid, p["prompt_ids"], encoded=encoded, image_hashes=p.get("image_hashes"),
-                                      sampling=sampling_from_dict(p["sampling"]), priority=int(p.get("priority", 0)),
-                                      prefill_only=True, output_ids=p.get("output_ids") or [])
-        self.cached_tokens[rid] = seq.num_cached_tokens
+def make_worker(settings: WorkerSettings) -> Worker:
+    """The worker class of `settings.role`."""
+    from mserve.workers.roles import ROLE_CLASSES
 
-    def _add_decode(self, rid: str, p: dict[str, Any]) -> None:
-        # Zero-copy: over shm the tensors are views of the prefill worker's segment and
-        # import_kv's copy into this pool is the only copy on this side. Leaving the block
-        # releases the view: the ack that lets the sender reuse the segment.
-        t0 = time.perf_counter()
-        view = self.transfer.fetch_view(p["descriptor"], timeout_s=FETCH_TIMEOUT_S)
-        self.fetch_s[rid] = self.fetch_s.get(rid, 0.0) + time.perf_counter() - t0
-        with view as tensors:
-            # The request keeps its prompt inputs for its lifetime (recompute after preemption),
-            # so those must not stay views; they are small next to the KV.
-            keep = (lambda t: t.clone()) if view.zero_copy else (lambda t: t)
-            state = dict(p["state"])
-            n_images = len(state["images"])
-            mrope = tensors.get("mrope")
-            payload = {**state, "kv": tensors["kv"], "mrope_positions": keep(mrope) if mrope is not None else None,
-                       "image_embeds": [keep(tensors[f"emb{i}"]) for i in range(n_images) if f"emb{i}" in tensors]}
-            self.engine.import_kv(payload, request_id=rid)
-
-    def _add_unified(self, rid: str, p: dict[str, Any]) -> None:
-        images = [im["data"] for im in p.get("images") or []]
-        seq = self.engine.add_request(rid, p["prompt_ids"], images=images,
-                                      sampling=sampling_from_dict(p["sampling"]), priority=int(p.get("priority", 0)),
-                                      output_ids=p.get("output_ids") or [])
-        self.cached_tokens[rid] = seq.num_cached_tokens
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            log.exception("engine step failed; failing its requests")
-            for rid in list(self.engine.requests):
-                attempt = self.attempts.pop(rid, None)
-                self.engine.abort(rid)
-                if attempt is not None:
-                    self._failed(rid, attempt, f"engine step failed: {exc.__class__.__name__}: {exc}", retryable=True)
-            return
-        self._report(outputs)
-
-    def _report(self, outputs: list[StepOutput]) -> None:
-        items = []
-        for out in outputs:
-            rid = out.request_id
-            attempt = self.attempts.get(rid)
-            if attempt is None:
-                continue
-            self._tokens_since += len(out.new_token_ids)
-            if self.role == "prefill":
-                self._send_prefilled(rid, attempt, out)
-                continue
-            item = {"request_id": rid, "attempt": attempt, "token_ids": out.new_token_ids, "finished": out.finished,
-                    "finish_reason": out.finish_reason, "first": rid in self.fresh}
-            self.fresh.discard(rid)
-            if rid in self.fetch_s:
-                item["fetch_s"] = self.fetch_s.pop(rid)
-            items.append(item)
-            if out.finished:
-                self.attempts.pop(rid, None)
-                item["worker_s"] = self._worker_s(rid)
-                item["cached_tokens"] = self.cached_tokens.pop(rid, 0)
-        if items:
-            self._send(MsgType.STEP_TOKENS, body(items=items))
-
-    def _send_prefilled(self, rid: str, attempt: int, out: StepOutput) -> None:
-        self.attempts.pop(rid, None)
-        msg = {"request_id": rid, "attempt": attempt, "token_id": out.new_token_ids[0],
-               "finish_reason": out.finish_reason, "fetch_s": self.fetch_s.pop(rid, 0.0),
-               "cached_tokens": self.cached_tokens.pop(rid, 0), "descriptor": None, "state": None,
-               "worker_s": self._worker_s(rid)}
-        if out.finish_reason == "prefilled":
-            # The KV blocks are gathered straight into the transfer's buffer (a pooled shm
-            # segment for shm/auto): publishing then copies nothing.
-            allocs = []
-
-            def alloc(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
-                allocs.append(self.transfer.alloc(spec))
-                return allocs[-1].tensors
-
-            try:
-                payload = self.engine.export_kv(rid, alloc=alloc)
-                msg["descriptor"] = self.transfer.publish_allocated(f"{rid}:{attempt}:kv", allocs[0])
-            finally:
-                for a in allocs:
-                    a.free()  # a no-op once published
-            for key in ("kv", "mrope_positions", "image_embeds"):
-                payload.pop(key)
-            msg["state"] = payload
-        self._send(MsgType.PREFILLED, body(**msg))
+    return ROLE_CLASSES[settings.role](settings)

@@ -131,6 +131,12 @@ def test_error_codes_map_to_exceptions(code, cls):
     assert type(exc) is cls and isinstance(exc, MServeError)
     assert (exc.code, exc.request_id, exc.message) == (code, "r9", "max_tokens 9000 > limit 4096")
     assert "max_tokens 9000" in str(exc) and "r9" in str(exc)
+    assert exc.retry_after_s is None
+
+
+def test_overloaded_carries_the_retry_after_hint():
+    exc = error_from_reply({"request_id": "r1", "code": ErrorCode.OVERLOADED, "message": "full", "retry_after_s": 2.5})
+    assert isinstance(exc, Overloaded) and exc.retry_after_s == 2.5
 
 
 # ---- reply assembly

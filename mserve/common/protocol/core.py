@@ -1,4 +1,4 @@
-"""Every message a MServe process can receive, grouped by the link it travels on.
+"""Message types, the endpoints that accept each one, and the check every incoming body passes first.
 
 Frame 0 is one byte (MsgType), frame 1 the msgpack body (see common/serde.py), tensors in extra
 frames. Bodies are plain dicts built by the helpers below; each carries the schema version "v".
@@ -41,7 +41,9 @@ class MsgType(IntEnum):
     SHUTDOWN = 35
 
 
-# Required body fields per message type; extra fields are allowed (appended by newer versions).
+# Required body fields of the client link's messages; extra fields are allowed (appended by newer
+# versions). The worker links' bodies are typed (to_worker.py, to_coordinator.py) and checked field by
+# field when they are parsed.
 REQUIRED: dict[MsgType, tuple[str, ...]] = {
     MsgType.GENERATE: ("request_id", "messages"),
     MsgType.ABORT: ("request_id",),
@@ -50,19 +52,6 @@ REQUIRED: dict[MsgType, tuple[str, ...]] = {
     MsgType.RESULT: ("request_id", "token_ids", "text", "finish_reason", "timings"),
     MsgType.ERROR: ("request_id", "code", "message"),
     MsgType.STATUS_REPLY: ("workers",),
-    MsgType.READY: ("worker_id", "role", "data_address", "host_id"),
-    MsgType.HEARTBEAT: ("worker_id", "load"),
-    MsgType.ENCODED: ("request_id", "attempt", "descriptor", "images"),
-    MsgType.PREFILLED: ("request_id", "attempt", "token_id", "finish_reason"),
-    MsgType.STEP_TOKENS: ("items",),
-    MsgType.FAILED: ("request_id", "attempt", "message"),
-    MsgType.BYE: ("worker_id",),
-    MsgType.ENCODE: ("request_id", "attempt", "images"),
-    MsgType.PREFILL: ("request_id", "attempt", "prompt_ids", "sampling"),
-    MsgType.DECODE: ("request_id", "attempt", "descriptor", "state"),
-    MsgType.RUN: ("request_id", "attempt", "prompt_ids", "sampling"),
-    MsgType.CANCEL: ("request_id",),
-    MsgType.SHUTDOWN: (),
 }
 
 # Which message types each endpoint accepts: anything else is answered with an error / dropped.
@@ -74,6 +63,16 @@ COORDINATOR_TO_WORKER = frozenset({MsgType.ENCODE, MsgType.PREFILL, MsgType.DECO
 COORDINATOR_TO_CLIENT = frozenset({MsgType.TOKENS, MsgType.RESULT, MsgType.ERROR, MsgType.STATUS_REPLY})
 
 ROLES = ("encode", "prefill", "decode", "unified")
+
+# What a worker of each role accepts from the coordinator: a stage message for another role is a
+# routing bug, refused loudly rather than run.
+_CONTROL = {MsgType.CANCEL, MsgType.SHUTDOWN}
+ROLE_ACCEPTS: dict[str, frozenset[MsgType]] = {
+    "encode": frozenset({MsgType.ENCODE, *_CONTROL}),
+    "prefill": frozenset({MsgType.PREFILL, *_CONTROL}),
+    "decode": frozenset({MsgType.DECODE, *_CONTROL}),
+    "unified": frozenset({MsgType.RUN, *_CONTROL}),
+}
 
 
 class ProtocolError(ValueError):
@@ -98,7 +97,7 @@ def validate(msg_type: int, payload: Any, accepted: frozenset[MsgType]) -> MsgTy
     version = payload.get("v")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise ProtocolError(f"{kind.name}: unsupported schema version {version!r} (this process speaks {SCHEMA_VERSION})")
-    missing = [f for f in REQUIRED[kind] if f not in payload]
+    missing = [f for f in REQUIRED.get(kind, ()) if f not in payload]
     if missing:
         raise ProtocolError(f"{kind.name}: missing field(s) {', '.join(missing)}")
     return kind

@@ -1,0 +1,84 @@
+"""Coordinator -> worker: the stage a worker of one role runs for one attempt of one request.
+
+Each body names the coordinator's request id and attempt number: a worker echoes both, so the
+coordinator can tell a live reply from one of an attempt it already re-ran elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mserve.common.protocol.core import MsgType
+from mserve.common.protocol.typed import (Message, as_bytes, as_int, as_map, as_str, list_of, nested, optional,
+                                          wire)
+
+
+@dataclass
+class ImageRef(Message):
+    """One image of a request: its bytes and the hash caches key on."""
+
+    hash: str = wire(as_str)
+    data: bytes = wire(as_bytes)
+
+
+@dataclass
+class EncodeTask(Message):
+    KIND: ClassVar = MsgType.ENCODE
+    request_id: str = wire(as_str)
+    attempt: int = wire(as_int)
+    images: list[ImageRef] = wire(list_of(nested(ImageRef)))
+
+
+@dataclass
+class PrefillTask(Message):
+    KIND: ClassVar = MsgType.PREFILL
+    request_id: str = wire(as_str)
+    attempt: int = wire(as_int)
+    prompt_ids: list[int] = wire(list_of(as_int))
+    sampling: dict[str, Any] = wire(as_map)
+    output_ids: list[int] = wire(list_of(as_int), [])  # tokens an earlier attempt already streamed
+    image_hashes: list[str] = wire(list_of(as_str), [])
+    embeddings: dict[str, Any] | None = wire(optional(as_map), None)  # transfer descriptor (on an encode worker)
+    grids: list[Any] | None = wire(optional(list_of(optional(list_of(as_int)))), None)  # Qwen2-VL (t, h, w)
+    priority: int = wire(as_int, 0)
+    latency_class: str = wire(as_str, "interactive")
+
+
+@dataclass
+class DecodeTask(Message):
+    KIND: ClassVar = MsgType.DECODE
+    request_id: str = wire(as_str)
+    attempt: int = wire(as_int)
+    descriptor: dict[str, Any] = wire(as_map)  # the prefilled KV (on a prefill worker)
+    state: dict[str, Any] = wire(as_map)  # the engine's request state without its tensors
+
+
+@dataclass
+class RunTask(Message):
+    """All three stages on a unified worker."""
+
+    KIND: ClassVar = MsgType.RUN
+    request_id: str = wire(as_str)
+    attempt: int = wire(as_int)
+    prompt_ids: list[int] = wire(list_of(as_int))
+    sampling: dict[str, Any] = wire(as_map)
+    output_ids: list[int] = wire(list_of(as_int), [])
+    images: list[ImageRef] = wire(list_of(nested(ImageRef)), [])
+    priority: int = wire(as_int, 0)
+    latency_class: str = wire(as_str, "interactive")
+
+
+@dataclass
+class Cancel(Message):
+    KIND: ClassVar = MsgType.CANCEL
+    request_id: str = wire(as_str)
+
+
+@dataclass
+class Shutdown(Message):
+    KIND: ClassVar = MsgType.SHUTDOWN
+
+
+TO_WORKER: dict[MsgType, type[Message]] = {
+    cls.KIND: cls for cls in (EncodeTask, PrefillTask, DecodeTask, RunTask, Cancel, Shutdown)}

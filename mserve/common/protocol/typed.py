@@ -1,0 +1,107 @@
+"""Typed message bodies: a dataclass per message, checked field by field when it arrives.
+
+A message class names its MsgType (`KIND`) and declares each field with `wire(check)`, where
+`check(value, where)` returns the field's value or raises ProtocolError naming `where`
+(e.g. "PREFILL.prompt_ids"). `to_body()` gives the msgpack-able dict that travels (fields that
+are None are left out: readers take the default), `from_body()` the reverse. Unknown fields are
+ignored, so newer senders can append fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from mserve.common.protocol.core import MsgType, ProtocolError, body
+
+Check = Callable[[Any, str], Any]
+
+
+def wire(check: Check, default: Any = dataclasses.MISSING) -> Any:
+    """A message field checked by `check` on arrival; `default` when the sender left it out."""
+    kw: dict[str, Any] = {"metadata": {"check": check}}
+    if isinstance(default, (list, dict)):
+        kw["default_factory"] = (list if isinstance(default, list) else dict)
+    elif default is not dataclasses.MISSING:
+        kw["default"] = default
+    return dataclasses.field(**kw)
+
+
+def _typed(kind: type | tuple[type, ...], name: str) -> Check:
+    def check(v: Any, where: str) -> Any:
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise ProtocolError(f"{where}: expected {name}, got {type(v).__name__}")
+        return v
+    check.type = kind  # lets list_of check a long list of plain values in one pass
+    return check
+
+
+as_str = _typed(str, "a string")
+as_int = _typed(int, "an integer")
+as_bool = _typed(bool, "a boolean")
+as_bytes = _typed((bytes, bytearray, memoryview), "bytes")
+as_map = _typed(dict, "a map")
+
+
+def as_float(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ProtocolError(f"{where}: expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def optional(check: Check) -> Check:
+    return lambda v, where: None if v is None else check(v, where)
+
+
+def list_of(check: Check) -> Check:
+    def check_list(v: Any, where: str) -> list:
+        if not isinstance(v, (list, tuple)):
+            raise ProtocolError(f"{where}: expected a list, got {type(v).__name__}")
+        kind = getattr(check, "type", None)
+        if kind is not None and all(type(x) is kind for x in v):  # fast path: prompt ids, token ids
+            return list(v)
+        return [check(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    return check_list
+
+
+def nested(cls: type[Message]) -> Check:
+    return lambda v, where: cls.parse(v, where)
+
+
+class Message:
+    """Base of every typed body (subclasses are dataclasses)."""
+
+    KIND: ClassVar[MsgType | None] = None
+
+    def to_body(self) -> dict[str, Any]:
+        return body(**self.fields())
+
+    def fields(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            if isinstance(v, list) and v and isinstance(v[0], Message):
+                v = [x.fields() for x in v]
+            elif isinstance(v, Message):
+                v = v.fields()
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_body(cls, payload: Any) -> Any:
+        return cls.parse(payload, cls.KIND.name if cls.KIND is not None else cls.__name__)
+
+    @classmethod
+    def parse(cls, payload: Any, where: str) -> Any:
+        if not isinstance(payload, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(payload).__name__}")
+        values = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name in payload:
+                values[f.name] = f.metadata["check"](payload[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{where}: missing field {f.name}")
+        return cls(**values)

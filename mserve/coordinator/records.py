@@ -1,0 +1,119 @@
+"""What a coordinator request is made of, and what the pure request machine asks of the outside.
+
+RequestState is one request's progress through its stages; `stage_message` builds the one message
+that starts a stage on a worker. ToClient / ToWorker are the messages the machine returns for the
+socket loop to send; Lookups is how Redis-backed cache hints reach it (NoLookups: none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol, Union
+
+from mserve.common.protocol import MsgType
+from mserve.common.protocol.to_worker import DecodeTask, EncodeTask, ImageRef, PrefillTask, RunTask
+from mserve.coordinator.admission import Admitted
+
+
+class Stage(str, Enum):  # enum.StrEnum once Python 3.10 support goes
+    START = "start"  # next_stage only: pick the pipeline (disaggregated or unified) first
+    QUEUED = "queued"  # stage only: waiting for a worker of the role its next stage needs
+    ENCODE = "encode"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    RUN = "run"
+
+    def __str__(self) -> str:  # logs and error messages show "prefill", not "Stage.PREFILL"
+        return self.value
+
+
+ACTIVE_STAGES = (Stage.ENCODE, Stage.PREFILL, Stage.DECODE, Stage.RUN)
+
+
+@dataclass(frozen=True)
+class ToClient:
+    identity: bytes
+    kind: MsgType
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToWorker:
+    worker_id: str
+    kind: MsgType
+    body: dict[str, Any]
+
+
+Out = Union[ToClient, ToWorker]
+
+
+class Lookups(Protocol):
+    """Cache hints shared through Redis by the workers."""
+
+    def embedding_holders(self, image_hash: str) -> set[str]: ...
+
+    def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]: ...
+
+
+class NoLookups:
+    def embedding_holders(self, image_hash: str) -> set[str]:
+        return set()
+
+    def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]:
+        return {}
+
+
+@dataclass
+class RequestState:
+    rid: str  # coordinator-internal id, unique across clients
+    client: bytes
+    admitted: Admitted
+    arrived: float
+    attempt: int = 0
+    next_stage: Stage = Stage.START
+    stage: Stage = Stage.QUEUED
+    worker_id: str | None = None
+    stage_started: float = 0.0
+    deadline: float = 0.0
+    embeddings: dict | None = None  # descriptor of the encoded images (on an encode worker)
+    embeddings_from: str | None = None
+    image_grids: list | None = None
+    kv: dict | None = None  # descriptor + state of the prefilled request (on a prefill worker)
+    kv_from: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in (
+        "queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s", "worker_s")})
+    cache_hits: dict[str, int] = field(default_factory=lambda: {"embedding": 0, "prefix_tokens": 0})
+    charged: tuple[str, int] | None = None
+
+    @property
+    def client_rid(self) -> str:
+        return self.admitted.request.request_id
+
+    @property
+    def has_images(self) -> bool:
+        return bool(self.admitted.images)
+
+
+def stage_message(st: RequestState, stage: Stage) -> tuple[MsgType, dict[str, Any], int]:
+    """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there."""
+    a, req = st.admitted, st.admitted.request
+    ids = {"request_id": st.rid, "attempt": st.attempt}
+    images = [ImageRef(hash=im.hash, data=im.data) for im in a.images]
+    classes = {"priority": req.priority, "latency_class": req.latency_class}
+    tokens = 0
+    if stage == Stage.ENCODE:
+        msg = EncodeTask(**ids, images=images)
+    elif stage == Stage.PREFILL:
+        msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
+                          image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
+                          **classes)
+        tokens = len(a.prompt_ids)
+    elif stage == Stage.DECODE:
+        msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"])
+    else:
+        msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
+                      images=images, **classes)
+        tokens = len(a.prompt_ids)
+    return msg.KIND, msg.fields(), tokens

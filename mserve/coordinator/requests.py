@@ -1,0 +1,412 @@
+"""The coordinator's per-request state machine: encode -> prefill -> decode (or `run` on a unified worker).
+
+Pure code: no sockets, no Redis, no clock. Every entry point takes `now` and returns the messages to
+send, as ToClient / ToWorker records, in the order they must go out; the socket loop
+(coordinator/server.py) sends them and reports a worker it cannot reach back through
+`worker_unreachable`. Admission (tokenizing) happens before: the machine receives an `Admitted`.
+Redis-backed hints (who holds an image's embeddings, who holds a prompt's prefix blocks) come in
+through a `Lookups` object; the default knows nothing, which only makes routing less cache-aware.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections import deque
+from typing import Any, Callable
+
+from mserve.common.protocol import ROLES, ErrorCode, MsgType, ProtocolError
+from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
+                                                   TokenItem, WorkerInfo)
+from mserve.coordinator.admission import Admitted
+from mserve.coordinator.membership import Membership
+from mserve.coordinator.records import (ACTIVE_STAGES, Lookups, NoLookups, Out, RequestState, Stage, ToClient, ToWorker,
+                                        stage_message)
+from mserve.coordinator.shedding import FirstTokenRate, choose_shed
+from mserve.coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
+
+__all__ = ["ACTIVE_STAGES", "Lookups", "NoLookups", "Out", "RequestMachine", "RequestState", "Stage", "ToClient",
+           "ToWorker", "stage_message"]
+
+log = logging.getLogger("mserve.coordinator")
+
+
+def _entry(handler: Callable[..., None]) -> Callable[..., list[Out]]:
+    """An entry point: set the clock, run the handler, return what it queued to send."""
+
+    @functools.wraps(handler)
+    def wrapper(self: RequestMachine, *args: Any, now: float) -> list[Out]:
+        self._now, self._out = now, []
+        try:
+            handler(self, *args)
+        except Exception:  # a message that validates but is wrong inside must not stop serving
+            if self.raise_errors:
+                raise
+            log.exception("error while handling a message; the coordinator keeps serving")
+        out, self._out = self._out, []
+        return out
+
+    return wrapper
+
+
+class RequestMachine:
+    def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 10.0, max_attempts: int = 3,
+                 max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
+                 new_id: Callable[[], str] | None = None, raise_errors: bool = False) -> None:
+        self.stage_timeout_s = stage_timeout_s
+        self.dead_after_s = dead_after_s
+        self.max_attempts = max_attempts
+        self.max_waiting_requests = max_waiting_requests
+        self.first_tokens = FirstTokenRate()
+        self.lookups: Lookups = lookups or NoLookups()
+        self.detokenize = detokenize or (lambda ids: "")
+        self.new_id = new_id or (lambda: uuid.uuid4().hex)
+        self.raise_errors = raise_errors
+        self.members = Membership()
+        self.requests: dict[str, RequestState] = {}
+        self.by_client: dict[tuple[bytes, str], str] = {}
+        self.pending: deque[str] = deque()
+        self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0}
+        self._now = 0.0
+        self._out: list[Out] = []
+
+    # -- entry points: clients -----------------------------------------------------------------------
+    @_entry
+    def submit(self, client: bytes, admitted: Admitted) -> None:
+        """A GENERATE that passed admission: start it, or refuse a request_id already in flight."""
+        key = (client, admitted.request.request_id)
+        if key in self.by_client:
+            self._error(client, admitted.request.request_id, ErrorCode.BAD_REQUEST,
+                        f"request_id {admitted.request.request_id!r} is already in flight for this client")
+            return
+        if not self._make_room(client, admitted):
+            return
+        st = RequestState(rid=self.new_id(), client=client, admitted=admitted, arrived=self._now)
+        self.requests[st.rid] = st
+        self.by_client[key] = st.rid
+        self.stats["admitted"] += 1
+        log.info("%s admitted: %d prompt tokens (%d visual, %d images), max_tokens %d", st.client_rid,
+                 len(admitted.prompt_ids), admitted.visual_tokens, len(admitted.images),
+                 admitted.request.sampling.max_tokens)
+        self._restart(st, first=True)
+
+    def _make_room(self, client: bytes, admitted: Admitted) -> bool:
+        """Keep the requests waiting for a first token within bound: shed the lowest class (maybe the newcomer)."""
+        waiting = [st for st in self.requests.values() if not st.output_ids]
+        if len(waiting) < self.max_waiting_requests:
+            return True
+        retry = self.first_tokens.retry_after_s(len(waiting))
+        why = (f"overloaded: {len(waiting)} requests are waiting for their first token "
+               f"(max_waiting_requests={self.max_waiting_requests}); retry after {retry:g}s")
+        victim = choose_shed(waiting, admitted.request, self._now)
+        self.stats["shed"] += 1
+        if victim is None:
+            log.info("%s shed: %s", admitted.request.request_id, why)
+            self._error(client, admitted.request.request_id, ErrorCode.OVERLOADED, why, retry_after_s=retry)
+            return False
+        self._cancel_on_worker(victim)
+        self._end(victim, error=(ErrorCode.OVERLOADED, why + " (a higher class arrived)"), retry_after_s=retry)
+        return True
+
+    @_entry
+    def reject(self, client: bytes, request_id: str | None, message: str) -> None:
+        """A GENERATE that failed admission (the request is invalid or over a limit)."""
+        self.stats["rejected"] += 1
+        log.info("%s rejected: %s", request_id, message)
+        self._error(client, request_id, ErrorCode.BAD_REQUEST, message)
+
+    @_entry
+    def abort(self, client: bytes, request_id: str) -> None:
+        rid = self.by_client.get((client, request_id))
+        if rid is None:
+            return
+        st = self.requests[rid]
+        self._cancel_on_worker(st)
+        self._end(st, error=(ErrorCode.ABORTED, "aborted by the client"))
+
+    # -- entry points: workers and time -----------------------------------------------------------------
+    @_entry
+    def on_worker(self, worker_id: str, kind: MsgType, payload: dict[str, Any]) -> None:
+        """A message from a worker (WORKER_TO_COORDINATOR), checked field by field here."""
+        try:
+            msg = TO_COORDINATOR[kind].from_body(payload)
+        except ProtocolError as exc:
+            log.error("dropped a bad %s from worker %s: %s", kind.name, worker_id, exc)
+            return
+        if isinstance(msg, WorkerInfo):
+            return self._on_ready(worker_id, msg)
+        known = self.members.get(worker_id)
+        if isinstance(msg, Heartbeat) and (known is None or not known.alive) and msg.registration() is not None:
+            # A worker this coordinator never met (it restarted) or declared dead (it stalled): its
+            # heartbeat carries its registration, so it rejoins without a restart of its own.
+            return self._on_ready(worker_id, msg.registration())
+        if known is None:
+            log.warning("message %s from unregistered worker %s ignored", kind.name, worker_id)
+            return
+        self.members.seen(worker_id, self._now)
+        if isinstance(msg, Heartbeat):
+            self.members.apply_load(worker_id, msg.load)
+        elif isinstance(msg, Encoded):
+            self._on_encoded(worker_id, msg)
+        elif isinstance(msg, Prefilled):
+            self._on_prefilled(worker_id, msg)
+        elif isinstance(msg, StepTokens):
+            for item in msg.items:
+                self._on_step_tokens(worker_id, item)
+        elif isinstance(msg, Failed):
+            self._on_failed(worker_id, msg)
+        else:  # BYE
+            self._worker_died(worker_id, "said goodbye")
+
+    @_entry
+    def worker_unreachable(self, worker_id: str, why: str) -> None:
+        """A send to the worker failed (its socket is gone): it is dead."""
+        self._worker_died(worker_id, f"unreachable ({why})")
+
+    @_entry
+    def tick(self) -> None:
+        """Housekeeping: silent workers die, overdue stages re-run, parked requests look for a worker."""
+        for worker_id, silence in self.members.silent(self._now, self.dead_after_s):
+            self._worker_died(worker_id, f"no heartbeat for {silence:.1f}s")
+        for st in list(self.requests.values()):
+            if self._now > st.deadline > 0:
+                if st.stage == Stage.QUEUED:
+                    self._end(st, error=(ErrorCode.NO_WORKERS, f"no worker could take the request's "
+                                                               f"{st.next_stage} stage within {self.stage_timeout_s}s"))
+                elif self.members.holds_queued(st.worker_id, st.rid):
+                    # Merely queued at a live, busy worker: moving it elsewhere would only lose its place.
+                    st.deadline = self._now + self.stage_timeout_s
+                else:
+                    self._uncharge(st)
+                    self._restart(st, reason=f"{st.stage} stage timed out on {st.worker_id}")
+        if self.pending:
+            self._retry_pending()
+
+    def apply_loads(self, loads: dict[str, dict[str, Any]]) -> None:
+        """Loads the workers published elsewhere (Redis), fresher than their last heartbeat."""
+        for worker_id, load in loads.items():
+            self.members.apply_load(worker_id, load)
+
+    def alive_workers(self) -> list[str]:
+        return self.members.alive_ids()
+
+    def status(self) -> dict[str, Any]:
+        workers, roles = self.members.status()
+        return {"workers": workers, "roles": roles, "requests_in_flight": len(self.requests),
+                "stats": dict(self.stats)}
+
+    # -- stages ----------------------------------------------------------------------------------------
+    def _restart(self, st: RequestState, first: bool = False, reason: str = "") -> None:
+        """(Re)run a request from its first stage, keeping the tokens the client already has."""
+        if not first:
+            self.stats["reruns"] += 1
+            if st.attempt + 1 >= self.max_attempts:
+                self._end(st, error=(ErrorCode.INTERNAL, f"gave up after {st.attempt + 1} attempts: {reason}"))
+                return
+            log.warning("%s re-run (attempt %d): %s", st.client_rid, st.attempt + 2, reason)
+            self._cancel_on_worker(st)  # the stage may still be running on a live worker
+            st.attempt += 1
+        st.deadline = 0.0
+        st.embeddings = st.kv = st.embeddings_from = st.kv_from = None
+        st.next_stage = Stage.START
+        self._advance(st)
+
+    def _advance(self, st: RequestState) -> None:
+        """Dispatch the request's next stage, or park it until a worker of that role is up."""
+        now = self._now
+        if st.next_stage == Stage.START:
+            route = pipeline_for(self.members.views(), st.has_images)
+            if route is None:
+                return self._park(st)
+            st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
+        if st.stage == Stage.QUEUED and st.timings["queue_s"] == 0.0:
+            st.timings["queue_s"] = now - st.arrived
+        worker = self._route(st)
+        if worker is None:
+            return self._park(st)
+        stage = st.next_stage
+        kind, payload, tokens = stage_message(st, stage)
+        st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
+        st.deadline = now + self.stage_timeout_s
+        self._charge(st, worker.worker_id, tokens)
+        self._out.append(ToWorker(worker.worker_id, kind, payload))
+
+    def _park(self, st: RequestState) -> None:
+        if st.stage != Stage.QUEUED or st.deadline == 0.0:  # newly parked: a full stage timeout to find a worker
+            st.deadline = self._now + self.stage_timeout_s
+        st.stage = Stage.QUEUED
+        if st.rid not in self.pending:
+            self.pending.append(st.rid)
+
+    def _route(self, st: RequestState) -> WorkerView | None:
+        ws = self.members.views()
+        a = st.admitted
+        if st.next_stage == Stage.RUN:
+            return route_unified(ws)
+        if st.next_stage == Stage.ENCODE:
+            hashes = [im.hash for im in a.images]
+            holders = {h: self.members.embedding_holders.get(h, set()) | self.lookups.embedding_holders(h)
+                       for h in hashes}
+            return route_encode(ws, hashes, holders)
+        block_size = self.members.block_size
+        if st.next_stage == Stage.PREFILL:
+            return route_prefill(ws, len(a.prompt_ids), self.lookups.prefix_hits(a, block_size), block_size)
+        if st.next_stage == Stage.DECODE:
+            need = -(-(len(a.prompt_ids) + a.request.sampling.max_tokens) // block_size)
+            return route_decode(ws, need)
+        raise AssertionError(st.next_stage)
+
+    def _charge(self, st: RequestState, worker_id: str, tokens: int) -> None:
+        self._uncharge(st)
+        self.members.charge(worker_id, tokens)
+        st.charged = (worker_id, tokens)
+
+    def _uncharge(self, st: RequestState) -> None:
+        if st.charged:
+            self.members.uncharge(*st.charged)
+            st.charged = None
+
+    def _stage_done(self, st: RequestState, timing_key: str) -> None:
+        st.timings[timing_key] += self._now - st.stage_started
+        self._uncharge(st)
+
+    def _retry_pending(self) -> None:
+        for _ in range(len(self.pending)):
+            rid = self.pending.popleft()
+            st = self.requests.get(rid)
+            if st is not None and st.stage == Stage.QUEUED:
+                self._advance(st)
+
+    # -- worker replies --------------------------------------------------------------------------------
+    def _on_ready(self, worker_id: str, info: WorkerInfo) -> None:
+        role = info.role
+        if role not in ROLES:
+            log.error("worker %s announced unknown role %r; ignored", worker_id, role)
+            return
+        if self.members.is_alive(worker_id):  # a restarted process with the same id: its old work is lost
+            self._worker_died(worker_id, "re-registered")
+        for rid in self.members.join(worker_id, role, info.fields(), self._now):  # it was only stalled: stop its stale work
+            self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": rid}))
+        log.info("worker %s joined as %s (data plane %s)", worker_id, role, info.data_address)
+        self._retry_pending()
+
+    def _current(self, worker_id: str, reply: Encoded | Prefilled | TokenItem, stage: Stage) -> RequestState | None:
+        """The request a worker reply is about, if that reply is still the live attempt of that stage."""
+        st = self.requests.get(reply.request_id)
+        if st is None or st.attempt != reply.attempt or st.stage != stage or st.worker_id != worker_id:
+            return None  # stale: an earlier attempt, a re-routed stage, or an aborted request
+        return st
+
+    def _on_encoded(self, worker_id: str, msg: Encoded) -> None:
+        st = self._current(worker_id, msg, Stage.ENCODE)
+        for im in msg.images:
+            self.members.add_holder(im.hash, worker_id)
+        if st is None:
+            return
+        self._stage_done(st, "encode_s")
+        st.timings["worker_s"] += msg.worker_s
+        st.embeddings, st.embeddings_from = msg.descriptor, worker_id
+        st.image_grids = [im.grid for im in msg.images]
+        st.cache_hits["embedding"] += msg.cache_hits
+        st.next_stage = Stage.PREFILL
+        self._advance(st)
+
+    def _on_prefilled(self, worker_id: str, msg: Prefilled) -> None:
+        st = self._current(worker_id, msg, Stage.PREFILL)
+        if st is None:
+            return
+        self._stage_done(st, "prefill_s")
+        st.timings["transfer_s"] += msg.fetch_s
+        st.timings["worker_s"] += msg.worker_s
+        st.cache_hits["prefix_tokens"] += msg.cached_tokens
+        self._emit(st, [msg.token_id])
+        if msg.finish_reason != "prefilled":
+            return self._end(st, finish_reason=msg.finish_reason)
+        if msg.descriptor is None or msg.state is None:
+            return self._restart(st, reason=f"{worker_id} prefilled without handing over its KV")
+        st.kv, st.kv_from = {"descriptor": msg.descriptor, "state": msg.state}, worker_id
+        st.next_stage = Stage.DECODE
+        self._advance(st)
+
+    def _on_step_tokens(self, worker_id: str, item: TokenItem) -> None:
+        stage = Stage.RUN if self.members.workers[worker_id].role == "unified" else Stage.DECODE
+        st = self._current(worker_id, item, stage)
+        if st is None:
+            return
+        st.timings["transfer_s"] += item.fetch_s or 0.0
+        now = self._now
+        st.deadline = now + self.stage_timeout_s  # progress resets the stage timeout
+        if stage == Stage.RUN and item.first:  # unified: time to the first token is its prefill
+            st.timings["prefill_s"] += now - st.stage_started
+            st.stage_started = now
+        self._emit(st, item.token_ids)
+        if item.finished:
+            st.timings["worker_s"] += item.worker_s or 0.0
+            self._stage_done(st, "decode_s")
+            st.cache_hits["prefix_tokens"] += item.cached_tokens or 0
+            self._end(st, finish_reason=item.finish_reason or "stop")
+
+    def _on_failed(self, worker_id: str, msg: Failed) -> None:
+        st = self.requests.get(msg.request_id)
+        if st is None or st.attempt != msg.attempt or st.worker_id != worker_id:
+            return
+        self._uncharge(st)
+        if msg.retryable:
+            self._restart(st, reason=f"{worker_id}: {msg.message}")
+        else:
+            self._end(st, error=(ErrorCode.BAD_REQUEST, msg.message))
+
+    def _worker_died(self, worker_id: str, why: str) -> None:
+        w = self.members.mark_dead(worker_id)
+        if w is None:
+            return
+        log.warning("worker %s (%s) is gone: %s", worker_id, w.role, why)
+        for st in list(self.requests.values()):
+            lost = st.worker_id == worker_id and st.stage in ACTIVE_STAGES
+            # Data parked on the dead worker (embeddings, prefilled KV) is gone too.
+            lost |= (st.embeddings_from == worker_id and st.stage in (Stage.QUEUED, Stage.PREFILL)
+                     and st.embeddings is not None)
+            lost |= st.kv_from == worker_id and st.stage == Stage.QUEUED and st.kv is not None
+            if lost:
+                if st.worker_id == worker_id:
+                    self.members.abandon(worker_id, st.rid)
+                self._uncharge(st)
+                self._restart(st, reason=f"worker {worker_id} {why}")
+
+    # -- results ----------------------------------------------------------------------------------------
+    def _error(self, client: bytes, request_id: str | None, code: str, message: str, **extra: Any) -> None:
+        self._out.append(ToClient(client, MsgType.ERROR, {"request_id": request_id, "code": code, "message": message,
+                                                          **extra}))
+
+    def _emit(self, st: RequestState, tokens: list[int]) -> None:
+        index = len(st.output_ids)
+        if index == 0:
+            self.first_tokens.record(self._now)
+        st.output_ids.extend(tokens)
+        if st.admitted.request.stream:
+            self._out.append(ToClient(st.client, MsgType.TOKENS,
+                                      {"request_id": st.client_rid, "index": index, "token_ids": tokens}))
+
+    def _end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
+             **error_extra: Any) -> None:
+        self._uncharge(st)
+        self.requests.pop(st.rid, None)
+        self.by_client.pop((st.client, st.client_rid), None)
+        if error is not None:
+            self.stats["failed"] += 1
+            log.warning("%s failed: %s", st.client_rid, error[1])
+            return self._error(st.client, st.client_rid, *error, **error_extra)
+        self.stats["completed"] += 1
+        total = self._now - st.arrived
+        timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(total, 6)}
+        log.info("%s done: %d tokens (%s) in %.0f ms", st.client_rid, len(st.output_ids), finish_reason, total * 1e3)
+        self._out.append(ToClient(st.client, MsgType.RESULT, {
+            "request_id": st.client_rid, "token_ids": st.output_ids, "text": self.detokenize(st.output_ids),
+            "finish_reason": finish_reason, "prompt_tokens": len(st.admitted.prompt_ids),
+            "visual_tokens": st.admitted.visual_tokens, "timings": timings, "cache_hits": st.cache_hits,
+            "attempts": st.attempt + 1}))
+
+    def _cancel_on_worker(self, st: RequestState) -> None:
+        if self.members.is_alive(st.worker_id or "") and st.stage in ACTIVE_STAGES:
+            self._out.append(ToWorker(st.worker_id, MsgType.CANCEL, {"request_id": st.rid}))

@@ -1,0 +1,32 @@
+"""Decode role: adopt a prefilled request's KV blocks into this pool and decode it in the continuous batch."""
+
+from __future__ import annotations
+
+import time
+
+from mserve.common.protocol.to_worker import DecodeTask
+from mserve.workers.roles.stepping import SteppingWorker
+from mserve.workers.worker import FETCH_TIMEOUT_S
+
+
+class DecodeWorker(SteppingWorker):
+    ROLE = "decode"
+
+    def add(self, task: DecodeTask) -> None:
+        rid = task.request_id
+        # Zero-copy: over shm the tensors are views of the prefill worker's segment and
+        # import_kv's copy into this pool is the only copy on this side. Leaving the block
+        # releases the view: the ack that lets the sender reuse the segment.
+        t0 = time.perf_counter()
+        view = self.transfer.fetch_view(task.descriptor, timeout_s=FETCH_TIMEOUT_S)
+        self.fetch_s[rid] = self.fetch_s.get(rid, 0.0) + time.perf_counter() - t0
+        with view as tensors:
+            # The request keeps its prompt inputs for its lifetime (recompute after preemption),
+            # so those must not stay views; they are small next to the KV.
+            keep = (lambda t: t.clone()) if view.zero_copy else (lambda t: t)
+            state = dict(task.state)
+            n_images = len(state["images"])
+            mrope = tensors.get("mrope")
+            payload = {**state, "kv": tensors["kv"], "mrope_positions": keep(mrope) if mrope is not None else None,
+                       "image_embeds": [keep(tensors[f"emb{i}"]) for i in range(n_images) if f"emb{i}" in tensors]}
+            self.engine.import_kv(payload, request_id=rid)

@@ -1,0 +1,63 @@
+"""Prefill role: embeddings in, prompt through the language model, first token out, KV handed to decode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mserve.common.protocol.to_coordinator import Prefilled
+from mserve.common.protocol.to_worker import PrefillTask
+from mserve.workers.engine import StepOutput, sampling_from_dict
+from mserve.workers.model_runner import EncodedImage
+from mserve.workers.roles.stepping import SteppingWorker
+
+
+class PrefillWorker(SteppingWorker):
+    ROLE = "prefill"
+
+    def add(self, task: PrefillTask) -> None:
+        rid = task.request_id
+        encoded = []
+        if task.embeddings:
+            tensors = self.fetch(rid, task.embeddings)
+            grids = task.grids or [None] * len(tensors)
+            encoded = [EncodedImage(tensors[f"img{i}"], tuple(grids[i]) if grids[i] else None)
+                       for i in range(len(tensors))]
+        seq = self.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
+                                      sampling=sampling_from_dict(task.sampling), priority=task.priority,
+                                      prefill_only=True, output_ids=task.output_ids,
+                                      latency_class=task.latency_class)
+        self.cached_tokens[rid] = seq.num_cached_tokens
+
+    def report(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            attempt = self.attempts.pop(out.request_id, None)
+            if attempt is not None:
+                self.count_tokens(len(out.new_token_ids))
+                self._send_prefilled(out.request_id, attempt, out)
+
+    def _send_prefilled(self, rid: str, attempt: int, out: StepOutput) -> None:
+        msg = Prefilled(request_id=rid, attempt=attempt, token_id=out.new_token_ids[0],
+                        finish_reason=out.finish_reason or "stop", fetch_s=self.fetch_s.pop(rid, 0.0),
+                        cached_tokens=self.cached_tokens.pop(rid, 0), worker_s=self.worker_s(rid))
+        self.fresh.discard(rid)
+        if out.finish_reason == "prefilled":
+            # The KV blocks are gathered straight into the transfer's buffer (a pooled shm
+            # segment for shm/auto): publishing then copies nothing.
+            allocs = []
+
+            def alloc(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+                allocs.append(self.transfer.alloc(spec))
+                return allocs[-1].tensors
+
+            try:
+                payload = self.engine.export_kv(rid, alloc=alloc)
+                msg.descriptor = self.transfer.publish_allocated(f"{rid}:{attempt}:kv", allocs[0]).to_wire()
+            finally:
+                for a in allocs:
+                    a.free()  # a no-op once published
+            for key in ("kv", "mrope_positions", "image_embeds"):
+                payload.pop(key)
+            msg.state = payload
+        self.send(msg)

@@ -1,0 +1,91 @@
+"""What the engine-stepping roles (prefill, decode, unified) share: admit a stage, step, stream tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from mserve.common.protocol.to_coordinator import StepTokens, TokenItem
+from mserve.common.protocol.typed import Message
+from mserve.workers.engine import StepOutput
+from mserve.workers.worker import FETCH_TIMEOUT_S, Worker
+
+log = logging.getLogger("mserve.worker")
+
+
+class SteppingWorker(Worker):
+    """Runs one engine step per loop turn over every request it holds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.attempts: dict[str, int] = {}  # engine request id -> coordinator attempt
+        self.fetch_s: dict[str, float] = {}  # transfer time to report with a request's first output
+        self.cached_tokens: dict[str, int] = {}
+        self.fresh: set[str] = set()  # requests that have not reported a token yet
+
+    def add(self, task: Message) -> None:
+        """Put the stage's request into the engine (fetching what it needs first)."""
+        raise NotImplementedError
+
+    def start(self, task: Message) -> None:
+        rid, attempt = task.request_id, task.attempt
+        self.engine.abort(rid)  # an older attempt of the same request may still be here
+        if not self.guarded(rid, attempt, lambda: self.add(task)):
+            self.engine.abort(rid)
+            self._forget(rid)
+            return
+        self.attempts[rid] = attempt
+        self.fresh.add(rid)
+
+    def cancel(self, rid: str) -> None:
+        self._forget(rid)
+        super().cancel(rid)
+        self.attempts.pop(rid, None)
+
+    def _forget(self, rid: str) -> None:
+        for table in (self.fetch_s, self.cached_tokens):
+            table.pop(rid, None)
+        self.fresh.discard(rid)
+
+    def fetch(self, rid: str, descriptor: Any) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        tensors = self.transfer.fetch(descriptor, timeout_s=FETCH_TIMEOUT_S)
+        self.fetch_s[rid] = self.fetch_s.get(rid, 0.0) + time.perf_counter() - t0
+        return tensors
+
+    def work(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing its requests")
+            for rid in list(self.engine.requests):
+                attempt = self.attempts.pop(rid, None)
+                self.engine.abort(rid)
+                if attempt is not None:
+                    self._forget(rid)
+                    self.failed(rid, attempt, f"engine step failed: {exc.__class__.__name__}: {exc}", retryable=True)
+            return
+        self.report(outputs)
+
+    def report(self, outputs: list[StepOutput]) -> None:
+        """Stream every request's new tokens in one STEP_TOKENS message."""
+        items = []
+        for out in outputs:
+            rid = out.request_id
+            attempt = self.attempts.get(rid)
+            if attempt is None:
+                continue
+            self.count_tokens(len(out.new_token_ids))
+            item = TokenItem(request_id=rid, attempt=attempt, token_ids=out.new_token_ids, finished=out.finished,
+                             finish_reason=out.finish_reason, first=rid in self.fresh, fetch_s=self.fetch_s.pop(rid, None))
+            self.fresh.discard(rid)
+            if out.finished:
+                self.attempts.pop(rid, None)
+                item.worker_s = self.worker_s(rid)
+                item.cached_tokens = self.cached_tokens.pop(rid, 0)
+            items.append(item)
+        if items:
+            self.send(StepTokens(items=items))

@@ -1,0 +1,440 @@
+"""The coordinator's request state machine without sockets, Redis, a model or a real clock.
+
+Workers are hand-made READY / HEARTBEAT / ENCODED / PREFILLED / STEP_TOKENS / FAILED payloads; the
+clock is a number the test moves; assertions are on the messages the machine returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mserve.common.protocol import ErrorCode, MsgType
+from mserve.coordinator.admission import Admitted, AdmittedImage, GenerateIn, SamplingIn
+from mserve.coordinator.requests import RequestMachine, Stage, ToClient, ToWorker
+
+CLIENT = b"client-1"
+TIMEOUT = 5.0
+DEAD_AFTER = 2.0
+
+
+def make_admitted(rid: str = "r1", *, images: int = 0, prompt_len: int = 20, max_tokens: int = 8,
+                  stream: bool = False, priority: int = 0, latency_class: str = "interactive") -> Admitted:
+    req = GenerateIn(request_id=rid, messages=[{"role": "user", "content": "hi"}],
+                     sampling=SamplingIn(max_tokens=max_tokens), stream=stream, priority=priority,
+                     latency_class=latency_class)
+    ims = [AdmittedImage(hash=f"img-{rid}-{i}", data=b"png", size=(28, 28), num_tokens=4) for i in range(images)]
+    return Admitted(req, list(range(100, 100 + prompt_len)), ims)
+
+
+class Harness:
+    """A RequestMachine, a fake clock, and helpers that speak for workers."""
+
+    def __init__(self, *roles: tuple[str, str], max_attempts: int = 3, max_waiting: int = 256) -> None:
+        self.t = 0.0
+        self.ids = iter(f"rid{i}" for i in range(1000))
+        self.m = RequestMachine(stage_timeout_s=TIMEOUT, dead_after_s=DEAD_AFTER, max_attempts=max_attempts,
+                                max_waiting_requests=max_waiting,
+                                detokenize=lambda ids: " ".join(map(str, ids)), new_id=lambda: next(self.ids),
+                                raise_errors=True)
+        for wid, role in roles:
+            assert self.join(wid, role) == []
+
+    def join(self, wid: str, role: str, kind: MsgType = MsgType.READY, **load: Any) -> list:
+        payload = {"worker_id": wid, "role": role, "data_address": f"tcp://{wid}", "host_id": "h", "block_size": 16,
+                   "load": {"queue_len": 0, "running": 0, "free_blocks": 1000, "total_blocks": 1000, **load}}
+        return self.m.on_worker(wid, kind, payload, now=self.t)
+
+    def worker(self, wid: str, kind: MsgType, **payload: Any) -> list:
+        return self.m.on_worker(wid, kind, payload, now=self.t)
+
+    def submit(self, adm: Admitted) -> list:
+        return self.m.submit(CLIENT, adm, now=self.t)
+
+    def advance(self, dt: float, *, beating: tuple[str, ...] = ()) -> list:
+        """Move the clock in small steps, the listed workers heartbeating, ticking as the loop does."""
+        out = []
+        end = self.t + dt
+        while self.t < end:
+            self.t = min(end, self.t + DEAD_AFTER / 4)
+            for wid in beating:
+                out += self.worker(wid, MsgType.HEARTBEAT, worker_id=wid, load={})
+            out += self.m.tick(now=self.t)
+        return out
+
+    # worker replies -------------------------------------------------------------------------------
+    def encoded(self, wid: str, stage_msg: ToWorker, **kw: Any) -> list:
+        b = stage_msg.body
+        return self.worker(wid, MsgType.ENCODED, request_id=b["request_id"], attempt=b["attempt"],
+                           descriptor={"from": wid, "attempt": b["attempt"]},
+                           images=[{"hash": im["hash"], "tokens": 4, "grid": [1, 2, 2]} for im in b["images"]], **kw)
+
+    def prefilled(self, wid: str, stage_msg: ToWorker, token: int, finish: str = "prefilled", **kw: Any) -> list:
+        b = stage_msg.body
+        return self.worker(wid, MsgType.PREFILLED, request_id=b["request_id"], attempt=b["attempt"], token_id=token,
+                           finish_reason=finish, descriptor={"kv_on": wid}, state={"pos": 1}, **kw)
+
+    def step(self, wid: str, stage_msg: ToWorker, tokens: list[int], finished: bool = False, **kw: Any) -> list:
+        b = stage_msg.body
+        item = {"request_id": b["request_id"], "attempt": b["attempt"], "token_ids": tokens, "finished": finished,
+                **({"finish_reason": "length"} if finished else {}), **kw}
+        return self.worker(wid, MsgType.STEP_TOKENS, items=[item])
+
+    def failed(self, wid: str, stage_msg: ToWorker, retryable: bool = True) -> list:
+        b = stage_msg.body
+        return self.worker(wid, MsgType.FAILED, request_id=b["request_id"], attempt=b["attempt"],
+                           message="engine exploded", retryable=retryable)
+
+
+def only(out: list, kind: MsgType, to: str | bytes | None = None):
+    """The one message of `kind` in `out` (to `to`, if given)."""
+    hits = [m for m in out if m.kind is kind and to in (None, getattr(m, "worker_id", getattr(m, "identity", None)))]
+    assert len(hits) == 1, f"expected one {kind.name} to {to}, got {out}"
+    return hits[0]
+
+
+def kinds(out: list) -> list[tuple[str, str | bytes]]:
+    return [(m.kind.name, m.worker_id if isinstance(m, ToWorker) else m.identity) for m in out]
+
+
+DISAGG = (("e0", "encode"), ("e1", "encode"), ("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
+
+
+# -- happy paths ----------------------------------------------------------------------------------------
+
+def test_disaggregated_happy_path_streams_and_ends_with_all_tokens():
+    h = Harness(*DISAGG)
+    out = h.submit(make_admitted(images=1, stream=True))
+    assert kinds(out) == [("ENCODE", "e0")]
+    enc = out[0]
+    assert enc.body["attempt"] == 0 and [im["hash"] for im in enc.body["images"]] == ["img-r1-0"]
+    assert h.m.status()["workers"]["e0"]["load"]["inflight"] == 1
+
+    out = h.encoded("e0", enc, cache_hits=1)
+    pre = only(out, MsgType.PREFILL)
+    assert kinds(out) == [("PREFILL", "p0")]
+    assert pre.body["embeddings"] == {"from": "e0", "attempt": 0} and pre.body["grids"] == [[1, 2, 2]]
+    assert pre.body["output_ids"] == [] and pre.body["prompt_ids"] == list(range(100, 120))
+    assert h.m.status()["workers"]["e0"]["load"]["inflight"] == 0
+
+    out = h.prefilled("p0", pre, token=7)
+    assert kinds(out) == [("TOKENS", CLIENT), ("DECODE", "d0")]
+    assert out[0].body == {"request_id": "r1", "index": 0, "token_ids": [7]}
+    dec = out[1]
+    assert dec.body["descriptor"] == {"kv_on": "p0"} and dec.body["state"] == {"pos": 1}
+
+    out = h.step("d0", dec, [8, 9])
+    assert kinds(out) == [("TOKENS", CLIENT)] and out[0].body["index"] == 1
+    h.t += 1.0
+    out = h.step("d0", dec, [10], finished=True)
+    assert kinds(out) == [("TOKENS", CLIENT), ("RESULT", CLIENT)]
+    res = out[1].body
+    assert res["token_ids"] == [7, 8, 9, 10] and res["text"] == "7 8 9 10"
+    assert res["finish_reason"] == "length" and res["attempts"] == 1 and res["prompt_tokens"] == 20
+    assert res["visual_tokens"] == 4 and res["cache_hits"]["embedding"] == 1 and res["timings"]["total_s"] == 1.0
+    status = h.m.status()
+    assert status["requests_in_flight"] == 0 and status["stats"]["completed"] == 1
+    assert all(w["load"]["inflight"] == 0 for w in status["workers"].values())
+
+
+def test_unified_route_when_only_unified_workers_exist():
+    h = Harness(("u0", "unified"), ("u1", "unified"))
+    out = h.submit(make_admitted(images=1))
+    run = only(out, MsgType.RUN, "u0")
+    assert run.body["images"][0]["hash"] == "img-r1-0" and run.body["output_ids"] == []
+    assert h.step("u0", run, [1, 2], first=True) == []  # not streaming: nothing until the end
+    out = h.step("u0", run, [3], finished=True)
+    assert kinds(out) == [("RESULT", CLIENT)]
+    assert out[0].body["token_ids"] == [1, 2, 3] and out[0].body["attempts"] == 1
+
+
+def test_text_only_requests_skip_encode_and_image_requests_wait_for_an_encoder():
+    h = Harness(("p0", "prefill"), ("d0", "decode"))
+    assert kinds(h.submit(make_admitted("text"))) == [("PREFILL", "p0")]
+    assert h.submit(make_admitted("pic", images=1)) == []  # parked: no encode pool yet
+    out = h.join("e0", "encode")
+    assert kinds(out) == [("ENCODE", "e0")]  # a joining worker picks up parked requests
+
+
+def test_prefill_that_finishes_the_request_ends_it_without_decode():
+    h = Harness(*DISAGG)
+    pre = only(h.submit(make_admitted()), MsgType.PREFILL)
+    out = h.prefilled("p0", pre, token=3, finish="stop")
+    assert kinds(out) == [("RESULT", CLIENT)] and out[0].body["token_ids"] == [3]
+
+
+# -- re-runs ----------------------------------------------------------------------------------------------
+
+def test_retryable_failure_reruns_on_another_worker_and_stale_replies_are_ignored():
+    h = Harness(*DISAGG)
+    pre0 = only(h.submit(make_admitted()), MsgType.PREFILL, "p0")
+    h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queue_len": 5})  # p0 is now the busier one
+    out = h.failed("p0", pre0)
+    assert kinds(out) == [("CANCEL", "p0"), ("PREFILL", "p1")]
+    pre1 = out[1]
+    assert pre1.body["attempt"] == 1 and pre1.body["request_id"] == pre0.body["request_id"]
+    # Late replies of attempt 0 (from p0, or claiming p1) and replies of the wrong stage change nothing.
+    assert h.prefilled("p0", pre0, token=99) == []
+    assert h.prefilled("p1", pre0, token=99) == []
+    assert h.step("p1", pre1, [99]) == []
+    assert h.failed("p0", pre0) == []
+    out = h.prefilled("p1", pre1, token=4)
+    dec = only(out, MsgType.DECODE)
+    out = h.step(dec.worker_id, dec, [5], finished=True)
+    res = only(out, MsgType.RESULT).body
+    assert res["token_ids"] == [4, 5] and res["attempts"] == 2
+    assert h.m.stats["reruns"] == 1
+
+
+def test_non_retryable_failure_ends_with_bad_request():
+    h = Harness(*DISAGG)
+    pre = only(h.submit(make_admitted()), MsgType.PREFILL)
+    out = h.failed("p0", pre, retryable=False)
+    assert kinds(out) == [("ERROR", CLIENT)]
+    assert out[0].body == {"request_id": "r1", "code": ErrorCode.BAD_REQUEST, "message": "engine exploded"}
+    assert h.m.status()["requests_in_flight"] == 0
+
+
+def test_max_attempts_gives_up_with_internal():
+    h = Harness(*DISAGG, max_attempts=3)
+    msg = only(h.submit(make_admitted()), MsgType.PREFILL)
+    for attempt in (1, 2):
+        msg = only(h.failed(msg.worker_id, msg), MsgType.PREFILL)
+        assert msg.body["attempt"] == attempt
+    out = h.failed(msg.worker_id, msg)
+    err = only(out, MsgType.ERROR, CLIENT).body
+    assert err["code"] == ErrorCode.INTERNAL and "gave up after 3 attempts" in err["message"]
+    assert not [m for m in out if m.kind in (MsgType.PREFILL, MsgType.ENCODE, MsgType.RUN)]
+    assert h.m.stats["failed"] == 1 and h.m.status()["requests_in_flight"] == 0
+
+
+def test_stage_deadline_reruns_the_request():
+    h = Harness(*DISAGG)
+    pre = only(h.submit(make_admitted()), MsgType.PREFILL, "p0")
+    assert h.advance(TIMEOUT - 0.1, beating=("p0", "p1", "d0", "d1", "e0", "e1")) == []
+    out = h.advance(0.2, beating=("p0", "p1", "d0", "d1", "e0", "e1"))
+    assert kinds(out) == [("CANCEL", "p0"), ("PREFILL", "p0")]  # p0 is alive, just slow: stopped, then re-sent
+    assert out[1].body["attempt"] == 1
+    assert h.prefilled("p0", pre, token=1) == []  # the timed-out attempt's answer is stale now
+
+
+def test_a_request_merely_queued_at_a_busy_worker_is_never_rerun():
+    h = Harness(*DISAGG)
+    pre = only(h.submit(make_admitted()), MsgType.PREFILL, "p0")
+    rid = pre.body["request_id"]
+    for _ in range(3):  # three stage timeouts long, p0 reports the request waiting in its queue
+        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [rid], "queue_len": 1})
+        assert h.advance(TIMEOUT * 0.9, beating=("p0", "p1", "d0", "d1", "e0", "e1")) == []
+        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [rid], "queue_len": 1})
+    h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [], "queue_len": 0})  # it started there
+    out = h.advance(TIMEOUT + 0.1, beating=("p0", "p1", "d0", "d1", "e0", "e1"))
+    assert kinds(out) == [("CANCEL", "p0"), ("PREFILL", "p0")]  # running past the timeout: re-run
+
+
+def test_decode_progress_resets_the_stage_deadline():
+    h = Harness(("u0", "unified"))
+    run = only(h.submit(make_admitted()), MsgType.RUN)
+    for _ in range(3):
+        assert h.advance(TIMEOUT * 0.8, beating=("u0",)) == []
+        assert h.step("u0", run, [1]) == []
+    assert kinds(h.advance(TIMEOUT + 0.1, beating=("u0",))) == [("CANCEL", "u0"), ("RUN", "u0")]
+
+
+def test_parked_request_past_the_stage_timeout_fails_with_no_workers():
+    h = Harness()
+    assert h.submit(make_admitted()) == []
+    assert h.advance(TIMEOUT - 0.1) == []
+    out = h.advance(0.2)
+    assert kinds(out) == [("ERROR", CLIENT)] and out[0].body["code"] == ErrorCode.NO_WORKERS
+    assert "start stage" in out[0].body["message"]
+    assert h.join("u0", "unified") == []  # it is over: nothing left to dispatch
+
+
+def test_silent_worker_is_declared_dead_its_requests_rerun_and_it_gets_cancel_on_rejoin():
+    h = Harness(*DISAGG)
+    pre = only(h.submit(make_admitted(stream=True)), MsgType.PREFILL, "p0")
+    dec = only(h.prefilled("p0", pre, token=5), MsgType.DECODE, "d0")
+    h.step("d0", dec, [6])
+    others = ("e0", "e1", "p0", "p1", "d1")
+    out = h.advance(DEAD_AFTER + 0.5, beating=others)
+    assert kinds(out) == [("PREFILL", "p0")]  # no CANCEL to d0: it is dead
+    rerun = out[0]
+    assert rerun.body["attempt"] == 1 and rerun.body["output_ids"] == [5, 6]
+    assert h.m.status()["workers"]["d0"]["alive"] is False
+    dec1 = only(h.prefilled("p0", rerun, token=7), MsgType.DECODE, "d1")
+    assert h.step("d0", dec, [66]) == []  # the stalled worker wakes up: its tokens are stale
+    out = h.join("d0", "decode", kind=MsgType.HEARTBEAT)  # and rejoins through its heartbeat
+    assert kinds(out) == [("CANCEL", "d0")] and out[0].body == {"request_id": pre.body["request_id"]}
+    assert h.m.status()["workers"]["d0"]["alive"] is True
+    assert h.join("d0", "decode", kind=MsgType.HEARTBEAT) == []  # only once
+    res = only(h.step("d1", dec1, [8], finished=True), MsgType.RESULT).body
+    assert res["token_ids"] == [5, 6, 7, 8] and res["attempts"] == 2
+
+
+def test_streamed_tokens_are_not_duplicated_across_a_rerun():
+    h = Harness(*DISAGG)
+    client_msgs = []
+    pre = only(h.submit(make_admitted(stream=True, max_tokens=32)), MsgType.PREFILL)
+    out = h.prefilled(pre.worker_id, pre, token=1)
+    client_msgs += out
+    dec = only(out, MsgType.DECODE)
+    client_msgs += h.step(dec.worker_id, dec, [2, 3])
+    out = h.worker(dec.worker_id, MsgType.BYE, worker_id=dec.worker_id)  # the decode worker leaves
+    pre1 = only(out, MsgType.PREFILL)
+    assert pre1.body["output_ids"] == [1, 2, 3] and pre1.body["attempt"] == 1
+    out = h.prefilled(pre1.worker_id, pre1, token=4)  # the new attempt continues after the streamed tokens
+    client_msgs += out
+    dec1 = only(out, MsgType.DECODE)
+    assert dec1.worker_id != dec.worker_id
+    client_msgs += h.step(dec1.worker_id, dec1, [5, 6], finished=True)
+    streamed, result = [], None
+    for m in client_msgs:
+        if isinstance(m, ToClient) and m.kind is MsgType.TOKENS:
+            assert m.body["index"] == len(streamed)
+            streamed += m.body["token_ids"]
+        elif isinstance(m, ToClient) and m.kind is MsgType.RESULT:
+            result = m.body
+    assert streamed == result["token_ids"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_death_of_the_encoder_holding_the_embeddings_reruns_a_request_in_prefill():
+    h = Harness(*DISAGG)
+    enc = only(h.submit(make_admitted(images=1)), MsgType.ENCODE, "e0")
+    pre = only(h.encoded("e0", enc), MsgType.PREFILL, "p0")
+    out = h.m.worker_unreachable("e0", "Host unreachable", now=h.t)  # the prefill worker cannot fetch anymore
+    assert kinds(out) == [("CANCEL", "p0"), ("ENCODE", "e1")]
+    assert out[1].body["attempt"] == 1
+    assert h.prefilled("p0", pre, token=1) == []
+
+
+def test_death_of_the_encoder_reruns_a_request_parked_for_prefill():
+    h = Harness(("e0", "encode"), ("e1", "encode"), ("p0", "prefill"), ("d0", "decode"))
+    enc = only(h.submit(make_admitted(images=1)), MsgType.ENCODE, "e0")
+    assert h.worker("p0", MsgType.BYE, worker_id="p0") == []  # nothing of it on p0 yet
+    assert h.encoded("e0", enc) == []  # encoded, parked: no prefill worker
+    assert h.worker("e0", MsgType.BYE, worker_id="e0") == []  # its embeddings are gone with e0
+    out = h.join("p1", "prefill")
+    assert kinds(out) == [("ENCODE", "e1")]  # re-encoded, not prefilled from lost embeddings
+    assert out[0].body["attempt"] == 1
+
+
+def test_death_of_the_prefill_worker_holding_the_kv_reruns_a_request_parked_for_decode():
+    h = Harness(("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
+    pre = only(h.submit(make_admitted()), MsgType.PREFILL, "p0")
+    assert h.worker("d0", MsgType.BYE, worker_id="d0") == []
+    assert h.prefilled("p0", pre, token=1) == []  # parked for decode, its KV on p0
+    assert h.worker("p0", MsgType.BYE, worker_id="p0") == []  # no decode pool: the re-run parks too
+    out = h.join("d1", "decode")
+    pre1 = only(out, MsgType.PREFILL, "p1")
+    assert pre1.body["attempt"] == 1 and pre1.body["output_ids"] == [1]
+
+
+def test_unreachable_worker_is_dead_and_its_stage_reruns():
+    h = Harness(("u0", "unified"), ("u1", "unified"))
+    run = only(h.submit(make_admitted()), MsgType.RUN, "u0")
+    out = h.m.worker_unreachable("u0", "Host unreachable", now=h.t)
+    assert kinds(out) == [("RUN", "u1")] and out[0].body["attempt"] == 1
+    assert h.m.worker_unreachable("u0", "again", now=h.t) == []  # already dead
+    assert h.step("u0", run, [1], finished=True) == []
+
+
+def test_reregistering_worker_loses_its_work():
+    h = Harness(("u0", "unified"))
+    only(h.submit(make_admitted()), MsgType.RUN, "u0")
+    out = h.join("u0", "unified")  # same id, a restarted process
+    assert kinds(out) == [("CANCEL", "u0"), ("RUN", "u0")]  # CANCEL of the abandoned work, then the re-run
+    assert out[1].body["attempt"] == 1
+
+
+# -- clients ---------------------------------------------------------------------------------------------
+
+def test_abort_cancels_on_the_worker_and_answers_aborted():
+    h = Harness(*DISAGG)
+    pre = only(h.submit(make_admitted()), MsgType.PREFILL, "p0")
+    out = h.m.abort(CLIENT, "r1", now=h.t)
+    assert kinds(out) == [("CANCEL", "p0"), ("ERROR", CLIENT)]
+    assert out[0].body == {"request_id": pre.body["request_id"]} and out[1].body["code"] == ErrorCode.ABORTED
+    assert h.prefilled("p0", pre, token=1) == []
+    assert h.m.abort(CLIENT, "r1", now=h.t) == []
+    assert h.m.status()["workers"]["p0"]["load"]["inflight"] == 0
+    assert h.m.stats["completed"] == 0 and h.m.stats["failed"] == 1
+
+
+def test_duplicate_request_id_is_refused_while_in_flight_and_reject_counts():
+    h = Harness(("u0", "unified"))
+    only(h.submit(make_admitted()), MsgType.RUN)
+    out = h.submit(make_admitted())
+    assert kinds(out) == [("ERROR", CLIENT)] and out[0].body["code"] == ErrorCode.BAD_REQUEST
+    assert "already in flight" in out[0].body["message"]
+    out = h.m.reject(CLIENT, "bad", "max_tokens too big", now=h.t)
+    assert out == [ToClient(CLIENT, MsgType.ERROR, {"request_id": "bad", "code": ErrorCode.BAD_REQUEST,
+                                                    "message": "max_tokens too big"})]
+    assert h.m.stats["admitted"] == 1 and h.m.stats["rejected"] == 1
+
+
+def test_unregistered_and_unknown_role_workers_are_ignored():
+    h = Harness()
+    assert h.worker("ghost", MsgType.STEP_TOKENS, items=[{"request_id": "x", "attempt": 0, "token_ids": [1]}]) == []
+    assert h.join("odd", "painter") == []
+    assert h.m.status()["workers"] == {}
+
+
+def test_routing_charges_in_flight_load_and_prefers_the_embedding_holder():
+    h = Harness(*DISAGG)
+    enc = only(h.submit(make_admitted("a", images=1)), MsgType.ENCODE, "e0")
+    assert only(h.submit(make_admitted("b", images=1)), MsgType.ENCODE).worker_id == "e1"  # e0 has one in flight
+    h.encoded("e0", enc)
+    # A new request with the same image goes back to e0, which holds it, though both are equally busy now.
+    adm = make_admitted("c", images=1)
+    adm.images[0].hash = "img-a-0"
+    assert only(h.submit(adm), MsgType.ENCODE).worker_id == "e0"
+    assert Stage.PREFILL == "prefill" and f"{Stage.QUEUED}" == "queued"
+
+
+@pytest.mark.parametrize("dead_role", ["decode", "unified"])
+def test_heartbeats_keep_workers_alive(dead_role):
+    h = Harness(("w0", dead_role))
+    assert h.advance(DEAD_AFTER * 3, beating=("w0",)) == []
+    assert h.m.status()["workers"]["w0"]["alive"] is True
+    h.advance(DEAD_AFTER + 0.1)
+    assert h.m.status()["workers"]["w0"]["alive"] is False and h.m.status()["roles"] == {}
+
+
+def test_an_older_load_report_never_overwrites_a_newer_one():
+    """A heartbeat and the Redis copy of an earlier one can arrive out of order (a flaky test's cause:
+    a busy decode worker looked idle for one Redis sync)."""
+    h = Harness()
+    h.join("d0", "decode", running=0, free_blocks=1000, at=100.0)
+    h.worker("d0", MsgType.HEARTBEAT, worker_id="d0", load={"running": 1, "free_blocks": 990, "at": 101.0})
+    h.m.apply_loads({"d0": {"running": 0, "free_blocks": 1000, "at": 100.0}})  # Redis, one report behind
+    load = h.m.status()["workers"]["d0"]["load"]
+    assert (load["running"], load["free_blocks"]) == (1, 990)
+    h.m.apply_loads({"d0": {"running": 0, "free_blocks": 1000, "at": 102.0}})
+    assert h.m.status()["workers"]["d0"]["load"]["running"] == 0
+
+
+def test_shedding_turns_away_the_lowest_class_with_an_explicit_overloaded_error():
+    h = Harness(*DISAGG, max_waiting=3)
+    sent = {}
+    for rid, pri, cls in [("b-old", 0, "batch"), ("i-1", 0, "interactive"), ("b-new", 0, "batch")]:
+        sent[rid] = only(h.submit(make_admitted(rid, priority=pri, latency_class=cls)), MsgType.PREFILL)
+        h.t += 0.1
+    # Full. Another batch request is the lowest class itself (newest of the lowest): it is refused.
+    out = h.submit(make_admitted("b-late", latency_class="batch"))
+    assert kinds(out) == [("ERROR", CLIENT)]
+    err = out[0].body
+    assert err["code"] == ErrorCode.OVERLOADED and err["request_id"] == "b-late" and err["retry_after_s"] > 0
+    assert "max_waiting_requests=3" in err["message"]
+    # An interactive request displaces the newest batch one, which is cancelled on its worker and told why.
+    out = h.submit(make_admitted("i-2"))
+    assert [m.kind for m in out] == [MsgType.CANCEL, MsgType.ERROR, MsgType.PREFILL]
+    assert out[0].body["request_id"] == sent["b-new"].body["request_id"]
+    assert out[1].body["request_id"] == "b-new" and out[1].body["code"] == ErrorCode.OVERLOADED
+    # Higher priority beats class: a priority-1 batch request displaces the remaining batch one.
+    out = h.submit(make_admitted("b-vip", priority=1, latency_class="batch"))
+    assert [(m.kind, m.body["request_id"]) for m in out if m.kind is MsgType.ERROR] == [(MsgType.ERROR, "b-old")]
+    assert h.m.stats["shed"] == 3 and len(h.m.requests) == 3
+    # A request that has its first token no longer counts against the bound.
+    h.prefilled(out[-1].worker_id, out[-1], token=1)
+    assert only(h.submit(make_admitted("i-3")), MsgType.PREFILL)

@@ -1,0 +1,92 @@
+"""Worker roles: typed stage messages, and a real worker process that runs only its own role's stage."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+
+from mserve.common.protocol import MsgType, ProtocolError
+from mserve.common.protocol.to_coordinator import Encoded, Failed, StepTokens, TokenItem, WorkerInfo
+from mserve.common.protocol.to_worker import EncodeTask, ImageRef, PrefillTask, RunTask
+from mserve.common.sockets import bound_address, make_socket, recv, send
+from mserve.common.transfer import TransferEngine
+from mserve.workers.engine import Engine, EngineConfig
+from tests.helpers import make_image
+
+
+def test_typed_messages_round_trip_and_name_the_bad_field():
+    task = RunTask(request_id="r1", attempt=2, prompt_ids=[1, 2, 3], sampling={"max_tokens": 4},
+                   images=[ImageRef(hash="h", data=b"png")], priority=-1)
+    assert RunTask.from_body(task.to_body()) == task
+    items = StepTokens(items=[TokenItem(request_id="r1", attempt=0, token_ids=[5], finished=True, finish_reason="stop",
+                                        worker_s=0.5, cached_tokens=16)])
+    assert StepTokens.from_body(items.to_body()) == items
+    assert "fetch_s" not in items.to_body()["items"][0]  # None fields stay off the wire
+    bad = PrefillTask(request_id="r", attempt=0, prompt_ids=[1], sampling={}).to_body()
+    for field, value, words in [("prompt_ids", [1, "x"], "PREFILL.prompt_ids[1]: expected an integer"),
+                                ("attempt", True, "PREFILL.attempt: expected an integer"),
+                                ("embeddings", [1], "PREFILL.embeddings: expected a map")]:
+        with pytest.raises(ProtocolError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            PrefillTask.from_body({**bad, field: value})
+    with pytest.raises(ProtocolError, match="ENCODE: missing field images"):
+        EncodeTask.from_body({"request_id": "r", "attempt": 0})
+    with pytest.raises(ProtocolError, match=r"ENCODE.images\[0\].data: expected bytes"):
+        EncodeTask.from_body({"request_id": "r", "attempt": 0, "images": [{"hash": "h", "data": 3}]})
+
+
+def _expect(sock: zmq.Socket, kinds: set[MsgType], timeout_s: float = 60.0):
+    """The next message of one of `kinds` from the worker (heartbeats are skipped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sock.poll(100):
+            _, kind, payload = recv(sock)
+            if kind in kinds:
+                return MsgType(kind), payload
+    raise AssertionError(f"no {sorted(k.name for k in kinds)} from the worker within {timeout_s}s")
+
+
+@pytest.mark.slow
+def test_encode_worker_refuses_other_roles_and_encodes_exactly(tiny_model_dirs, tmp_path):
+    model = str(tiny_model_dirs["llava"])
+    ctx = zmq.Context.instance()
+    router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mserve.cli", "worker", "--role", "encode", "--model", model,
+                             "--coordinator", bound_address(router), "--worker-id", "enc-under-test"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "worker.log", "wb"))
+    receiver = TransferEngine("test-receiver")
+    try:
+        # READY may be dropped while the DEALER still connects; every heartbeat repeats it.
+        _, ready = _expect(router, {MsgType.READY, MsgType.HEARTBEAT})
+        info = WorkerInfo.from_body(ready)
+        assert (info.worker_id, info.role) == ("enc-under-test", "encode")
+        ident = info.worker_id.encode()
+        # A prefill stage sent to an encoder is refused at once, retryable, so it can go elsewhere.
+        misrouted = PrefillTask(request_id="r-misrouted", attempt=3, prompt_ids=[1, 2], sampling={})
+        send(router, MsgType.PREFILL, misrouted.to_body(), identity=ident)
+        _, payload = _expect(router, {MsgType.FAILED, MsgType.ENCODED})
+        failed = Failed.from_body(payload)
+        assert (failed.request_id, failed.attempt, failed.retryable) == ("r-misrouted", 3, True)
+        assert "encode worker refused it" in failed.message and "PREFILL" in failed.message
+        # ...and the worker goes on serving its own role: the embedding it sends equals an in-process encode.
+        image = make_image(120, 90, seed=7)
+        send(router, MsgType.ENCODE, EncodeTask(request_id="r-ok", attempt=0,
+                                                images=[ImageRef(hash="img-7", data=image)]).to_body(), identity=ident)
+        kind, payload = _expect(router, {MsgType.FAILED, MsgType.ENCODED})
+        assert kind is MsgType.ENCODED, payload
+        encoded = Encoded.from_body(payload)
+        got = receiver.fetch(encoded.descriptor, timeout_s=30)["img0"]
+        want = Engine(EngineConfig(model)).encode([image])[0].embeds
+        assert encoded.images[0].tokens == want.shape[0]
+        assert torch.equal(got, want)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        receiver.close()
+        router.close(0)
