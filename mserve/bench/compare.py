@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -65,12 +66,30 @@ class ConfigSpec:
     kind: str  # "cluster" | "hf" | "http" | "zmq"
     pools: dict[str, int] = field(default_factory=dict)
     url: str | None = None
+    worker_args: tuple[str, ...] = ()  # from "@flag=value" suffixes: worker settings of this configuration
 
 
 def parse_config(text: str) -> ConfigSpec:
-    """One configuration string -> ConfigSpec; ValueError with the accepted forms otherwise."""
+    """One configuration string -> ConfigSpec; ValueError with the accepted forms otherwise.
+
+    A cluster configuration may end in worker settings, `@flag=value` each, e.g.
+    `unified:2@max-prefill-tokens=256`, so settings compare side by side in one run."""
     text = text.strip()
-    kind, _, arg = text.partition(":")
+    base, *overrides = text.split("@")
+    worker_args: list[str] = []
+    for item in overrides:
+        flag, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not value:
+            raise ValueError(f"{text!r}: worker settings are written @flag=value, e.g. @max-prefill-tokens=256")
+        worker_args += [f"--{flag}", value]
+    spec = _parse_base(base, text)
+    if worker_args and spec.kind != "cluster":
+        raise ValueError(f"{text!r}: @settings apply to disagg: and unified: configurations only")
+    return dataclasses.replace(spec, worker_args=tuple(worker_args))
+
+
+def _parse_base(base: str, text: str) -> ConfigSpec:
+    kind, _, arg = base.partition(":")
     if kind == "disagg":
         m = _DISAGG.match(arg or "1e1p1d")
         if not m or not all(int(x) > 0 for x in m.groups()):
@@ -81,7 +100,7 @@ def parse_config(text: str) -> ConfigSpec:
         if arg and not (arg.isdigit() and int(arg) > 0):
             raise ValueError(f"{text!r}: expected unified:N with N >= 1")
         return ConfigSpec(text, "cluster", {"encode": 0, "prefill": 0, "decode": 0, "unified": int(arg or 1)})
-    if text in ("hf-sequential", "hf"):
+    if base in ("hf-sequential", "hf"):
         return ConfigSpec(text, "hf")
     if kind == "openai":
         if not arg.startswith(("http://", "https://")):
@@ -115,8 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name for openai: configurations (default: the first of its /v1/models)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for a configuration")
     p.add_argument("--dead-after-s", type=float, default=None,
-                   help="launched coordinators' heartbeat timeout (default: the coordinator's own, 2 s); raise it "
-                        "when one engine step can outlast it under saturation")
+                   help="launched coordinators' heartbeat timeout (default: the coordinator's own, 5 s)")
     add_load_arguments(p)
     p.add_argument("--out", default=None, help="output folder (default out/bench/compare-TRACE-TIME)")
 
@@ -137,7 +155,8 @@ def launched(spec: ConfigSpec, args: argparse.Namespace, log_dir: Path) -> Itera
 
         extra = ["--dead-after-s", str(args.dead_after_s)] if args.dead_after_s is not None else []
         cluster = LocalCluster(args.model, **spec.pools, threads=args.threads, transfer=args.transfer,
-                               log_dir=str(log_dir), extra_coordinator_args=extra)
+                               log_dir=str(log_dir), extra_coordinator_args=extra,
+                               extra_worker_args=spec.worker_args)
         try:
             cluster.start(timeout_s=args.start_timeout)
             yield cluster.address, None

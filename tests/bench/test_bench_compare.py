@@ -52,3 +52,15 @@ def test_compare_runs_each_configuration(tiny_model_dirs, redis_url, tmp_path, m
         assert res["summary"]["overall"]["completed"] == 6
         assert all(r["output_tokens"] == 4 for r in res["records"])  # ignore_eos reached both systems
     assert (out / "1-hf-sequential" / "logs" / "hf_server.log").is_file()
+
+
+def test_cluster_configs_take_worker_settings_for_side_by_side_runs():
+    from mserve.bench.compare import parse_config
+
+    spec = parse_config("unified:2@max-prefill-tokens=256@max-num-seqs=8")
+    assert spec.label == "unified:2@max-prefill-tokens=256@max-num-seqs=8" and spec.pools["unified"] == 2
+    assert spec.worker_args == ("--max-prefill-tokens", "256", "--max-num-seqs", "8")
+    assert parse_config("disagg:1e1p1d").worker_args == ()
+    for bad in ("unified:1@max-prefill-tokens", "unified:1@Bad=1", "hf-sequential@max-num-seqs=2"):
+        with pytest.raises(ValueError, match="@"):
+            parse_config(bad)
