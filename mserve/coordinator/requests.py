@@ -51,7 +51,7 @@ def _entry(handler: Callable[..., None]) -> Callable[..., list[Out]]:
 
 
 class RequestMachine:
-    def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 10.0, max_attempts: int = 3,
+    def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 5.0, max_attempts: int = 3,
                  max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
                  new_id: Callable[[], str] | None = None, raise_errors: bool = False) -> None:
         self.stage_timeout_s = stage_timeout_s

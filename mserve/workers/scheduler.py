@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mserve.common.protocol.to_worker import LATENCY_CLASSES  # in serving order
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
 from mserve.workers.sequence import Sequence, SeqStatus
 
@@ -35,7 +36,6 @@ class ScheduledChunk:
         return self.end == self.seq.num_tokens
 
 
-LATENCY_CLASSES = ("interactive", "batch")  # in serving order
 
 
 class Scheduler:

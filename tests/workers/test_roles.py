@@ -31,7 +31,8 @@ def test_typed_messages_round_trip_and_name_the_bad_field():
     bad = PrefillTask(request_id="r", attempt=0, prompt_ids=[1], sampling={}).to_body()
     for field, value, words in [("prompt_ids", [1, "x"], "PREFILL.prompt_ids[1]: expected an integer"),
                                 ("attempt", True, "PREFILL.attempt: expected an integer"),
-                                ("embeddings", [1], "PREFILL.embeddings: expected a map")]:
+                                ("embeddings", [1], "PREFILL.embeddings: expected a map"),
+                                ("latency_class", "urgent", "PREFILL.latency_class: expected one of interactive, batch")]:
         with pytest.raises(ProtocolError, match=words.replace("[", r"\[").replace("]", r"\]")):
             PrefillTask.from_body({**bad, field: value})
     with pytest.raises(ProtocolError, match="ENCODE: missing field images"):

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mserve.common.protocol.core import MsgType
-from mserve.common.protocol.typed import (Message, as_bytes, as_int, as_map, as_str, list_of, nested, optional,
-                                          wire)
+from mserve.common.protocol.typed import (Message, as_bytes, as_int, as_map, as_str, list_of, nested, one_of,
+                                          optional, wire)
+
+LATENCY_CLASSES = ("interactive", "batch")
 
 
 @dataclass
@@ -42,7 +44,7 @@ class PrefillTask(Message):
     embeddings: dict[str, Any] | None = wire(optional(as_map), None)  # transfer descriptor (on an encode worker)
     grids: list[Any] | None = wire(optional(list_of(optional(list_of(as_int)))), None)  # Qwen2-VL (t, h, w)
     priority: int = wire(as_int, 0)
-    latency_class: str = wire(as_str, "interactive")
+    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
 
 
 @dataclass
@@ -66,7 +68,7 @@ class RunTask(Message):
     output_ids: list[int] = wire(list_of(as_int), [])
     images: list[ImageRef] = wire(list_of(nested(ImageRef)), [])
     priority: int = wire(as_int, 0)
-    latency_class: str = wire(as_str, "interactive")
+    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
 
 
 @dataclass

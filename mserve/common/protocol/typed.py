@@ -50,6 +50,14 @@ def as_float(v: Any, where: str) -> float:
     return float(v)
 
 
+def one_of(*values: str) -> Check:
+    def check(v: Any, where: str) -> str:
+        if v not in values:
+            raise ProtocolError(f"{where}: expected one of {', '.join(values)}, got {v!r}")
+        return v
+    return check
+
+
 def optional(check: Check) -> Check:
     return lambda v, where: None if v is None else check(v, where)
 
