@@ -73,8 +73,9 @@ class Membership:
         for key in LOAD_INTS:
             if key in load:
                 setattr(w, key, int(load[key]))
-        if "tokens_per_s" in load:
-            w.tokens_per_s = float(load["tokens_per_s"])
+        for key in ("tokens_per_s", "rss_mib", "weights_mib", "kv_pool_mib"):
+            if isinstance(load.get(key), (int, float)):
+                setattr(w, key, float(load[key]))
 
     def silent(self, now: float, dead_after_s: float) -> list[tuple[str, float]]:
         """Live workers not heard from for more than dead_after_s, with how long they have been silent."""
@@ -116,6 +117,7 @@ class Membership:
                 roles[w.role] = roles.get(w.role, 0) + 1
         workers = {wid: {"role": w.role, "alive": w.alive, "load": {
             "queue_len": w.queue_len, "running": w.running, "free_blocks": w.free_blocks,
-            "total_blocks": w.total_blocks, "tokens_per_s": w.tokens_per_s, "inflight": w.inflight}}
+            "total_blocks": w.total_blocks, "tokens_per_s": w.tokens_per_s, "inflight": w.inflight,
+            "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib}}
             for wid, w in self.workers.items()}
         return workers, roles

@@ -21,6 +21,9 @@ class WorkerView:
     free_blocks: int = 0
     total_blocks: int = 0
     tokens_per_s: float = 0.0
+    rss_mib: float = 0.0  # the worker process's resident memory, and what it holds:
+    weights_mib: float = 0.0
+    kv_pool_mib: float = 0.0
     # Stages assigned by the coordinator and not finished yet: fresher than the reported load.
     inflight: int = 0
     inflight_tokens: int = 0

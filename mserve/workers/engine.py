@@ -38,6 +38,7 @@ class EngineConfig:
     max_image_pixels: int = 4096 * 4096
     max_image_bytes: int = 20 * 1024 * 1024
     threads: int | None = None
+    parts: str = "all"  # "vision" (encode), "text" (prefill/decode) or "all": which weights stay loaded
 
 
 @dataclass
@@ -65,7 +66,8 @@ class Engine:
             torch.set_num_threads(config.threads)
         self.config = config
         self.runner = ModelRunner(config.model_dir, device=config.device, dtype=config.dtype,
-                                  num_blocks=config.num_blocks, block_size=config.block_size, model=model)
+                                  num_blocks=config.num_blocks, block_size=config.block_size, model=model,
+                                  parts=config.parts)
         self.family = self.runner.family
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,

@@ -7,6 +7,7 @@ model with the paged attention function, and returns the logits of requests that
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -36,31 +37,57 @@ def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | None = None):
-    """The checkpoint's own model class, in eval mode, with paged attention on the text model."""
+# The parts a stage needs: an encoder runs the vision tower + projector only; prefill and decode the
+# language model and its head only. Submodule names of the supported families (llava: vision_tower +
+# multi_modal_projector; Qwen2-VL: visual).
+PARTS = ("all", "vision", "text")
+_VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual")
+
+
+def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | None = None, parts: str = "all"):
+    """The checkpoint's own model class, in eval mode, with paged attention on the text model.
+
+    `parts` = "vision" or "text" keeps only what that stage runs: the other half is dropped right
+    after loading, so the worker's resident memory holds one half of the weights (the load itself
+    still reads the whole checkpoint, through transformers' own key mapping)."""
     from transformers import AutoModelForImageTextToText
 
+    if parts not in PARTS:
+        raise ValueError(f"parts must be one of {PARTS}, got {parts!r}")
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype))
+    if parts == "text":
+        for name in _VISION_MODULES:
+            if getattr(model.model, name, None) is not None:
+                setattr(model.model, name, None)
+    elif parts == "vision":
+        model.model.language_model = None
+        model.lm_head = None
+    gc.collect()
     model.to(device).eval()
-    # Only the language model reads the paged pool; the vision tower keeps its own attention.
-    model.model.language_model.config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
+    if model.model.language_model is not None:
+        # Only the language model reads the paged pool; the vision tower keeps its own attention.
+        model.model.language_model.config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
     return model
 
 
 class ModelRunner:
     def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
-                 num_blocks: int = 1024, block_size: int = 16, model: torch.nn.Module | None = None) -> None:
+                 num_blocks: int = 1024, block_size: int = 16, model: torch.nn.Module | None = None,
+                 parts: str = "all") -> None:
         self.device = torch.device(device)
         self.family: ModelFamily = load_family(model_dir)
-        self.model = model if model is not None else load_vlm(model_dir, device, dtype)
+        self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
-        self.language_model = self.model.model.language_model
-        self.embed_tokens = self.language_model.get_input_embeddings()
         text = self.model.config.text_config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.hidden_size = text.hidden_size
-        self.kv = KVCache(text.num_hidden_layers, num_blocks, text.num_key_value_heads, block_size, head_dim,
-                          dtype=self.dtype, device=self.device)
+        self.language_model = self.model.model.language_model
+        if self.language_model is None:  # an encoder: no KV pool, no text embeddings
+            self.embed_tokens, self.kv = None, None
+        else:
+            self.embed_tokens = self.language_model.get_input_embeddings()
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            self.kv = KVCache(text.num_hidden_layers, num_blocks, text.num_key_value_heads, block_size, head_dim,
+                              dtype=self.dtype, device=self.device)
         self._image_processor = None
         self.model_dir = str(model_dir)
 

@@ -45,6 +45,7 @@ class Worker:
     """What every role shares. Subclasses set ROLE and implement `start()` and `work()`."""
 
     ROLE: ClassVar[str] = ""
+    PARTS: ClassVar[str] = "all"  # the model weights this role keeps: "vision", "text" or "all"
 
     def __init__(self, settings: WorkerSettings) -> None:
         assert settings.role == self.ROLE, (settings.role, self.ROLE)
@@ -55,6 +56,10 @@ class Worker:
         self.accepts = ROLE_ACCEPTS[self.role]
         self.model_name = settings.model_name or settings.model
         self.engine = Engine(self.engine_config(settings))
+        runner = self.engine.runner
+        self.memory_mib = {  # what this role holds, for `rss_mib` to be read against
+            "weights_mib": round(sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20, 1),
+            "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0}
         self.ctx = zmq.Context.instance()
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
                                        device=settings.device, shm_pool_bytes=settings.transfer_pool_mb * 2**20)
@@ -75,7 +80,7 @@ class Worker:
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             max_prefill_tokens=s.max_prefill_tokens,
             enable_prefix_caching=s.enable_prefix_caching, max_image_pixels=s.max_image_pixels,
-            max_image_bytes=s.max_image_bytes)
+            max_image_bytes=s.max_image_bytes, parts=self.PARTS)
 
     # -- what a role implements ------------------------------------------------------------------------
     def start(self, task: Message) -> None:
@@ -112,8 +117,8 @@ class Worker:
                                        ttl_s=ttl)
         self.send(self.info())
         self.pulse.start()
-        log.info("worker %s ready: role %s, data plane %s (%s)", self.worker_id, self.role, self.transfer.address,
-                 self.s.transfer)
+        log.info("worker %s ready: role %s, %s weights, %.0f MiB resident, data plane %s (%s)", self.worker_id,
+                 self.role, self.PARTS, resident_mib(), self.transfer.address, self.s.transfer)
         try:
             while self.running:
                 busy = self.busy()
@@ -147,7 +152,7 @@ class Worker:
         queued = self.queued_ids()
         return {"queue_len": len(queued), "running": len(self.engine.scheduler.running), "queued": queued,
                 "free_blocks": self.engine.pool.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
-                "tokens_per_s": round(self._tokens_ewma, 2),
+                "tokens_per_s": round(self._tokens_ewma, 2), "rss_mib": round(resident_mib(), 1), **self.memory_mib,
                 "at": time.time()}  # lets the coordinator drop a report older than one it already has
 
     def count_tokens(self, n: int) -> None:
@@ -246,6 +251,15 @@ class Worker:
         """Time this request's stage spent in this worker (queueing included), for overhead accounting."""
         t0 = self.received.pop(rid, None)
         return round(time.perf_counter() - t0, 6) if t0 is not None else 0.0
+
+
+def resident_mib() -> float:
+    """This process's resident memory (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def make_worker(settings: WorkerSettings) -> Worker:

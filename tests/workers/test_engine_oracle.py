@@ -188,3 +188,29 @@ def test_stop_token_and_max_tokens(model_dir, builder):
     engine.add_request("stopped", pp.prompt_ids, sampling=SamplingParams(max_tokens=6, stop_token_ids=(full[2],)))
     stopped = engine.run_until_done()["stopped"]
     assert stopped == full[: full.index(full[2]) + 1]
+
+
+def test_lean_stage_engines_hold_half_the_weights_and_give_hf_tokens(model_dir, builder):
+    """Encode keeps only the vision tower + projector, prefill/decode only the language model + head,
+    and encode -> prefill -> decode across the three lean engines still gives HF's tokens."""
+    encoder = new_engine(model_dir, parts="vision", num_blocks=16)
+    prefill = new_engine(model_dir, parts="text")
+    decode = new_engine(model_dir, parts="text", num_blocks=300)
+    whole = sum(p.numel() for p in new_engine(model_dir, num_blocks=16).runner.model.parameters())
+    n_vision = sum(p.numel() for p in encoder.runner.model.parameters())
+    n_text = sum(p.numel() for p in prefill.runner.model.parameters())
+    assert encoder.runner.model.model.language_model is None and encoder.runner.kv is None
+    assert n_vision + n_text == whole and 0 < n_vision < whole and 0 < n_text < whole
+    requests = {f"r{i}": prepared(builder, i, i % 3) for i in range(3)}
+    first: dict[str, int] = {}
+    for rid, pp in requests.items():
+        encoded = encoder.encode(pp.images)
+        prefill.add_request(rid, pp.prompt_ids, encoded=encoded, image_hashes=[f"{rid}-{k}" for k in range(len(encoded))],
+                            sampling=greedy(), prefill_only=True)
+    while prefill.has_unfinished():
+        for o in prefill.step():
+            first[o.request_id] = o.new_token_ids[0]
+    for rid in requests:
+        decode.import_kv(prefill.export_kv(rid))
+    results = decode.run_until_done()
+    check_against_hf(model_dir, requests, {rid: [first[rid]] + results[rid] for rid in requests})

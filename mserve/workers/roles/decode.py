@@ -11,6 +11,7 @@ from mserve.workers.worker import FETCH_TIMEOUT_S
 
 class DecodeWorker(SteppingWorker):
     ROLE = "decode"
+    PARTS = "text"
 
     def add(self, task: DecodeTask) -> None:
         rid = task.request_id

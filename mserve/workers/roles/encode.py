@@ -47,6 +47,7 @@ class EmbeddingCache:
 
 class EncodeWorker(Worker):
     ROLE = "encode"
+    PARTS = "vision"
 
     def __init__(self, settings: WorkerSettings) -> None:
         super().__init__(settings)

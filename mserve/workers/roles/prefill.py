@@ -15,6 +15,7 @@ from mserve.workers.roles.stepping import SteppingWorker
 
 class PrefillWorker(SteppingWorker):
     ROLE = "prefill"
+    PARTS = "text"
 
     def add(self, task: PrefillTask) -> None:
         rid = task.request_id
