@@ -75,51 +75,73 @@ class KVCache:
 
 
 @dataclass
+class AttentionGroup:
+    """Requests of one step whose queries are attended together in one dense SDPA call."""
+
+    block_tables: torch.Tensor  # [G, max_blocks] padded with block 0
+    query_index: torch.Tensor  # [G, max_q] index of each request's queries in the packed T (padded)
+    mask: torch.Tensor  # [G, 1, max_q, max_blocks * block_size] True = may attend
+    out_rows: torch.Tensor  # rows of the flattened [G * max_q] output that are real tokens...
+    dest: torch.Tensor  # ...and where each goes in the packed T
+    # Every request has max_q tokens and the group is the whole packed batch in order: queries and
+    # outputs are reshaped instead of gathered and scattered.
+    whole_uniform: bool = False
+
+    @classmethod
+    def build(cls, chunks: Sequence[tuple[Sequence[int], int, int, int]], bs: int, total: int,
+              device: torch.device) -> "AttentionGroup":
+        """`chunks`: per request (block ids, first position, number of tokens, offset in the packed T)."""
+        max_q = max(n for _, _, n, _ in chunks)
+        max_blocks = max(len(b) for b, _, _, _ in chunks)
+        q_index, q_pos, out_rows, dest, tables = [], [], [], [], []
+        for i, (blocks, start, n, packed) in enumerate(chunks):
+            # Padded query rows repeat the last real query: they never see an empty key set (NaN).
+            q_index.append([packed + min(j, n - 1) for j in range(max_q)])
+            q_pos.append([start + min(j, n - 1) for j in range(max_q)])
+            out_rows.extend(i * max_q + j for j in range(n))
+            dest.extend(range(packed, packed + n))
+            tables.append(list(blocks) + [0] * (max_blocks - len(blocks)))
+        key_pos = torch.arange(max_blocks * bs, device=device)
+        qp = torch.tensor(q_pos, device=device)
+        mask = key_pos[None, None, :] <= qp[:, :, None]  # causal; also bounds keys to the context
+        whole = len(dest) == total and dest == list(range(total)) and all(n == max_q for _, _, n, _ in chunks)
+        return cls(block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+                   query_index=torch.tensor(q_index, dtype=torch.long, device=device), mask=mask[:, None],
+                   out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
+                   dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole)
+
+
+@dataclass
 class PagedBatch:
-    """Where one step's tokens go in the pool and what each request attends to."""
+    """Where one step's tokens go in the pool and what each request attends to.
+
+    Requests are grouped by query length: all decode tokens (one query each) in one group, each
+    prefill chunk in its own. Padding every request of a mixed step to the longest chunk would
+    make a decode token pay for a 512-query attention (measured: steps several times slower)."""
 
     kv: KVCache
     slot_blocks: torch.Tensor  # [T] block of each new token
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    block_tables: torch.Tensor  # [B, max_blocks] padded with block 0
-    query_index: torch.Tensor  # [B, max_q] index of each request's queries in the packed T (padded)
-    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] True = may attend
-    out_rows: torch.Tensor  # [T] rows of the flattened [B * max_q] output that are real tokens
-    # Every request has max_q tokens (all decode, or equal chunks): packed order is already
-    # [B, max_q], so queries and outputs are reshaped instead of gathered.
-    uniform: bool = False
+    groups: list[AttentionGroup]
 
     @classmethod
     def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> "PagedBatch":
         """`chunks`: per request (block ids, first position computed, number of tokens)."""
         bs = kv.block_size
-        max_q = max(n for _, _, n in chunks)
-        max_blocks = max(len(b) for b, _, _ in chunks)
-        slot_blocks, slot_offsets, q_index, out_rows, tables, q_pos, ctx = [], [], [], [], [], [], []
+        slot_blocks, slot_offsets, by_len = [], [], {}
         packed = 0
-        for i, (blocks, start, n) in enumerate(chunks):
+        for blocks, start, n in chunks:
             pos = range(start, start + n)
             slot_blocks.extend(blocks[p // bs] for p in pos)
             slot_offsets.extend(p % bs for p in pos)
-            # Padded query rows repeat the last real query: they never see an empty key set (NaN).
-            q_index.append([packed + min(j, n - 1) for j in range(max_q)])
-            q_pos.append([start + min(j, n - 1) for j in range(max_q)])
-            out_rows.extend(i * max_q + j for j in range(n))
-            tables.append(list(blocks) + [0] * (max_blocks - len(blocks)))
-            ctx.append(start + n)
+            # One query each (decode) go together; a longer chunk goes with chunks of its own length.
+            by_len.setdefault(n, []).append((blocks, start, n, packed))
             packed += n
-        key_pos = torch.arange(max_blocks * bs, device=device)
-        qp = torch.tensor(q_pos, device=device)
-        mask = key_pos[None, None, :] <= qp[:, :, None]  # causal; also bounds keys to the context
         return cls(
             kv=kv,
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-            query_index=torch.tensor(q_index, dtype=torch.long, device=device),
-            mask=mask[:, None],
-            out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
-            uniform=all(n == max_q for _, _, n in chunks),
+            groups=[AttentionGroup.build(g, bs, packed, device) for g in by_len.values()],
         )
 
 
@@ -130,6 +152,23 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     # Index through a heads-first view: the copy comes out as [heads, B, blocks, block_size, head_dim],
     # so [B, heads, L, head_dim] is a view of it and the blocks are copied once, not twice.
     return cache.transpose(0, 1)[:, tables].permute(1, 0, 2, 3, 4).reshape(b, h, nb * bs, d)
+
+
+def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            scaling: float | None) -> torch.Tensor:
+    """One group's attention output as [rows, heads, head_dim] (rows = its real tokens, in `dest` order)."""
+    k = _gather(k_cache, group.block_tables)
+    v = _gather(v_cache, group.block_tables)
+    g, max_q = group.query_index.shape
+    heads, _, d = query.shape
+    if group.whole_uniform:
+        q = query.view(heads, g, max_q, d).transpose(0, 1)
+    else:
+        q = query[:, group.query_index].transpose(0, 1)  # [G, heads, max_q, head_dim]
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = out.transpose(1, 2).reshape(g * max_q, heads, d)
+    return out if group.whole_uniform else out[group.out_rows]
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -144,19 +183,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # query/key/value: [1, heads, T, head_dim] for the packed batch.
     k_cache[batch.slot_blocks, :, batch.slot_offsets] = key[0].transpose(0, 1).to(k_cache.dtype)
     v_cache[batch.slot_blocks, :, batch.slot_offsets] = value[0].transpose(0, 1).to(v_cache.dtype)
-    k = _gather(k_cache, batch.block_tables)
-    v = _gather(v_cache, batch.block_tables)
-    b, max_q = batch.query_index.shape
-    heads, _, d = query[0].shape
-    if batch.uniform:
-        q = query[0].view(heads, b, max_q, d).transpose(0, 1)
+    if len(batch.groups) == 1 and batch.groups[0].whole_uniform:
+        out = _attend(batch.groups[0], query[0], k_cache, v_cache, scaling)
     else:
-        q = query[0][:, batch.query_index].transpose(0, 1)  # [B, heads, max_q, head_dim]
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask, scale=scaling,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    out = out.transpose(1, 2).reshape(b * max_q, heads, d)
-    if not batch.uniform:
-        out = out[batch.out_rows]
+        heads, total, d = query[0].shape
+        out = query.new_empty((total, heads, d))
+        for group in batch.groups:
+            out[group.dest] = _attend(group, query[0], k_cache, v_cache, scaling)
     return out.unsqueeze(0), None  # [1, T, heads, head_dim], as transformers' attention functions return
 
 
