@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_tokens: int | None = None  # prompt tokens per step (the chunk cap); None: the whole budget
+    reserve_tokens: int = 256  # admission keeps room for this many next tokens of each running request
     enable_prefix_caching: bool = True
     max_image_pixels: int = 4096 * 4096
     max_image_bytes: int = 20 * 1024 * 1024
@@ -73,6 +74,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_tokens=config.max_prefill_tokens,
+                                   reserve_tokens=config.reserve_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[str, Seq] = {}
         gen = self.runner.model.generation_config

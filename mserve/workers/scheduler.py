@@ -5,8 +5,11 @@ A step first gives every running request that is decoding its one token, then sp
 chunk. Prompts (new ones and half-prefilled ones alike) are served in policy order: higher
 priority first, then the `interactive` latency class, then the fewest remaining prompt tokens,
 where waiting counts as progress (`aging_tokens_per_s`) so a long prompt cannot starve. A new
-request is admitted only when the pool can hold its whole prompt; when a running request cannot
-grow, the lowest-priority, latest request is preempted (blocks freed, tokens recomputed later).
+request is admitted only when the pool can hold its whole prompt plus the next tokens of every
+running request and its own (up to `reserve_tokens` each): admitting more than the pool can carry
+only turns into preemption and recompute, which at saturation becomes thrash. When a running
+request still cannot grow, the lowest-priority, latest request is preempted (blocks freed, tokens
+recomputed later).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class ScheduledChunk:
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_prefill_tokens: int | None = None, aging_tokens_per_s: float = 1000.0,
-                 enable_prefix_caching: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 reserve_tokens: int = 256, enable_prefix_caching: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -49,6 +53,7 @@ class Scheduler:
         self.max_prefill_tokens = min(max_prefill_tokens or max_num_batched_tokens, max_num_batched_tokens)
         assert self.max_prefill_tokens > 0
         self.aging_tokens_per_s = aging_tokens_per_s
+        self.reserve_tokens = reserve_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock
         self.waiting: list[Sequence] = []
@@ -137,6 +142,19 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
 
+    def _lookahead(self, seq: Sequence) -> int:
+        """Tokens `seq` will still add, as far as admission plans ahead."""
+        remaining = 1 if seq.prefill_only else seq.sampling.max_tokens - len(seq.output_ids)
+        return max(0, min(remaining, self.reserve_tokens))
+
+    def _reserved_for_running(self) -> int:
+        """Blocks the running requests will need for their next tokens beyond what they hold."""
+        need = 0
+        for s in self.running:
+            target = self.pool.blocks_needed(s.num_tokens + self._lookahead(s))
+            need += max(0, target - len(s.block_table.block_ids))
+        return need
+
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s table cover `num_tokens`, preempting later requests if needed."""
         while True:
@@ -168,9 +186,9 @@ class Scheduler:
         # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
         # must be preempted wastes the work already done. Cached hits that sit in the free
         # list are taken out of it too, so they count against the free blocks.
-        needed = self.pool.blocks_needed(seq.num_tokens) - hits
+        needed = self.pool.blocks_needed(seq.num_tokens + self._lookahead(seq)) - hits
         free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_count == 0)
-        if not self.pool.can_allocate(needed + free_hits):
+        if not self.pool.can_allocate(needed + free_hits + self._reserved_for_running()):
             return None
         n = min(seq.num_tokens - hits * bs, budget)
         cached = self.pool.allocate(seq.block_table, hits * bs + n, hashes, seq.token_ids)

@@ -153,12 +153,16 @@ def test_prefix_cache_reuses_blocks_and_keeps_tokens(model_dir, builder):
 def test_preemption_recomputes_exactly(model_dir, builder):
     requests = {f"r{i}": prepared(builder, i, 1) for i in range(4)}
     longest = max(len(p.prompt_ids) for p in requests.values())
-    blocks = -(-(longest + MAX_NEW) // 16) * 2 + 1  # room for about two requests at a time
-    engine = new_engine(model_dir, num_blocks=blocks, enable_prefix_caching=False)
+    new = 24  # crosses at least one block boundary
+    # Room for the two longest prompts and one spare block; reserve_tokens=0 admits on the prompt
+    # alone, so decode growth must preempt.
+    blocks = 2 * -(-longest // 16) + 1
+    engine = new_engine(model_dir, num_blocks=blocks, enable_prefix_caching=False, reserve_tokens=0)
     for rid, pp in requests.items():
-        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy(new))
     results = engine.run_until_done()
-    check_against_hf(model_dir, requests, results)
+    assert engine.scheduler.num_preemptions > 0
+    check_against_hf(model_dir, requests, results, max_new=new)
     engine.pool.check_integrity()
 
 

@@ -76,7 +76,7 @@ def test_admission_waits_for_free_blocks():
 
 def test_preemption_frees_lowest_priority_and_recomputes():
     pool = BlockPool(4, 4)
-    sched = Scheduler(pool, max_num_batched_tokens=100)
+    sched = Scheduler(pool, max_num_batched_tokens=100, reserve_tokens=0)  # admit on the prompt alone
     sched.add(make_seq("keep", 7, max_tokens=9, priority=1))
     sched.add(make_seq("vict", 7, max_tokens=9))
     run_step(sched)  # both prefilled: 2 blocks each, pool full
@@ -156,3 +156,17 @@ def test_running_streams_decode_in_every_step_while_prompts_prefill():
 
 def test_prefill_cap_never_exceeds_the_step_budget():
     assert Scheduler(BlockPool(8, 4), max_num_batched_tokens=16, max_prefill_tokens=64).max_prefill_tokens == 16
+
+
+def test_admission_reserves_room_for_running_requests_next_tokens():
+    """Admitting a request the pool cannot carry to its end only buys a preemption and a recompute."""
+    pool = BlockPool(4, 4)
+    sched = Scheduler(pool, max_num_batched_tokens=100)  # reserve up to 256 tokens a request
+    sched.add(make_seq("first", 7, max_tokens=9))
+    sched.add(make_seq("second", 7, max_tokens=9))
+    assert [r for r, _, _ in run_step(sched)] == ["first"]  # 16 tokens = the whole pool
+    while sched.running:
+        run_step(sched)
+    assert sched.num_preemptions == 0
+    assert [r for r, _, _ in run_step(sched)] == ["second"]
+    pool.check_integrity()
