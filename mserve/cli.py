@@ -103,7 +103,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                           "worker_id", "device", "dtype", "threads", "transfer",
                                                           "host", "num_blocks", "block_size", "max_num_seqs",
                                                           "max_num_batched_tokens", "max_prefill_tokens",
-                                                          "embedding_cache_mb"])
+                                                          "embedding_cache_mb", "max_encode_images"])
     try:
         make_worker(settings).run()
     except KeyboardInterrupt:
@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int,
                    help="prompt tokens per engine step, the prefill chunk cap: a long prompt delays a short one "
                         "or a running stream by at most one chunk (default 512)")
+    p.add_argument("--max-encode-images", type=int,
+                   help="images per vision forward on an encode worker, at most; interactive ones first (default 8)")
     p.add_argument("--embedding-cache-mb", type=int, help="encode workers' embedding cache (default 512)")
     p.set_defaults(func=cmd_worker)
 

@@ -104,7 +104,7 @@ def stage_message(st: RequestState, stage: Stage) -> tuple[MsgType, dict[str, An
     classes = {"priority": req.priority, "latency_class": req.latency_class}
     tokens = 0
     if stage == Stage.ENCODE:
-        msg = EncodeTask(**ids, images=images)
+        msg = EncodeTask(**ids, images=images, **classes)
     elif stage == Stage.PREFILL:
         msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,

@@ -33,6 +33,9 @@ class WorkerSettings(BaseSettings):
     max_prefill_tokens: int = 512
     enable_prefix_caching: bool = True
     embedding_cache_mb: int = 512
+    # Images per vision forward on an encode worker, at most: bounds how long an interactive image
+    # waits behind a batch of others (it is taken first, by class, from the queue).
+    max_encode_images: int = 8
     heartbeat_s: float = 0.25
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096

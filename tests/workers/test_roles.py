@@ -91,3 +91,20 @@ def test_encode_worker_refuses_other_roles_and_encodes_exactly(tiny_model_dirs, 
         proc.wait(timeout=30)
         receiver.close()
         router.close(0)
+
+
+def test_encode_batches_take_interactive_first_and_stay_bounded():
+    from mserve.workers.roles.encode import next_encode_batch
+
+    def task(rid: str, n: int, cls: str = "batch", priority: int = 0) -> EncodeTask:
+        return EncodeTask(request_id=rid, attempt=0, images=[ImageRef(hash=f"{rid}{i}", data=b"x") for i in range(n)],
+                          priority=priority, latency_class=cls)
+
+    queue = [task("b1", 3), task("b2", 3), task("i1", 2, "interactive"), task("b3", 1), task("p1", 1, priority=1)]
+    batch, rest = next_encode_batch(queue, max_images=6)
+    assert [t.request_id for t in batch] == ["p1", "i1", "b1"]  # 6 images; b2 would make 9
+    assert [t.request_id for t in rest] == ["b2", "b3"]  # arrival order kept
+    batch, rest = next_encode_batch([task("big", 9), task("i2", 1, "interactive")], max_images=4)
+    assert [t.request_id for t in batch] == ["i2"] and [t.request_id for t in rest] == ["big"]
+    batch, rest = next_encode_batch(rest, max_images=4)
+    assert [t.request_id for t in batch] == ["big"] and rest == []  # too big for a batch: it goes alone

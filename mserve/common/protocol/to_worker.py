@@ -30,6 +30,8 @@ class EncodeTask(Message):
     request_id: str = wire(as_str)
     attempt: int = wire(as_int)
     images: list[ImageRef] = wire(list_of(nested(ImageRef)))
+    priority: int = wire(as_int, 0)
+    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 
 from mserve.common.model import ImageError, decode_image
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
-from mserve.common.protocol.to_worker import EncodeTask
+from mserve.common.protocol.to_worker import LATENCY_CLASSES, EncodeTask
 from mserve.workers.engine import EngineConfig
 from mserve.workers.model_runner import EncodedImage
 from mserve.workers.settings import WorkerSettings
@@ -45,6 +45,23 @@ class EmbeddingCache:
         return evicted
 
 
+def next_encode_batch(queue: list[EncodeTask], max_images: int) -> tuple[list[EncodeTask], list[EncodeTask]]:
+    """(the requests for one vision forward, the rest). Priority first, then interactive before
+    batch, then arrival, up to `max_images` images (a request's images go together; a request
+    with more images than that goes alone), so an interactive image waits for one bounded batch."""
+    order = sorted(range(len(queue)), key=lambda i: (-queue[i].priority,
+                                                     LATENCY_CLASSES.index(queue[i].latency_class), i))
+    take, images = [], 0
+    for i in order:
+        n = len(queue[i].images)
+        if take and images + n > max_images:
+            break
+        take.append(i)
+        images += n
+    chosen = set(take)
+    return [queue[i] for i in take], [t for i, t in enumerate(queue) if i not in chosen]
+
+
 class EncodeWorker(Worker):
     ROLE = "encode"
     PARTS = "vision"
@@ -71,8 +88,8 @@ class EncodeWorker(Worker):
         super().cancel(rid)
 
     def work(self) -> None:
-        """All queued images of all queued requests through one vision forward."""
-        batch, self.queue = self.queue, []
+        """The next batch of queued requests' images through one vision forward."""
+        batch, self.queue = next_encode_batch(self.queue, self.s.max_encode_images)
         pending: dict[str, Any] = {}
         failed: set[str] = set()
         for task in batch:
