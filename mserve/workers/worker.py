@@ -164,10 +164,13 @@ class Worker:
         rate = self._tokens_since / max(now - self._last_rate_t, 1e-6)
         self._tokens_ewma = 0.7 * self._tokens_ewma + 0.3 * rate
         self._tokens_since, self._last_rate_t = 0, now
-        info = self.info()
-        # The registration rides along: a coordinator that restarted (or declared this worker dead)
-        # re-admits it from its next heartbeat.
-        self.send(info, kind=MsgType.HEARTBEAT)
+        with self.sock_lock:
+            # Measured under the lock: every message this worker sent before the heartbeat reflects
+            # an older state than it, so the coordinator never sees "idle" after a busy worker's
+            # tokens. The registration rides along: a coordinator that restarted (or declared this
+            # worker dead) re-admits it from its next heartbeat.
+            info = self.info()
+            self._send_locked(info, MsgType.HEARTBEAT)
         if self.store:
             ttl = max(3.0, 8 * self.s.heartbeat_s)
             self.store.heartbeat(self.worker_id, ttl_s=ttl)
@@ -187,10 +190,13 @@ class Worker:
     def send(self, msg: Message, kind: MsgType | None = None) -> None:
         """Non-blocking: with no coordinator connected the message is dropped (and logged) rather
         than wedging the loop; the coordinator re-runs whatever it does not hear back about."""
+        with self.sock_lock:
+            self._send_locked(msg, kind)
+
+    def _send_locked(self, msg: Message, kind: MsgType | None = None) -> None:
         kind = kind or msg.KIND
         try:
-            with self.sock_lock:
-                send(self.sock, kind, msg.to_body(), flags=zmq.NOBLOCK)
+            send(self.sock, kind, msg.to_body(), flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("coordinator unreachable: %s for %s dropped", kind.name, getattr(msg, "request_id", "-"))
 

@@ -168,18 +168,24 @@ def test_client_abort_frees_the_request_on_its_worker(small_cluster):
         total = before["workers"][decode]["load"]["total_blocks"]
         stream = client.stream(chat("Tell me a long story.", request_mix(2, seed=5)[1][1]), max_tokens=4000,
                                ignore_eos=True)
-        got = [tok for _, tok in zip(range(5), stream)]
-        assert len(got) == 5
-        busy = watcher.status()["workers"][decode]["load"]
+        # Stream until the coordinator's view of the decode worker shows the request (its load comes
+        # with heartbeats, 4 a second): only then does "idle again" below prove the abort freed it.
+        got, deadline = [], time.monotonic() + 30
+        for tok in stream:
+            got.append(tok)
+            busy = watcher.status()["workers"][decode]["load"]
+            if len(got) >= 5 and busy["running"] == 1 and busy["free_blocks"] < total:
+                break
+            assert time.monotonic() < deadline, f"decode worker never reported the request: {busy}"
         stream.close()  # the client walks away mid-stream
-        deadline = time.monotonic() + 3  # far sooner than 4000 tokens would take to generate
+        deadline = time.monotonic() + 10  # far sooner than 4000 tokens would take to generate
         while time.monotonic() < deadline:
-            load = watcher.status()["workers"][decode]["load"]
-            if load["running"] == 0 and load["free_blocks"] == total:
+            after = watcher.status()
+            load = after["workers"][decode]["load"]
+            if load["running"] == 0 and load["free_blocks"] == total and after["requests_in_flight"] == 0:
                 break
             time.sleep(0.1)
         assert load["running"] == 0 and load["free_blocks"] == total, (busy, load)
-        after = watcher.status()
         assert after["requests_in_flight"] == 0
         assert after["stats"]["completed"] == before["stats"]["completed"]  # it ended as aborted, not done
         assert client.generate(chat("Next one?"), max_tokens=3).token_ids  # and it keeps serving
