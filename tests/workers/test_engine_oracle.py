@@ -218,3 +218,35 @@ def test_lean_stage_engines_hold_half_the_weights_and_give_hf_tokens(model_dir, 
         decode.import_kv(prefill.export_kv(rid))
     results = decode.run_until_done()
     check_against_hf(model_dir, requests, {rid: [first[rid]] + results[rid] for rid in requests})
+
+
+def test_prefill_chunk_cap_interleaves_prompts_with_streams_and_stays_exact(model_dir, builder):
+    """The chunk cap path: streams decode in every step while several prompts share a small cap in
+    policy order (a short text prompt overtakes a half-prefilled image prompt), all token-exact."""
+    engine = new_engine(model_dir, max_prefill_tokens=24)
+    streams = {f"s{i}": prepared(builder, i, 0) for i in range(2)}
+    for rid, pp in streams.items():
+        engine.add_request(rid, pp.prompt_ids, sampling=greedy())
+    results: dict[str, list[int]] = {}
+    first_order: list[str] = []
+
+    def step() -> None:
+        for o in engine.step():
+            if o.request_id not in results:
+                first_order.append(o.request_id)
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    while not all(r in results for r in streams):
+        step()
+    prompts = {"img": prepared(builder, 3, 2), "txt": prepared(builder, 7, 0)}
+    engine.add_request("img", prompts["img"].prompt_ids, images=prompts["img"].images, sampling=greedy(),
+                       latency_class="batch")
+    step()  # the image prompt starts (24 tokens of it)
+    engine.add_request("txt", prompts["txt"].prompt_ids, sampling=greedy())
+    while engine.has_unfinished():
+        before = {r: len(results.get(r, [])) for r in streams}
+        step()
+        # every stream still running got its token in this step, beside at most 24 prompt tokens
+        assert all(len(results[r]) == before[r] + 1 for r in streams if before[r] < MAX_NEW)
+    assert first_order.index("txt") < first_order.index("img")  # it joined later but finished prefill first
+    check_against_hf(model_dir, {**streams, **prompts}, results)
