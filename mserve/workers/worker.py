@@ -112,10 +112,12 @@ class Worker:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         ttl = max(3.0, 8 * self.s.heartbeat_s)
-        if self.store:
-            self.store.register_worker(self.worker_id, {k: v for k, v in self.info().fields().items() if k != "load"},
+        info = self.info()
+        if self.store:  # registration and load in Redis before the coordinator hears of this worker
+            self.store.register_worker(self.worker_id, {k: v for k, v in info.fields().items() if k != "load"},
                                        ttl_s=ttl)
-        self.send(self.info())
+            self.store.publish_load(self.worker_id, redis_load(info.load), ttl_s=ttl)
+        self.send(info)
         self.pulse.start()
         log.info("worker %s ready: role %s, %s weights, %.0f MiB resident, data plane %s (%s)", self.worker_id,
                  self.role, self.PARTS, resident_mib(), self.transfer.address, self.s.transfer)
@@ -174,7 +176,7 @@ class Worker:
         if self.store:
             ttl = max(3.0, 8 * self.s.heartbeat_s)
             self.store.heartbeat(self.worker_id, ttl_s=ttl)
-            self.store.publish_load(self.worker_id, {k: v for k, v in info.load.items() if k != "queued"}, ttl_s=ttl)
+            self.store.publish_load(self.worker_id, redis_load(info.load), ttl_s=ttl)
 
     def _publish_prefixes(self) -> None:
         """On the loop: index the prompt blocks that became reusable here (bounded through outages)."""
@@ -257,6 +259,11 @@ class Worker:
         """Time this request's stage spent in this worker (queueing included), for overhead accounting."""
         t0 = self.received.pop(rid, None)
         return round(time.perf_counter() - t0, 6) if t0 is not None else 0.0
+
+
+def redis_load(load: dict[str, Any]) -> dict[str, Any]:
+    """The load as Redis keeps it: the queued request ids go to the coordinator only."""
+    return {k: v for k, v in load.items() if k != "queued"}
 
 
 def resident_mib() -> float:
