@@ -8,6 +8,7 @@ request), torch through a cached pair group.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,11 @@ __all__ = ["Fetcher", "Fetched"]
 # the tensors, or None when the sender was acked already)
 Fetched = tuple[str, dict[str, torch.Tensor], str, int, Callable[[], None] | None]
 
+# How many shm publications a receiver remembers having acked. The sender frees a segment when
+# the ack lands, which is asynchronous; remembering the ack makes a second fetch of the same
+# publication fail at once instead of racing the sender's free.
+_ACKED_MEMORY = 4096
+
 
 class Fetcher:
     def __init__(
@@ -38,6 +44,12 @@ class Fetcher:
         self.maps = MappingCache()
         self.channels = Channels(ctx)
         self._torch_in = TorchReceiver(host, device, on_new_group)
+        self._acked: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+
+    def _remember_ack(self, key: tuple[str, int, int]) -> None:
+        self._acked[key] = None
+        while len(self._acked) > _ACKED_MEMORY:
+            self._acked.popitem(last=False)
 
     def fetch(self, desc: Descriptor, deadline: float, view: bool) -> Fetched:
         """Pull one transfer. ``view``: leave shm tensors as views of the sender's segment and
@@ -56,6 +68,16 @@ class Fetcher:
         if mode == "shm":
             # No round trip: the lease (a shared flock on the segment) keeps the sender off it,
             # the header under the lease proves it still holds this transfer.
+            key = (str(desc.shm), int(desc.shm_nonce or 0), int(desc.shm_gen or 0))
+            if key in self._acked:
+                raise TransferError(
+                    f"{where}: unknown transfer id {tid!r}: already fetched and acked here")
+            shm_ack = ack
+
+            def ack() -> None:
+                self._remember_ack(key)
+                shm_ack()
+
             try:
                 mm, lease = self.maps.lease(desc.shm, desc.shm_nonce, desc.shm_gen, tid,
                                             desc.nbytes)
