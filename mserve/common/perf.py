@@ -1,10 +1,11 @@
-"""Process-level CPU tuning applied once at start-up by every `mserve` process."""
+"""Process-level CPU tuning applied once at start-up by every `mserve` process, and its memory reading."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -29,3 +30,12 @@ def tune_malloc(threshold_bytes: int = 1 << 30) -> bool:
         return False
     log.debug("malloc tuned: mmap/trim threshold %d bytes (%s)", threshold_bytes, ok)
     return ok
+
+
+def resident_mib() -> float:
+    """This process's resident memory (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -15,10 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mserve.common.model import ImageError, image_hash, image_size_from_header
 from mserve.common.prompt import PromptBuilder, normalize_messages
+from mserve.common.protocol import ErrorCode
 
 
 class AdmissionError(ValueError):
-    """The request is invalid or over a limit; the message says which field and which limit."""
+    """The request is invalid or over a limit; the message says which field and which limit.
+
+    ``code`` is ``too_large`` for size limits (an HTTP gateway answers 413), else ``bad_request``.
+    """
+
+    def __init__(self, message: str, code: str = ErrorCode.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Limits(BaseModel):
@@ -101,12 +109,13 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
     admitted_images = []
     for i, data in enumerate(images):
         if len(data) > limits.max_image_bytes:
-            raise AdmissionError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={limits.max_image_bytes}")
+            raise AdmissionError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={limits.max_image_bytes}",
+                                 ErrorCode.TOO_LARGE)
         try:
             w, h = image_size_from_header(data)
             if w * h > limits.max_image_pixels:
                 raise AdmissionError(f"image {i} is {w}x{h} = {w * h} pixels, over the limit "
-                                     f"max_image_pixels={limits.max_image_pixels}")
+                                     f"max_image_pixels={limits.max_image_pixels}", ErrorCode.TOO_LARGE)
             tokens = builder.family.visual_token_count((w, h))
         except ImageError as exc:
             raise AdmissionError(f"image {i}: {exc}") from None
@@ -118,5 +127,6 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
                              else str(exc)) from None
     if len(prompt.prompt_ids) > limits.max_prompt_tokens:
         raise AdmissionError(f"prompt is {len(prompt.prompt_ids)} tokens ({sum(i.num_tokens for i in admitted_images)} "
-                             f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}")
+                             f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}",
+                             ErrorCode.TOO_LARGE)
     return Admitted(req, prompt.prompt_ids, admitted_images)

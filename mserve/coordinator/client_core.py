@@ -75,7 +75,7 @@ class ServerError(MServeError):
 
 
 _ERRORS_BY_CODE: dict[str, type[MServeError]] = {
-    ErrorCode.BAD_REQUEST: BadRequest, ErrorCode.BAD_MESSAGE: BadRequest, ErrorCode.OVERLOADED: Overloaded,
+    ErrorCode.BAD_REQUEST: BadRequest, ErrorCode.BAD_MESSAGE: BadRequest, ErrorCode.TOO_LARGE: BadRequest, ErrorCode.OVERLOADED: Overloaded,
     ErrorCode.NO_WORKERS: NoWorkers, ErrorCode.TIMEOUT: RequestTimeout, ErrorCode.ABORTED: Aborted,
     ErrorCode.INTERNAL: ServerError,
 }
@@ -185,6 +185,7 @@ class Assembler:
         self.num_received = 0
         self.result: GenerateResult | None = None
         self.finished = False  # the server ended the request (RESULT or ERROR)
+        self.prompt_tokens: int | None = None  # from the first TOKENS (streams) or RESULT
 
     def feed(self, kind: int, body: dict[str, Any]) -> None:
         if kind == MsgType.ERROR:
@@ -192,6 +193,8 @@ class Assembler:
             raise error_from_reply({**body, "request_id": body.get("request_id") or self.request_id})
         if kind == MsgType.TOKENS:
             index, tokens = int(body["index"]), list(body["token_ids"])
+            if isinstance(body.get("prompt_tokens"), int):
+                self.prompt_tokens = body["prompt_tokens"]
             if index > self.num_received:
                 # A gap means tokens were lost; the output would be silently wrong, so fail loudly.
                 raise ServerError(f"token stream gap: expected index {self.num_received}, got {index}",
@@ -201,6 +204,7 @@ class Assembler:
             self.num_received += len(fresh)
         elif kind == MsgType.RESULT:
             self.result = GenerateResult.from_body(body)
+            self.prompt_tokens = self.result.prompt_tokens
             # RESULT carries the whole output: hand out any tail that no TOKENS chunk carried.
             tail = self.result.token_ids[self.num_received:]
             self.ready.extend(tail)
@@ -217,6 +221,11 @@ class StreamState:
     @property
     def result(self) -> GenerateResult | None:
         return self._asm.result
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's length in tokens (visual included), once the first reply told it."""
+        return self._asm.prompt_tokens
 
     @property
     def done(self) -> bool:

@@ -20,6 +20,7 @@ class Membership:
         self.last_seen: dict[str, float] = {}
         self.load_at: dict[str, float] = {}  # when the load last applied was measured (the worker's clock)
         self.queued: dict[str, set[str]] = {}  # requests each worker holds but has not started
+        self.counters: dict[str, dict[str, float]] = {}  # each worker's engine counters (heartbeats)
         self.block_size = block_size  # KV block size the workers announce: the coordinator's routing unit
         # image hash -> workers known (from their ENCODED replies) to hold its embeddings
         self.embedding_holders: dict[str, set[str]] = {}
@@ -70,6 +71,8 @@ class Membership:
             self.load_at[worker_id] = float(at)
         if isinstance(load.get("queued"), list):
             self.queued[worker_id] = {str(r) for r in load["queued"]}
+        if isinstance(load.get("counters"), dict):
+            self.counters[worker_id] = {str(k): v for k, v in load["counters"].items() if isinstance(v, (int, float))}
         for key in LOAD_INTS:
             if key in load:
                 setattr(w, key, int(load[key]))
@@ -118,6 +121,7 @@ class Membership:
         workers = {wid: {"role": w.role, "alive": w.alive, "load": {
             "queue_len": w.queue_len, "running": w.running, "free_blocks": w.free_blocks,
             "total_blocks": w.total_blocks, "tokens_per_s": w.tokens_per_s, "inflight": w.inflight,
-            "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib}}
+            "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib},
+            "counters": self.counters.get(wid, {})}
             for wid, w in self.workers.items()}
         return workers, roles

@@ -86,6 +86,7 @@ class RequestState:
         "queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s", "worker_s")})
     cache_hits: dict[str, int] = field(default_factory=lambda: {"embedding": 0, "prefix_tokens": 0})
     charged: tuple[str, int] | None = None
+    first_token_at: float | None = None
 
     @property
     def client_rid(self) -> str:

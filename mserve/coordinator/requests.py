@@ -25,6 +25,7 @@ from mserve.coordinator.records import (ACTIVE_STAGES, Lookups, NoLookups, Out, 
                                         stage_message)
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
 from mserve.coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
+from mserve.coordinator.telemetry import Telemetry
 
 __all__ = ["ACTIVE_STAGES", "Lookups", "NoLookups", "Out", "RequestMachine", "RequestState", "Stage", "ToClient",
            "ToWorker", "stage_message"]
@@ -59,6 +60,7 @@ class RequestMachine:
         self.max_attempts = max_attempts
         self.max_waiting_requests = max_waiting_requests
         self.first_tokens = FirstTokenRate()
+        self.telemetry = Telemetry()
         self.lookups: Lookups = lookups or NoLookups()
         self.detokenize = detokenize or (lambda ids: "")
         self.new_id = new_id or (lambda: uuid.uuid4().hex)
@@ -110,11 +112,12 @@ class RequestMachine:
         return True
 
     @_entry
-    def reject(self, client: bytes, request_id: str | None, message: str) -> None:
+    def reject(self, client: bytes, request_id: str | None, message: str,
+               code: str = ErrorCode.BAD_REQUEST) -> None:
         """A GENERATE that failed admission (the request is invalid or over a limit)."""
         self.stats["rejected"] += 1
         log.info("%s rejected: %s", request_id, message)
-        self._error(client, request_id, ErrorCode.BAD_REQUEST, message)
+        self._error(client, request_id, code, message)
 
     @_entry
     def abort(self, client: bytes, request_id: str) -> None:
@@ -194,7 +197,7 @@ class RequestMachine:
     def status(self) -> dict[str, Any]:
         workers, roles = self.members.status()
         return {"workers": workers, "roles": roles, "requests_in_flight": len(self.requests),
-                "stats": dict(self.stats)}
+                "stats": dict(self.stats), "telemetry": self.telemetry.snapshot()}
 
     # -- stages ----------------------------------------------------------------------------------------
     def _restart(self, st: RequestState, first: bool = False, reason: str = "") -> None:
@@ -383,10 +386,13 @@ class RequestMachine:
         index = len(st.output_ids)
         if index == 0:
             self.first_tokens.record(self._now)
+            st.first_token_at = self._now
         st.output_ids.extend(tokens)
         if st.admitted.request.stream:
-            self._out.append(ToClient(st.client, MsgType.TOKENS,
-                                      {"request_id": st.client_rid, "index": index, "token_ids": tokens}))
+            body: dict[str, Any] = {"request_id": st.client_rid, "index": index, "token_ids": tokens}
+            if index == 0:  # a client that stops early (a stop string) still learns its prompt's size
+                body["prompt_tokens"] = len(st.admitted.prompt_ids)
+            self._out.append(ToClient(st.client, MsgType.TOKENS, body))
 
     def _end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
              **error_extra: Any) -> None:
@@ -399,6 +405,10 @@ class RequestMachine:
             return self._error(st.client, st.client_rid, *error, **error_extra)
         self.stats["completed"] += 1
         total = self._now - st.arrived
+        self.telemetry.on_result(
+            st.timings, arrived=st.arrived, first_token_at=st.first_token_at, now=self._now,
+            prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
+            output_tokens=len(st.output_ids), images=len(st.admitted.images), cache_hits=st.cache_hits)
         timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(total, 6)}
         log.info("%s done: %d tokens (%s) in %.0f ms", st.client_rid, len(st.output_ids), finish_reason, total * 1e3)
         self._out.append(ToClient(st.client, MsgType.RESULT, {

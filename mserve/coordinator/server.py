@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
+from mserve.common.perf import resident_mib
 from mserve.common.protocol import (CLIENT_TO_COORDINATOR, WORKER_TO_COORDINATOR, ErrorCode, MsgType, ProtocolError,
                                     body, validate)
 from mserve.common.redis_store import RedisStore
@@ -151,7 +152,7 @@ class Coordinator:
         try:
             admitted = admit(self.builder, self.limits, payload)
         except AdmissionError as exc:
-            self._send(self.machine.reject(client, rid, str(exc), now=time.monotonic()))
+            self._send(self.machine.reject(client, rid, str(exc), exc.code, now=time.monotonic()))
             return
         except Exception as exc:
             log.exception("%s: admission failed unexpectedly", rid_in)
@@ -179,5 +180,6 @@ class Coordinator:
             self.machine.apply_loads(self.store.get_loads(self.machine.alive_workers()))
 
     def status(self) -> dict[str, Any]:
-        return {**self.machine.status(), "model": self.model_name,
+        return {**self.machine.status(), "model": self.model_name, "model_path": self.settings.model,
+                "rss_mib": round(resident_mib(), 1),
                 "redis_healthy": bool(self.store and self.store.healthy)}

@@ -80,7 +80,9 @@ class Engine:
         gen = self.runner.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.counters = {"encoded_images": 0, "prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        self.counters = {"encoded_images": 0, "visual_tokens": 0, "embedding_cache_hits": 0, "prefill_tokens": 0,
+                         "decode_tokens": 0, "steps": 0}
+        self.last_batch_size = 0  # sequences in the latest step
         # Hashes of prompt blocks that became reusable here; a worker publishes them to the cluster.
         self.new_prefix_hashes: list[str] = []
 
@@ -92,7 +94,9 @@ class Engine:
                 raise ValueError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={self.config.max_image_bytes}")
         pil = [decode_image(d, self.config.max_image_pixels) for d in images]
         self.counters["encoded_images"] += len(pil)
-        return self.runner.encode_images(pil)
+        encoded = self.runner.encode_images(pil)
+        self.counters["visual_tokens"] += sum(int(enc.embeds.shape[0]) for enc in encoded)
+        return encoded
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes] = (),
@@ -150,6 +154,7 @@ class Engine:
         completing = [c for c in chunks if c.completes_sequence]
         tokens = sample(logits, [c.seq.sampling for c in completing], [len(c.seq.output_ids) for c in completing])
         self.counters["steps"] += 1
+        self.last_batch_size = len(chunks)
         outputs: list[StepOutput] = []
         for c in chunks:
             c.seq.num_computed_tokens = c.end
@@ -259,7 +264,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.pool.stats(), "waiting": len(self.scheduler.waiting),
-                "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions}
+                "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
+                "batch_size": self.last_batch_size}
 
 
 def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from mserve.common.model import ImageError
+from mserve.common.perf import resident_mib
 from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, validate
 from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
 from mserve.common.protocol.to_worker import TO_WORKER, Cancel
@@ -155,7 +156,7 @@ class Worker:
         return {"queue_len": len(queued), "running": len(self.engine.scheduler.running), "queued": queued,
                 "free_blocks": self.engine.pool.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
                 "tokens_per_s": round(self._tokens_ewma, 2), "rss_mib": round(resident_mib(), 1), **self.memory_mib,
-                "at": time.time()}  # lets the coordinator drop a report older than one it already has
+                "counters": self.engine.stats(), "at": time.time()}  # lets the coordinator drop a report older than one it already has
 
     def count_tokens(self, n: int) -> None:
         self._tokens_since += n
@@ -262,17 +263,8 @@ class Worker:
 
 
 def redis_load(load: dict[str, Any]) -> dict[str, Any]:
-    """The load as Redis keeps it: the queued request ids go to the coordinator only."""
-    return {k: v for k, v in load.items() if k != "queued"}
-
-
-def resident_mib() -> float:
-    """This process's resident memory (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    """The load as Redis keeps it (a flat hash): the queued ids and counters go to the coordinator only."""
+    return {k: v for k, v in load.items() if k not in ("queued", "counters")}
 
 
 def make_worker(settings: WorkerSettings) -> Worker:

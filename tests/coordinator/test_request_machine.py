@@ -120,7 +120,8 @@ def test_disaggregated_happy_path_streams_and_ends_with_all_tokens():
 
     out = h.prefilled("p0", pre, token=7)
     assert kinds(out) == [("TOKENS", CLIENT), ("DECODE", "d0")]
-    assert out[0].body == {"request_id": "r1", "index": 0, "token_ids": [7]}
+    # the first TOKENS also says how long the prompt was (a client stopping early still knows its usage)
+    assert out[0].body == {"request_id": "r1", "index": 0, "token_ids": [7], "prompt_tokens": 20}
     dec = out[1]
     assert dec.body["descriptor"] == {"kv_on": "p0"} and dec.body["state"] == {"pos": 1}
 

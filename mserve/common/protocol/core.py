@@ -107,6 +107,7 @@ class ErrorCode:
     """`code` values of ERROR replies: clients can branch on them."""
 
     BAD_REQUEST = "bad_request"  # the request is malformed or over a limit (message names it)
+    TOO_LARGE = "too_large"  # over a size limit: image bytes or pixels, prompt tokens (message names it)
     BAD_MESSAGE = "bad_message"  # the frames did not decode
     OVERLOADED = "overloaded"
     NO_WORKERS = "no_workers"

@@ -122,6 +122,7 @@ class EncodeWorker(Worker):
             if self.store:
                 self.store.add_embedding(self.model_name, h, self.worker_id)
         self.engine.counters["encoded_images"] += len(pending)
+        self.engine.counters["visual_tokens"] += sum(int(enc.embeds.shape[0]) for enc in encoded)
         if self.store:
             self.store.incr_counter("encoded_images", self.worker_id, len(pending))
         return True
@@ -137,6 +138,7 @@ class EncodeWorker(Worker):
             images.append(EncodedImageInfo(hash=im.hash, tokens=int(enc.embeds.shape[0]),
                                            grid=list(enc.grid_thw) if enc.grid_thw else None))
             hits += im.hash not in new_hashes
+        self.engine.counters["embedding_cache_hits"] += hits
         if hits and self.store:
             self.store.incr_counter("embedding_cache_hits", self.worker_id, hits)
         desc = self.transfer.publish(f"{rid}:{attempt}:emb", tensors)
