@@ -205,6 +205,35 @@ class LocalCluster:
                         f"(last status error: {last_error})\n" + self._tails(names))
                 time.sleep(0.2)
 
+    def start_gateway(self, port: int | None = None, extra_args: Sequence[str] = (),
+                      timeout_s: float = 60.0, require_serving: bool = True) -> str:
+        """Start an OpenAI-compatible HTTP gateway for this cluster; returns its base URL once /health says
+        the cluster serves (or, with ``require_serving=False``, once the gateway answers at all)."""
+        import urllib.error
+        import urllib.request
+
+        from mserve.common.sockets import free_port
+
+        port = port or free_port()
+        self._spawn("gateway", [sys.executable, "-m", "mserve.cli", "gateway", "--coordinator", self.address,
+                                "--port", str(port), "--model", self.model, *extra_args])
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._fail_if_exited()
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2.0) as reply:
+                    if reply.status == 200:
+                        return url
+            except urllib.error.HTTPError as exc:  # 503 until a worker can serve
+                if exc.code == 503 and not require_serving:
+                    return url
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet
+            if time.monotonic() >= deadline:
+                raise ClusterStartError(f"gateway not healthy within {timeout_s:.0f}s\n" + self._tails(["gateway"]))
+            time.sleep(0.2)
+
     def _fail_if_exited(self) -> None:
         dead = [n for n, p in self._procs.items() if p.poll() is not None]
         if dead:
@@ -272,6 +301,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     parser.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"], default="auto",
                         help="worker-to-worker tensor transport (default auto)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also start the OpenAI-compatible HTTP gateway on this port (see `mserve gateway`)")
+    parser.add_argument("--api-key", default=None,
+                        help="with --http-port: the key /v1 requests must carry (default: $MSERVE_API_KEY, else none)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     parser.add_argument("--log-dir", default=None, help="keep the child processes' logs here (default: a temp dir)")
 
@@ -291,9 +324,22 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    http_url = None
+    if args.http_port:
+        try:
+            # The key travels in the environment, not on a command line other users can read.
+            if args.api_key:
+                os.environ["MSERVE_API_KEY"] = args.api_key
+            http_url = cluster.start_gateway(args.http_port)
+        except (ClusterStartError, RuntimeError) as exc:
+            logger.error("mserve up: the HTTP gateway did not start: %s", exc)
+            cluster.stop()
+            return 1
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"MServe cluster up: {cluster._describe()}; clients connect to {cluster.address}", flush=True)
+        if http_url:
+            print(f"  OpenAI API at {http_url}/v1 (health {http_url}/health, metrics {http_url}/metrics)", flush=True)
         print(f'  try: python -c "from mserve.coordinator.client import Client; '
               f"print(Client('{cluster.address}').generate([{{'role': 'user', 'content': 'Hello'}}]).text)\"",
               flush=True)

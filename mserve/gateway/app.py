@@ -1,0 +1,330 @@
+"""The OpenAI-compatible HTTP gateway: FastAPI routes over one AsyncClient to the coordinator.
+
+``POST /v1/chat/completions`` (SSE streaming exactly as OpenAI sends it, or one JSON body),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. Errors are OpenAI's error JSON with the
+status a client expects (400, 401, 404, 413, 429 + Retry-After, 503, 504). A client that goes
+away aborts its request on every stage: the token stream is closed, which sends ABORT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mserve.coordinator.async_client import AsyncClient
+from mserve.coordinator.client_core import MServeError
+from mserve.gateway.metrics import GatewayMetrics
+from mserve.gateway.openai_api import (ApiError, ChatRequest, chat_response, chunk, completion_id,
+                                       parse_chat_request, status_for_code, usage_of)
+from mserve.gateway.settings import GatewaySettings
+from mserve.gateway.textstream import Detokenizer, StopMatcher
+
+log = logging.getLogger("mserve.gateway")
+T = TypeVar("T")
+_DISCONNECT_POLL_S = 0.2
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its request has been aborted."""
+
+
+def _api_error(exc: MServeError) -> ApiError:
+    status, type_ = status_for_code(exc.code)
+    return ApiError(status, exc.message, type_=type_, code=exc.code, retry_after_s=exc.retry_after_s)
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the HTTP client leaves first, cancel it (which aborts the request) and raise."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+class Generation:
+    """One chat completion's tokens turned into text deltas, stop strings applied."""
+
+    def __init__(self, gw: Gateway, req: ChatRequest) -> None:
+        self.req = req
+        self.stream = gw.client.stream(req.messages, timeout_s=gw.settings.request_timeout_s, **req.sampling)
+        self.detok = Detokenizer(gw.tokenizer)
+        self.stops = StopMatcher(req.stop)
+        self._chunks = self.stream.chunks()
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.t_start = time.perf_counter()
+        self.t_first: float | None = None
+
+    async def next_delta(self) -> tuple[str, list[int]] | None:
+        """The next (text, token ids) piece, or None when the request is over (``finish_reason`` set)."""
+        if self.finish_reason is not None:
+            return None
+        try:
+            ids = await self._chunks.__anext__()
+        except StopAsyncIteration:
+            res = self.stream.result
+            assert res is not None
+            self.prompt_tokens, self.finish_reason = res.prompt_tokens, res.finish_reason
+            tail = self.stops.feed(self.detok.finish(res.text))
+            tail += self.stops.flush()
+            if self.stops.stopped:
+                self.finish_reason = "stop"
+            return tail, []
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.prompt_tokens = self.stream.prompt_tokens or self.prompt_tokens
+        text = self.stops.feed(self.detok.add(ids))
+        if self.stops.stopped:  # a stop string ended the answer: stop the cluster's work too
+            self.finish_reason = "stop"
+            self.close()
+        return text, ids
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.detok.ids)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.media_root = Path(settings.allowed_media_path).resolve() if settings.allowed_media_path else None
+        self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
+        self.tokenizer: Any = None
+        self.model_name = settings.served_model_name or ""
+        self.metrics = GatewayMetrics()
+
+    async def start(self) -> None:
+        # 5 ms: how late a reply can be read when a send consumed the socket's readable edge.
+        self.client = AsyncClient(self.settings.coordinator, timeout_s=self.settings.request_timeout_s,
+                                  poll_interval_s=0.005)
+        model_path = self.settings.model
+        if model_path is None or not self.model_name:
+            status = await self.client.status(timeout_s=30.0)
+            model_path = model_path or status.get("model_path") or status.get("model")
+            self.model_name = self.model_name or str(status.get("model") or model_path)
+        if not model_path or not Path(model_path).is_dir():
+            raise RuntimeError(f"the gateway needs the checkpoint folder for its tokenizer: {model_path!r} is not a "
+                               "folder here (pass --model)")
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        log.info("gateway for %s (model %r) ready", self.settings.coordinator, self.model_name)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def check_auth(self, request: Request) -> None:
+        key = self.settings.api_key.get_secret_value() if self.settings.api_key else ""
+        if not key:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           type_="authentication_error", code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.settings.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes, over the limit max_request_bytes={limit}",
+                           code="too_large")
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise ApiError(413, f"request body is over the limit max_request_bytes={limit}", code="too_large")
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+    # -- /v1/chat/completions -----------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        self.check_auth(request)
+        req = parse_chat_request(await self.read_json(request), media_root=self.media_root,
+                                 default_max_tokens=self.settings.default_max_tokens)
+        if req.model != self.model_name:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        gen = Generation(self, req)
+        self.metrics.started()
+        try:
+            first = await _unless_disconnected(request, gen.next_delta())
+        except BaseException as exc:
+            gen.close()
+            self.metrics.ended(gen, error=exc)
+            if isinstance(exc, MServeError):
+                raise _api_error(exc) from None
+            raise
+        if req.stream:
+            return StreamingResponse(self._sse(gen, first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(request, gen, first)
+
+    async def _collect(self, request: Request, gen: Generation, first: tuple[str, list[int]] | None) -> Response:
+        text, ids = [], []
+        piece = first
+        try:
+            while piece is not None:
+                text.append(piece[0])
+                ids.extend(piece[1])
+                piece = await _unless_disconnected(request, gen.next_delta())
+        except BaseException as exc:
+            gen.close()
+            self.metrics.ended(gen, error=exc)
+            if isinstance(exc, MServeError):
+                raise _api_error(exc) from None
+            raise
+        self.metrics.ended(gen)
+        usage = usage_of(gen.prompt_tokens, gen.completion_tokens)
+        assert gen.finish_reason is not None
+        body = chat_response(completion_id(), self.model_name, "".join(text), gen.finish_reason, usage,
+                             gen.detok.ids if gen.req.return_token_ids else None)
+        return JSONResponse(body)
+
+    async def _sse(self, gen: Generation, first: tuple[str, list[int]] | None) -> AsyncIterator[str]:
+        cid, created, model, req = completion_id(), int(time.time()), self.model_name, gen.req
+        with_ids = req.return_token_ids
+
+        def event(obj: dict[str, Any]) -> str:
+            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+        error: BaseException | None = None
+        try:
+            yield event(chunk(cid, created, model, {"role": "assistant", "content": ""},
+                              include_usage=req.include_usage, token_ids=[] if with_ids else None))
+            piece = first
+            while piece is not None:
+                text, ids = piece
+                if text or (with_ids and ids):
+                    yield event(chunk(cid, created, model, {"content": text}, include_usage=req.include_usage,
+                                      token_ids=ids if with_ids else None))
+                piece = await gen.next_delta()
+            yield event(chunk(cid, created, model, {}, gen.finish_reason, include_usage=req.include_usage,
+                              token_ids=[] if with_ids else None))
+            if req.include_usage:
+                yield event(chunk(cid, created, model, None, usage=usage_of(gen.prompt_tokens, gen.completion_tokens),
+                                  include_usage=True))
+            yield "data: [DONE]\n\n"
+        except MServeError as exc:  # headers are gone: the error travels as an SSE event, as OpenAI's does
+            error = exc
+            api = _api_error(exc)
+            yield event(api.body())
+        except BaseException as exc:  # client gone (cancelled) or a bug: either way stop the cluster's work
+            error = exc
+            raise
+        finally:
+            gen.close()
+            self.metrics.ended(gen, error=error)
+
+    # -- the rest -------------------------------------------------------------------------------------
+    def models(self, request: Request) -> dict[str, Any]:
+        self.check_auth(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "mserve"}]}
+
+    async def health(self) -> Response:
+        try:
+            status = await self.client.status(timeout_s=2.0)
+        except MServeError as exc:
+            return JSONResponse({"status": "unavailable", "reason": f"coordinator: {exc.message}"}, status_code=503)
+        roles = status.get("roles") or {}
+        serving = roles.get("unified", 0) > 0 or (roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0)
+        body = {"status": "ok" if serving else "unavailable", "roles": roles,
+                "requests_in_flight": status.get("requests_in_flight", 0)}
+        if not serving:
+            body["reason"] = "no live worker can serve text requests (need unified, or prefill + decode)"
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    async def scrape(self) -> Response:
+        try:
+            status = await self.client.status(timeout_s=2.0)
+        except MServeError as exc:
+            log.warning("metrics: coordinator status unavailable: %s", exc)
+            status = None
+        payload, content_type = self.metrics.render(status)
+        return Response(payload, media_type=content_type)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    gw = Gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.close()
+
+    app = FastAPI(title="MServe gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(ApiError)
+    async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _on_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gw.chat(request)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        return gw.models(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await gw.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await gw.scrape()
+
+    return app
+
+
+def serve(settings: GatewaySettings) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                access_log=settings.access_log, timeout_graceful_shutdown=5)

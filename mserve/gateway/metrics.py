@@ -1,0 +1,176 @@
+"""The cluster's one Prometheus scrape endpoint: what the gateway saw, plus what the coordinator reports.
+
+At each scrape the gateway asks the coordinator for STATUS (workers' load and engine counters from
+their heartbeats, the coordinator's request counters and latency histograms) and renders it next
+to its own HTTP-level metrics. Names follow Prometheus conventions (``mserve_`` prefix, base units,
+``_total`` counters, ``_seconds`` / ``_bytes``); docs/operations.md lists them all.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+
+from mserve.coordinator.telemetry import LATENCY_BUCKETS_S
+
+__all__ = ["GatewayMetrics", "WORKER_GAUGES", "WORKER_COUNTERS"]
+
+# load field -> (metric name, help, scale)
+WORKER_GAUGES = {
+    "queue_len": ("mserve_worker_queue_depth", "Requests queued at the worker, not started", 1),
+    "running": ("mserve_worker_running_requests", "Requests running on the worker", 1),
+    "free_blocks": ("mserve_worker_kv_blocks_free", "Free KV blocks in the worker's pool", 1),
+    "total_blocks": ("mserve_worker_kv_blocks_total", "KV blocks in the worker's pool", 1),
+    "tokens_per_s": ("mserve_worker_tokens_per_second", "Tokens per second the worker produced (EWMA)", 1),
+    "rss_mib": ("mserve_worker_resident_memory_bytes", "Resident memory of the worker process", 2**20),
+}
+# engine counter -> (metric name without _total, help, kind)
+WORKER_COUNTERS = {
+    "encoded_images": ("mserve_worker_encoded_images", "Images run through the vision tower", "counter"),
+    "visual_tokens": ("mserve_worker_visual_tokens", "Visual tokens the vision tower produced", "counter"),
+    "embedding_cache_hits": ("mserve_worker_embedding_cache_hits", "Images served from the embedding cache",
+                             "counter"),
+    "prefill_tokens": ("mserve_worker_prefill_tokens", "Prompt tokens prefilled", "counter"),
+    "decode_tokens": ("mserve_worker_decode_tokens", "Tokens decoded", "counter"),
+    "steps": ("mserve_worker_engine_steps", "Engine steps (forward passes)", "counter"),
+    "prefix_hits": ("mserve_worker_prefix_cache_hits", "Prompt blocks found in the prefix cache", "counter"),
+    "prefix_queries": ("mserve_worker_prefix_cache_queries", "Prompt blocks looked up in the prefix cache",
+                       "counter"),
+    "preemptions": ("mserve_worker_preemptions", "Requests preempted when KV blocks ran out", "counter"),
+    "used_blocks": ("mserve_worker_kv_blocks_used", "KV blocks held by requests", "gauge"),
+    "cached_blocks": ("mserve_worker_kv_blocks_cached", "Free KV blocks still holding a reusable prefix", "gauge"),
+    "batch_size": ("mserve_worker_batch_size", "Sequences in the worker's latest engine step", "gauge"),
+}
+_COORDINATOR_STATS = {
+    "admitted": "Requests admitted", "rejected": "Requests refused at admission (invalid or over a limit)",
+    "completed": "Requests that ended with a result", "failed": "Requests that ended with an error after admission",
+    "reruns": "Stages re-run after a worker failed or went silent", "shed": "Requests shed with an overloaded error",
+}
+_TELEMETRY_COUNTERS = {
+    "prompt_tokens": "Prompt tokens of completed requests (visual included)",
+    "visual_tokens": "Visual tokens of completed requests",
+    "generation_tokens": "Tokens generated for completed requests",
+    "images": "Images in completed requests",
+    "embedding_cache_hits": "Images of completed requests whose embeddings came from a cache",
+    "prefix_cache_hit_tokens": "Prompt tokens of completed requests whose KV came from the prefix cache",
+}
+
+
+def _histogram(name: str, help_: str, snap: dict[str, Any], labels: dict[str, str] | None = None,
+               family: HistogramMetricFamily | None = None) -> HistogramMetricFamily:
+    labels = labels or {}
+    family = family or HistogramMetricFamily(name, help_, labels=list(labels))
+    total, buckets = 0, []
+    for le, n in zip([*snap["le"], float("inf")], snap["counts"]):
+        total += n
+        buckets.append(("+Inf" if le == float("inf") else repr(float(le)), total))
+    family.add_metric(list(labels.values()), buckets, snap["sum"])
+    return family
+
+
+class ClusterCollector:
+    """Renders the latest coordinator STATUS as metric families (nothing when it was unavailable)."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.status
+        up = GaugeMetricFamily("mserve_coordinator_up", "1 when the coordinator answered this scrape's STATUS")
+        up.add_metric([], 0 if status is None else 1)
+        yield up
+        if status is None:
+            return
+        yield from self._workers(status.get("workers") or {}, status.get("roles") or {})
+        yield GaugeMetricFamily("mserve_requests_in_flight", "Requests admitted and not ended",
+                                value=status.get("requests_in_flight", 0))
+        if isinstance(status.get("rss_mib"), (int, float)):
+            yield GaugeMetricFamily("mserve_coordinator_resident_memory_bytes", "Resident memory of the coordinator",
+                                    value=status["rss_mib"] * 2**20)
+        for key, help_ in _COORDINATOR_STATS.items():
+            yield CounterMetricFamily(f"mserve_requests_{key}", help_, value=(status.get("stats") or {}).get(key, 0))
+        tele = status.get("telemetry") or {}
+        for key, help_ in _TELEMETRY_COUNTERS.items():
+            yield CounterMetricFamily(f"mserve_{key}", help_, value=(tele.get("counters") or {}).get(key, 0))
+        hist = tele.get("histograms") or {}
+        stages = HistogramMetricFamily("mserve_request_stage_seconds", "Time a completed request spent per stage",
+                                       labels=["stage"])
+        for stage in ("queue", "encode", "prefill", "transfer", "decode"):
+            if stage in hist:
+                _histogram("", "", hist[stage], {"stage": stage}, stages)
+        yield stages
+        for key, name, help_ in (("ttft", "mserve_time_to_first_token_seconds", "Arrival to first token"),
+                                 ("tpot", "mserve_time_per_output_token_seconds", "Per token after the first"),
+                                 ("e2e", "mserve_e2e_request_latency_seconds", "Arrival to result")):
+            if key in hist:
+                yield _histogram(name, help_, hist[key])
+
+    def _workers(self, workers: dict[str, Any], roles: dict[str, int]) -> Iterator[Metric]:
+        alive = GaugeMetricFamily("mserve_workers_alive", "Live workers per pool", labels=["role"])
+        for role in ("encode", "prefill", "decode", "unified"):
+            alive.add_metric([role], roles.get(role, 0))
+        yield alive
+        labels = ["worker", "role"]
+        up = GaugeMetricFamily("mserve_worker_up", "1 while the coordinator counts the worker alive", labels=labels)
+        gauges = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h, _) in WORKER_GAUGES.items()}
+        counters = {k: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(n, h, labels=labels)
+                    for k, (n, h, kind) in WORKER_COUNTERS.items()}
+        for wid, w in sorted(workers.items()):
+            lv = [wid, str(w.get("role", ""))]
+            up.add_metric(lv, 1 if w.get("alive") else 0)
+            load = w.get("load") or {}
+            for key, (_, _, scale) in WORKER_GAUGES.items():
+                if isinstance(load.get(key), (int, float)):
+                    gauges[key].add_metric(lv, load[key] * scale)
+            for key, value in (w.get("counters") or {}).items():
+                if key in counters and isinstance(value, (int, float)):
+                    counters[key].add_metric(lv, value)
+        yield up
+        yield from gauges.values()
+        yield from counters.values()
+
+
+class GatewayMetrics:
+    """Prometheus registry of one gateway: its own HTTP view plus the cluster's (see ClusterCollector)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(namespace="mserve_gateway", registry=self.registry)
+        self.cluster = ClusterCollector()
+        self.registry.register(self.cluster)
+        self.requests = Counter("mserve_gateway_requests", "HTTP chat completions by outcome (ok or error code)",
+                                ["outcome"], registry=self.registry)
+        self.running = Gauge("mserve_gateway_requests_running", "HTTP chat completions in progress",
+                             registry=self.registry)
+        self.ttft = Histogram("mserve_gateway_time_to_first_token_seconds", "First token as the gateway saw it",
+                              buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.e2e = Histogram("mserve_gateway_e2e_request_latency_seconds", "Whole request as the gateway saw it",
+                             buckets=LATENCY_BUCKETS_S, registry=self.registry)
+
+    def started(self) -> None:
+        self.running.inc()
+
+    def ended(self, gen: Any, error: BaseException | None = None) -> None:
+        """Once per started request (``gen``: the Generation), with the exception that ended it, if any."""
+        self.running.dec()
+        if error is None:
+            outcome = "ok"
+        else:
+            outcome = str(getattr(error, "code", None) or ("disconnected" if error.__class__.__name__ in
+                                                           ("ClientGone", "CancelledError") else "internal"))
+        self.requests.labels(outcome).inc()
+        if gen.t_first is not None:
+            self.ttft.observe(gen.t_first - gen.t_start)
+        if error is None:
+            self.e2e.observe(time.perf_counter() - gen.t_start)
+
+    def render(self, status: dict[str, Any] | None) -> tuple[bytes, str]:
+        self.cluster.status = status
+        try:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        finally:
+            self.cluster.status = None

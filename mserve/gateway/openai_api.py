@@ -1,0 +1,275 @@
+"""OpenAI chat-completions requests in, MServe GENERATE arguments out; responses and errors in OpenAI's shapes.
+
+Pure code (no sockets, no event loop) so every rule here is unit-tested on its own. What the
+engine supports passes through; what it does not is refused with a 400 that names the field,
+unless the client sent that field at its neutral value (``n: 1``, ``presence_penalty: 0``: SDKs
+and frameworks send these by default, and honouring them costs nothing).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mserve.common.protocol import ErrorCode
+
+__all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of",
+           "error_body", "status_for_code"]
+
+LATENCY_CLASSES = ("interactive", "batch")
+MAX_STOP_SEQUENCES = 4  # as OpenAI
+
+# Fields OpenAI defines that this server cannot honour, with the value that means "not used".
+_NEUTRAL: dict[str, Any] = {
+    "n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": None,
+    "logit_bias": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "response_format": None, "parallel_tool_calls": None, "audio": None, "modalities": None,
+    "prediction": None, "reasoning_effort": None, "web_search_options": None, "service_tier": None,
+    "store": None, "metadata": None,
+}
+# Accepted and ignored: they describe the caller, not the generation.
+_IGNORED = {"user", "safety_identifier", "prompt_cache_key"}
+_SUPPORTED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+              "stop", "stream", "stream_options",
+              # extensions (vLLM spells the first four the same way)
+              "top_k", "ignore_eos", "stop_token_ids", "priority", "latency_class", "return_token_ids"}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's JSON shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# MServe error code -> (HTTP status, OpenAI error type)
+_STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.BAD_MESSAGE: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.NO_WORKERS: (503, "service_unavailable_error"),
+    ErrorCode.TIMEOUT: (504, "timeout_error"),
+    ErrorCode.ABORTED: (499, "aborted"),
+    ErrorCode.INTERNAL: (500, "server_error"),
+}
+
+
+def status_for_code(code: str) -> tuple[int, str]:
+    return _STATUS.get(code, (500, "server_error"))
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat completion request, ready for ``AsyncClient.stream(messages, **sampling)``."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    sampling: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    return_token_ids: bool = False
+
+
+def _number(body: dict[str, Any], name: str, kind: type, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise _bad(name, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise _bad(name, f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise _bad(name, f"'{name}' must be <= {hi}, got {value!r}")
+    return kind(value)
+
+
+def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max_tokens: int = 256) -> ChatRequest:
+    """Validate an OpenAI chat completion body; ApiError(400) names the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, value in body.items():
+        if name in _SUPPORTED or name in _IGNORED:
+            continue
+        if name in _NEUTRAL:
+            if value == _NEUTRAL[name] or (value is None):
+                continue
+            raise _bad(name, f"'{name}' is not supported by this server (only {_NEUTRAL[name]!r} or omitted)")
+        raise _bad(name, f"unrecognized request argument '{name}'")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "'model' is required and must be a string")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise _bad("stream", "'stream' must be a boolean")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise _bad("stream_options", "'stream_options' supports only include_usage")
+        if not stream:
+            raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        include_usage = bool(opts.get("include_usage", False))
+    max_new = _number(body, "max_completion_tokens", int, 1)
+    if max_new is None:
+        max_new = _number(body, "max_tokens", int, 1)
+    sampling: dict[str, Any] = {"max_tokens": default_max_tokens if max_new is None else max_new}
+    for name, kind, lo, hi, lo_open in (("temperature", float, 0, 2, False), ("top_p", float, 0, 1, True),
+                                        ("top_k", int, 0, None, False)):
+        value = _number(body, name, kind, lo, hi, lo_open)
+        if value is not None:
+            sampling[name] = value
+    if body.get("seed") is not None:
+        sampling["seed"] = _number(body, "seed", int)
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise _bad("ignore_eos", "'ignore_eos' must be a boolean")
+        sampling["ignore_eos"] = body["ignore_eos"]
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise _bad("stop_token_ids", "'stop_token_ids' must be a list of token ids")
+        sampling["stop_token_ids"] = ids
+    if body.get("priority") is not None:
+        sampling["priority"] = _number(body, "priority", int, -100, 100)
+    if body.get("latency_class") is not None:
+        if body["latency_class"] not in LATENCY_CLASSES:
+            raise _bad("latency_class", f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}")
+        sampling["latency_class"] = body["latency_class"]
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_SEQUENCES:
+        raise _bad("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} of them")
+    return_ids = body.get("return_token_ids") or False
+    if not isinstance(return_ids, bool):
+        raise _bad("return_token_ids", "'return_token_ids' must be a boolean")
+    messages = convert_messages(body.get("messages"), media_root)
+    return ChatRequest(model, messages, sampling, stream, include_usage, list(stops), return_ids)
+
+
+def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, Any]]:
+    """OpenAI messages -> MServe messages (images as bytes); the chat template sees the turns as sent."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "'messages' must be a non-empty list")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _bad(where, f"{where} must be an object with 'role' and 'content'")
+        role = msg.get("role")
+        if role == "developer":  # OpenAI's newer name for the system turn
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise _bad(f"{where}.role", f"{where}.role {role!r} is not supported (system, developer, user, assistant)")
+        if msg.get("tool_calls") or msg.get("function_call"):
+            raise _bad(f"{where}.tool_calls", "tool calls are not supported by this server")
+        content = msg.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list) or not content:
+            raise _bad(f"{where}.content", f"{where}.content must be a string or a non-empty list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            pwhere = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise _bad(f"{pwhere}.text", f"{pwhere}.text must be a string")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise _bad(f"{pwhere}.image_url", f"{pwhere}.image_url.url must be a string")
+                parts.append({"type": "image", "image": load_image_url(url, media_root, f"{pwhere}.image_url")})
+            else:
+                raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url)")
+        out.append({"role": role, "content": parts})
+    return out
+
+
+def load_image_url(url: str, media_root: Path | None, param: str) -> bytes:
+    """A data URL, or a local file (``file://`` or a path) under ``media_root``; remote URLs are refused."""
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        if not head.endswith(";base64") or not data:
+            raise _bad(param, f"{param}: data URLs must be base64 (data:image/png;base64,...)")
+        try:
+            return base64.b64decode(data, validate=True)
+        except ValueError:
+            raise _bad(param, f"{param}: the data URL is not valid base64") from None
+    if url.startswith(("http://", "https://")):
+        raise _bad(param, f"{param}: remote image URLs are not fetched by this server; send the image as a "
+                          "base64 data URL")
+    if media_root is None:
+        raise _bad(param, f"{param}: local image paths are refused (the gateway was started without "
+                          "--allowed-media-path); send the image as a base64 data URL")
+    raw = url[len("file://"):] if url.startswith("file://") else url
+    path = Path(raw)
+    if not path.is_absolute():
+        path = media_root / path
+    path = path.resolve()
+    if not path.is_relative_to(media_root):
+        raise _bad(param, f"{param}: {raw!r} is outside the allowed media path {str(media_root)!r}")
+    if not path.is_file():
+        raise _bad(param, f"{param}: no such file {raw!r} under the allowed media path")
+    return path.read_bytes()
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(cid: str, model: str, text: str, finish_reason: str, usage: dict[str, int],
+                  token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                              "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage, "system_fingerprint": None}
+
+
+def chunk(cid: str, created: int, model: str, delta: dict[str, Any] | None, finish_reason: str | None = None,
+          *, usage: dict[str, int] | None = None, include_usage: bool = False,
+          token_ids: list[int] | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (empty choices)."""
+    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": None, "choices": []}
+    if delta is not None:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        out["choices"].append(choice)
+    if include_usage:
+        out["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
+    return out

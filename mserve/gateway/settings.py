@@ -1,0 +1,26 @@
+"""The gateway's one settings object: flags and MSERVE_* environment variables, printed at start-up."""
+
+from __future__ import annotations
+
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
+
+    coordinator: str = "tcp://127.0.0.1:5555"  # the coordinator's client address
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Bearer key every /v1 request must carry (MSERVE_API_KEY); None = no authentication (local use).
+    api_key: SecretStr | None = None  # printed as ********** in the start-up settings line
+    # Checkpoint folder for the tokenizer (text deltas); default: the path the coordinator serves.
+    model: str | None = None
+    # The name clients put in "model" and /v1/models lists; default: the coordinator's model name.
+    served_model_name: str | None = None
+    # Image paths and file:// URLs are read only under this folder; None refuses them all.
+    allowed_media_path: str | None = None
+    max_request_bytes: int = 64 * 1024 * 1024  # whole HTTP body, images included (base64)
+    default_max_tokens: int = 256  # when a request names neither max_tokens nor max_completion_tokens
+    request_timeout_s: float = 600.0
+    access_log: bool = False
