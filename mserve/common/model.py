@@ -25,6 +25,10 @@ class ImageError(ValueError):
     """An image the user sent cannot be used (corrupt, unsupported, over a limit)."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint folder lacks, or has malformed, settings that serving needs (names the file)."""
+
+
 def image_hash(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -60,13 +64,18 @@ def read_model_config(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 @dataclass
 class ModelFamily:
-    """The per-architecture rules, built from a checkpoint's config files alone (no weights)."""
+    """The per-architecture rules, built from a checkpoint's config files alone (no weights).
+
+    `processor_config` holds the image processor's settings as `load_family` resolved them (LLaVA:
+    `crop_size` as {height, width}; Qwen2-VL: patch_size, merge_size, min_pixels, max_pixels) plus
+    `vision_feature_select_strategy`; `processor_source` says which file they came from."""
 
     model_type: str
     image_token_id: int
     text_config: dict[str, Any]
     processor_config: dict[str, Any]
     vision_config: dict[str, Any]
+    processor_source: str = ""
 
     @property
     def uses_mrope(self) -> bool:
@@ -77,20 +86,15 @@ class ModelFamily:
         width, height = image_size
         if self.uses_mrope:
             grid_h, grid_w = self.qwen_grid(width, height)
-            merge = self.processor_config.get("merge_size", 2)
+            merge = self.processor_config["merge_size"]
             return grid_h * grid_w // (merge * merge)
         return self.llava_tokens_per_image
 
     @property
     def llava_tokens_per_image(self) -> int:
-        crop = self.processor_config.get("crop_size") or self.processor_config.get("size") or {}
-        if isinstance(crop, int):
-            h = w = crop
-        else:
-            h = crop.get("height", crop.get("shortest_edge"))
-            w = crop.get("width", crop.get("shortest_edge"))
+        crop = self.processor_config["crop_size"]
         patch = self.vision_config.get("patch_size", 14)
-        n = (h // patch) * (w // patch)
+        n = (crop["height"] // patch) * (crop["width"] // patch)
         # CLIP adds a CLS token; the "default" strategy drops it again.
         return n + 1 - 1 if self.vision_feature_select_strategy == "default" else n + 1
 
@@ -101,11 +105,8 @@ class ModelFamily:
     def qwen_grid(self, width: int, height: int) -> tuple[int, int]:
         """Patch grid (h, w) after Qwen2-VL's smart_resize."""
         cfg = self.processor_config
-        size = cfg.get("size") or {}
-        min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or 56 * 56
-        max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
-        patch = cfg.get("patch_size", 14)
-        factor = patch * cfg.get("merge_size", 2)
+        min_pixels, max_pixels, patch = cfg["min_pixels"], cfg["max_pixels"], cfg["patch_size"]
+        factor = patch * cfg["merge_size"]
         if max(height, width) / min(height, width) > 200:
             raise ImageError(f"image aspect ratio {width}x{height} is over 200:1")
         # Same arithmetic as transformers' smart_resize (kept here so the coordinator needs no torch).
@@ -119,6 +120,25 @@ class ModelFamily:
             h_bar = math.ceil(height * beta / factor) * factor
             w_bar = math.ceil(width * beta / factor) * factor
         return h_bar // patch, w_bar // patch
+
+    def check_image_processor(self, image_processor: Any) -> None:
+        """Raise if transformers' loaded image processor would size images other than these rules count them."""
+        cfg, get = self.processor_config, getattr
+        if self.uses_mrope:
+            size = get(image_processor, "size", None)
+            ours = (cfg["patch_size"], cfg["merge_size"], cfg["min_pixels"], cfg["max_pixels"])
+            theirs = (get(image_processor, "patch_size", None), get(image_processor, "merge_size", None),
+                      get(size, "shortest_edge", None), get(size, "longest_edge", None))
+            names = "patch_size, merge_size, min_pixels, max_pixels"
+        else:
+            crop = get(image_processor, "do_center_crop", False)
+            out = get(image_processor, "crop_size" if crop else "size", None)
+            ours = (cfg["crop_size"]["height"], cfg["crop_size"]["width"])
+            theirs = (get(out, "height", None), get(out, "width", None))
+            names = "output height, width"
+        if tuple(ours) != tuple(theirs):
+            raise CheckpointError(f"{type(image_processor).__name__} loaded from the checkpoint has ({names}) = "
+                                  f"{theirs}, but the settings read from {self.processor_source} give {ours}")
 
     def expand_placeholders(self, token_ids: Sequence[int], image_sizes: Sequence[tuple[int, int]]) -> list[int]:
         """Replace each image token by as many copies as that image has visual tokens."""
@@ -152,20 +172,100 @@ class ModelFamily:
         return spans
 
 
+# Where transformers finds the image processor's settings. AutoImageProcessor.from_pretrained (and so
+# ProcessorMixin.from_pretrained / AutoProcessor, which load their image processor through it) reads
+# them in ImageProcessingMixin.get_image_processor_dict: the "image_processor" entry of
+# processor_config.json (what ProcessorMixin.save_pretrained writes in transformers 5.x) wins;
+# without that entry, preprocessor_config.json (ImageProcessingMixin.save_pretrained, the hub layout).
+PROCESSOR_FILE = "processor_config.json"
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+# Qwen2VLImageProcessor's class defaults, used by transformers for keys a checkpoint leaves out.
+QWEN_DEFAULTS = {"patch_size": 14, "merge_size": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}}
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds {type(data).__name__}, not a JSON object")
+    return data
+
+
+def read_image_processor_config(model_dir: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    """(image processor settings, where they came from), found the way transformers finds them."""
+    d = Path(model_dir)
+    processor = _read_json(d / PROCESSOR_FILE)
+    if processor is not None and "image_processor" in processor:
+        where = f'{d / PROCESSOR_FILE} ("image_processor" entry)'
+        if not isinstance(processor["image_processor"], dict):
+            raise CheckpointError(f"{where} is {type(processor['image_processor']).__name__}, not an object")
+        return dict(processor["image_processor"]), where
+    legacy = _read_json(d / IMAGE_PROCESSOR_FILE)
+    if legacy is not None:
+        return legacy, str(d / IMAGE_PROCESSOR_FILE)
+    raise CheckpointError(
+        f"{model_dir} has no image processor settings: transformers reads them from the \"image_processor\" "
+        f"entry of {PROCESSOR_FILE}, else from {IMAGE_PROCESSOR_FILE}, and neither is there")
+
+
+def _positive_int(value: Any, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _llava_square(proc: dict[str, Any], where: str) -> dict[str, int]:
+    """The (height, width) CLIPImageProcessor hands the vision tower: crop_size after a center crop (the
+    default), else a fixed size. A missing crop_size would silently be the class default in transformers."""
+    center_crop = proc.get("do_center_crop", True)
+    key = "crop_size" if center_crop else "size"
+    value = proc.get(key)
+    if isinstance(value, int) and key == "crop_size":  # get_size_dict: an int crop is a square
+        value = {"height": value, "width": value}
+    if not isinstance(value, dict) or "height" not in value or "width" not in value:
+        raise CheckpointError(f"{where}: {key} must give height and width (do_center_crop is {center_crop}), "
+                              f"got {value!r}; LLaVA needs the image side the vision tower sees")
+    return {"height": _positive_int(value["height"], f"{key} height", where),
+            "width": _positive_int(value["width"], f"{key} width", where)}
+
+
+def _resolve_image_settings(model_type: str, proc: dict[str, Any], where: str) -> dict[str, Any]:
+    """Check the settings the visual token count needs and resolve them as transformers does."""
+    if model_type == "llava":
+        proc["crop_size"] = _llava_square(proc, where)
+        return proc
+    for key in ("patch_size", "merge_size"):
+        proc[key] = _positive_int(proc.get(key, QWEN_DEFAULTS[key]), key, where)
+    # Qwen2VLImageProcessor.__init__: size (or the class default), then min_pixels / max_pixels override it.
+    size = proc.get("size")
+    size = dict(QWEN_DEFAULTS["size"]) if size is None else size
+    if not isinstance(size, dict):
+        raise CheckpointError(f"{where}: size must be an object with shortest_edge / longest_edge, got {size!r}")
+    size = dict(size)
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if proc.get(key) is not None:
+            size[edge] = proc[key]
+        proc[key] = _positive_int(size.get(edge), f"{key} (size.{edge})", where)
+    if proc["min_pixels"] > proc["max_pixels"]:
+        raise CheckpointError(f"{where}: min_pixels {proc['min_pixels']} is over max_pixels {proc['max_pixels']}")
+    return proc
+
+
 def load_family(model_dir: str | os.PathLike) -> ModelFamily:
     cfg = read_model_config(model_dir)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    proc_path = Path(model_dir) / "preprocessor_config.json"
-    proc = json.loads(proc_path.read_text()) if proc_path.is_file() else {}
+    proc, where = read_image_processor_config(model_dir)
     # llava-hf keeps the select strategy in processor_config.json / config.json, not the image processor.
-    for extra in ("processor_config.json",):
-        p = Path(model_dir) / extra
-        if p.is_file():
-            for k, v in json.loads(p.read_text()).items():
-                proc.setdefault(k, v)
-    proc.setdefault("vision_feature_select_strategy", cfg.get("vision_feature_select_strategy", "default"))
+    processor = _read_json(Path(model_dir) / PROCESSOR_FILE) or {}
+    strategy = proc.get("vision_feature_select_strategy", processor.get("vision_feature_select_strategy"))
+    proc["vision_feature_select_strategy"] = strategy or cfg.get("vision_feature_select_strategy", "default")
+    proc = _resolve_image_settings("llava" if model_type == "llava" else "qwen", proc, where)
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
     if image_token_id is None:
         raise ValueError(f"{model_dir}/config.json has no image_token_id")
@@ -175,4 +275,5 @@ def load_family(model_dir: str | os.PathLike) -> ModelFamily:
         text_config=cfg.get("text_config", {}),
         processor_config=proc,
         vision_config=cfg.get("vision_config", {}),
+        processor_source=where,
     )

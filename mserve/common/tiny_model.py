@@ -49,6 +49,16 @@ DIMS = {
 }
 PATCH_SIZE = 14
 
+# Where the image processor's settings are written; transformers (and mserve.common.model) read
+# processor_config.json's nested "image_processor" first, else preprocessor_config.json.
+LAYOUTS = {
+    "both": "processor_config.json with the image processor nested, plus the legacy preprocessor_config.json "
+            "(and video_preprocessor_config.json for qwen2_vl); the default",
+    "processor": "only what ProcessorMixin.save_pretrained writes today: the nested processor_config.json",
+    "preprocessor": "the older hub layout: preprocessor_config.json; processor_config.json holds the "
+                    "processor's own keys only (llava) or is absent (qwen2_vl)",
+}
+
 # Published llava-hf/llava-1.5-7b-hf chat_template.json, verbatim.  It does not emit <s>:
 # as with the real checkpoint, the tokenizer's post-processor prepends BOS (and
 # ProcessorMixin.apply_chat_template tokenizes with add_special_tokens left on).
@@ -239,7 +249,7 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-def _save_llava_processor(out: Path, dims: dict, tok) -> None:
+def _save_llava_processor(out: Path, dims: dict, tok, layout: str) -> None:
     # The PIL backend: CLIPImageProcessor proper is the torchvision one in transformers 5.
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
@@ -253,17 +263,43 @@ def _save_llava_processor(out: Path, dims: dict, tok) -> None:
         chat_template=LLAVA_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)  # processor_config.json (nested), tokenizer, chat template
-    image_processor.save_pretrained(out)  # legacy preprocessor_config.json, as on the hub
+    if layout != "processor":
+        image_processor.save_pretrained(out)  # legacy preprocessor_config.json, as on the hub
+    if layout == "preprocessor":  # llava-hf's processor_config.json: the processor's own keys only
+        _drop_nested_image_processor(out)
 
 
-def _save_qwen2_vl_processor(out: Path, dims: dict, tok) -> None:
-    """Write the processor files of a published Qwen2-VL folder.
+class _VideoProcessorConfig(dict):
+    """Stands in for Qwen2VLVideoProcessor, which needs torchvision: ProcessorMixin.save_pretrained
+    writes a sub-processor that is a plain dict as it is (and skips custom-code saving: no auto class)."""
 
-    Qwen2VLProcessor cannot even be instantiated without torchvision (its video processor,
-    Qwen2VLVideoProcessor, requires it, and ProcessorMixin type-checks that slot), so the
-    files ``Qwen2VLProcessor.save_pretrained`` would write are assembled here instead: the
-    nested processor_config.json (what transformers 5 reads first), plus the legacy
-    preprocessor_config.json / video_preprocessor_config.json of the hub checkpoints.
+    _auto_class = None
+
+
+def _qwen2_vl_processor(image_processor, tok, video_config: dict):
+    """A real Qwen2VLProcessor whose video processor is the `_VideoProcessorConfig` stand-in.
+
+    ProcessorMixin.__init__ type-checks every sub-processor, and without torchvision the video
+    processor check cannot even run, so that one check is skipped for this one instance."""
+    from transformers import Qwen2VLProcessor
+
+    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+    check = processor.check_argument_for_proper_class
+    processor.check_argument_for_proper_class = (
+        lambda name, arg: dict if name == "video_processor" else check(name, arg))
+    processor.__init__(image_processor=image_processor, tokenizer=tok, chat_template=QWEN2_VL_CHAT_TEMPLATE,
+                       video_processor=_VideoProcessorConfig(video_config))
+    del processor.check_argument_for_proper_class
+    return processor
+
+
+def _save_qwen2_vl_processor(out: Path, dims: dict, tok, layout: str) -> None:
+    """Write the processor files of a Qwen2-VL folder.
+
+    processor_config.json (image and video processors nested), the tokenizer and the chat template
+    come from ``Qwen2VLProcessor.save_pretrained``; the video processor's settings are written by
+    hand (its class needs torchvision). The legacy preprocessor_config.json /
+    video_preprocessor_config.json are those of the hub checkpoints.
     """
     from transformers import Qwen2VLImageProcessorPil
 
@@ -280,13 +316,20 @@ def _save_qwen2_vl_processor(out: Path, dims: dict, tok) -> None:
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
         "resample": 3, "rescale_factor": 1 / 255,
     }
-    processor_config = {"image_processor": image_config, "video_processor": video_config,
-                        "processor_class": "Qwen2VLProcessor"}
-    for name, config in [("processor_config.json", processor_config),
-                         ("preprocessor_config.json", image_config),
-                         ("video_preprocessor_config.json", video_config)]:
-        (out / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tok.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    _qwen2_vl_processor(image_processor, tok, video_config).save_pretrained(out)
+    if layout != "processor":
+        for name, config in [("preprocessor_config.json", image_config),
+                             ("video_preprocessor_config.json", video_config)]:
+            (out / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if layout == "preprocessor":  # Qwen/Qwen2-VL-*-Instruct on the hub have no processor_config.json
+        (out / "processor_config.json").unlink()
+
+
+def _drop_nested_image_processor(out: Path) -> None:
+    path = out / "processor_config.json"
+    config = json.loads(path.read_text())
+    del config["image_processor"]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _generation_config(tok, arch: str):
@@ -301,23 +344,29 @@ def _generation_config(tok, arch: str):
                             pad_token_id=endoftext)
 
 
-def make_tiny_model(out_dir: str | Path, arch: str, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-weight ``arch`` VLM checkpoint of ``size`` into ``out_dir``; return it."""
+def make_tiny_model(out_dir: str | Path, arch: str, size: str = "tiny", seed: int = 0, layout: str = "both") -> Path:
+    """Write a random-weight ``arch`` VLM checkpoint of ``size`` into ``out_dir``; return it.
+
+    ``layout`` picks where the image processor's settings go (see ``LAYOUTS``)."""
     from transformers import AutoModelForImageTextToText
 
     _check_choice(arch, size)
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {tuple(LAYOUTS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
+        (out / name).unlink(missing_ok=True)  # a rebuilt folder holds exactly the layout's files
     dims, std = DIMS[arch, size], INIT_STD[arch, size]
 
     if arch == "llava":
         tok = _llava_tokenizer(VOCAB_SIZES[size])
         config = _llava_config(dims, tok, std)
-        _save_llava_processor(out, dims, tok)
+        _save_llava_processor(out, dims, tok, layout)
     else:
         tok = _qwen2_vl_tokenizer(VOCAB_SIZES[size])
         config = _qwen2_vl_config(dims, tok, std)
-        _save_qwen2_vl_processor(out, dims, tok)
+        _save_qwen2_vl_processor(out, dims, tok, layout)
 
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     _randomize(model, std, seed)

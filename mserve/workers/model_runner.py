@@ -97,8 +97,12 @@ class ModelRunner:
         if self._image_processor is None:
             from transformers import AutoImageProcessor
 
-            # PIL backend: torchvision is not installed on CPU hosts.
-            self._image_processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
+            # PIL backend: torchvision is not installed on CPU hosts. AutoImageProcessor is what
+            # AutoProcessor loads its image processor with, so every layout transformers reads works here
+            # (processor_config.json's nested "image_processor" first, else preprocessor_config.json).
+            processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
+            self.family.check_image_processor(processor)  # admission counted placeholders with these settings
+            self._image_processor = processor
         return self._image_processor
 
     @torch.inference_mode()
