@@ -26,8 +26,9 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from mserve.common.tiny_model import make_tiny_model
 
     t0 = time.perf_counter()
-    out = make_tiny_model(args.out_dir, args.arch, args.size, seed=args.seed)
-    print(f"wrote {args.arch} ({args.size}, seed {args.seed}) checkpoint to {out} in {time.perf_counter() - t0:.1f}s")
+    out = make_tiny_model(args.out_dir, args.arch, args.size, seed=args.seed, layout=args.layout)
+    print(f"wrote {args.arch} ({args.size}, seed {args.seed}, {args.layout} layout) checkpoint to {out} "
+          f"in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
@@ -111,10 +112,47 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True) -> None:
+    if standalone:
+        p.add_argument("--coordinator", help="the coordinator's client address (default tcp://127.0.0.1:5555)")
+        p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+        p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+        p.add_argument("--model", help="checkpoint folder for the tokenizer (default: the coordinator's model path)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests (default: none; "
+                                     "better set MSERVE_API_KEY than put a key on a command line)")
+    p.add_argument("--served-model-name", help="the name clients send as 'model' (default: the coordinator's)")
+    p.add_argument("--allowed-media-path", help="folder image paths / file:// URLs may be read from (default: "
+                                                "none; data URLs always work, remote URLs are refused)")
+    p.add_argument("--max-request-bytes", type=int, help="largest HTTP body, images included (default 64 MiB)")
+    p.add_argument("--default-max-tokens", type=int,
+                   help="max_tokens when a request names neither max_tokens nor max_completion_tokens (default 256)")
+    p.add_argument("--request-timeout-s", type=float, help="a request not done by then ends with 504 (default 600)")
+    p.add_argument("--access-log", action="store_true", default=None, help="log one line per HTTP request")
+
+
+GATEWAY_FIELDS = ["coordinator", "host", "port", "model", "api_key", "served_model_name", "allowed_media_path",
+                  "max_request_bytes", "default_max_tokens", "request_timeout_s", "access_log"]
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from mserve.gateway.app import serve
+    from mserve.gateway.settings import GatewaySettings
+
+    settings = _settings_from_args(GatewaySettings, args, GATEWAY_FIELDS)
+    serve(settings)
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from mserve.coordinator.launcher import run_up
 
     return run_up(args)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from mserve.status import main as status_main
+
+    return status_main(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -146,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
                    help="tiny (~1M params, tests) or small (~31M params, benchmarks); default tiny")
     p.add_argument("--seed", type=int, default=0, help="weight and tokenizer seed (default 0)")
+    p.add_argument("--layout", choices=["both", "processor", "preprocessor"], default="both",
+                   help="where the image processor settings go: both (nested processor_config.json plus "
+                        "preprocessor_config.json, default), processor (what transformers' save_pretrained "
+                        "writes now: nested processor_config.json only), preprocessor (older hub layout)")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("generate", help="run encode -> prefill -> decode in one process and print the answer",
@@ -225,6 +267,24 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # launcher not installed in this build
         pass
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("status", help="show the cluster: pools, workers, load, cache sizes, in-flight requests",
+                       description="Ask the coordinator for STATUS and read the cluster's Redis (read only), and "
+                                   "print pools, workers, cache sizes and the coordinator's counters as tables, or "
+                                   "as one JSON object with --json. Either source may be down: what the other "
+                                   "has is still shown. Exit code 1 when the coordinator does not answer, else 0.")
+    from mserve.status import add_arguments as add_status_arguments
+
+    add_status_arguments(p)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("gateway", help="serve the OpenAI API (/v1/chat/completions, /v1/models) over HTTP",
+                       description="An OpenAI-compatible HTTP server in front of a coordinator: streaming (SSE) and "
+                                   "non-streaming chat completions with images, /v1/models, /health and /metrics "
+                                   "(Prometheus, the whole cluster's). Every flag can also be set as MSERVE_<NAME> "
+                                   "in the environment (MSERVE_API_KEY for --api-key).")
+    add_gateway_arguments(p)
+    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("bench", help="benchmarks (see mserve/bench/README.md)")
     bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")

@@ -330,3 +330,29 @@ class RedisStore:
     def get_counters(self, worker_id: str) -> dict[str, int]:
         key = self._k("counter", worker_id)
         return self._call(lambda: {k: int(v) for k, v in self._r.hgetall(key).items()}, dict)
+
+    # ---- census (read-only, for `mserve status`) ------------------------
+
+    def census(self) -> dict[str, dict[str, Any]] | None:
+        """Index entries per model name ("emb": images, "prefix": blocks) and every worker's counters
+        ("counters"), from one SCAN over this store's keys (never KEYS). None while Redis is down."""
+
+        def op() -> dict[str, dict[str, Any]]:
+            out: dict[str, dict[str, Any]] = {"emb": {}, "prefix": {}, "counters": {}}
+            counter_keys = []
+            for key in self._r.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000):
+                kind, _, rest = key[len(self.prefix):].partition(":")
+                if kind in ("emb", "prefix") and ":" in rest:
+                    model = rest.rsplit(":", 1)[0]  # the block / image hash is hex, the model may hold ':'
+                    out[kind][model] = out[kind].get(model, 0) + 1
+                elif kind == "counter":
+                    counter_keys.append(key)
+            pipe = self._r.pipeline(transaction=False)
+            for key in counter_keys:
+                pipe.hgetall(key)
+            for key, raw in zip(counter_keys, pipe.execute()):
+                if raw:
+                    out["counters"][key[len(self._k("counter", "")):]] = {k: _number(v) for k, v in raw.items()}
+            return out
+
+        return self._call(op, lambda: None)
