@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 
@@ -39,3 +40,11 @@ def resident_mib() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def freeze_startup_heap() -> None:
+    """Move everything allocated at start-up (torch, transformers, the tokenizer: ~300k objects) out of
+    the garbage collector's reach. A full collection over that heap takes ~170 ms on this machine, a
+    stall in the middle of serving; what serving allocates afterwards is still collected as usual."""
+    gc.collect()
+    gc.freeze()

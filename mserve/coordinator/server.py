@@ -15,8 +15,8 @@ from typing import Any
 
 import zmq
 
-from mserve.common.hashing import ImageSpan, prompt_block_hashes
-from mserve.common.perf import resident_mib
+from mserve.common.hashing import item_spans, prompt_block_hashes
+from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import (CLIENT_TO_COORDINATOR, WORKER_TO_COORDINATOR, ErrorCode, MsgType, ProtocolError,
                                     body, validate)
 from mserve.common.redis_store import RedisStore
@@ -43,8 +43,7 @@ class RedisLookups:
         if not self.store.healthy or len(ids) < 2 * block_size:
             return {}
         # Same keys as the workers' block hashes: each image's hash and offset, not just its placeholder ids.
-        spans = [ImageSpan(start, n, im.hash)
-                 for (start, n), im in zip(self.builder.family.image_spans(ids), admitted.images)]
+        spans = item_spans(self.builder.family.image_spans(ids), [(im.hash, im.num_tokens) for im in admitted.images])
         return self.store.match_prefix(self.model_name, prompt_block_hashes(ids, block_size, spans)[:64])
 
 
@@ -70,6 +69,7 @@ class Coordinator:
 
     # -- loop --------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
+        freeze_startup_heap()
         poller = zmq.Poller()
         poller.register(self.client_sock, zmq.POLLIN)
         poller.register(self.worker_sock, zmq.POLLIN)

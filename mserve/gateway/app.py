@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
 from mserve.gateway.metrics import GatewayMetrics
@@ -142,6 +143,7 @@ class Gateway:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        freeze_startup_heap()
         log.info("gateway for %s (model %r) ready", self.settings.coordinator, self.model_name)
 
     async def close(self) -> None:

@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from mserve.common.model import ImageError
-from mserve.common.perf import resident_mib
+from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, validate
 from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
 from mserve.common.protocol.to_worker import TO_WORKER, Cancel
@@ -118,6 +118,7 @@ class Worker:
             self.store.register_worker(self.worker_id, {k: v for k, v in info.fields().items() if k != "load"},
                                        ttl_s=ttl)
             self.store.publish_load(self.worker_id, redis_load(info.load), ttl_s=ttl)
+        freeze_startup_heap()
         self.send(info)
         self.pulse.start()
         log.info("worker %s ready: role %s, %s weights, %.0f MiB resident, data plane %s (%s)", self.worker_id,
