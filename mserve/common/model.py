@@ -42,9 +42,20 @@ def image_size_from_header(data: bytes) -> tuple[int, int]:
         raise ImageError(f"cannot read image header: {exc.__class__.__name__}: {exc}") from exc
 
 
+# PIL's own decompression-bomb guard would refuse a huge header before our limits could name
+# themselves; every decode below checks a pixel limit (at most PIL's) before decoding, so the
+# guard is moved here: reading a header decodes nothing.
+PIL_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 178956970
+Image.MAX_IMAGE_PIXELS = None
+
+
 def decode_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
-    """Decode image bytes to RGB, checking the pixel limit before any pixel is decoded."""
+    """Decode image bytes to RGB, checking the pixel limit (default: PIL's bomb guard) before any pixel
+    is decoded."""
     width, height = image_size_from_header(data)
+    if max_pixels is None and width * height > PIL_MAX_PIXELS:
+        raise ImageError(f"image is {width}x{height} = {width * height} pixels, over the decompression-bomb "
+                         f"guard of {PIL_MAX_PIXELS} pixels")
     if max_pixels is not None and width * height > max_pixels:
         raise ImageError(f"image is {width}x{height} = {width * height} pixels, over the limit max_image_pixels={max_pixels}")
     try:
