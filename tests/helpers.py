@@ -81,6 +81,84 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     return tuple(out[0, ids.shape[1]:].tolist())
 
 
+def hf_generate_visual(model_dir: str, prompt_ids: Sequence[int], items: Sequence, max_new_tokens: int) -> list[int]:
+    """hf_generate for prompts with videos. `items`: image bytes, or a video as a list of frame bytes, in
+    prompt order. Qwen2-VL gets each video as pixel_values_videos / video_grid_thw
+    (built by mserve's own video preprocessing: transformers' video processor needs torchvision) and
+    mm_token_type_ids 2 on video tokens; LLaVA gets every frame as an image, in order."""
+    key = tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in items)
+    return list(_hf_generate_visual(str(model_dir), tuple(prompt_ids), key, max_new_tokens))
+
+
+def _pil(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+@lru_cache(maxsize=256)
+def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tuple, max_new_tokens: int):
+    import copy
+
+    from mserve.common.model import load_family
+    from mserve.workers.video_processing import qwen_video_inputs
+
+    model, processor = reference_model(model_dir)
+    family = load_family(model_dir)
+    ids = torch.tensor([list(prompt_ids)])
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    videos = [[_pil(f) for f in x] for x in items if isinstance(x, tuple)]
+    if family.video_as_frames:
+        images = [_pil(f) for x in items for f in (x if isinstance(x, tuple) else (x,))]
+        videos = []
+    else:
+        images = [_pil(x) for x in items if not isinstance(x, tuple)]
+    if images:
+        inputs = processor(images=images, return_tensors="pt")
+        kwargs["pixel_values"] = inputs["pixel_values"]
+        if "image_grid_thw" in inputs:
+            kwargs["image_grid_thw"] = inputs["image_grid_thw"]
+    if videos:
+        kwargs.update(qwen_video_inputs(processor, family, videos))
+    if family.uses_mrope:
+        kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.do_sample = max_new_tokens, False
+    with torch.inference_mode():
+        out = model.generate(**kwargs, generation_config=config)
+    return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def make_frames(width: int, height: int, count: int, seed: int = 0, fmt: str = "PNG") -> list[bytes]:
+    """A deterministic clip: `count` frames of one size, a gradient drifting a few pixels per frame plus noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    frames = []
+    for k in range(count):
+        base = np.stack([(x + 5 * k) * 255 / max(width - 1, 1), y * 255 / max(height - 1, 1), (x + y + 9 * k) % 256], -1)
+        arr = np.clip(base * 0.75 + rng.integers(0, 64, size=(height, width, 3)), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format=fmt)
+        frames.append(buf.getvalue())
+    return frames
+
+
+def make_video_file(frames: list[bytes], fps: int = 2) -> bytes:
+    """An mp4 (MPEG-4 part 2, FFmpeg's built-in encoder) of these frames at `fps` (needs PyAV)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        first = Image.open(io.BytesIO(frames[0]))
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = first.width, first.height, "yuv420p"
+        for f in frames:
+            frame = av.VideoFrame.from_image(Image.open(io.BytesIO(f)).convert("RGB"))
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
 def chat(text: str, images: Sequence[bytes] = ()) -> list[dict]:
     """One user turn in the OpenAI shape: images first, then the text."""
     return [{"role": "user", "content": [{"type": "image", "image": b} for b in images] + [{"type": "text", "text": text}]}]

@@ -91,6 +91,8 @@ class HFGenerator:
             raise RequestError("max_tokens must be >= 1")
         try:
             norm, images = normalize_messages(body.get("messages") or [], allow_paths=False)
+            if not all(isinstance(b, bytes) for b in images):
+                raise ValueError("video parts are not supported by this baseline server (images and text only)")
             sizes = [image_size_from_header(b) for b in images]
             prompt = self.builder.prepare_normalized(norm, sizes, images)
             pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]

@@ -60,7 +60,8 @@ def image_data_url(data: bytes) -> str:
 
 
 def to_openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Trace messages -> OpenAI chat messages (images become image_url data URLs)."""
+    """Trace messages -> OpenAI chat messages (images become image_url data URLs; a video's frames a
+    ``{"type": "video", "video": [data URLs]}`` part, as MServe's gateway takes it; a video file a video_url)."""
     out: list[dict[str, Any]] = []
     for msg in messages:
         content = msg.get("content")
@@ -75,6 +76,11 @@ def to_openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for part in content:
             if part.get("type") == "image":
                 parts.append({"type": "image_url", "image_url": {"url": image_data_url(part["image"])}})
+            elif part.get("type") == "video" and isinstance(part.get("video"), list):  # frames, as MServe's gateway takes them
+                parts.append({"type": "video", "video": [image_data_url(f) for f in part["video"]]})
+            elif part.get("type") == "video":  # a video file
+                url = f"data:video/mp4;base64,{base64.b64encode(part['video']).decode('ascii')}"
+                parts.append({"type": "video_url", "video_url": {"url": url}})
             else:
                 parts.append(part)
         out.append({"role": msg["role"], "content": parts})

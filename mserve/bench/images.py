@@ -27,6 +27,14 @@ IMAGE_RESOLUTIONS: tuple[tuple[tuple[int, int], float], ...] = (
     ((3840, 2160), 0.03),
 )
 
+# Frame sizes of the `video` trace: what phone clips and web video look like once downscaled for upload.
+VIDEO_RESOLUTIONS: tuple[tuple[tuple[int, int], float], ...] = (
+    ((640, 360), 0.3),
+    ((854, 480), 0.4),
+    ((1280, 720), 0.3),
+)
+PAN_PX_PER_FRAME = 8  # a clip's frames are a window panning across one source image
+
 # Photographs bundled inside the scikit-image wheel (no network needed).
 PHOTO_NAMES = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field")
 NUM_SYNTHETIC_PATTERNS = 5
@@ -68,6 +76,23 @@ class ImageFactory:
         if not self.distinct:
             self._encoded[key] = data
         return data
+
+    def make_frames(self, size: tuple[int, int], count: int) -> list[bytes]:
+        """The frames of one clip of `count` frames of `size`: a window panning PAN_PX_PER_FRAME pixels per
+        frame across one source, so consecutive frames are alike as in real video (each stamped when distinct)."""
+        w, h = size
+        source = int(self.rng.integers(0, self.num_sources))
+        key = (source, w + PAN_PX_PER_FRAME * (count - 1), h)
+        if key not in self._base:
+            self._base[key] = self._render(source, key[1:])
+        wide, frames = self._base[key], []
+        for k in range(count):
+            pixels = np.ascontiguousarray(wide[:, PAN_PX_PER_FRAME * k : PAN_PX_PER_FRAME * k + w])
+            if self.distinct:
+                pixels = _stamp(pixels, (self.salt << 32) | self._slot)
+                self._slot += 1
+            frames.append(_encode(pixels, jpeg=bool(self.photos)))
+        return frames
 
     def _render(self, source: int, size: tuple[int, int]) -> np.ndarray:
         if self.photos:

@@ -1,4 +1,4 @@
-"""Seeded, reproducible request traces (text, image, mixed, multi-image, multiturn) for `mserve bench serve`."""
+"""Seeded, reproducible request traces (text, image, mixed, multi-image, multiturn, video) for `mserve bench serve`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from mserve.bench.images import IMAGE_RESOLUTIONS, ImageFactory
+from mserve.bench.images import IMAGE_RESOLUTIONS, VIDEO_RESOLUTIONS, ImageFactory
 
 log = logging.getLogger(__name__)
 
-TRACE_NAMES = ("text", "image", "mixed", "multi-image", "multiturn")
+TRACE_NAMES = ("text", "image", "mixed", "multi-image", "multiturn", "video")
+VIDEO_FRAMES = (4, 8)  # frames per clip of the video trace, drawn uniformly (both ends included)
 PRIORITY_LEVELS = ((0, 0.7), (1, 0.2), (2, 0.1))
 
 _VOCAB = (
@@ -41,13 +42,14 @@ _VOCAB_P /= _VOCAB_P.sum()
 
 @dataclass
 class TraceRequest:
-    """One request of a trace. `messages` use the OpenAI chat shape with raw image bytes."""
+    """One request of a trace. `messages` use the OpenAI chat shape with raw image bytes; a video is a
+    ``{"type": "video", "video": [frame bytes, ...]}`` part (its frame size in `image_sizes`)."""
 
     request_id: str
     arrival_s: float  # offset from trace start; for multiturn a lower bound (see make_trace)
     messages: list[dict[str, Any]]
     max_tokens: int
-    modality: str  # "text" | "image" | "multi-image"
+    modality: str  # "text" | "image" | "multi-image" | "video"
     priority: int = 0  # 0 = normal, higher = more urgent
     latency_class: str = "interactive"  # "interactive" | "batch"
     conversation_id: str | None = None
@@ -57,6 +59,10 @@ class TraceRequest:
     def images(self) -> list[bytes]:
         """All image payloads in message order (history included)."""
         return [part["image"] for m in self.messages for part in _parts(m) if part.get("type") == "image"]
+
+    def videos(self) -> list[list[bytes]]:
+        """Every video's frames, in message order (history included)."""
+        return [part["video"] for m in self.messages for part in _parts(m) if part.get("type") == "video"]
 
 
 def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -155,7 +161,8 @@ def make_trace(
     Independent random streams drive arrivals, classes, text and images, so
     e.g. a rate sweep with one seed sends identical content at every rate.
     `photos=None` uses scikit-image photographs (JPEG) when installed, else
-    synthetic PNGs; `resolutions` overrides IMAGE_RESOLUTIONS.
+    synthetic PNGs; `resolutions` overrides IMAGE_RESOLUTIONS (VIDEO_RESOLUTIONS
+    for the frames of `video`, one clip of 4-8 frames per request).
     Multiturn: every turn resends the conversation's image(s) and the whole
     history (with placeholder assistant replies of ~max_tokens words); a runner
     must not send turn k+1 before turn k has finished, so arrival_s is a lower bound.
@@ -166,7 +173,7 @@ def make_trace(
         raise ValueError("num_requests must be >= 0")
     ss = np.random.SeedSequence([seed, *name.encode()])
     r_arrival, r_class, r_text, r_img, r_shape = (np.random.default_rng(s) for s in ss.spawn(5))
-    sizes, weights = zip(*(resolutions or IMAGE_RESOLUTIONS))
+    sizes, weights = zip(*(resolutions or (VIDEO_RESOLUTIONS if name == "video" else IMAGE_RESOLUTIONS)))
     probs = np.asarray(weights, dtype=float) / float(np.sum(weights))
     factory = ImageFactory(r_img, use_photos=photos if photos is not None else True, distinct=distinct_images)
     if photos and not factory.photos:
@@ -190,8 +197,14 @@ def make_trace(
         prio = int(r_class.choice(levels, p=np.asarray(pw) / sum(pw)))
         return prio, "interactive" if r_class.random() < interactive_share else "batch"
 
-    def user_message(images: list[bytes]) -> dict[str, Any]:
+    def draw_video() -> tuple[list[bytes], tuple[int, int]]:
+        size = tuple(sizes[int(r_shape.choice(len(sizes), p=probs))])
+        return factory.make_frames(size, int(r_shape.integers(VIDEO_FRAMES[0], VIDEO_FRAMES[1] + 1))), size  # type: ignore
+
+    def user_message(images: list[bytes], video: list[bytes] | None = None) -> dict[str, Any]:
         parts: list[dict[str, Any]] = [{"type": "image", "image": b} for b in images]
+        if video is not None:
+            parts.append({"type": "video", "video": video})
         parts.append({"type": "text", "text": pseudo_english(r_text, prompt_tokens)})
         return {"role": "user", "content": parts}
 
@@ -202,6 +215,13 @@ def make_trace(
     trace: list[TraceRequest] = []
     if name != "multiturn":
         for i in range(num_requests):
+            if name == "video":
+                frames, size = draw_video()
+                prio, lat = classes()
+                trace.append(TraceRequest(request_id=f"r{i:06d}", arrival_s=arrivals[i], messages=[user_message([], frames)],
+                                          max_tokens=max_tokens, modality="video", priority=prio, latency_class=lat,
+                                          image_sizes=[size]))
+                continue
             images, img_sizes = draw_images(image_count())
             prio, lat = classes()
             trace.append(

@@ -58,7 +58,7 @@ class ZmqTarget(Target):
             rec.output_tokens = len(res.token_ids)
             rec.prompt_tokens, rec.visual_tokens = res.prompt_tokens, res.visual_tokens
             rec.finish_reason, rec.timings = res.finish_reason, dict(res.timings)
-            n_images = len(req.images())
+            n_images = len(req.images()) + len(req.videos() if hasattr(req, "videos") else [])
             rec.cache_hits = {"prefix": (int(res.cache_hits.get("prefix_tokens", 0)), res.prompt_tokens)}
             if n_images:
                 rec.cache_hits["encoder"] = (int(res.cache_hits.get("embedding", 0)), n_images)

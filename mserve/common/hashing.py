@@ -27,6 +27,30 @@ class ImageSpan:
         return self.start + self.length
 
 
+def item_spans(runs: Sequence[tuple[int, int]], items: Sequence[tuple[str, int]]) -> list[ImageSpan]:
+    """One ImageSpan per placeholder run (start, length), given the request's images and videos as (hash,
+    visual tokens) in prompt order. An item covers one run, or consecutive runs whose lengths add up to its
+    tokens (a video given to LLaVA as frames: one run per frame), each keyed "{hash}/{frame}". ValueError
+    when they do not line up."""
+    spans: list[ImageSpan] = []
+    r = 0
+    for i, (key, tokens) in enumerate(items):
+        group, covered = [], 0
+        while covered < tokens and r < len(runs):
+            group.append(runs[r])
+            covered += runs[r][1]
+            r += 1
+        if covered != tokens:
+            raise ValueError(f"item {i} has {tokens} visual tokens but its placeholder runs hold {covered}")
+        if len(group) == 1:
+            spans.append(ImageSpan(group[0][0], group[0][1], key))
+        else:
+            spans.extend(ImageSpan(start, n, f"{key}/{k}") for k, (start, n) in enumerate(group))
+    if r != len(runs):
+        raise ValueError(f"{len(runs) - r} placeholder runs are left without an image")
+    return spans
+
+
 def block_hash(parent: str | None, token_ids: Sequence[int], extra: Sequence[tuple[str, int]] = ()) -> str:
     """Chained hash of one full block, stable across processes (it is shared through Redis).
 

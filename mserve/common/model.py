@@ -29,6 +29,32 @@ class CheckpointError(ValueError):
     """A checkpoint folder lacks, or has malformed, settings that serving needs (names the file)."""
 
 
+@dataclass(frozen=True)
+class VideoInfo:
+    """What the token count of one video depends on: the frames the model sees (after sampling, before
+    any temporal padding) and their common size."""
+
+    num_frames: int
+    width: int
+    height: int
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) after Qwen2-VL's smart_resize: transformers' arithmetic, kept here so the coordinator needs no torch."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"image aspect ratio {width}x{height} is over 200:1")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def image_hash(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -79,7 +105,9 @@ class ModelFamily:
 
     `processor_config` holds the image processor's settings as `load_family` resolved them (LLaVA:
     `crop_size` as {height, width}; Qwen2-VL: patch_size, merge_size, min_pixels, max_pixels) plus
-    `vision_feature_select_strategy`; `processor_source` says which file they came from."""
+    `vision_feature_select_strategy`; `processor_source` says which file they came from. `video_config`
+    holds Qwen2-VL's video processor settings (resolved as transformers' Qwen2VLVideoProcessor resolves
+    them; None when the checkpoint has none); LLaVA takes a video as its frames, each one an image."""
 
     model_type: str
     image_token_id: int
@@ -87,13 +115,65 @@ class ModelFamily:
     processor_config: dict[str, Any]
     vision_config: dict[str, Any]
     processor_source: str = ""
+    video_token_id: int | None = None
+    video_config: dict[str, Any] | None = None
 
     @property
     def uses_mrope(self) -> bool:
         return self.model_type in ("qwen2_vl", "qwen2_5_vl")
 
-    def visual_token_count(self, image_size: tuple[int, int]) -> int:
-        """Exact number of placeholder tokens one image of (width, height) becomes."""
+    @property
+    def video_as_frames(self) -> bool:
+        """A video becomes one image per frame (LLaVA); otherwise it has its own placeholder and tower path."""
+        return not self.uses_mrope
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        return (self.image_token_id,) if self.video_token_id is None else (self.image_token_id, self.video_token_id)
+
+    def video_unsupported(self) -> str | None:
+        """Why this checkpoint cannot take a video, or None."""
+        if self.video_as_frames:
+            return None
+        if self.model_type != "qwen2_vl":  # Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts)
+            return f"video input is not supported for model_type {self.model_type} (only qwen2_vl and llava)"
+        if self.video_token_id is None or self.video_config is None:
+            return "this checkpoint has no video_token_id or no video processor settings"
+        return None
+
+    def video_grid(self, video: VideoInfo) -> tuple[int, int, int]:
+        """Qwen2-VL (t, h, w) patch grid of a video: frames resized with the video processor's pixel bounds
+        (and its optional per-frame cap), padded to a multiple of temporal_patch_size by repeating the last."""
+        cfg = self.video_config
+        if cfg is None:
+            raise ImageError(self.video_unsupported() or "no video settings")
+        patch, merge, tps = cfg["patch_size"], cfg["merge_size"], cfg["temporal_patch_size"]
+        factor = patch * merge
+        h, w = smart_resize(video.height, video.width, factor, cfg["min_pixels"], self.video_max_pixels(video.num_frames))
+        return -(-video.num_frames // tps), h // patch, w // patch
+
+    def video_max_pixels(self, num_frames: int) -> int:
+        """Qwen2VLVideoProcessor.resize's pixel bound for one frame of a video of `num_frames` frames."""
+        cfg = self.video_config or {}
+        max_pixels = cfg["max_pixels"]
+        if cfg.get("cap_pixels_per_frame"):
+            factor = cfg["patch_size"] * cfg["merge_size"]
+            total = int(cfg["max_video_tokens"] * factor * factor * 0.9)
+            max_pixels = max(min(max_pixels, total * cfg["temporal_patch_size"] // num_frames),
+                             int(cfg["min_pixels"] * 1.05))
+        return max_pixels
+
+    def video_token_count(self, video: VideoInfo) -> int:
+        """Exact number of placeholder tokens one video becomes (LLaVA: one image's count per frame)."""
+        if self.video_as_frames:
+            return video.num_frames * self.visual_token_count((video.width, video.height))
+        t, h, w = self.video_grid(video)
+        return t * h * w // (self.video_config["merge_size"] ** 2)
+
+    def visual_token_count(self, image_size: tuple[int, int] | VideoInfo) -> int:
+        """Exact number of placeholder tokens one image of (width, height), or one video, becomes."""
+        if isinstance(image_size, VideoInfo):
+            return self.video_token_count(image_size)
         width, height = image_size
         if self.uses_mrope:
             grid_h, grid_w = self.qwen_grid(width, height)
@@ -116,20 +196,8 @@ class ModelFamily:
     def qwen_grid(self, width: int, height: int) -> tuple[int, int]:
         """Patch grid (h, w) after Qwen2-VL's smart_resize."""
         cfg = self.processor_config
-        min_pixels, max_pixels, patch = cfg["min_pixels"], cfg["max_pixels"], cfg["patch_size"]
-        factor = patch * cfg["merge_size"]
-        if max(height, width) / min(height, width) > 200:
-            raise ImageError(f"image aspect ratio {width}x{height} is over 200:1")
-        # Same arithmetic as transformers' smart_resize (kept here so the coordinator needs no torch).
-        h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-        if h_bar * w_bar > max_pixels:
-            beta = math.sqrt((height * width) / max_pixels)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif h_bar * w_bar < min_pixels:
-            beta = math.sqrt(min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
+        patch = cfg["patch_size"]
+        h_bar, w_bar = smart_resize(height, width, patch * cfg["merge_size"], cfg["min_pixels"], cfg["max_pixels"])
         return h_bar // patch, w_bar // patch
 
     def check_image_processor(self, image_processor: Any) -> None:
@@ -151,15 +219,34 @@ class ModelFamily:
             raise CheckpointError(f"{type(image_processor).__name__} loaded from the checkpoint has ({names}) = "
                                   f"{theirs}, but the settings read from {self.processor_source} give {ours}")
 
-    def expand_placeholders(self, token_ids: Sequence[int], image_sizes: Sequence[tuple[int, int]]) -> list[int]:
-        """Replace each image token by as many copies as that image has visual tokens."""
+    def placeholder_sizes(self, items: Sequence[tuple[int, int] | VideoInfo]) -> list[tuple[int, int] | VideoInfo]:
+        """One entry per placeholder the chat template renders: a video stays one (Qwen2-VL) or becomes
+        one image size per frame (LLaVA, see `PromptBuilder`)."""
+        out: list[tuple[int, int] | VideoInfo] = []
+        for item in items:
+            if isinstance(item, VideoInfo) and self.video_as_frames:
+                out.extend([(item.width, item.height)] * item.num_frames)
+            else:
+                out.append(item)
+        return out
+
+    def expand_placeholders(self, token_ids: Sequence[int],
+                            image_sizes: Sequence[tuple[int, int] | VideoInfo]) -> list[int]:
+        """Replace each image (video) token by as many copies as that image (video) has visual tokens.
+
+        `image_sizes` has one entry per placeholder, in prompt order: (width, height) for an image
+        token, a VideoInfo for a video token."""
         out: list[int] = []
         images = iter(image_sizes)
         for tok in token_ids:
-            if tok == self.image_token_id:
+            if tok in self.placeholder_ids:
                 size = next(images, None)
+                kind = "video" if tok == self.video_token_id else "image"
                 if size is None:
-                    raise ValueError("prompt has more image placeholders than images")
+                    raise ValueError(f"prompt has more {kind} placeholders than {kind}s")
+                if isinstance(size, VideoInfo) != (kind == "video"):
+                    raise ValueError(f"the chat template placed the images and videos in another order than "
+                                     f"the request (a {kind} placeholder where the request has another kind)")
                 out.extend([tok] * self.visual_token_count(size))
             else:
                 out.append(tok)
@@ -168,13 +255,14 @@ class ModelFamily:
         return out
 
     def image_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(start, length) of each run of image placeholder tokens, in order."""
+        """(start, length) of each run of one placeholder token (image or video), in order."""
         spans: list[tuple[int, int]] = []
+        ids = self.placeholder_ids
         i, n = 0, len(token_ids)
         while i < n:
-            if token_ids[i] == self.image_token_id:
-                j = i
-                while j < n and token_ids[j] == self.image_token_id:
+            if token_ids[i] in ids:
+                j, tok = i, token_ids[i]
+                while j < n and token_ids[j] == tok:
                     j += 1
                 spans.append((i, j - i))
                 i = j
@@ -223,6 +311,21 @@ def read_image_processor_config(model_dir: str | os.PathLike) -> tuple[dict[str,
         f"entry of {PROCESSOR_FILE}, else from {IMAGE_PROCESSOR_FILE}, and neither is there")
 
 
+def _pixel_bounds(proc: dict[str, Any], default_size: dict[str, int], where: str) -> None:
+    """min_pixels / max_pixels from size (or the class default), overridden by explicit min_pixels / max_pixels."""
+    size = proc.get("size")
+    size = dict(default_size) if size is None else size
+    if not isinstance(size, dict):
+        raise CheckpointError(f"{where}: size must be an object with shortest_edge / longest_edge, got {size!r}")
+    size = dict(size)
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if proc.get(key) is not None:
+            size[edge] = proc[key]
+        proc[key] = _positive_int(size.get(edge), f"{key} (size.{edge})", where)
+    if proc["min_pixels"] > proc["max_pixels"]:
+        raise CheckpointError(f"{where}: min_pixels {proc['min_pixels']} is over max_pixels {proc['max_pixels']}")
+
+
 def _positive_int(value: Any, key: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CheckpointError(f"{where}: {key} must be a positive integer, got {value!r}")
@@ -252,17 +355,7 @@ def _resolve_image_settings(model_type: str, proc: dict[str, Any], where: str) -
     for key in ("patch_size", "merge_size"):
         proc[key] = _positive_int(proc.get(key, QWEN_DEFAULTS[key]), key, where)
     # Qwen2VLImageProcessor.__init__: size (or the class default), then min_pixels / max_pixels override it.
-    size = proc.get("size")
-    size = dict(QWEN_DEFAULTS["size"]) if size is None else size
-    if not isinstance(size, dict):
-        raise CheckpointError(f"{where}: size must be an object with shortest_edge / longest_edge, got {size!r}")
-    size = dict(size)
-    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-        if proc.get(key) is not None:
-            size[edge] = proc[key]
-        proc[key] = _positive_int(size.get(edge), f"{key} (size.{edge})", where)
-    if proc["min_pixels"] > proc["max_pixels"]:
-        raise CheckpointError(f"{where}: min_pixels {proc['min_pixels']} is over max_pixels {proc['max_pixels']}")
+    _pixel_bounds(proc, QWEN_DEFAULTS["size"], where)
     return proc
 
 
@@ -280,6 +373,11 @@ def load_family(model_dir: str | os.PathLike) -> ModelFamily:
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
     if image_token_id is None:
         raise ValueError(f"{model_dir}/config.json has no image_token_id")
+    video_token_id, video_config = None, None
+    if model_type != "llava":  # LLaVA takes a video as its frames, through the image path
+        from mserve.common.video import read_video_settings  # video.py builds on this module
+
+        video_token_id, video_config = cfg.get("video_token_id"), read_video_settings(model_dir)
     return ModelFamily(
         model_type=model_type,
         image_token_id=int(image_token_id),
@@ -287,4 +385,6 @@ def load_family(model_dir: str | os.PathLike) -> ModelFamily:
         processor_config=proc,
         vision_config=cfg.get("vision_config", {}),
         processor_source=where,
+        video_token_id=None if video_token_id is None else int(video_token_id),
+        video_config=video_config,
     )

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mserve.common.model import ModelFamily, image_size_from_header, load_family
+from mserve.common.model import ModelFamily, VideoInfo, image_size_from_header, load_family
+from mserve.common.video import VideoPart, describe_video, video_part_from_value
 
 
 @dataclass
 class PreparedPrompt:
     prompt_ids: list[int]  # placeholders expanded
-    images: list[bytes]
-    image_sizes: list[tuple[int, int]]
+    images: list[bytes | VideoPart]  # images and videos, in prompt order
+    image_sizes: list[tuple[int, int] | VideoInfo]
     text: str
 
 
@@ -72,8 +73,10 @@ def image_bytes_from_part(part: dict[str, Any], allow_paths: bool = True) -> byt
 
 
 def normalize_messages(messages: Sequence[dict[str, Any]],
-                       allow_paths: bool = True) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """Split images out of the messages; the template only needs to know where they were."""
+                       allow_paths: bool = True) -> tuple[list[dict[str, Any]], list[bytes | VideoPart]]:
+    """Split images and videos out of the messages; the template only needs to know where they were.
+
+    The second list holds image bytes and `VideoPart`s, in content order."""
     if not messages:
         raise ValueError("messages is empty")
     out, images = [], []
@@ -100,10 +103,30 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
             elif kind in ("image", "image_url"):
                 images.append(image_bytes_from_part(part, allow_paths))
                 parts.append({"type": "image"})
+            elif kind == "video":
+                images.append(video_part_from_value(part.get("video"), allow_paths))
+                parts.append({"type": "video"})
             else:
                 raise ValueError(f"messages[{i}] has an unsupported content part type {kind!r}")
         out.append({"role": role, "content": parts})
     return out, images
+
+
+def _videos_as_frames(norm: list[dict[str, Any]], sizes: Any) -> list[dict[str, Any]]:
+    """Each {"type": "video"} part -> one {"type": "image"} part per frame (sizes: one entry per image or
+    video part, in content order)."""
+    out = []
+    for msg in norm:
+        parts = []
+        for p in msg["content"]:
+            if p["type"] in ("image", "video"):
+                size = next(sizes)
+                if p["type"] == "video":
+                    parts.extend({"type": "image"} for _ in range(size.num_frames))
+                    continue
+            parts.append(p)
+        out.append({**msg, "content": parts})
+    return out
 
 
 class PromptBuilder:
@@ -129,21 +152,36 @@ class PromptBuilder:
                                                   add_generation_prompt=True)
 
     def prepare(self, messages: Sequence[dict[str, Any]]) -> PreparedPrompt:
-        norm, images = normalize_messages(messages)
-        return self.prepare_normalized(norm, [image_size_from_header(b) for b in images], images)
+        """Video files are sampled with the defaults of `describe_video` (admission uses its own limits)."""
+        norm, items = normalize_messages(messages)
+        sizes: list[tuple[int, int] | VideoInfo] = []
+        for i, item in enumerate(items):
+            if isinstance(item, VideoPart):
+                items[i], info = describe_video(item)
+                sizes.append(info)
+            else:
+                sizes.append(image_size_from_header(item))
+        return self.prepare_normalized(norm, sizes, items)
 
-    def prepare_normalized(self, norm: list[dict[str, Any]], sizes: Sequence[tuple[int, int]],
-                           images: Sequence[bytes]) -> PreparedPrompt:
-        """Messages already split from their images (see normalize_messages), image sizes known."""
+    def prepare_normalized(self, norm: list[dict[str, Any]], sizes: Sequence[tuple[int, int] | VideoInfo],
+                           images: Sequence[bytes | VideoPart]) -> PreparedPrompt:
+        """Messages already split from their images and videos (see normalize_messages), sizes known
+        (a VideoInfo for each video)."""
         if not any(p.get("text", "").strip() for m in norm for p in m["content"] if p["type"] == "text") and not images:
             raise ValueError("prompt is empty: no text and no image")
+        if any(isinstance(s, VideoInfo) for s in sizes):
+            if (why := self.family.video_unsupported()) is not None:
+                raise ValueError(why)
+            if self.family.video_as_frames:  # LLaVA: each frame is an image part of its own
+                norm = _videos_as_frames(norm, iter(sizes))
         text = self.render(norm)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         # Templates that emit BOS themselves are tokenized as they are; the published llava-1.5
         # template does not, and its model was trained with the BOS its tokenizer adds: keep it.
         if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
-        return PreparedPrompt(self.family.expand_placeholders(ids, sizes), list(images), list(sizes), text)
+        return PreparedPrompt(self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes)),
+                              list(images), list(sizes), text)
 
     def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:
         """One user turn: the images first, then the text (the llava-1.5 / Qwen2-VL convention)."""

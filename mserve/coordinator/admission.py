@@ -13,8 +13,9 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mserve.common.model import ImageError, image_hash, image_size_from_header
+from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_from_header
 from mserve.common.prompt import PromptBuilder, normalize_messages
+from mserve.common.video import DEFAULT_MAX_VIDEO_FRAMES, DEFAULT_VIDEO_FPS, VideoPart, describe_video, video_hash
 from mserve.common.protocol import ErrorCode
 
 
@@ -37,6 +38,8 @@ class Limits(BaseModel):
     max_images_per_request: int = 8
     max_prompt_tokens: int = 16384
     max_tokens: int = 4096
+    max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES  # frames of one video (a file is sampled down to it)
+    video_fps: float = DEFAULT_VIDEO_FPS  # frames sampled per second of a video file
 
 
 class SamplingIn(BaseModel):
@@ -68,10 +71,19 @@ class GenerateIn(BaseModel):
 
 @dataclass
 class AdmittedImage:
+    """One image, or one video: `frames` (a list of frames) or `frame_indices` (the frames of the video
+    file in `data` that the model sees). `size` is a video's frame size."""
+
     hash: str
     data: bytes
     size: tuple[int, int]
     num_tokens: int
+    frames: list[bytes] | None = None
+    frame_indices: list[int] | None = None
+
+    @property
+    def is_video(self) -> bool:
+        return self.frames is not None or self.frame_indices is not None
 
 
 @dataclass
@@ -104,10 +116,17 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
         messages, images = normalize_messages(req.messages, allow_paths=False)
     except ValueError as exc:
         raise AdmissionError(str(exc)) from None
-    if len(images) > limits.max_images_per_request:
-        raise AdmissionError(f"{len(images)} images is over the limit max_images_per_request={limits.max_images_per_request}")
-    admitted_images = []
+    n_images = sum(1 for x in images if not isinstance(x, VideoPart))
+    if n_images > limits.max_images_per_request:
+        raise AdmissionError(f"{n_images} images is over the limit max_images_per_request={limits.max_images_per_request}")
+    admitted_images: list[AdmittedImage] = []
+    sizes: list[tuple[int, int] | VideoInfo] = []
     for i, data in enumerate(images):
+        if isinstance(data, VideoPart):
+            video, info = _admit_video(builder, limits, i, data)
+            admitted_images.append(video)
+            sizes.append(info)
+            continue
         if len(data) > limits.max_image_bytes:
             raise AdmissionError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={limits.max_image_bytes}",
                                  ErrorCode.TOO_LARGE)
@@ -120,8 +139,9 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
         except ImageError as exc:
             raise AdmissionError(f"image {i}: {exc}") from None
         admitted_images.append(AdmittedImage(image_hash(data), data, (w, h), tokens))
+        sizes.append((w, h))
     try:
-        prompt = builder.prepare_normalized(messages, [im.size for im in admitted_images], images)
+        prompt = builder.prepare_normalized(messages, sizes, images)
     except (ValueError, TemplateError) as exc:  # templates reject some conversations (roles, order)
         raise AdmissionError(f"the chat template rejected the messages: {exc}" if isinstance(exc, TemplateError)
                              else str(exc)) from None
@@ -130,3 +150,32 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
                              f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}",
                              ErrorCode.TOO_LARGE)
     return Admitted(req, prompt.prompt_ids, admitted_images)
+
+
+def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart) -> tuple[AdmittedImage, VideoInfo]:
+    """Check one video against the limits and count its tokens, decoding no pixel (a file is demuxed only)."""
+    if (why := builder.family.video_unsupported()) is not None:
+        raise AdmissionError(f"video {i}: {why}")
+    if part.frames is not None:
+        if len(part.frames) > limits.max_video_frames:
+            raise AdmissionError(f"video {i} has {len(part.frames)} frames, over the limit "
+                                 f"max_video_frames={limits.max_video_frames}", ErrorCode.TOO_LARGE)
+        for k, frame in enumerate(part.frames):
+            if len(frame) > limits.max_image_bytes:
+                raise AdmissionError(f"video {i} frame {k} is {len(frame)} bytes, over the limit "
+                                     f"max_image_bytes={limits.max_image_bytes}", ErrorCode.TOO_LARGE)
+    elif len(part.data or b"") > limits.max_image_bytes:
+        raise AdmissionError(f"video {i} is {len(part.data or b'')} bytes, over the limit "
+                             f"max_image_bytes={limits.max_image_bytes}", ErrorCode.TOO_LARGE)
+    try:
+        part, info = describe_video(part, limits.video_fps, limits.max_video_frames)
+        if info.width * info.height > limits.max_image_pixels:
+            raise AdmissionError(f"video {i} frames are {info.width}x{info.height} = {info.width * info.height} "
+                                 f"pixels, over the limit max_image_pixels={limits.max_image_pixels}", ErrorCode.TOO_LARGE)
+        tokens = builder.family.visual_token_count(info)
+    except ImageError as exc:
+        raise AdmissionError(f"video {i}: {exc}") from None
+    admitted = AdmittedImage(video_hash(part), part.data or b"", (info.width, info.height), tokens,
+                             frames=list(part.frames) if part.frames is not None else None,
+                             frame_indices=list(part.indices) if part.indices is not None else None)
+    return admitted, info

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pydantic import SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -27,7 +28,21 @@ class CoordinatorSettings(BaseSettings):
     max_images_per_request: int = 8
     max_prompt_tokens: int = 16384
     max_tokens: int = 4096
+    max_video_frames: int = 32  # frames of one video; a video file is sampled down to it
+    video_fps: float = 2.0  # frames sampled per second of a video file
+    # Security (docs/operations.md, "Security"). None: off, for one trusted host (the local demo).
+    # Every GENERATE / ABORT / STATUS must carry this `api_key`; printed masked in the settings line.
+    client_api_key: SecretStr | None = None
+    # CURVE on the worker link: this coordinator's .key_secret file and the folder of the workers'
+    # public keys (both or neither); a worker whose key is not there is refused at the handshake.
+    curve_secret_key: str | None = None
+    curve_authorized_keys: str | None = None
 
-    def limits(self) -> dict[str, int]:
+    @field_validator("client_api_key")
+    @classmethod
+    def _empty_key_is_none(cls, v: SecretStr | None) -> SecretStr | None:
+        return v if v is not None and v.get_secret_value() else None
+
+    def limits(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in ("max_image_bytes", "max_image_pixels", "max_images_per_request",
-                                              "max_prompt_tokens", "max_tokens")}
+                                              "max_prompt_tokens", "max_tokens", "max_video_frames", "video_fps")}

@@ -65,7 +65,11 @@ _STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.NO_WORKERS: (503, "service_unavailable_error"),
     ErrorCode.TIMEOUT: (504, "timeout_error"),
     ErrorCode.ABORTED: (499, "aborted"),
+    ErrorCode.LOST: (503, "service_unavailable_error"),  # the coordinator restarted mid-request: retry
     ErrorCode.INTERNAL: (500, "server_error"),
+    # The coordinator refused the gateway's own key (--coordinator-api-key): a gateway misconfiguration,
+    # not the HTTP client's fault; the message says which setting to fix.
+    ErrorCode.UNAUTHORIZED: (502, "server_error"),
 }
 
 
@@ -168,7 +172,8 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max
 
 
 def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, Any]]:
-    """OpenAI messages -> MServe messages (images as bytes); the chat template sees the turns as sent."""
+    """OpenAI messages -> MServe messages (images, video files and video frames as bytes); the chat
+    template sees the turns as sent."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list")
     out = []
@@ -203,8 +208,20 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 if not isinstance(url, str) or not url:
                     raise _bad(f"{pwhere}.image_url", f"{pwhere}.image_url.url must be a string")
                 parts.append({"type": "image", "image": load_image_url(url, media_root, f"{pwhere}.image_url")})
+            elif kind == "video_url":  # a video file, as vLLM takes it
+                url = part.get("video_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise _bad(f"{pwhere}.video_url", f"{pwhere}.video_url.url must be a string")
+                parts.append({"type": "video", "video": load_image_url(url, media_root, f"{pwhere}.video_url")})
+            elif kind == "video":  # the video as its frames: a list of image URLs
+                frames = part.get("video")
+                if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
+                    raise _bad(f"{pwhere}.video", f"{pwhere}.video must be a non-empty list of image URLs (the frames)")
+                parts.append({"type": "video", "video": [load_image_url(f, media_root, f"{pwhere}.video[{k}]")
+                                                         for k, f in enumerate(frames)]})
             else:
-                raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url)")
+                raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url, video_url, video)")
         out.append({"role": role, "content": parts})
     return out
 

@@ -13,8 +13,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from mserve.common.model import decode_image, image_hash
-from mserve.common.hashing import ImageSpan
+from mserve.common.model import decode_image
+from mserve.common.hashing import ImageSpan, item_spans
+from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers.block_pool import BlockPool
 from mserve.workers.model_runner import EncodedImage, ModelRunner
 from mserve.workers.sampler import sample
@@ -56,7 +57,7 @@ class RequestInput:
 
     request_id: str
     prompt_ids: list[int]
-    images: list[bytes] = field(default_factory=list)
+    images: list[bytes | VideoPart] = field(default_factory=list)  # images and videos, in prompt order
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
 
@@ -87,19 +88,30 @@ class Engine:
         self.new_prefix_hashes: list[str] = []
 
     # -- encode ---------------------------------------------------------------------------------
-    def encode(self, images: Sequence[bytes]) -> list[EncodedImage]:
-        """Image bytes -> embeddings; every image is checked against the limits before decoding."""
-        for i, data in enumerate(images):
-            if len(data) > self.config.max_image_bytes:
-                raise ValueError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={self.config.max_image_bytes}")
-        pil = [decode_image(d, self.config.max_image_pixels) for d in images]
+    def encode(self, images: Sequence[bytes | VideoPart]) -> list[EncodedImage]:
+        """Image bytes and videos -> embeddings; every image (frame) is checked against the limits before decoding."""
+        for i, item in enumerate(images):
+            for data in (item.frames or (item.data,)) if isinstance(item, VideoPart) else (item,):
+                if len(data or b"") > self.config.max_image_bytes:
+                    raise ValueError(f"image {i} is {len(data)} bytes, over the limit "
+                                     f"max_image_bytes={self.config.max_image_bytes}")
+        pil = [self.decode_visual(item) for item in images]
         self.counters["encoded_images"] += len(pil)
-        encoded = self.runner.encode_images(pil)
+        encoded = self.runner.encode_visuals(pil)
         self.counters["visual_tokens"] += sum(int(enc.embeds.shape[0]) for enc in encoded)
         return encoded
 
+    def decode_visual(self, item: bytes | VideoPart) -> Any:
+        """An image (PIL) or a video (a list of PIL frames), decoded within the pixel limit."""
+        limit = self.config.max_image_pixels
+        if not isinstance(item, VideoPart):
+            return decode_image(item, limit)
+        if item.frames is not None:
+            return [decode_image(f, limit) for f in item.frames]
+        return decode_video_file(item.data or b"", item.indices or (), limit)
+
     # -- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes] = (),
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes | VideoPart] = (),
                     encoded: Sequence[EncodedImage] | None = None, image_hashes: Sequence[str] | None = None,
                     sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
                     output_ids: Sequence[int] = (), latency_class: str = "interactive") -> Seq:
@@ -112,20 +124,20 @@ class Engine:
             raise ValueError(f"request {request_id}: empty prompt (no token ids)")
         if request_id in self.requests:
             raise ValueError(f"request {request_id}: already in this engine")
-        spans = self.family.image_spans(prompt_ids)
+        runs = self.family.image_spans(prompt_ids)
         if encoded is None:
             encoded = self.encode(images)
-            image_hashes = [image_hash(d) for d in images]
-        if len(spans) != len(encoded):
-            raise ValueError(f"request {request_id}: prompt has {len(spans)} image placeholder runs but {len(encoded)} images")
+            image_hashes = [visual_hash(d) for d in images]
         hashes = list(image_hashes or [f"anon-{request_id}-{i}" for i in range(len(encoded))])
-        for i, ((start, length), enc) in enumerate(zip(spans, encoded)):
-            if enc.embeds.shape[0] != length:
-                raise ValueError(f"request {request_id}: image {i} has {enc.embeds.shape[0]} embeddings "
-                                 f"for {length} placeholder tokens")
+        # An image or Qwen2-VL video fills one placeholder run; a video given to LLaVA as frames, one per frame.
+        try:
+            spans = item_spans(runs, [(h, int(e.embeds.shape[0])) for h, e in zip(hashes, encoded)])
+        except ValueError as exc:
+            raise ValueError(f"request {request_id}: prompt has {len(runs)} image placeholder runs but "
+                             f"{len(encoded)} images ({exc})") from None
+        embeds = _run_embeds(spans, encoded)
         seq = Seq(request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling or SamplingParams(),
-                  images=[ImageSpan(s, n, h) for (s, n), h in zip(spans, hashes)],
-                  image_embeds=[e.embeds for e in encoded], priority=priority, latency_class=latency_class,
+                  images=spans, image_embeds=embeds, priority=priority, latency_class=latency_class,
                   eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids))
         if self.family.uses_mrope:
             seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, [e.grid_thw for e in encoded])
@@ -266,6 +278,18 @@ class Engine:
         return {**self.counters, **self.pool.stats(), "waiting": len(self.scheduler.waiting),
                 "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
                 "batch_size": self.last_batch_size}
+
+
+def _run_embeds(spans: Sequence[Any], encoded: Sequence[EncodedImage]) -> list[torch.Tensor]:
+    """Each placeholder run's slice (a view) of its item's embeddings; `spans` come from item_spans."""
+    out, runs = [], iter(spans)
+    for enc in encoded:
+        offset = 0
+        while offset < enc.embeds.shape[0]:
+            n = next(runs).length
+            out.append(enc.embeds[offset : offset + n])
+            offset += n
+    return out
 
 
 def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:

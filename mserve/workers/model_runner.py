@@ -128,12 +128,54 @@ class ModelRunner:
         return [EncodedImage(e.reshape(-1, self.hidden_size).contiguous(), g) for e, g in zip(out.pooler_output, grids)]
 
     @torch.inference_mode()
+    def encode_visuals(self, items: Sequence) -> list[EncodedImage]:
+        """PIL images and videos (lists of PIL frames), in order -> one EncodedImage each. Qwen2-VL runs
+        the videos through its video path (one forward for all of them); LLaVA encodes every frame as an
+        image, in the images' forward, and a video's embeddings are its frames' one after another."""
+        is_video = [isinstance(x, list) for x in items]
+        videos = [x for x, v in zip(items, is_video) if v]
+        if self.family.video_as_frames:
+            flat = [x for x, v in zip(items, is_video) if not v] + [f for video in videos for f in video]
+            encoded = iter(self.encode_images(flat))
+            images = [next(encoded) for v in is_video if not v]
+            encoded_videos = [EncodedImage(torch.cat([next(encoded).embeds for _ in video])) for video in videos]
+        else:
+            images = self.encode_images([x for x, v in zip(items, is_video) if not v])
+            encoded_videos = self.encode_videos(videos)
+        image_iter, video_iter = iter(images), iter(encoded_videos)
+        return [next(video_iter) if v else next(image_iter) for v in is_video]
+
+    @torch.inference_mode()
+    def encode_videos(self, videos: Sequence[Sequence]) -> list[EncodedImage]:
+        """Qwen2-VL: videos (lists of PIL frames) -> one embedding tensor each, through get_video_features."""
+        if not videos:
+            return []
+        from mserve.workers.video_processing import qwen_video_inputs
+
+        inputs = qwen_video_inputs(self.image_processor, self.family, videos)
+        grid = inputs["video_grid_thw"].to(self.device)
+        pixels = inputs["pixel_values_videos"].to(self.device, self.dtype)
+        out = self.model.model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid, return_dict=True)
+        grids = [tuple(int(x) for x in g) for g in grid.tolist()]
+        return [EncodedImage(e.reshape(-1, self.hidden_size).contiguous(), g) for e, g in zip(out.pooler_output, grids)]
+
+    @torch.inference_mode()
     def mrope_positions(self, prompt_ids: Sequence[int], grids: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
-        """Qwen2-VL 3-D positions of the prompt [3, P] and the rope delta decode adds to text positions."""
+        """Qwen2-VL 3-D positions of the prompt [3, P] and the rope delta decode adds to text positions.
+
+        `grids` has one (t, h, w) per placeholder run, in prompt order; the run's token says image or video."""
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-        types = (ids == self.family.image_token_id).int()
-        grid_t = torch.tensor(list(grids), dtype=torch.long) if grids else None
-        pos, delta = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid_t)
+        video_id = self.family.video_token_id
+        types = (ids == self.family.image_token_id).int() + 2 * (ids == video_id).int() if video_id is not None \
+            else (ids == self.family.image_token_id).int()
+        runs = self.family.image_spans(prompt_ids)
+        kinds = [prompt_ids[start] == video_id for start, _ in runs]
+        image_grids = [g for g, v in zip(grids, kinds) if not v]
+        video_grids = [g for g, v in zip(grids, kinds) if v]
+        pos, delta = self.model.model.get_rope_index(
+            ids, mm_token_type_ids=types,
+            image_grid_thw=torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
+            video_grid_thw=torch.tensor(video_grids, dtype=torch.long) if video_grids else None)
         return pos[:, 0], int(delta.reshape(-1)[0])
 
     # -- prefill / decode step ---------------------------------------------------------------

@@ -152,3 +152,32 @@ def test_flood_trace_mixes_classes_at_their_rates():
     assert all(r.priority == 0 for r in trace) and len({r.request_id for r in trace}) == 64
     assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
     assert max(r.arrival_s for r in inter) <= 20.0 + 1e-9
+
+
+def test_video_trace_sends_one_clip_of_4_to_8_frames() -> None:
+    from mserve.bench.images import VIDEO_RESOLUTIONS
+
+    trace = make_trace("video", 12, seed=3, photos=False, resolutions=SMALL)
+    assert {r.modality for r in trace} == {"video"}
+    for r in trace:
+        (frames,) = r.videos()
+        assert 4 <= len(frames) <= 8 and r.images() == [] and len(r.image_sizes) == 1
+        sizes = {Image.open(io.BytesIO(f)).size for f in frames}
+        assert sizes == {r.image_sizes[0]} and r.image_sizes[0] in {s for s, _ in SMALL}
+        assert len(set(frames)) == len(frames)  # frames of a clip differ (panning, distinct stamps)
+    assert len({len(r.videos()[0]) for r in trace}) > 1
+    default = make_trace("video", 3, seed=0, photos=False)
+    assert all(r.image_sizes[0] in {s for s, _ in VIDEO_RESOLUTIONS} for r in default)
+    assert trace_digest(make_trace("video", 12, seed=3, photos=False, resolutions=SMALL)) == trace_digest(trace)
+
+
+def test_video_trace_round_trip_and_openai_payload(tmp_path) -> None:
+    from mserve.bench.http_target import to_openai_messages
+
+    trace = make_trace("video", 3, seed=5, photos=False, resolutions=SMALL)
+    loaded = load_trace(save_trace(trace, tmp_path / "v.jsonl"))
+    assert [r.videos() for r in loaded] == [r.videos() for r in trace]
+    parts = to_openai_messages(trace[0].messages)[0]["content"]
+    assert parts[0]["type"] == "video" and len(parts[0]["video"]) == len(trace[0].videos()[0])
+    assert all(u.startswith("data:image/png;base64,") for u in parts[0]["video"])
+    assert parts[-1]["type"] == "text"

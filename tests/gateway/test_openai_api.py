@@ -187,3 +187,26 @@ def test_cluster_status_renders_as_prometheus_text():
     assert samples[("mserve_coordinator_up", ())] == 1
     down, _ = GatewayMetrics().render(None)
     assert b"mserve_coordinator_up 0.0" in down and b"mserve_worker_up" not in down
+
+
+def test_video_parts_become_mserve_video_parts():
+    frames = [make_image(32, 24, seed=i) for i in range(3)]
+    urls = ["data:image/png;base64," + base64.b64encode(f).decode() for f in frames]
+    clip = b"\x00\x00\x00\x18ftypmp42 not really a video"
+    clip_url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    req = parse_chat_request(body(messages=[{"role": "user", "content": [
+        {"type": "video", "video": urls}, {"type": "video_url", "video_url": {"url": clip_url}},
+        {"type": "text", "text": "What happens?"}]}]))
+    assert req.messages[0]["content"] == [{"type": "video", "video": frames}, {"type": "video", "video": clip},
+                                          {"type": "text", "text": "What happens?"}]
+
+
+@pytest.mark.parametrize("part, param", [
+    ({"type": "video", "video": []}, "messages[0].content[0].video"),
+    ({"type": "video", "video": DATA_URL}, "messages[0].content[0].video"),
+    ({"type": "video", "video": [DATA_URL, "https://example.com/f.png"]}, "messages[0].content[0].video[1]"),
+    ({"type": "video_url", "video_url": {}}, "messages[0].content[0].video_url"),
+    ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, "messages[0].content[0].video_url"),
+])
+def test_bad_video_parts_name_the_field(part, param):
+    assert param_of(lambda: parse_chat_request(body(messages=[{"role": "user", "content": [part]}]))) == param

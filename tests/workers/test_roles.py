@@ -108,3 +108,21 @@ def test_encode_batches_take_interactive_first_and_stay_bounded():
     assert [t.request_id for t in batch] == ["i2"] and [t.request_id for t in rest] == ["big"]
     batch, rest = next_encode_batch(rest, max_images=4)
     assert [t.request_id for t in batch] == ["big"] and rest == []  # too big for a batch: it goes alone
+
+
+def test_video_refs_round_trip_and_weigh_their_frames():
+    from mserve.common.video import VideoPart
+    from mserve.workers.roles.encode import next_encode_batch, visual_input
+
+    frames = ImageRef(hash="v", data=b"", frames=[b"f0", b"f1", b"f2"])
+    clip = ImageRef(hash="c", data=b"mp4", frame_indices=[0, 4])
+    task = EncodeTask(request_id="r", attempt=0, images=[frames, clip, ImageRef(hash="i", data=b"png")])
+    assert EncodeTask.from_body(task.to_body()) == task
+    assert "frames" not in task.to_body()["images"][2]  # an image's ref is unchanged on the wire
+    assert [visual_input(im) for im in task.images] == [VideoPart(frames=(b"f0", b"f1", b"f2")),
+                                                        VideoPart(data=b"mp4", indices=(0, 4)), b"png"]
+    with pytest.raises(ProtocolError, match=r"ENCODE.images\[0\].frames\[1\]: expected bytes"):
+        EncodeTask.from_body({"request_id": "r", "attempt": 0, "images": [{"hash": "h", "data": b"", "frames": [b"a", 1]}]})
+    other = EncodeTask(request_id="o", attempt=0, images=[ImageRef(hash="j", data=b"png")])
+    batch, rest = next_encode_batch([task, other], max_images=6)  # 3 + 2 + 1 frames fill the batch
+    assert [t.request_id for t in batch] == ["r"] and [t.request_id for t in rest] == ["o"]

@@ -18,10 +18,22 @@ LATENCY_CLASSES = ("interactive", "batch")
 
 @dataclass
 class ImageRef(Message):
-    """One image of a request: its bytes and the hash caches key on."""
+    """One image of a request: its bytes and the hash caches key on. A video is one ImageRef too: its
+    frames (`frames`, `data` empty), or a video file (`data`) and the frames of it to use (`frame_indices`)."""
 
     hash: str = wire(as_str)
     data: bytes = wire(as_bytes)
+    frames: list[bytes] | None = wire(optional(list_of(as_bytes)), None)
+    frame_indices: list[int] | None = wire(optional(list_of(as_int)), None)
+
+    @property
+    def is_video(self) -> bool:
+        return self.frames is not None or self.frame_indices is not None
+
+    @property
+    def num_frames(self) -> int:
+        """Frames the vision tower sees (1 for an image)."""
+        return len(self.frames if self.frames is not None else self.frame_indices) if self.is_video else 1
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mserve.common.protocol.to_worker import RunTask
 from mserve.workers.engine import sampling_from_dict
+from mserve.workers.roles.encode import visual_input
 from mserve.workers.roles.stepping import SteppingWorker
 
 
@@ -11,7 +12,7 @@ class UnifiedWorker(SteppingWorker):
     ROLE = "unified"
 
     def add(self, task: RunTask) -> None:
-        seq = self.engine.add_request(task.request_id, task.prompt_ids, images=[im.data for im in task.images],
+        seq = self.engine.add_request(task.request_id, task.prompt_ids, images=[visual_input(im) for im in task.images],
                                       sampling=sampling_from_dict(task.sampling), priority=task.priority,
                                       output_ids=task.output_ids, latency_class=task.latency_class)
         self.cached_tokens[task.request_id] = seq.num_cached_tokens
