@@ -82,7 +82,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "stage_timeout_s", "dead_after_s", "max_waiting_requests",
                                                                "max_prompt_tokens",
                                                                "max_tokens", "max_image_bytes", "max_image_pixels",
-                                                               "max_images_per_request"])
+                                                               "max_images_per_request", "max_video_frames",
+                                                               "video_fps", "client_api_key", "curve_secret_key",
+                                                               "curve_authorized_keys"])
     coord = Coordinator(settings)
     import signal
 
@@ -104,7 +106,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                           "worker_id", "device", "dtype", "threads", "transfer",
                                                           "host", "num_blocks", "block_size", "max_num_seqs",
                                                           "max_num_batched_tokens", "max_prefill_tokens",
-                                                          "embedding_cache_mb", "max_encode_images"])
+                                                          "embedding_cache_mb", "max_encode_images",
+                                                          "curve_secret_key", "curve_server_key",
+                                                          "curve_authorized_keys"])
     try:
         make_worker(settings).run()
     except KeyboardInterrupt:
@@ -128,10 +132,13 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
                    help="max_tokens when a request names neither max_tokens nor max_completion_tokens (default 256)")
     p.add_argument("--request-timeout-s", type=float, help="a request not done by then ends with 504 (default 600)")
     p.add_argument("--access-log", action="store_true", default=None, help="log one line per HTTP request")
+    p.add_argument("--coordinator-api-key",
+                   help="the coordinator's client API key (its MSERVE_CLIENT_API_KEY), sent with every message to "
+                        "it (default: $MSERVE_COORDINATOR_API_KEY, else $MSERVE_CLIENT_API_KEY, else none)")
 
 
 GATEWAY_FIELDS = ["coordinator", "host", "port", "model", "api_key", "served_model_name", "allowed_media_path",
-                  "max_request_bytes", "default_max_tokens", "request_timeout_s", "access_log"]
+                  "max_request_bytes", "default_max_tokens", "request_timeout_s", "access_log", "coordinator_api_key"]
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -140,6 +147,18 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     settings = _settings_from_args(GatewaySettings, args, GATEWAY_FIELDS)
     serve(settings)
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from mserve.common.security import SecurityError, keygen
+
+    try:
+        public, secret = keygen(args.dir, args.name, force=args.force)
+    except SecurityError as exc:
+        raise SystemExit(f"error: {exc}")
+    print(f"public key {public} (give it to the peers that must let this process in: their authorized keys "
+          f"folder)\nsecret key {secret} (mode 0600; this process's curve_secret_key)")
     return 0
 
 
@@ -225,8 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for their first token, at most; past it the lowest class is shed with an "
                         "overloaded error and a retry-after hint (default 256)")
     for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
-                         ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8")):
+                         ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8"),
+                         ("max-video-frames", "32; a video file is sampled down to it")):
         p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
+    p.add_argument("--video-fps", type=float, help="frames sampled per second of a video file (default 2)")
+    p.add_argument("--client-api-key", help="require this key in every client message (default: "
+                                            "$MSERVE_CLIENT_API_KEY, else none; better set the variable than put a "
+                                            "key on a command line)")
+    p.add_argument("--curve-secret-key", metavar="FILE",
+                   help="CURVE on the worker link: this coordinator's .key_secret file (`mserve keygen`); needs "
+                        "--curve-authorized-keys")
+    p.add_argument("--curve-authorized-keys", metavar="DIR",
+                   help="folder of the public keys (*.key) of the workers allowed in; any other is refused")
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("worker", help="run one worker of a role: encode, prefill, decode or unified",
@@ -254,7 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-encode-images", type=int,
                    help="images per vision forward on an encode worker, at most; interactive ones first (default 8)")
     p.add_argument("--embedding-cache-mb", type=int, help="encode workers' embedding cache (default 512)")
+    p.add_argument("--curve-secret-key", metavar="FILE",
+                   help="CURVE on the coordinator link and the data plane: this worker's .key_secret file "
+                        "(`mserve keygen`); needs --curve-server-key and --curve-authorized-keys")
+    p.add_argument("--curve-server-key", metavar="FILE", help="the coordinator's public .key file")
+    p.add_argument("--curve-authorized-keys", metavar="DIR",
+                   help="folder of the public keys (*.key) of the workers allowed to fetch from this one")
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("keygen", help="write a CURVE keypair for one process (NAME.key, NAME.key_secret)",
+                       description="Write NAME.key (public, share it with the peers that must let this process "
+                                   "in) and NAME.key_secret (secret, mode 0600) into DIR. Every process gets its "
+                                   "own keypair; see docs/operations.md, Security.")
+    p.add_argument("dir", help="folder to write the keys into (created 0700 if missing)")
+    p.add_argument("--name", default="mserve", help="file name of the pair (default mserve)")
+    p.add_argument("--force", action="store_true", help="replace an existing keypair of that name")
+    p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("up", help="start a whole local cluster: redis, coordinator and worker pools",
                        description="Start Redis (unless --redis/REDIS_URL is given), the coordinator and the worker "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -47,12 +48,15 @@ def make_socket(
     identity: bytes | None = None,
     hwm: int = 10000,
     linger_ms: int = 0,
+    curve: Callable[[zmq.Socket], None] | None = None,
 ) -> zmq.Socket:
     """Create a socket of ``kind`` (zmq.ROUTER, zmq.DEALER, ...) with the project's options.
 
     ``bind`` accepts port 0 (``tcp://127.0.0.1:0``, ``tcp://*:0``) for a random free port; read it
     back with ``bound_address``. ``identity`` (1..255 bytes, not starting with NUL, which
-    libzmq reserves) must be set here because it only takes effect before connecting. On a
+    libzmq reserves) must be set here because it only takes effect before connecting. ``curve``
+    sets the socket's CURVE keys before it binds or connects (``Gate.apply`` or
+    ``CurveKeys.client(...)`` from mserve.common.security); None leaves it unauthenticated. On a
     failed bind/connect the socket is closed before the error propagates.
     """
     if identity is not None and not (1 <= len(identity) <= 255 and identity[0] != 0):
@@ -72,6 +76,8 @@ def make_socket(
             sock.setsockopt(zmq.IMMEDIATE, 1)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
+        if curve is not None:
+            curve(sock)
         if bind is not None:
             sock.bind(bind)
         if connect is not None:

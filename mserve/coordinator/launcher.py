@@ -3,6 +3,10 @@
 Each child runs `python -m mserve.cli ...` in its own process group (so a Ctrl-C aimed at the
 launcher reaches only the launcher, which then stops the children in order, and a kill takes any
 grandchildren along), with stdout+stderr in one log file per child.
+
+Security (docs/operations.md): ``client_api_key`` reaches the children as $MSERVE_CLIENT_API_KEY, never
+on a command line; ``curve_dir`` holds one CURVE keypair per process and ``authorized/`` (the workers'
+public keys). Without them (the default) every link is unauthenticated: one trusted host only.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class LocalCluster:
     def __init__(self, model: str, *, encode: int = 1, prefill: int = 1, decode: int = 1, unified: int = 0,
                  redis_url: str | None = None, port: int | None = None, threads: int = 1, transfer: str = "auto",
                  extra_worker_args: Sequence[str] = (), extra_coordinator_args: Sequence[str] = (),
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, client_api_key: str | None = None,
+                 curve_dir: str | os.PathLike[str] | None = None) -> None:
         counts = {"encode": encode, "prefill": prefill, "decode": decode, "unified": unified}
         if any(n < 0 for n in counts.values()) or sum(counts.values()) == 0:
             raise ValueError(f"worker counts must be >= 0 with at least one worker, got {counts}")
@@ -53,6 +58,8 @@ class LocalCluster:
         self.transfer = transfer
         self.extra_worker_args = list(extra_worker_args)
         self.extra_coordinator_args = list(extra_coordinator_args)
+        self.client_api_key = client_api_key or None
+        self.curve_dir = Path(curve_dir) if curve_dir is not None else None
         self._redis_url = redis_url or os.environ.get("REDIS_URL") or None
         self._port = port
         self._worker_port: int | None = None
@@ -124,13 +131,24 @@ class LocalCluster:
     def coordinator_command(self) -> list[str]:
         return [sys.executable, "-m", "mserve.cli", "coordinator", "--model", self.model,
                 "--bind", self.address, "--worker-bind", self.worker_address, "--redis", self.redis_url,
-                *self.extra_coordinator_args]
+                *self.curve_args("coordinator"), *self.extra_coordinator_args]
 
     def worker_command(self, name: str) -> list[str]:
         role = name.rsplit("-", 1)[0]
         return [sys.executable, "-m", "mserve.cli", "worker", "--role", role, "--model", self.model,
                 "--coordinator", self.worker_address, "--redis", self.redis_url, "--threads", str(self.threads),
-                "--transfer", self.transfer, "--worker-id", name, *self.extra_worker_args]
+                "--transfer", self.transfer, "--worker-id", name, *self.curve_args(name), *self.extra_worker_args]
+
+    def curve_args(self, name: str) -> list[str]:
+        """The CURVE flags of one child (none without ``curve_dir``): its own keypair, the authorized
+        folder and, for a worker, the coordinator's public key."""
+        if self.curve_dir is None:
+            return []
+        d = self.curve_dir
+        args = ["--curve-secret-key", str(d / f"{name}.key_secret"), "--curve-authorized-keys", str(d / "authorized")]
+        return args if name == "coordinator" else [*args, "--curve-server-key", str(d / "coordinator.key")]
+
+
 
     # ---- lifecycle
 
@@ -159,6 +177,10 @@ class LocalCluster:
             self._log_dir = tempfile.mkdtemp(prefix="mserve-cluster-")
             self._own_log_dir = True
         os.makedirs(self._log_dir, exist_ok=True)
+        if self.curve_dir is not None:
+            from mserve.common.security import cluster_keys
+
+            cluster_keys(self.curve_dir, servers=["coordinator"], peers=self.worker_names())
         if self._redis_url is None:
             logger.info("starting a private redis-server")
             self._redis = RedisServer().start()
@@ -172,6 +194,8 @@ class LocalCluster:
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        if self.client_api_key:  # the coordinator requires it, the gateway's client sends it
+            env["MSERVE_CLIENT_API_KEY"] = self.client_api_key
         with open(self.log_path(name), "wb") as log:  # the child keeps its own descriptor
             self._procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                                  env=env, start_new_session=True)
@@ -184,7 +208,7 @@ class LocalCluster:
         logger.info("waiting for %d worker(s) to report alive: %s", len(expected), ", ".join(expected))
         alive: set[str] = set()
         last_error = "no STATUS reply yet"
-        with Client(self.address, timeout_s=1.0) as client:
+        with Client(self.address, timeout_s=1.0, api_key=self.client_api_key) as client:
             while True:
                 self._fail_if_exited()
                 try:
@@ -305,6 +329,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also start the OpenAI-compatible HTTP gateway on this port (see `mserve gateway`)")
     parser.add_argument("--api-key", default=None,
                         help="with --http-port: the key /v1 requests must carry (default: $MSERVE_API_KEY, else none)")
+    parser.add_argument("--client-api-key", default=None,
+                        help="require this key on the ZeroMQ client API (default: $MSERVE_CLIENT_API_KEY, else none)")
+    parser.add_argument("--curve-dir", default=None, metavar="DIR",
+                        help="CURVE on the worker link and the data plane, keys in DIR (made if missing)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     parser.add_argument("--log-dir", default=None, help="keep the child processes' logs here (default: a temp dir)")
 
@@ -316,7 +344,8 @@ def run_up(args: argparse.Namespace) -> int:
     pools = {r: default_pool if getattr(args, r) is None else getattr(args, r) for r in ("encode", "prefill", "decode")}
     stop = threading.Event()
     cluster = LocalCluster(args.model, **pools, unified=args.unified, redis_url=args.redis, port=args.port,
-                           threads=args.threads, transfer=args.transfer, log_dir=args.log_dir)
+                           threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
+                           client_api_key=args.client_api_key, curve_dir=args.curve_dir)
     try:
         cluster.start(timeout_s=args.start_timeout)
     except (ClusterStartError, RuntimeError, ValueError) as exc:

@@ -24,3 +24,6 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = 256  # when a request names neither max_tokens nor max_completion_tokens
     request_timeout_s: float = 600.0
     access_log: bool = False
+    # The coordinator's client API key (its MSERVE_CLIENT_API_KEY), sent with every message to it; None
+    # falls back to $MSERVE_CLIENT_API_KEY, else nothing. Printed as ********** in the settings line.
+    coordinator_api_key: SecretStr | None = None

@@ -39,6 +39,11 @@ class WorkerSettings(BaseSettings):
     heartbeat_s: float = 0.25
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
+    # CURVE on the coordinator link and the data plane (docs/operations.md, "Security"): all three or
+    # none. None: unauthenticated plaintext links, fit only for one trusted host (the local demo).
+    curve_secret_key: str | None = None  # this worker's .key_secret file (`mserve keygen`)
+    curve_server_key: str | None = None  # the coordinator's public .key file
+    curve_authorized_keys: str | None = None  # folder of the public keys that may fetch from this worker
 
     def resolved_id(self) -> str:
         return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"

@@ -24,6 +24,7 @@ class WorkerInfo(Message):
     block_size: int = wire(as_int, 16)
     num_blocks: int = wire(as_int, 0)
     load: dict[str, Any] = wire(as_map, {})  # queue_len, running, free_blocks, total_blocks, tokens_per_s
+    data_key: str | None = wire(optional(as_str), None)  # the data plane's CURVE public key (Z85), when it has one
 
 
 @dataclass

@@ -10,7 +10,8 @@ a KeyError deep inside a fetch. Wire layout (``v`` = ``DESCRIPTOR_VERSION``)::
      "host_id": "...", "nbytes": packed bytes,
      "tensors": [[name, dtype, shape, offset], ...],
      "shm": segment name, "shm_nonce": int, "shm_gen": int (shm/auto only),
-     "pg": "gloo"|"nccl" (torch only)}
+     "pg": "gloo"|"nccl" (torch only),
+     "key": Z85 CURVE public key of the sender's data plane (only when it requires CURVE)}
 
 Keys the receiver does not know are ignored.
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mserve.common.security import is_public_key
 from mserve.common.serde import DTYPE_NAMES, DTYPES
 
 __all__ = [
@@ -91,6 +93,7 @@ class Descriptor:
     shm_nonce: int | None = None
     shm_gen: int | None = None
     pg: str | None = None  # process-group backend (torch)
+    key: str | None = None  # the sender's CURVE public key (Z85): its data plane admits CURVE peers only
 
     def __post_init__(self) -> None:
         for name in ("id", "sender", "instance", "address", "host_id"):
@@ -107,6 +110,8 @@ class Descriptor:
             _check_count("shm_gen", self.shm_gen)
         if self.pg is not None and self.pg not in PG_BACKENDS:
             raise _bad("pg", f"must be one of {PG_BACKENDS}", self.pg)
+        if self.key is not None and not is_public_key(self.key):
+            raise _bad("key", "must be a 40-character Z85 CURVE public key", self.key)
 
     def _check_tensors(self) -> None:
         if not isinstance(self.tensors, tuple):
@@ -144,7 +149,7 @@ class Descriptor:
             "tensors": [[e.name, DTYPE_NAMES[e.dtype], list(e.shape), e.offset]
                         for e in self.tensors],
         }
-        for name in ("shm", "shm_nonce", "shm_gen", "pg"):
+        for name in ("shm", "shm_nonce", "shm_gen", "pg", "key"):
             value = getattr(self, name)
             if value is not None:
                 wire[name] = value
@@ -164,7 +169,7 @@ class Descriptor:
             if name not in obj:
                 raise TransferError(f"malformed transfer descriptor: field {name!r} is missing")
             fields[name] = obj[name]
-        for name in ("shm", "shm_nonce", "shm_gen", "pg"):
+        for name in ("shm", "shm_nonce", "shm_gen", "pg", "key"):
             fields[name] = obj.get(name)
         fields["tensors"] = _layout_from_wire(fields["tensors"])
         return cls(**fields)

@@ -33,6 +33,12 @@ Backends (the descriptor's ``backend``):
 * ``auto`` (publish side): stages into shm; a receiver on the same host (``host_id``) reads the
   segment, any other receiver is served the same bytes over tcp.
 
+Authentication (``curve``, mserve.common.security): the ROUTER becomes a CURVE server that admits
+only the receivers whose public keys are in ``curve.authorized``, descriptors carry the engine's
+public key (``key``), and fetches connect as CURVE clients with this engine's keypair. CURVE covers
+the zmq messages (tcp data, torch and shm handshakes, acks), not the bytes the torch backend moves
+over its own gloo/NCCL connections, nor shm segments (POSIX permissions: the same user only).
+
 The descriptor (``Descriptor``, mserve.common.transfer.descriptor) is typed; ``to_wire()`` is the
 msgpack-able dict the control plane carries, and the receiver side accepts either form.
 The sender half (published transfers, the ROUTER thread) is mserve.common.transfer.server, the
@@ -49,6 +55,7 @@ from typing import Any
 import torch
 import zmq
 
+from mserve.common.security import CurveKeys, Gate
 from mserve.common.transfer import backends as tb
 from mserve.common.transfer.descriptor import (
     BACKENDS, Descriptor, LayoutEntry, TransferError, as_descriptor,
@@ -74,6 +81,7 @@ class TransferEngine:
         device: str = "cpu",
         ttl_s: float = DEFAULT_TTL_S,
         shm_pool_bytes: int = DEFAULT_POOL_BYTES,
+        curve: CurveKeys | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -97,13 +105,23 @@ class TransferEngine:
         count_group = lambda: self._count("torch_groups")  # noqa: E731
         self._fetcher = Fetcher(
             self._ctx, host=host, device=self.device, host_id=self.host_id,
-            instance=self._instance, on_new_group=count_group,
+            instance=self._instance, on_new_group=count_group, keys=curve,
         )
         self._closed = False
-        self._server = Server(
-            self._ctx, name=worker_id, host=host, pool_bytes=shm_pool_bytes,
-            lock=self._lock, stats=self._stats, on_new_group=count_group,
-        )
+        # Before the ROUTER binds: from its first connection on, unknown peers are refused.
+        self._gate = Gate(self._ctx, curve, f"data plane of {worker_id}") if curve is not None else None
+        self.key = curve.public_text if curve is not None else None  # goes into every descriptor
+        try:
+            self._server = Server(
+                self._ctx, name=worker_id, host=host, pool_bytes=shm_pool_bytes,
+                lock=self._lock, stats=self._stats, on_new_group=count_group,
+                curve=self._gate.apply if self._gate is not None else None,
+            )
+        except BaseException:
+            self._fetcher.close()
+            if self._gate is not None:
+                self._gate.close()
+            raise
         self.address = self._server.address
 
     # ------------------------------------------------------------------ sender API
@@ -209,7 +227,7 @@ class TransferEngine:
         desc = Descriptor(
             id=transfer_id, backend=kind, sender=self.worker_id, instance=self._instance,
             address=self.address, host_id=self.host_id, nbytes=total, tensors=tuple(entries),
-            pg=pg, **shm,
+            pg=pg, key=self.key, **shm,
         )
         self._server.add(transfer_id, storage, kind, self.ttl_s if ttl_s is None else ttl_s)
         return desc
@@ -289,6 +307,8 @@ class TransferEngine:
         with self._lock:
             self._views.clear()
         self._fetcher.close()
+        if self._gate is not None:
+            self._gate.close()  # its ZAP thread's sockets would hold up ctx.term()
         if self._own_ctx:
             self._ctx.term()
 

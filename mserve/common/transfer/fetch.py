@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import zmq
 
+from mserve.common.security import CurveKeys
 from mserve.common.transfer import backends as tb
 from mserve.common.transfer.channel import Channels
 from mserve.common.transfer.descriptor import Descriptor, LayoutEntry, TransferError
@@ -36,13 +37,13 @@ _ACKED_MEMORY = 4096
 class Fetcher:
     def __init__(
         self, ctx: zmq.Context, *, host: str, device: str, host_id: str, instance: str,
-        on_new_group: Callable[[], None],
+        on_new_group: Callable[[], None], keys: CurveKeys | None = None,
     ) -> None:
         self.device = device
         self.host_id = host_id
         self._instance = instance
         self.maps = MappingCache()
-        self.channels = Channels(ctx)
+        self.channels = Channels(ctx, keys)
         self._torch_in = TorchReceiver(host, device, on_new_group)
         self._acked: OrderedDict[tuple[str, int, int], None] = OrderedDict()
 
@@ -57,10 +58,11 @@ class Fetcher:
         tid, address, backend = desc.id, desc.address, desc.backend
         where = f"transfer {tid!r} from {desc.sender!r} at {address}"
         nbytes = desc.payload_nbytes
+        self._check_curve(desc, where)
         mode = backend
         if backend == "auto":
             mode = "shm" if desc.host_id == self.host_id else "tcp"
-        ack = lambda: self.channels.ack(address, tid)  # noqa: E731
+        ack = lambda: self.channels.ack(address, tid, desc.key)  # noqa: E731
         if mode == "torch":
             out = self._fetch_torch(desc, where, deadline)
             ack()
@@ -108,10 +110,19 @@ class Fetcher:
                     lease.release()
                 ack()
                 return tid, out, mode, nbytes, None
-        reply = self.channels.request(address, {"id": tid, "mode": "tcp"}, where, deadline)
+        reply = self.channels.request(address, {"id": tid, "mode": "tcp"}, where, deadline, desc.key)
         out = self._check_tcp(reply, desc.tensors, where)
         ack()
         return tid, out, "tcp", nbytes, None
+
+    def _check_curve(self, desc: Descriptor, where: str) -> None:
+        """Both ends use CURVE or neither does: a receiver with keys never talks in the clear."""
+        if desc.key is not None and self.channels.keys is None:
+            raise TransferError(f"{where}: the sender's data plane requires CURVE (its descriptor carries a "
+                                "public key) but this engine has no keypair (curve_secret_key)")
+        if desc.key is None and self.channels.keys is not None:
+            raise TransferError(f"{where}: the sender's data plane is not CURVE-protected (its descriptor "
+                                "carries no public key); this engine refuses unauthenticated peers")
 
     def _check_tcp(
         self, body: Any, entries: Sequence[LayoutEntry], where: str
@@ -133,7 +144,7 @@ class Fetcher:
     ) -> dict[str, torch.Tensor]:
         def ask(gid: str | None) -> dict:
             body = {"id": desc.id, "mode": "torch", "gid": gid, "peer": self._instance}
-            return self.channels.request(desc.address, body, where, deadline)
+            return self.channels.request(desc.address, body, where, deadline, desc.key)
 
         return self._torch_in.fetch(
             desc.instance, desc.pg or "gloo", desc.nbytes, desc.tensors, ask, deadline, where

@@ -55,8 +55,10 @@ class Server:
     def __init__(
         self, ctx: zmq.Context, *, name: str, host: str, pool_bytes: int,
         lock: threading.Lock, stats: dict[str, Any], on_new_group: Callable[[], None],
+        curve: Callable[[zmq.Socket], None] | None = None,
     ) -> None:
         self.name = name
+        self._curve = curve  # makes the ROUTER a CURVE server (mserve.common.security.Gate.apply)
         self.host = host
         self.pool = SegmentPool(pool_bytes)
         self._ctx = ctx
@@ -118,7 +120,7 @@ class Server:
 
     def _serve(self) -> None:
         try:
-            router = make_socket(self._ctx, zmq.ROUTER, bind=f"tcp://{self.host}:0")
+            router = make_socket(self._ctx, zmq.ROUTER, bind=f"tcp://{self.host}:0", curve=self._curve)
             self.address = bound_address(router)
         except BaseException as exc:
             self._bind_error = exc
