@@ -89,6 +89,7 @@ class RedisStore:
     ) -> None:
         self.prefix = prefix
         self.retry_interval_s = retry_interval_s
+        self.state_losses = 0  # times a registration we kept alive had vanished (restart / FLUSHALL)
         # One retry without backoff lets a pooled connection that went stale across
         # a server restart reconnect; redis-py's default (10 backed-off retries)
         # would stall every call for seconds during an outage. Timeouts are not
@@ -194,6 +195,9 @@ class RedisStore:
                 return True
             if known is None:
                 return False
+            # Our key is gone though we kept it alive: Redis restarted empty or was flushed. Whoever
+            # watches state_losses republishes what it had indexed.
+            self.state_losses += 1
             return self._write_worker(worker_id, known[0], ttl)
 
         return self._call(op, lambda: False)
@@ -254,6 +258,10 @@ class RedisStore:
         return self._call(op, lambda: {w: dict(cache[w]) for w in ids if w in cache})
 
     # ---- embedding index ------------------------------------------------
+
+    def add_embeddings(self, model: str, image_hashes: Iterable[str], worker_id: str,
+                       ttl_s: float = DEFAULT_INDEX_TTL_S) -> bool:
+        return self._update_sets([self._k("emb", model, h) for h in image_hashes], worker_id, ttl_s)
 
     def add_embedding(
         self, model: str, image_hash: str, worker_id: str, ttl_s: float = DEFAULT_INDEX_TTL_S

@@ -18,9 +18,12 @@ import zmq.asyncio
 from mserve.common import protocol
 from mserve.common.protocol import MsgType
 from mserve.common.sockets import make_socket, send
-from mserve.coordinator.client_core import (Aborted, Assembler, GenerateResult, MServeError, RequestTimeout,
-                                            ServerError, StreamState, generate_body, logger, new_identity,
-                                            new_request_id, recv_valid, send_abort)
+from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, GenerateResult, MServeError,
+                                            RequestTimeout, ServerError, StreamState, generate_body, logger,
+                                            lost_reply, new_identity, new_request_id, probe_body, recv_valid,
+                                            send_abort)
+from mserve.common.protocol import ErrorCode
+from mserve.coordinator.client_core import client_api_key, error_from_reply, with_api_key
 
 __all__ = ["AsyncClient", "AsyncTokenStream"]
 
@@ -42,11 +45,14 @@ class AsyncClient:
     benchmark timing every token wants a few milliseconds (mserve.bench.zmq_target uses 5 ms).
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 120.0, poll_interval_s: float = 0.05) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 120.0, poll_interval_s: float = 0.05,
+                 probe_after_s: float = PROBE_AFTER_S, api_key: str | None = None) -> None:
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.address = address
+        self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
+        self.probe_after_s = probe_after_s  # a request this silent is checked with the coordinator
         self.poll_interval_s = poll_interval_s
         self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER, connect=address, identity=new_identity())
@@ -96,7 +102,7 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         if not self._closed:
-            send_abort(self._sock, request_id)
+            send_abort(self._sock, request_id, self._api_key)
             self._drain()
 
     async def close(self) -> None:
@@ -105,7 +111,7 @@ class AsyncClient:
             return
         self._closed = True
         for rid, queue in list(self._pending.items()):
-            send_abort(self._sock, rid)
+            send_abort(self._sock, rid, self._api_key)
             queue.put_nowait((None, Aborted("client closed", request_id=rid)))
         if self._reader is not None:
             self._reader.cancel()
@@ -132,7 +138,7 @@ class AsyncClient:
         assert self._waiter is not None
         while True:
             try:
-                send(self._sock, kind, payload, flags=zmq.NOBLOCK)
+                send(self._sock, kind, with_api_key(payload, self._api_key), flags=zmq.NOBLOCK)
                 # A send on the shared socket can consume the "readable" edge of its FD, and the
                 # reader would then wait forever on replies already queued: read them here.
                 if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -168,7 +174,20 @@ class AsyncClient:
             for rid, queue in self._pending.items():
                 queue.put_nowait((None, ServerError(f"client reader failed: {exc}", request_id=rid)))
 
+    def _probe(self, request_ids: list[str]) -> None:
+        """Ask (without waiting) whether the coordinator still holds these requests; see _dispatch."""
+        try:
+            send(self._sock, MsgType.STATUS, with_api_key(probe_body(request_ids), self._api_key), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # no coordinator connected right now: the next probe asks again
+            pass
+
     def _dispatch(self, kind: MsgType, payload: dict[str, Any]) -> None:
+        if kind == MsgType.STATUS_REPLY and "unknown_requests" in payload:  # a probe's answer
+            for rid in payload.get("unknown_requests") or ():
+                queue = self._pending.get(rid)
+                if queue is not None:
+                    queue.put_nowait(lost_reply(rid))
+            return
         if kind == MsgType.STATUS_REPLY:
             while self._status_waiters:
                 waiter = self._status_waiters.popleft()
@@ -177,6 +196,15 @@ class AsyncClient:
                     return
             return
         rid = payload.get("request_id")
+        if rid is None and kind == MsgType.ERROR and payload.get("code") == ErrorCode.UNAUTHORIZED:
+            # A refused STATUS (a refused GENERATE or ABORT names its request): fail the oldest waiter.
+            while self._status_waiters:
+                waiter = self._status_waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(error_from_reply(payload))
+                    return
+            logger.warning("coordinator refused a message: %s", payload.get("message", ""))
+            return
         if rid is None and kind == MsgType.ERROR and len(self._pending) == 1:
             rid = next(iter(self._pending))  # undecodable-message error: only one request it can be
         queue = self._pending.get(rid) if rid is not None else None
@@ -229,9 +257,13 @@ class AsyncTokenStream(StreamState):
                 self._release()
                 return False
             assert self._queue is not None
+            left = self._deadline - time.monotonic()
             try:
-                kind, payload = await asyncio.wait_for(self._queue.get(), self._deadline - time.monotonic())
+                kind, payload = await asyncio.wait_for(self._queue.get(), min(left, self._client.probe_after_s))
             except asyncio.TimeoutError:
+                if time.monotonic() < self._deadline:  # silent for a while: does the coordinator still hold it?
+                    self._client._probe([self.request_id])
+                    continue
                 self.close()
                 raise RequestTimeout(f"no result within {self._timeout_s}s; request aborted",
                                      request_id=self.request_id) from None
@@ -267,7 +299,7 @@ class AsyncTokenStream(StreamState):
     def close(self) -> None:
         """Stop early: sends ABORT unless the server already finished (or it was never sent)."""
         if not self.done and self._queue is not None and not self._client._closed:
-            send_abort(self._client._sock, self.request_id)
+            send_abort(self._client._sock, self.request_id, self._client._api_key)
         self._closed = True
         self._release()
 

@@ -30,15 +30,17 @@ from mserve.common import protocol
 from mserve.common.protocol import MsgType
 from mserve.common.sockets import make_socket, send
 from mserve.coordinator.async_client import AsyncClient, AsyncTokenStream
-from mserve.coordinator.client_core import (Aborted, Assembler, BadRequest, GenerateResult, MServeError, NoWorkers,
-                                            Overloaded, RequestTimeout, ServerError, StreamState, error_from_reply,
-                                            generate_body, logger, new_identity, new_request_id,
-                                            normalize_client_messages, recv_valid, send_abort)
+from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, BadRequest, GenerateResult, Lost,
+                                            MServeError, NoWorkers, Overloaded, RequestTimeout, ServerError,
+                                            StreamState, error_from_reply, generate_body, logger, lost_reply,
+                                            new_identity, new_request_id, normalize_client_messages, probe_body,
+                                            recv_valid, send_abort)
+from mserve.coordinator.client_core import Unauthorized, client_api_key, with_api_key
 
 __all__ = [
-    "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError",
+    "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError", "Lost",
     "GenerateResult", "normalize_client_messages", "error_from_reply", "Client", "AsyncClient",
-    "TokenStream", "AsyncTokenStream",
+    "TokenStream", "AsyncTokenStream", "Unauthorized",
 ]
 
 
@@ -48,9 +50,12 @@ __all__ = [
 class Client:
     """Synchronous client over one DEALER socket; one request at a time, not thread-safe."""
 
-    def __init__(self, address: str, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 120.0, probe_after_s: float = PROBE_AFTER_S,
+                 api_key: str | None = None) -> None:
         self.address = address
+        self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
+        self.probe_after_s = probe_after_s  # a request this silent is checked with the coordinator
         self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER, connect=address, identity=new_identity())
         # Weak, so a stream the caller dropped mid-way is finalized (ABORT sent) instead of pinned here.
@@ -97,14 +102,16 @@ class Client:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         self._send(MsgType.STATUS, protocol.body(), deadline, None)
         while (reply := self._recv(deadline)) is not None:
-            if reply[0] == MsgType.STATUS_REPLY:
+            if reply[0] == MsgType.STATUS_REPLY and "unknown_requests" not in reply[1]:  # not a late probe answer
                 return reply[1]
+            if reply[0] == MsgType.ERROR and reply[1].get("request_id") is None:  # e.g. unauthorized
+                raise error_from_reply(reply[1])
         raise RequestTimeout(f"no STATUS reply from {self.address} within the deadline")
 
     def abort(self, request_id: str) -> None:
         """Ask the coordinator to drop a request (best effort, no reply is awaited)."""
         if not self._closed:
-            send_abort(self._sock, request_id)
+            send_abort(self._sock, request_id, self._api_key)
 
     def close(self) -> None:
         if self._closed:
@@ -126,7 +133,7 @@ class Client:
         # IMMEDIATE makes a send block while the coordinator is unreachable; bound it by the deadline.
         while True:
             try:
-                send(self._sock, kind, payload, flags=zmq.NOBLOCK)
+                send(self._sock, kind, with_api_key(payload, self._api_key), flags=zmq.NOBLOCK)
                 return
             except zmq.Again:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -145,15 +152,26 @@ class Client:
         return None
 
     def _next_reply(self, request_id: str, deadline: float) -> tuple[MsgType, dict[str, Any]] | None:
-        while (reply := self._recv(deadline)) is not None:
+        while True:
+            reply = self._recv(min(deadline, time.monotonic() + self.probe_after_s))
+            if reply is None:
+                if time.monotonic() >= deadline:
+                    return None
+                try:  # silent for a while: does the coordinator still hold it? (answered below)
+                    send(self._sock, MsgType.STATUS, with_api_key(probe_body([request_id]), self._api_key),
+                         flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                continue
             kind, payload = reply
+            if kind == MsgType.STATUS_REPLY and request_id in (payload.get("unknown_requests") or ()):
+                return lost_reply(request_id)
             rid = payload.get("request_id")
             # A null-id ERROR answers a message the server could not decode: with one request in
             # flight, that is this one.
             if rid == request_id or (kind == MsgType.ERROR and rid is None):
                 return reply
             logger.debug("%s dropping stale %s", rid, kind.name)
-        return None
 
 
 class TokenStream(StreamState):
@@ -189,7 +207,7 @@ class TokenStream(StreamState):
     def close(self) -> None:
         """Stop early: sends ABORT unless the server already finished the request."""
         if not self.done and not self._client._closed:
-            send_abort(self._client._sock, self.request_id)
+            send_abort(self._client._sock, self.request_id, self._client._api_key)
         self._closed = True
 
     def __enter__(self) -> TokenStream:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import zmq
 
 from mserve.common import protocol
 from mserve.common.prompt import image_bytes_from_part
+from mserve.common.video import video_part_from_value
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.serde import WireError
 from mserve.common.sockets import recv, send
@@ -26,9 +28,11 @@ from mserve.common.sockets import recv, send
 logger = logging.getLogger("mserve.coordinator.client")
 
 __all__ = [
-    "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError",
+    "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError", "Lost",
+    "PROBE_AFTER_S", "probe_body", "lost_reply",
     "GenerateResult", "normalize_client_messages", "error_from_reply", "generate_body", "new_request_id",
     "new_identity", "Assembler", "StreamState", "send_abort", "recv_valid",
+    "Unauthorized", "client_api_key", "with_api_key",
 ]
 
 
@@ -74,10 +78,38 @@ class ServerError(MServeError):
     default_code = ErrorCode.INTERNAL
 
 
+class Unauthorized(MServeError):
+    """The coordinator requires a client API key and this client sent none or a wrong one."""
+
+    default_code = ErrorCode.UNAUTHORIZED
+
+
+class Lost(MServeError):
+    """The coordinator no longer holds the request (it restarted mid-request); sending it again is safe."""
+
+    default_code = ErrorCode.LOST
+
+
+# A request silent this long makes the client ask the coordinator whether it still holds it (a
+# coordinator that restarted does not), so no request waits out its whole timeout for nothing.
+PROBE_AFTER_S = 5.0
+
+
+def probe_body(request_ids: list[str]) -> dict[str, Any]:
+    """STATUS asking which of these requests the coordinator still holds (answered with unknown_requests)."""
+    return protocol.body(request_ids=list(request_ids))
+
+
+def lost_reply(request_id: str) -> tuple[MsgType, dict[str, Any]]:
+    """The ERROR a probe's ``unknown_requests`` stands for."""
+    return MsgType.ERROR, {"request_id": request_id, "code": ErrorCode.LOST,
+                           "message": "the coordinator no longer holds this request (it restarted); send it again"}
+
+
 _ERRORS_BY_CODE: dict[str, type[MServeError]] = {
     ErrorCode.BAD_REQUEST: BadRequest, ErrorCode.BAD_MESSAGE: BadRequest, ErrorCode.TOO_LARGE: BadRequest, ErrorCode.OVERLOADED: Overloaded,
     ErrorCode.NO_WORKERS: NoWorkers, ErrorCode.TIMEOUT: RequestTimeout, ErrorCode.ABORTED: Aborted,
-    ErrorCode.INTERNAL: ServerError,
+    ErrorCode.INTERNAL: ServerError, ErrorCode.LOST: Lost, ErrorCode.UNAUTHORIZED: Unauthorized,
 }
 
 
@@ -114,7 +146,8 @@ class GenerateResult:
 
 
 def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI-shaped messages with every image part turned into ``{"type": "image", "image": bytes}``.
+    """OpenAI-shaped messages with every image part turned into ``{"type": "image", "image": bytes}``, and
+    every video part into ``{"type": "video", "video": [frame bytes, ...] or video file bytes}``.
 
     Image parts may hold bytes, a file path (str or Path), a data URL, or be OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}``. The server refuses paths (they name files on
@@ -144,9 +177,15 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
                     parts.append({"type": "image", "image": image_bytes_from_part(part)})
                 except ValueError as exc:
                     raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
+            elif kind == "video":  # a list of frames, or one video file; paths are read here too
+                try:
+                    video = video_part_from_value(part.get("video"))
+                except ValueError as exc:
+                    raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
+                parts.append({"type": "video", "video": list(video.frames) if video.frames is not None else video.data})
             else:
                 raise ValueError(f"messages[{i}].content[{j}] has an unsupported part type {kind!r} "
-                                 "(expected 'text', 'image' or 'image_url')")
+                                 "(expected 'text', 'image', 'image_url' or 'video')")
         out.append({**msg, "content": parts})
     return out
 
@@ -161,6 +200,17 @@ def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: b
                 "stop_token_ids": [int(t) for t in stop_token_ids], "ignore_eos": bool(ignore_eos)}
     return protocol.body(request_id=request_id, messages=normalize_client_messages(messages), sampling=sampling,
                          priority=int(priority), latency_class=latency_class, stream=stream)
+
+
+def client_api_key(api_key: str | None) -> str | None:
+    """The key a client sends in every message: ``api_key``, else $MSERVE_CLIENT_API_KEY, else None."""
+    key = api_key if api_key is not None else os.environ.get("MSERVE_CLIENT_API_KEY")
+    return key or None
+
+
+def with_api_key(payload: dict[str, Any], api_key: str | None) -> dict[str, Any]:
+    """``payload`` with the client API key added (unchanged when there is none)."""
+    return {**payload, "api_key": api_key} if api_key else payload
 
 
 def new_request_id(request_id: str | None) -> str:
@@ -232,10 +282,10 @@ class StreamState:
         return self._closed or self._asm.finished
 
 
-def send_abort(sock: zmq.Socket, request_id: str) -> None:
+def send_abort(sock: zmq.Socket, request_id: str, api_key: str | None = None) -> None:
     """Send ABORT without blocking; best effort (nothing to abort when no coordinator is connected)."""
     try:
-        send(sock, MsgType.ABORT, protocol.body(request_id=request_id), flags=zmq.NOBLOCK)
+        send(sock, MsgType.ABORT, with_api_key(protocol.body(request_id=request_id), api_key), flags=zmq.NOBLOCK)
     except zmq.ZMQError as exc:  # zmq.Again included: no coordinator connected, nothing to abort there
         logger.debug("%s ABORT not sent: %s", request_id, exc)
 

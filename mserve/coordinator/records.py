@@ -101,7 +101,7 @@ def stage_message(st: RequestState, stage: Stage) -> tuple[MsgType, dict[str, An
     """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there."""
     a, req = st.admitted, st.admitted.request
     ids = {"request_id": st.rid, "attempt": st.attempt}
-    images = [ImageRef(hash=im.hash, data=im.data) for im in a.images]
+    images = [ImageRef(hash=im.hash, data=im.data, frames=im.frames, frame_indices=im.frame_indices) for im in a.images]
     classes = {"priority": req.priority, "latency_class": req.latency_class}
     tokens = 0
     if stage == Stage.ENCODE:
@@ -118,3 +118,11 @@ def stage_message(st: RequestState, stage: Stage) -> tuple[MsgType, dict[str, An
                       images=images, **classes)
         tokens = len(a.prompt_ids)
     return msg.KIND, msg.fields(), tokens
+
+
+def result_body(st: RequestState, finish_reason: str, text: str, now: float) -> dict[str, Any]:
+    """The RESULT a finished request ends with."""
+    timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(now - st.arrived, 6)}
+    return {"request_id": st.client_rid, "token_ids": st.output_ids, "text": text, "finish_reason": finish_reason,
+            "prompt_tokens": len(st.admitted.prompt_ids), "visual_tokens": st.admitted.visual_tokens,
+            "timings": timings, "cache_hits": st.cache_hits, "attempts": st.attempt + 1}

@@ -22,7 +22,7 @@ from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Fail
 from mserve.coordinator.admission import Admitted
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (ACTIVE_STAGES, Lookups, NoLookups, Out, RequestState, Stage, ToClient, ToWorker,
-                                        stage_message)
+                                        result_body, stage_message)
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
 from mserve.coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
 from mserve.coordinator.telemetry import Telemetry
@@ -199,6 +199,10 @@ class RequestMachine:
         return {"workers": workers, "roles": roles, "requests_in_flight": len(self.requests),
                 "stats": dict(self.stats), "telemetry": self.telemetry.snapshot()}
 
+    def unknown(self, client: bytes, request_ids: list[str]) -> list[str]:
+        """Which of a client's request ids this coordinator does not hold (it restarted, or they ended)."""
+        return [r for r in request_ids if (client, r) not in self.by_client]
+
     # -- stages ----------------------------------------------------------------------------------------
     def _restart(self, st: RequestState, first: bool = False, reason: str = "") -> None:
         """(Re)run a request from its first stage, keeping the tokens the client already has."""
@@ -336,6 +340,9 @@ class RequestMachine:
         stage = Stage.RUN if self.members.workers[worker_id].role == "unified" else Stage.DECODE
         st = self._current(worker_id, item, stage)
         if st is None:
+            if item.request_id not in self.requests and not item.finished:
+                # Nobody waits for it (a coordinator before this one admitted it): free the worker.
+                self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": item.request_id}))
             return
         st.timings["transfer_s"] += item.fetch_s or 0.0
         now = self._now
@@ -404,18 +411,11 @@ class RequestMachine:
             log.warning("%s failed: %s", st.client_rid, error[1])
             return self._error(st.client, st.client_rid, *error, **error_extra)
         self.stats["completed"] += 1
-        total = self._now - st.arrived
-        self.telemetry.on_result(
-            st.timings, arrived=st.arrived, first_token_at=st.first_token_at, now=self._now,
-            prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
-            output_tokens=len(st.output_ids), images=len(st.admitted.images), cache_hits=st.cache_hits)
-        timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(total, 6)}
-        log.info("%s done: %d tokens (%s) in %.0f ms", st.client_rid, len(st.output_ids), finish_reason, total * 1e3)
-        self._out.append(ToClient(st.client, MsgType.RESULT, {
-            "request_id": st.client_rid, "token_ids": st.output_ids, "text": self.detokenize(st.output_ids),
-            "finish_reason": finish_reason, "prompt_tokens": len(st.admitted.prompt_ids),
-            "visual_tokens": st.admitted.visual_tokens, "timings": timings, "cache_hits": st.cache_hits,
-            "attempts": st.attempt + 1}))
+        self.telemetry.on_request(st, self._now)
+        log.info("%s done: %d tokens (%s) in %.0f ms", st.client_rid, len(st.output_ids), finish_reason,
+                 (self._now - st.arrived) * 1e3)
+        body = result_body(st, finish_reason or "stop", self.detokenize(st.output_ids), self._now)
+        self._out.append(ToClient(st.client, MsgType.RESULT, body))
 
     def _cancel_on_worker(self, st: RequestState) -> None:
         if self.members.is_alive(st.worker_id or "") and st.stage in ACTIVE_STAGES:

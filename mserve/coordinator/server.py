@@ -9,6 +9,7 @@ is reported back to the machine, which re-runs its requests elsewhere.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import (CLIENT_TO_COORDINATOR, WORKER_TO_COORDINATOR, ErrorCode, MsgType, ProtocolError,
                                     body, validate)
 from mserve.common.redis_store import RedisStore
+from mserve.common.security import CurveKeys, Gate, check_curve_settings
 from mserve.common.serde import WireError, decode
 from mserve.common.sockets import make_socket, send
 from mserve.coordinator.admission import Admitted, AdmissionError, Limits, admit
@@ -56,8 +58,18 @@ class Coordinator:
         self.model_name = settings.model_name or settings.model
         self.limits = Limits(**settings.limits())
         self.ctx = zmq.Context.instance()
+        key = settings.client_api_key
+        self._client_key = key.get_secret_value().encode() if key is not None else None
+        self._unauthorized = 0  # client messages refused for a missing or wrong api_key
+        self._next_unauthorized_log = 0.0
+        self._gate = None  # CURVE on the worker link: workers whose keys are not authorized are refused
+        if check_curve_settings("coordinator", curve_secret_key=settings.curve_secret_key,
+                                curve_authorized_keys=settings.curve_authorized_keys):
+            keys = CurveKeys.from_files(settings.curve_secret_key, authorized_keys=settings.curve_authorized_keys)
+            self._gate = Gate(self.ctx, keys, "coordinator worker link")
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, bind=settings.bind)
-        self.worker_sock = make_socket(self.ctx, zmq.ROUTER, bind=settings.worker_bind)
+        self.worker_sock = make_socket(self.ctx, zmq.ROUTER, bind=settings.worker_bind,
+                                       curve=self._gate.apply if self._gate else None)
         self.store = RedisStore(settings.redis) if settings.redis else None
         self.machine = RequestMachine(
             stage_timeout_s=settings.stage_timeout_s, dead_after_s=settings.dead_after_s,
@@ -75,6 +87,10 @@ class Coordinator:
         poller.register(self.worker_sock, zmq.POLLIN)
         log.info("coordinator ready: clients %s, workers %s, model %s", self.settings.bind, self.settings.worker_bind,
                  self.model_name)
+        log.info("client link: %s; worker link: %s",
+                 "API key required" if self._client_key else "no API key (unauthenticated)",
+                 f"CURVE, authorized keys in {self.settings.curve_authorized_keys}" if self._gate
+                 else "no CURVE (unauthenticated, plaintext)")
         while self._running:
             events = dict(poller.poll(timeout=20))
             # Worker messages first: finishing work frees capacity for new requests.
@@ -93,6 +109,8 @@ class Coordinator:
     def close(self) -> None:
         self.client_sock.close(0)
         self.worker_sock.close(0)
+        if self._gate:
+            self._gate.close()
         if self.store:
             self.store.close()
 
@@ -139,12 +157,35 @@ class Coordinator:
             rid = payload.get("request_id") if isinstance(payload, dict) else None
             self._error(client, rid if isinstance(rid, str) else None, ErrorCode.BAD_MESSAGE, str(exc))
             return
+        key = payload.pop("api_key", None)  # never kept, passed on or logged
+        if self._client_key is not None and not (
+                isinstance(key, str) and hmac.compare_digest(key.encode(), self._client_key)):
+            self._refuse(client, kind, payload, "missing" if key is None else "wrong")
+            return
         if kind is MsgType.GENERATE:
             self._on_generate(client, payload)
         elif kind is MsgType.ABORT:
             self._send(self.machine.abort(client, str(payload["request_id"]), now=time.monotonic()))
         elif kind is MsgType.STATUS:
-            self._reply(client, MsgType.STATUS_REPLY, self.status())
+            ids = payload.get("request_ids")
+            if isinstance(ids, list):  # a client's liveness probe: which of its requests are still here
+                unknown = self.machine.unknown(client, [str(r) for r in ids])
+                self._reply(client, MsgType.STATUS_REPLY, {"workers": {}, "unknown_requests": unknown})
+            else:
+                self._reply(client, MsgType.STATUS_REPLY, self.status())
+
+    def _refuse(self, client: bytes, kind: MsgType, payload: dict[str, Any], why: str) -> None:
+        """ERROR unauthorized; the request is not admitted, counted or logged with its content."""
+        self._unauthorized += 1
+        now = time.monotonic()
+        if now >= self._next_unauthorized_log:  # at most one line a second, whatever a client floods
+            self._next_unauthorized_log = now + 1.0
+            log.warning("refused %s from client %r: %s api_key (%d refused so far)", kind.name, client[:24], why,
+                        self._unauthorized)
+        rid = payload.get("request_id")
+        self._error(client, rid if isinstance(rid, str) else None, ErrorCode.UNAUTHORIZED,
+                    f"{why} api_key: this coordinator requires its client API key on every message "
+                    "(Client/AsyncClient api_key= or MSERVE_CLIENT_API_KEY; the gateway: --coordinator-api-key)")
 
     def _on_generate(self, client: bytes, payload: dict[str, Any]) -> None:
         rid_in = payload.get("request_id")
@@ -182,4 +223,4 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         return {**self.machine.status(), "model": self.model_name, "model_path": self.settings.model,
                 "rss_mib": round(resident_mib(), 1),
-                "redis_healthy": bool(self.store and self.store.healthy)}
+                "redis_healthy": bool(self.store and self.store.healthy), "unauthorized": self._unauthorized}

@@ -68,5 +68,11 @@ class Telemetry:
         c["embedding_cache_hits"] += int(cache_hits.get("embedding", 0))
         c["prefix_cache_hit_tokens"] += int(cache_hits.get("prefix_tokens", 0))
 
+    def on_request(self, st: Any, now: float) -> None:
+        """``on_result`` for a finished RequestState (coordinator/records.py)."""
+        self.on_result(st.timings, arrived=st.arrived, first_token_at=st.first_token_at, now=now,
+                       prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
+                       output_tokens=len(st.output_ids), images=len(st.admitted.images), cache_hits=st.cache_hits)
+
     def snapshot(self) -> dict[str, Any]:
         return {"histograms": {k: h.snapshot() for k, h in self.histograms.items()}, "counters": dict(self.counters)}

@@ -179,6 +179,10 @@ class BlockPool:
         cached = sum(1 for b in self._free if self.blocks[b].hash is not None)
         assert self.num_cached_blocks == cached and cached <= len(self._free)
 
+    def cached_hashes(self) -> list[str]:
+        """Hashes of every block that holds a reusable prefix (in use or cached)."""
+        return list(self._hash_to_block)
+
     def stats(self) -> dict[str, int]:
         return {
             "total_blocks": self.num_blocks,

@@ -27,6 +27,7 @@ from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
 from mserve.common.protocol.to_worker import TO_WORKER, Cancel
 from mserve.common.protocol.typed import Message
 from mserve.common.redis_store import RedisStore
+from mserve.common.security import CurveKeys, HandshakeWatch, check_curve_settings
 from mserve.common.serde import WireError
 from mserve.common.sockets import make_socket, recv, send
 from mserve.common.transfer import TransferEngine, TransferError
@@ -56,6 +57,12 @@ class Worker:
         self.role = settings.role
         self.accepts = ROLE_ACCEPTS[self.role]
         self.model_name = settings.model_name or settings.model
+        keys = None  # read before the model loads: a bad key file fails at once
+        if check_curve_settings("worker", curve_secret_key=settings.curve_secret_key,
+                                curve_server_key=settings.curve_server_key,
+                                curve_authorized_keys=settings.curve_authorized_keys):
+            keys = CurveKeys.from_files(settings.curve_secret_key, server_key=settings.curve_server_key,
+                                        authorized_keys=settings.curve_authorized_keys)
         self.engine = Engine(self.engine_config(settings))
         runner = self.engine.runner
         self.memory_mib = {  # what this role holds, for `rss_mib` to be read against
@@ -63,17 +70,23 @@ class Worker:
             "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0}
         self.ctx = zmq.Context.instance()
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
-                                       device=settings.device, shm_pool_bytes=settings.transfer_pool_mb * 2**20)
-        self.sock = make_socket(self.ctx, zmq.DEALER, connect=settings.coordinator, identity=self.worker_id.encode())
+                                       device=settings.device, shm_pool_bytes=settings.transfer_pool_mb * 2**20,
+                                       curve=keys)
+        self.sock = make_socket(self.ctx, zmq.DEALER, connect=settings.coordinator, identity=self.worker_id.encode(),
+                                curve=keys.client() if keys else None)
+        # Under CURVE a coordinator that refuses this worker's key would only look unreachable: say why.
+        self.handshake = HandshakeWatch(self.sock) if keys else None
         self.sock_lock = threading.Lock()  # the loop and the pulse thread share the socket
         self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
         self.store = RedisStore(settings.redis) if settings.redis else None
         self.received: dict[str, float] = {}  # when each request's stage arrived: its worker_s
         self.running = True
         self._next_prefix_publish = 0.0
+        self._seen_state_losses = 0
         self._tokens_ewma = 0.0
         self._last_rate_t = time.monotonic()
         self._tokens_since = 0
+        self._next_refusal_log = 0.0
 
     def engine_config(self, s: WorkerSettings) -> EngineConfig:
         return EngineConfig(
@@ -108,7 +121,8 @@ class Worker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role=self.role, data_address=self.transfer.address,
                           host_id=self.transfer.host_id, pid=os.getpid(), model=self.model_name,
-                          block_size=self.s.block_size, num_blocks=self.engine.pool.num_blocks, load=self.load())
+                          block_size=self.s.block_size, num_blocks=self.engine.pool.num_blocks, load=self.load(),
+                          data_key=self.transfer.key)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
@@ -133,6 +147,7 @@ class Worker:
                 if self.busy():
                     self.work()
                 self._publish_prefixes()
+                self._republish_after_redis_loss()
         finally:
             self.close()
 
@@ -149,6 +164,8 @@ class Worker:
             self.store.deregister_worker(self.worker_id)
             self.store.close()
         self.transfer.close()
+        if self.handshake:  # the pulse thread, which reads it, has stopped
+            self.handshake.close()
         self.sock.close(linger=200)
         log.info("worker %s stopped", self.worker_id)
 
@@ -175,10 +192,29 @@ class Worker:
             # worker dead) re-admits it from its next heartbeat.
             info = self.info()
             self._send_locked(info, MsgType.HEARTBEAT)
+            refused = self.handshake.failure() if self.handshake else None
+        if refused and time.monotonic() >= self._next_refusal_log:
+            self._next_refusal_log = time.monotonic() + 60.0
+            log.error("the coordinator at %s does not let this worker in: %s", self.s.coordinator, refused)
         if self.store:
             ttl = max(3.0, 8 * self.s.heartbeat_s)
             self.store.heartbeat(self.worker_id, ttl_s=ttl)
             self.store.publish_load(self.worker_id, redis_load(info.load), ttl_s=ttl)
+
+    def _republish_after_redis_loss(self) -> None:
+        """On the loop: Redis came back empty (restart, FLUSHALL); index again what this worker holds."""
+        if self.store is None or self.store.state_losses == self._seen_state_losses:
+            return
+        self._seen_state_losses = self.store.state_losses
+        n = self.republish_indexes()
+        log.warning("redis lost its state: registration restored, %d index entries republished", n)
+
+    def republish_indexes(self) -> int:
+        """Put this worker's cache entries back into the Redis indexes; returns how many."""
+        hashes = self.engine.pool.cached_hashes() if self.engine.config.enable_prefix_caching else []
+        if hashes and self.store is not None:
+            self.store.add_prefix_blocks(self.model_name, self.worker_id, hashes)
+        return len(hashes)
 
     def _publish_prefixes(self) -> None:
         """On the loop: index the prompt blocks that became reusable here (bounded through outages)."""

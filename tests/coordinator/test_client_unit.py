@@ -266,3 +266,86 @@ def test_cluster_names_and_commands():
 def test_cluster_refuses_bad_worker_counts(counts):
     with pytest.raises(ValueError, match="worker counts"):
         LocalCluster("/m", **counts)
+
+
+def test_video_parts_pass_as_frame_bytes_or_file_bytes(tmp_path):
+    other = make_image(32, 24, seed=2)
+    (tmp_path / "f1.png").write_bytes(other)
+    (tmp_path / "clip.mp4").write_bytes(b"not really a video")
+    url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
+    out = normalize_client_messages(user({"type": "video", "video": [url, tmp_path / "f1.png", bytearray(IMAGE)]},
+                                         {"type": "video", "video": str(tmp_path / "clip.mp4")}))
+    assert out[0]["content"] == [{"type": "video", "video": [IMAGE, other, IMAGE]},
+                                 {"type": "video", "video": b"not really a video"}]
+    assert all(type(f) is bytes for f in out[0]["content"][0]["video"])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: video part has no frames"):
+        normalize_client_messages(user({"type": "video", "video": []}))
+
+
+# ---- a coordinator that lost the request (it restarted): the client asks, then fails it as Lost
+
+
+def _forgetful_router(ctx, answer_probe: bool):
+    """A ROUTER that takes GENERATE and never answers it; probes get `unknown_requests` (if asked to)."""
+    router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+    probes: list[list[str]] = []
+
+    def serve() -> None:
+        while router.poll(5000):
+            identity, kind, body = recv(router)
+            if kind == MsgType.STATUS and "request_ids" in body:
+                probes.append(list(body["request_ids"]))
+                if answer_probe:
+                    send(router, MsgType.STATUS_REPLY, protocol.body(workers={}, unknown_requests=body["request_ids"]),
+                         identity=identity)
+
+    import threading
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return router, probes, thread
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_request_the_coordinator_lost_ends_as_lost_not_at_the_timeout(flavour):
+    import time
+
+    from mserve.coordinator.client import Client, Lost
+
+    ctx = zmq.Context()
+    router, probes, thread = _forgetful_router(ctx, answer_probe=True)
+    address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Lost, match="no longer holds this request") as info:
+            if flavour == "sync":
+                with Client(address, timeout_s=30, probe_after_s=0.3) as c:
+                    c.generate(user({"type": "text", "text": "hi"}), request_id="gone")
+            else:
+                async def go():
+                    async with AsyncClient(address, timeout_s=30, probe_after_s=0.3, poll_interval_s=0.01) as c:
+                        await c.generate(user({"type": "text", "text": "hi"}), request_id="gone")
+                asyncio.run(go())
+        assert info.value.code == ErrorCode.LOST and info.value.request_id == "gone"
+        assert time.monotonic() - t0 < 10, "the client waited for its timeout instead of asking"
+        assert probes and probes[0] == ["gone"]
+    finally:
+        thread.join(10)
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_a_silent_but_known_request_keeps_waiting_until_its_timeout():
+    from mserve.coordinator.client import Client
+
+    ctx = zmq.Context()
+    router, probes, thread = _forgetful_router(ctx, answer_probe=False)  # probes unanswered: still "held"
+    try:
+        with Client(router.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=1.2, probe_after_s=0.3) as c:
+            with pytest.raises(RequestTimeout):
+                c.generate(user({"type": "text", "text": "hi"}), request_id="slow")
+        assert len(probes) >= 2  # it kept asking while it waited
+    finally:
+        thread.join(10)
+        router.close(linger=0)
+        ctx.term()

@@ -189,3 +189,133 @@ def test_client_abort_frees_the_request_on_its_worker(small_cluster):
         assert after["requests_in_flight"] == 0
         assert after["stats"]["completed"] == before["stats"]["completed"]  # it ended as aborted, not done
         assert client.generate(chat("Next one?"), max_tokens=3).token_ids  # and it keeps serving
+
+
+def test_coordinator_killed_mid_stream_no_request_hangs(tiny_model_dirs, redis_url):
+    """kill -9 of the coordinator mid-stream: the clients reconnect to its replacement, learn their
+    requests are gone (Lost, an explicit error) instead of waiting out their timeout, the workers drop
+    the orphaned requests and free their KV blocks, and new requests are served token-exact."""
+    import subprocess
+
+    from mserve.coordinator.client import Lost
+
+    model = str(tiny_model_dirs["llava"])
+    requests = request_mix(4, seed=31)
+    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_url) as cluster:
+        names = set(cluster.worker_names())
+        replacement: list[subprocess.Popen] = []
+
+        async def run() -> list:
+            started = asyncio.Event()
+            counts = [0] * len(requests)
+
+            async def one(i, client, text, images):
+                try:
+                    async for _ in client.stream(chat(text, images), max_tokens=2000, ignore_eos=True):
+                        counts[i] += 1
+                        if all(counts):
+                            started.set()
+                    return "completed"
+                except Lost:
+                    return "lost"
+
+            async with AsyncClient(cluster.address, timeout_s=120, probe_after_s=1.0) as client:
+                tasks = [asyncio.ensure_future(one(i, client, t, ims)) for i, (t, ims) in enumerate(requests)]
+                await asyncio.wait_for(started.wait(), 60)
+                cluster.kill_worker("coordinator", signal.SIGKILL)
+                replacement.append(subprocess.Popen(cluster.coordinator_command(), stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL, start_new_session=True))
+                return await asyncio.wait_for(asyncio.gather(*tasks), 60)  # none hangs
+
+        try:
+            t0 = time.monotonic()
+            outcomes = asyncio.run(run())
+            assert outcomes.count("lost") >= 1 and set(outcomes) <= {"lost", "completed"}, outcomes
+            assert time.monotonic() - t0 < 60
+            status = wait_alive(cluster.address, names, alive=True, timeout_s=60)
+
+            def kv_idle() -> bool:
+                with Client(cluster.address, timeout_s=5) as c:
+                    workers = c.status()["workers"]
+                return all(w["counters"].get("used_blocks", 0) == 0 for w in workers.values() if w["role"] != "encode")
+            deadline = time.monotonic() + 60
+            while not kv_idle():  # the orphaned requests are cancelled on their workers
+                assert time.monotonic() < deadline, "orphaned requests kept their KV blocks"
+                time.sleep(0.2)
+            fresh = request_mix(3, seed=32)
+            results = asyncio.run(generate_all(cluster.address, fresh))
+            assert [r.token_ids for r in results] == expected(model, fresh)
+            del status
+        finally:
+            for proc in replacement:
+                proc.terminate()
+                proc.wait(10)
+
+
+@pytest.mark.parametrize("how", ["flushall", "restart"])
+def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
+    """FLUSHALL, or a restart without persistence: every registration, load and index entry is gone.
+    The workers notice at their next heartbeat, register again and republish their embedding and
+    prefix indexes; requests never stop being served, token-exact."""
+    import redis
+
+    from mserve.common.model import image_hash
+    from mserve.common.redis_store import RedisStore
+
+    model = str(tiny_model_dirs["llava"])
+    requests = request_mix(3, seed=41)  # text, one image, two images
+    image = requests[1][1][0]
+    from mserve.common.redis_server import free_port
+
+    with RedisServer(port=free_port()) as redis_srv:  # a fixed port: the restart comes back on it
+        with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_srv.url) as cluster:
+            first = asyncio.run(generate_all(cluster.address, requests))
+            store = RedisStore(redis_srv.url)
+            encode = cluster.worker_names("encode")[0]
+            assert store.lookup_embedding(model, image_hash(image)) == {encode}
+            if how == "flushall":
+                redis.Redis.from_url(redis_srv.url).flushall()
+            else:
+                redis_srv.stop()
+                redis_srv.start()
+
+            def rebuilt() -> bool:
+                census = store.census() or {}
+                return (set(store.list_workers()) == set(cluster.worker_names())
+                        and store.lookup_embedding(model, image_hash(image)) == {encode}
+                        and census.get("prefix", {}).get(model, 0) > 0)
+            deadline = time.monotonic() + 30
+            while not rebuilt():
+                assert time.monotonic() < deadline, "redis state was not rebuilt by the workers"
+                time.sleep(0.1)
+            again = asyncio.run(generate_all(cluster.address, requests))
+            assert Client(cluster.address).status()["redis_healthy"] is True
+            store.close()
+    want = expected(model, requests)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again] == want
+    assert again[1].cache_hits["embedding"] == 1  # the republished index routed it to the cached copy
+
+
+def test_kill_9_of_an_encode_worker_holding_work_reruns_it_elsewhere(tiny_model_dirs, redis_url):
+    """The encoder is frozen (SIGSTOP) so it surely holds dispatched images, then killed: the coordinator
+    declares it dead and runs those encodes on the other encoder; every request ends once, token-exact."""
+    model = str(tiny_model_dirs["qwen2_vl"])
+    requests = [r for r in request_mix(9, seed=51) if r[1]]  # the ones with images
+    with LocalCluster(model, encode=2, prefill=1, decode=1, redis_url=redis_url,
+                      extra_coordinator_args=["--dead-after-s", "1.0"]) as cluster:
+        victim = cluster.worker_names("encode")[0]
+
+        async def run():
+            async with AsyncClient(cluster.address, timeout_s=120) as client:
+                cluster.kill_worker(victim, signal.SIGSTOP)
+                tasks = [asyncio.ensure_future(client.generate(chat(t, ims), max_tokens=12)) for t, ims in requests]
+                deadline = time.monotonic() + 10
+                while (await client.status())["workers"][victim]["load"]["inflight"] == 0:
+                    assert time.monotonic() < deadline, "no image was routed to the frozen encoder"
+                    await asyncio.sleep(0.01)
+                cluster.kill_worker(victim, signal.SIGKILL)
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run())
+    assert [r.token_ids for r in results] == expected(model, requests)
+    assert any(r.attempts > 1 for r in results)  # the killed encoder really held work

@@ -439,3 +439,18 @@ def test_shedding_turns_away_the_lowest_class_with_an_explicit_overloaded_error(
     # A request that has its first token no longer counts against the bound.
     h.prefilled(out[-1].worker_id, out[-1], token=1)
     assert only(h.submit(make_admitted("i-3")), MsgType.PREFILL)
+
+
+def test_a_restarted_coordinator_knows_none_of_the_old_requests_and_frees_their_workers():
+    """After a restart the client's probe learns which of its requests are gone; a worker still decoding
+    one of them is told to drop it."""
+    h = Harness(("u0", "unified"))
+    run = only(h.submit(make_admitted("r1")), MsgType.RUN)
+    assert h.m.unknown(CLIENT, ["r1", "r9"]) == ["r9"]
+    assert h.m.unknown(b"other-client", ["r1"]) == ["r1"]  # ids are per client
+
+    fresh = Harness(("u0", "unified"))  # the coordinator that replaced the first one
+    assert fresh.m.unknown(CLIENT, ["r1"]) == ["r1"]
+    out = fresh.step("u0", run, [5, 6])
+    assert kinds(out) == [("CANCEL", "u0")] and out[0].body == {"request_id": run.body["request_id"]}
+    assert fresh.step("u0", run, [7], finished=True) == []  # already over there: nothing to cancel

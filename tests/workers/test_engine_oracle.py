@@ -158,6 +158,9 @@ def test_preemption_recomputes_exactly(model_dir, builder):
     # alone, so decode growth must preempt.
     blocks = 2 * -(-longest // 16) + 1
     engine = new_engine(model_dir, num_blocks=blocks, enable_prefix_caching=False, reserve_tokens=0)
+    # A frozen clock: prompt aging runs on wall time, and on a loaded machine it could reorder
+    # admissions so that no preemption is needed (the test then asserted nothing it meant to).
+    engine.scheduler.clock = lambda: 0.0
     for rid, pp in requests.items():
         engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy(new))
     results = engine.run_until_done()

@@ -114,3 +114,5 @@ class ErrorCode:
     TIMEOUT = "timeout"
     INTERNAL = "internal"
     ABORTED = "aborted"
+    UNAUTHORIZED = "unauthorized"  # the coordinator requires a client API key: `api_key` missing or wrong
+    LOST = "lost"  # the coordinator no longer holds the request (it restarted): safe to send again

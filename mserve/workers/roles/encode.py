@@ -7,9 +7,10 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from mserve.common.model import ImageError, decode_image
+from mserve.common.model import ImageError
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
-from mserve.common.protocol.to_worker import LATENCY_CLASSES, EncodeTask
+from mserve.common.protocol.to_worker import LATENCY_CLASSES, EncodeTask, ImageRef
+from mserve.common.video import VideoPart
 from mserve.workers.engine import EngineConfig
 from mserve.workers.model_runner import EncodedImage
 from mserve.workers.settings import WorkerSettings
@@ -32,6 +33,9 @@ class EmbeddingCache:
             self._items.move_to_end(key)
         return item
 
+    def keys(self) -> list[str]:
+        return list(self._items)
+
     def put(self, key: str, item: EncodedImage) -> list[str]:
         """Insert; returns the keys evicted to make room."""
         size = item.embeds.numel() * item.embeds.element_size()
@@ -45,15 +49,25 @@ class EmbeddingCache:
         return evicted
 
 
+def visual_input(ref: ImageRef) -> bytes | VideoPart:
+    """What the engine decodes for one ImageRef: image bytes, or a video (frames, or a file and its frames)."""
+    if ref.frames is not None:
+        return VideoPart(frames=tuple(ref.frames))
+    if ref.frame_indices is not None:
+        return VideoPart(data=ref.data, indices=tuple(ref.frame_indices))
+    return ref.data
+
+
 def next_encode_batch(queue: list[EncodeTask], max_images: int) -> tuple[list[EncodeTask], list[EncodeTask]]:
     """(the requests for one vision forward, the rest). Priority first, then interactive before
-    batch, then arrival, up to `max_images` images (a request's images go together; a request
-    with more images than that goes alone), so an interactive image waits for one bounded batch."""
+    batch, then arrival, up to `max_images` images, a video counting its frames (a request's images
+    go together; a request with more images than that goes alone), so an interactive image waits for
+    one bounded batch."""
     order = sorted(range(len(queue)), key=lambda i: (-queue[i].priority,
                                                      LATENCY_CLASSES.index(queue[i].latency_class), i))
     take, images = [], 0
     for i in order:
-        n = len(queue[i].images)
+        n = sum(im.num_frames for im in queue[i].images)  # a video weighs its frames
         if take and images + n > max_images:
             break
         take.append(i)
@@ -77,6 +91,12 @@ class EncodeWorker(Worker):
     def start(self, task: EncodeTask) -> None:
         self.queue.append(task)
 
+    def republish_indexes(self) -> int:
+        hashes = self.cache.keys()
+        if hashes and self.store is not None:
+            self.store.add_embeddings(self.model_name, hashes, self.worker_id)
+        return len(hashes)
+
     def busy(self) -> bool:
         return bool(self.queue)
 
@@ -96,7 +116,7 @@ class EncodeWorker(Worker):
             for im in task.images:
                 if self.cache.get(im.hash) is None and im.hash not in pending:
                     try:
-                        pending[im.hash] = decode_image(im.data, self.s.max_image_pixels)
+                        pending[im.hash] = self.engine.decode_visual(visual_input(im))
                     except ImageError as exc:
                         failed.add(task.request_id)
                         self.failed(task.request_id, task.attempt, str(exc), retryable=False)
@@ -109,7 +129,7 @@ class EncodeWorker(Worker):
 
     def _encode(self, pending: dict[str, Any], batch: list[EncodeTask]) -> bool:
         try:
-            encoded = self.engine.runner.encode_images(list(pending.values()))
+            encoded = self.engine.runner.encode_visuals(list(pending.values()))
         except Exception as exc:  # the vision tower failed on this batch: its requests try elsewhere
             log.exception("vision forward failed for %d images", len(pending))
             for task in batch:
