@@ -7,7 +7,6 @@ back), then each image placeholder is expanded to the exact number of visual tok
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mserve.common.model import ModelFamily, VideoInfo, image_size_from_header, load_family
-from mserve.common.video import VideoPart, describe_video, video_part_from_value
+from mserve.common.video import VideoPart, describe_video, payload_bytes, video_part_from_value
 
 
 @dataclass
@@ -53,23 +52,9 @@ def image_bytes_from_part(part: dict[str, Any], allow_paths: bool = True) -> byt
     if value is None and "image_url" in part:
         url = part["image_url"]
         value = url.get("url") if isinstance(url, dict) else url
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    if isinstance(value, str):
-        if value.startswith("data:"):
-            try:
-                return base64.b64decode(value.split(",", 1)[1], validate=False)
-            except Exception as exc:
-                raise ValueError(f"image data URL is not valid base64: {exc}") from exc
-        if value.startswith(("http://", "https://")):
-            raise ValueError("image URLs are not fetched: send the image bytes, a data URL or a local path")
-        if not allow_paths:
-            raise ValueError("image parts must carry the image bytes or a data URL, not a file path")
-        path = Path(value)
-        if not path.is_file():
-            raise ValueError(f"image path {value!r} does not exist")
-        return path.read_bytes()
-    raise ValueError(f"image part has no usable image (got {type(value).__name__})")
+    if not isinstance(value, (bytes, bytearray, memoryview, str)):
+        raise ValueError(f"image part has no usable image (got {type(value).__name__})")
+    return payload_bytes(value, "image", allow_paths)
 
 
 def normalize_messages(messages: Sequence[dict[str, Any]],

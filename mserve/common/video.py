@@ -92,7 +92,11 @@ class VideoProbe:
     height: int
 
 
-def _bytes_of(value: Any, what: str, allow_paths: bool) -> bytes:
+def payload_bytes(value: Any, what: str, allow_paths: bool) -> bytes:
+    """Bytes of an image, frame or video value: raw bytes, a data URL, or (allow_paths) a local file.
+
+    A server passes allow_paths=False: a client must never make it read its own local files.
+    """
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, Path):
@@ -119,8 +123,8 @@ def video_part_from_value(value: Any, allow_paths: bool = True) -> VideoPart:
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError("video part has no frames")
-        return VideoPart(frames=tuple(_bytes_of(f, f"video frame {i}", allow_paths) for i, f in enumerate(value)))
-    return VideoPart(data=_bytes_of(value, "video", allow_paths))
+        return VideoPart(frames=tuple(payload_bytes(f, f"video frame {i}", allow_paths) for i, f in enumerate(value)))
+    return VideoPart(data=payload_bytes(value, "video", allow_paths))
 
 
 def video_hash(video: VideoPart) -> str:

@@ -187,33 +187,31 @@ class Gateway:
                            param="model", code="model_not_found")
         gen = Generation(self, req)
         self.metrics.started()
-        try:
-            first = await _unless_disconnected(request, gen.next_delta())
-        except BaseException as exc:
-            gen.close()
-            self.metrics.ended(gen, error=exc)
-            if isinstance(exc, MServeError):
-                raise _api_error(exc) from None
-            raise
+        first = await self._next(request, gen)
         if req.stream:
             return StreamingResponse(self._sse(gen, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._collect(request, gen, first)
 
-    async def _collect(self, request: Request, gen: Generation, first: tuple[str, list[int]] | None) -> Response:
-        text, ids = [], []
-        piece = first
+    async def _next(self, request: Request, gen: Generation) -> tuple[str, list[int]] | None:
+        """The next piece before the response has started; a failure ends the request (error in
+        OpenAI's shape, the cluster's work stopped, counted once)."""
         try:
-            while piece is not None:
-                text.append(piece[0])
-                ids.extend(piece[1])
-                piece = await _unless_disconnected(request, gen.next_delta())
+            return await _unless_disconnected(request, gen.next_delta())
         except BaseException as exc:
             gen.close()
             self.metrics.ended(gen, error=exc)
             if isinstance(exc, MServeError):
                 raise _api_error(exc) from None
             raise
+
+    async def _collect(self, request: Request, gen: Generation, first: tuple[str, list[int]] | None) -> Response:
+        text, ids = [], []
+        piece = first
+        while piece is not None:
+            text.append(piece[0])
+            ids.extend(piece[1])
+            piece = await self._next(request, gen)
         self.metrics.ended(gen)
         usage = usage_of(gen.prompt_tokens, gen.completion_tokens)
         assert gen.finish_reason is not None
