@@ -107,6 +107,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                           "host", "num_blocks", "block_size", "max_num_seqs",
                                                           "max_num_batched_tokens", "max_prefill_tokens",
                                                           "embedding_cache_mb", "max_encode_images",
+                                                          "host_embedding_cache_mb", "host_embedding_cache_dir",
+                                                          "enable_prefix_caching",
                                                           "curve_secret_key", "curve_server_key",
                                                           "curve_authorized_keys"])
     try:
@@ -282,7 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a running stream by at most one chunk (default 512)")
     p.add_argument("--max-encode-images", type=int,
                    help="images per vision forward on an encode worker, at most; interactive ones first (default 8)")
-    p.add_argument("--embedding-cache-mb", type=int, help="encode workers' embedding cache (default 512)")
+    p.add_argument("--embedding-cache-mb", type=float,
+                   help="L1 embedding cache: an encode worker's own memory, 0 for none (default 512)")
+    p.add_argument("--host-embedding-cache-mb", type=float,
+                   help="L2 embedding cache: tmpfs files shared by the host's encode workers, surviving their "
+                        "restarts; 0 for none (default 1024)")
+    p.add_argument("--host-embedding-cache-dir", metavar="DIR",
+                   help="where the L2 cache lives (default /dev/shm/mserve-embeddings)")
+    p.add_argument("--prefix-caching", dest="enable_prefix_caching", choices=["on", "off"],
+                   type=str.lower, help="keep freed prompt blocks for reuse by later prompts (default on)")
     p.add_argument("--curve-secret-key", metavar="FILE",
                    help="CURVE on the coordinator link and the data plane: this worker's .key_secret file "
                         "(`mserve keygen`); needs --curve-server-key and --curve-authorized-keys")

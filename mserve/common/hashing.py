@@ -74,3 +74,8 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, images: Seque
         parent = block_hash(parent, token_ids[start:end], block_extra_keys(start, end, images))
         hashes.append(parent)
     return hashes
+
+
+def host_member(host_id: str) -> str:
+    """How the Redis embedding index names a host's shared (L2) cache as a holder of an image."""
+    return f"host:{host_id}"

@@ -310,6 +310,38 @@ class RedisStore:
     def remove_prefix_blocks(self, model: str, worker_id: str, hashes: Iterable[str]) -> bool:
         return self._update_sets([self._k("prefix", model, h) for h in hashes], worker_id, None)
 
+    def update_prefix_blocks(self, model: str, worker_id: str, add: Iterable[str], remove: Iterable[str],
+                             ttl_s: float = DEFAULT_INDEX_TTL_S) -> bool:
+        """One round trip: index `add` as held by the worker, and forget `remove` for it."""
+        add, remove = list(add), list(remove)
+        if not add and not remove:
+            return True
+
+        def op() -> bool:
+            pipe = self._r.pipeline(transaction=False)
+            for h in remove:
+                pipe.srem(self._k("prefix", model, h), worker_id)
+            for h in add:
+                key = self._k("prefix", model, h)
+                pipe.sadd(key, worker_id)
+                pipe.pexpire(key, _ms(ttl_s))
+            pipe.execute()
+            return True
+
+        return self._call(op, lambda: False)
+
+    def prefix_blocks_of(self, model: str, worker_id: str) -> set[str]:
+        """Every block hash the index says `worker_id` holds (a SCAN: for checks and status, not routing)."""
+        def op() -> set[str]:
+            keys = list(self._r.scan_iter(match=self._k("prefix", _glob_escape(model), "*"), count=1000))
+            pipe = self._r.pipeline(transaction=False)
+            for key in keys:
+                pipe.sismember(key, worker_id)
+            start = len(self._k("prefix", model, ""))
+            return {k[start:] for k, held in zip(keys, pipe.execute()) if held}
+
+        return self._call(op, set)
+
     def _update_sets(self, keys: list[str], member: str, ttl_s: float | None) -> bool:
         """Add ``member`` to each set (refreshing its TTL), or remove it when ttl_s is None."""
         if not keys:

@@ -65,6 +65,8 @@ class LocalCluster:
         self._worker_port: int | None = None
         self._log_dir = log_dir
         self._own_log_dir = False
+        # Each cluster gets its own L2 embedding cache (as its own Redis): runs never share state.
+        self._host_cache_dir: str | None = None
         self._redis: RedisServer | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._started = False
@@ -137,7 +139,9 @@ class LocalCluster:
         role = name.rsplit("-", 1)[0]
         return [sys.executable, "-m", "mserve.cli", "worker", "--role", role, "--model", self.model,
                 "--coordinator", self.worker_address, "--redis", self.redis_url, "--threads", str(self.threads),
-                "--transfer", self.transfer, "--worker-id", name, *self.curve_args(name), *self.extra_worker_args]
+                "--transfer", self.transfer, "--worker-id", name, *self.curve_args(name),
+                *(["--host-embedding-cache-dir", self._host_cache_dir] if self._host_cache_dir else []),
+                *self.extra_worker_args]
 
     def curve_args(self, name: str) -> list[str]:
         """The CURVE flags of one child (none without ``curve_dir``): its own keypair, the authorized
@@ -177,6 +181,8 @@ class LocalCluster:
             self._log_dir = tempfile.mkdtemp(prefix="mserve-cluster-")
             self._own_log_dir = True
         os.makedirs(self._log_dir, exist_ok=True)
+        self._host_cache_dir = tempfile.mkdtemp(prefix="mserve-emb-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                                else None)
         if self.curve_dir is not None:
             from mserve.common.security import cluster_keys
 
@@ -286,6 +292,9 @@ class LocalCluster:
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
+        if self._host_cache_dir is not None:
+            shutil.rmtree(self._host_cache_dir, ignore_errors=True)
+            self._host_cache_dir = None
         if self._own_log_dir and self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
             self._log_dir, self._own_log_dir = None, False

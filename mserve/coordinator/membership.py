@@ -42,7 +42,7 @@ class Membership:
 
     def join(self, worker_id: str, role: str, payload: dict[str, Any], now: float) -> set[str]:
         """Register (or re-register) a live worker; returns the requests it was abandoned with, to cancel."""
-        self.workers[worker_id] = WorkerView(worker_id, role)
+        self.workers[worker_id] = WorkerView(worker_id, role, host_id=str(payload.get("host_id") or ""))
         abandoned = self.abandoned.pop(worker_id, set())
         self.info[worker_id] = dict(payload)
         self.last_seen[worker_id] = now
@@ -76,7 +76,7 @@ class Membership:
         for key in LOAD_INTS:
             if key in load:
                 setattr(w, key, int(load[key]))
-        for key in ("tokens_per_s", "rss_mib", "weights_mib", "kv_pool_mib"):
+        for key in ("tokens_per_s", "rss_mib", "weights_mib", "kv_pool_mib", "encode_s_per_image"):
             if isinstance(load.get(key), (int, float)):
                 setattr(w, key, float(load[key]))
 

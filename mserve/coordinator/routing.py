@@ -2,7 +2,8 @@
 
 Inputs are the coordinator's view of each worker (liveness, the load it reports through Redis and
 heartbeats, and the stages the coordinator has handed it but not yet seen finish) plus cache
-affinity. Text-only requests skip encode; an image already encoded somewhere goes back there.
+affinity. Text-only requests skip encode; an image already encoded goes where reading it back is
+cheaper than encoding it again (see route_encode).
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from mserve.common.hashing import host_member
+
 
 @dataclass
 class WorkerView:
     worker_id: str
     role: str
+    host_id: str = ""  # workers with the same host_id share /dev/shm (and the host's L2 embedding cache)
     alive: bool = True
     queue_len: int = 0
     running: int = 0
@@ -24,6 +28,7 @@ class WorkerView:
     rss_mib: float = 0.0  # the worker process's resident memory, and what it holds:
     weights_mib: float = 0.0
     kv_pool_mib: float = 0.0
+    encode_s_per_image: float = 0.0  # an encode worker's measured vision-forward time per image (0: not yet)
     # Stages assigned by the coordinator and not finished yet: fresher than the reported load.
     inflight: int = 0
     inflight_tokens: int = 0
@@ -43,18 +48,33 @@ def alive(workers: Iterable[WorkerView], role: str) -> list[WorkerView]:
     return [w for w in workers if w.alive and w.role == role]
 
 
+# Until an encoder has measured itself: about one small image through a small vision tower on a CPU core.
+DEFAULT_ENCODE_S_PER_IMAGE = 0.05
+
+
+def encode_cost_s(w: WorkerView, image_hashes: list[str], holders: Mapping[str, set[str]]) -> float:
+    """Estimated seconds until `w` has sent every image's embeddings.
+
+    An image `w` holds (its own L1) or its host holds (the shared L2) costs a read; the others cost
+    a vision forward each at `w`'s measured rate. A request whose images are all held skips the
+    encode queue on the worker (roles/encode.py), so it waits at most for the forward in progress;
+    one with a miss waits behind everything queued there."""
+    per_image = w.encode_s_per_image or DEFAULT_ENCODE_S_PER_IMAGE
+    mine = {w.worker_id, host_member(w.host_id)} if w.host_id else {w.worker_id}
+    misses = sum(1 for h in image_hashes if not (holders.get(h, set()) & mine))
+    if misses == 0:
+        return per_image * min(w.busy, 1.0)
+    return per_image * (w.busy + misses)
+
+
 def route_encode(workers: Iterable[WorkerView], image_hashes: list[str],
                  holders: Mapping[str, set[str]]) -> WorkerView | None:
-    """The encode worker holding most of the request's images; ties go to the least busy."""
+    """The encode worker that will have the request's embeddings soonest (encode_cost_s): a holder
+    while reading back beats encoding again elsewhere, an idle worker once the holders are backed up."""
     candidates = alive(workers, "encode")
     if not candidates:
         return None
-
-    def score(w: WorkerView) -> tuple[int, float, str]:
-        hits = sum(1 for h in image_hashes if w.worker_id in holders.get(h, ()))
-        return (-hits, w.busy, w.worker_id)
-
-    return min(candidates, key=score)
+    return min(candidates, key=lambda w: (encode_cost_s(w, image_hashes, holders), w.busy, w.worker_id))
 
 
 def route_prefill(workers: Iterable[WorkerView], prompt_tokens: int,

@@ -48,6 +48,24 @@ class BlockPool:
         self._hash_to_block: dict[str, int] = {}
         self.prefix_hits = 0
         self.prefix_queries = 0
+        self.evictions = 0
+        # What the cluster's prefix index must learn, oldest first: hash -> True (now held here) or
+        # False (evicted). Last word wins, so a hash evicted and cached again reads True. A worker
+        # drains it (take_index_changes) into Redis; bounded in case nobody does.
+        self._index_changes: OrderedDict[str, bool] = OrderedDict()
+        self.index_changes_dropped = 0
+
+    def _note(self, h: str, held: bool) -> None:
+        self._index_changes.pop(h, None)
+        self._index_changes[h] = held
+        if len(self._index_changes) > 8 * self.num_blocks:
+            self._index_changes.popitem(last=False)
+            self.index_changes_dropped += 1
+
+    def take_index_changes(self) -> dict[str, bool]:
+        """The index changes since the last call (hash -> held), and forget them."""
+        out, self._index_changes = dict(self._index_changes), OrderedDict()
+        return out
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -78,6 +96,8 @@ class BlockPool:
         if block.hash is not None:  # evict the stale prefix this block held
             if self._hash_to_block.get(block.hash) == block_id:
                 del self._hash_to_block[block.hash]
+                self._note(block.hash, False)
+                self.evictions += 1
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block
@@ -134,7 +154,7 @@ class BlockPool:
                            images: Sequence[ImageSpan] = ()) -> list[str]:
         """Hash the blocks that became full (their K/V written) so later prompts can reuse them.
 
-        Returns the new hashes (the worker publishes them to the cluster's prefix index).
+        Returns the new hashes (also noted for the cluster's prefix index: take_index_changes).
         """
         new: list[str] = []
         full = min(num_computed // self.block_size, len(table.block_ids))
@@ -148,6 +168,7 @@ class BlockPool:
             if block.hash is None and h not in self._hash_to_block:
                 block.hash, block.token_ids = h, tuple(token_ids[start:end])
                 self._hash_to_block[h] = block.block_id
+                self._note(h, True)
                 new.append(h)
         return new
 
@@ -191,4 +212,6 @@ class BlockPool:
             "used_blocks": self.num_used_blocks,
             "prefix_hits": self.prefix_hits,
             "prefix_queries": self.prefix_queries,
+            "indexed_blocks": len(self._hash_to_block),
+            "prefix_evictions": self.evictions,
         }

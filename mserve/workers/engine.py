@@ -81,11 +81,10 @@ class Engine:
         gen = self.runner.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.counters = {"encoded_images": 0, "visual_tokens": 0, "embedding_cache_hits": 0, "prefill_tokens": 0,
+        self.counters = {"encoded_images": 0, "visual_tokens": 0, "embedding_cache_hits": 0,
+                         "embedding_l1_hits": 0, "embedding_l2_hits": 0, "prefill_tokens": 0,
                          "decode_tokens": 0, "steps": 0}
         self.last_batch_size = 0  # sequences in the latest step
-        # Hashes of prompt blocks that became reusable here; a worker publishes them to the cluster.
-        self.new_prefix_hashes: list[str] = []
 
     # -- encode ---------------------------------------------------------------------------------
     def encode(self, images: Sequence[bytes | VideoPart]) -> list[EncodedImage]:
@@ -173,7 +172,7 @@ class Engine:
             is_decode = c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids)
             self.counters["decode_tokens" if is_decode else "prefill_tokens"] += c.num_tokens
             if self.config.enable_prefix_caching:
-                self.new_prefix_hashes += self.pool.commit_full_blocks(
+                self.pool.commit_full_blocks(
                     c.seq.block_table, c.seq.prompt_ids, min(c.end, len(c.seq.prompt_ids)), c.seq.images)
         for c, tok in zip(completing, tokens):
             seq = c.seq

@@ -32,7 +32,11 @@ class WorkerSettings(BaseSettings):
     # at most one chunk of this size. Chosen by measurement (bench/README.md, chunk cap).
     max_prefill_tokens: int = 512
     enable_prefix_caching: bool = True
-    embedding_cache_mb: int = 512
+    embedding_cache_mb: float = 512  # L1: this encode worker's own memory
+    # L2: encoded images shared by every encode worker on this host (tmpfs files, outliving a
+    # worker's restart); 0 turns it off. The directory defaults to /dev/shm/mserve-embeddings.
+    host_embedding_cache_mb: float = 1024
+    host_embedding_cache_dir: str | None = None
     # Images per vision forward on an encode worker, at most: bounds how long an interactive image
     # waits behind a batch of others (it is taken first, by class, from the queue).
     max_encode_images: int = 8

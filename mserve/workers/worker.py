@@ -32,6 +32,7 @@ from mserve.common.serde import WireError
 from mserve.common.sockets import make_socket, recv, send
 from mserve.common.transfer import TransferEngine, TransferError
 from mserve.workers.block_pool import OutOfBlocks
+from mserve.workers.cache_index import PrefixIndexPublisher
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.liveness import Pulse
 from mserve.workers.settings import WorkerSettings
@@ -79,9 +80,11 @@ class Worker:
         self.sock_lock = threading.Lock()  # the loop and the pulse thread share the socket
         self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
         self.store = RedisStore(settings.redis) if settings.redis else None
+        self.prefix_index = (PrefixIndexPublisher(self.store, self.model_name, self.worker_id, self.engine.pool,
+                                                  every_s=settings.heartbeat_s)
+                             if self.store is not None and settings.enable_prefix_caching else None)
         self.received: dict[str, float] = {}  # when each request's stage arrived: its worker_s
         self.running = True
-        self._next_prefix_publish = 0.0
         self._seen_state_losses = 0
         self._tokens_ewma = 0.0
         self._last_rate_t = time.monotonic()
@@ -161,6 +164,7 @@ class Worker:
         except zmq.ZMQError:
             pass
         if self.store:
+            self.drop_indexes()
             self.store.deregister_worker(self.worker_id)
             self.store.close()
         self.transfer.close()
@@ -211,21 +215,17 @@ class Worker:
 
     def republish_indexes(self) -> int:
         """Put this worker's cache entries back into the Redis indexes; returns how many."""
-        hashes = self.engine.pool.cached_hashes() if self.engine.config.enable_prefix_caching else []
-        if hashes and self.store is not None:
-            self.store.add_prefix_blocks(self.model_name, self.worker_id, hashes)
-        return len(hashes)
+        return self.prefix_index.republish() if self.prefix_index is not None else 0
+
+    def drop_indexes(self) -> None:
+        """On a clean exit: take this worker's entries out of the Redis indexes (the TTL covers a crash)."""
+        if self.store is not None and self.prefix_index is not None:
+            self.store.update_prefix_blocks(self.model_name, self.worker_id, [], self.engine.pool.cached_hashes())
 
     def _publish_prefixes(self) -> None:
-        """On the loop: index the prompt blocks that became reusable here (bounded through outages)."""
-        now = time.monotonic()
-        if now < self._next_prefix_publish:
-            return
-        self._next_prefix_publish = now + self.s.heartbeat_s
-        if self.store and self.engine.new_prefix_hashes and self.store.add_prefix_blocks(
-                self.model_name, self.worker_id, self.engine.new_prefix_hashes[-4096:]):
-            self.engine.new_prefix_hashes = []
-        self.engine.new_prefix_hashes = self.engine.new_prefix_hashes[-4096:]
+        """On the loop: tell the cluster's prefix index which blocks this pool gained and evicted."""
+        if self.prefix_index is not None:
+            self.prefix_index.flush(time.monotonic())
 
     def send(self, msg: Message, kind: MsgType | None = None) -> None:
         """Non-blocking: with no coordinator connected the message is dropped (and logged) rather

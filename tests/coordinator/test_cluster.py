@@ -73,9 +73,10 @@ def test_same_image_is_encoded_once(llava_cluster, tiny_model_dirs):
     assert store.get_counters(encode_id)["encoded_images"] - before == 1
     assert second.token_ids == first.token_ids == expected(model, requests[:1])[0]
     from mserve.common.model import image_hash
+    from mserve.common.transfer.backends import host_id
 
     holders = store.lookup_embedding(model, image_hash(requests[0][1][0]))
-    assert holders == {encode_id}
+    assert holders == {encode_id, f"host:{host_id()}"}  # the worker (L1) and its host's shared cache (L2)
     store.close()
 
 

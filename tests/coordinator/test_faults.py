@@ -259,8 +259,10 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
     prefix indexes; requests never stop being served, token-exact."""
     import redis
 
+    from mserve.common.hashing import host_member
     from mserve.common.model import image_hash
     from mserve.common.redis_store import RedisStore
+    from mserve.common.transfer.backends import host_id
 
     model = str(tiny_model_dirs["llava"])
     requests = request_mix(3, seed=41)  # text, one image, two images
@@ -272,7 +274,8 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
             first = asyncio.run(generate_all(cluster.address, requests))
             store = RedisStore(redis_srv.url)
             encode = cluster.worker_names("encode")[0]
-            assert store.lookup_embedding(model, image_hash(image)) == {encode}
+            holders = {encode, host_member(host_id())}  # the encoder (L1) and its host's shared cache (L2)
+            assert store.lookup_embedding(model, image_hash(image)) == holders
             if how == "flushall":
                 redis.Redis.from_url(redis_srv.url).flushall()
             else:
@@ -282,7 +285,7 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
             def rebuilt() -> bool:
                 census = store.census() or {}
                 return (set(store.list_workers()) == set(cluster.worker_names())
-                        and store.lookup_embedding(model, image_hash(image)) == {encode}
+                        and store.lookup_embedding(model, image_hash(image)) == holders
                         and census.get("prefix", {}).get(model, 0) > 0)
             deadline = time.monotonic() + 30
             while not rebuilt():

@@ -40,3 +40,19 @@ def test_pipeline_choice_skips_encode_for_text_and_falls_back_to_unified():
     assert pipeline_for(disagg + [w("u", "unified")], has_images=True) == "unified"
     assert pipeline_for([w("u", "unified")], has_images=False) == "unified"
     assert route_unified([w("u0", "unified", queue_len=4), w("u1", "unified")]).worker_id == "u1"
+
+
+def test_encode_counts_the_hosts_shared_cache_and_weighs_reencoding_by_measured_cost():
+    e0 = w("e0", "encode", host_id="h1", encode_s_per_image=0.1)
+    e1 = w("e1", "encode", host_id="h2", encode_s_per_image=0.1)
+    # Only host h2's shared (L2) cache holds the image: e1 reads it back instead of e0 encoding it.
+    assert route_encode([e0, e1], ["a"], {"a": {"host:h2"}}).worker_id == "e1"
+    # A busy holder still wins while a read-back (at most one forward's wait) beats two encodes...
+    e1.inflight = 4
+    assert route_encode([e0, e1], ["a", "b"], {"a": {"e1"}, "b": {"e1"}}).worker_id == "e1"
+    # ...but not against an idle worker on a host that holds the images too,
+    assert route_encode([e0, e1], ["a", "b"], {"a": {"e1", "host:h1"}, "b": {"host:h1"}}).worker_id == "e0"
+    # and a holder that is slow (measured) loses to re-encoding one image on a fast idle worker.
+    slow = w("e2", "encode", host_id="h3", encode_s_per_image=0.5, inflight=1)
+    fast = w("e3", "encode", host_id="h4", encode_s_per_image=0.05)
+    assert route_encode([slow, fast], ["a"], {"a": {"e2"}}).worker_id == "e3"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
 from mserve.common.model import ImageError
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
 from mserve.common.protocol.to_worker import LATENCY_CLASSES, EncodeTask, ImageRef
+from mserve.common.transfer.host_store import HostEmbeddingStore, default_root, host_member
 from mserve.common.video import VideoPart
 from mserve.workers.engine import EngineConfig
 from mserve.workers.model_runner import EncodedImage
@@ -37,8 +39,12 @@ class EmbeddingCache:
         return list(self._items)
 
     def put(self, key: str, item: EncodedImage) -> list[str]:
-        """Insert; returns the keys evicted to make room."""
+        """Insert; returns the keys evicted to make room. An item over the whole bound is not kept."""
         size = item.embeds.numel() * item.embeds.element_size()
+        if size > self.capacity:
+            return []
+        if (old_item := self._items.pop(key, None)) is not None:
+            self.used -= old_item.embeds.numel() * old_item.embeds.element_size()
         evicted = []
         while self._items and self.used + size > self.capacity:
             old_key, old = self._items.popitem(last=False)
@@ -82,20 +88,67 @@ class EncodeWorker(Worker):
 
     def __init__(self, settings: WorkerSettings) -> None:
         super().__init__(settings)
-        self.cache = EmbeddingCache(settings.embedding_cache_mb * 2**20)
+        self.cache = EmbeddingCache(int(settings.embedding_cache_mb * 2**20))  # L1: this process
+        self.host_cache = HostEmbeddingStore(settings.host_embedding_cache_dir or default_root(),
+                                             self.embedding_namespace(), int(settings.host_embedding_cache_mb * 2**20))
+        self.host_member = host_member(self.transfer.host_id)  # the L2 entries' holder in the Redis index
         self.queue: list[EncodeTask] = []
+        self.encode_s_per_image = 0.0  # measured (EWMA): the coordinator weighs re-encoding against it
+
+    def load(self) -> dict[str, Any]:
+        return {**super().load(), "encode_s_per_image": round(self.encode_s_per_image, 5)}
+
+    def embedding_namespace(self) -> str:
+        """What an embedding depends on besides the image: entries of another namespace never mix."""
+        return self.model_name
 
     def engine_config(self, s: WorkerSettings) -> EngineConfig:
         return dataclasses.replace(super().engine_config(s), num_blocks=16)  # an encoder keeps no KV
 
     def start(self, task: EncodeTask) -> None:
+        found = {im.hash: enc for im in task.images if (enc := self.lookup(im.hash)) is not None}
+        if len(found) == len({im.hash for im in task.images}):
+            # Every image is cached here or on this host: no vision forward, so no reason to wait
+            # behind one. (A miss goes through the queue, batched by class.)
+            self._send_encoded(task, found, fresh=set())
+            return
         self.queue.append(task)
 
+    def lookup(self, h: str) -> EncodedImage | None:
+        """The image's embeddings from L1, or from L2 (copied into L1); None on a miss."""
+        enc = self.cache.get(h)
+        if enc is not None:
+            return enc
+        stored = self.host_cache.get(h)
+        if stored is None:
+            return None
+        enc = EncodedImage(stored.embeds, stored.grid_thw)
+        self._l1_put(h, enc)
+        self.engine.counters["embedding_l2_hits"] += 1
+        return enc
+
+    def _l1_put(self, h: str, enc: EncodedImage) -> None:
+        if not self.cache.capacity:
+            return
+        for gone in self.cache.put(h, enc):
+            if self.store:
+                self.store.remove_embedding(self.model_name, gone, self.worker_id)
+        if self.store:
+            self.store.add_embedding(self.model_name, h, self.worker_id)
+
     def republish_indexes(self) -> int:
-        hashes = self.cache.keys()
-        if hashes and self.store is not None:
-            self.store.add_embeddings(self.model_name, hashes, self.worker_id)
-        return len(hashes)
+        hashes, shared = self.cache.keys(), self.host_cache.keys()
+        if self.store is not None:
+            if hashes:
+                self.store.add_embeddings(self.model_name, hashes, self.worker_id)
+            if shared:
+                self.store.add_embeddings(self.model_name, shared, self.host_member)
+        return len(hashes) + len(shared) + super().republish_indexes()
+
+    def drop_indexes(self) -> None:
+        super().drop_indexes()  # the host's L2 entries stay: they outlive this process
+        if self.store is not None:
+            self.store.drop_worker_embeddings(self.worker_id, self.model_name, self.cache.keys())
 
     def busy(self) -> bool:
         return bool(self.queue)
@@ -110,55 +163,70 @@ class EncodeWorker(Worker):
     def work(self) -> None:
         """The next batch of queued requests' images through one vision forward."""
         batch, self.queue = next_encode_batch(self.queue, self.s.max_encode_images)
+        found: dict[str, EncodedImage] = {}
         pending: dict[str, Any] = {}
         failed: set[str] = set()
         for task in batch:
             for im in task.images:
-                if self.cache.get(im.hash) is None and im.hash not in pending:
-                    try:
-                        pending[im.hash] = self.engine.decode_visual(visual_input(im))
-                    except ImageError as exc:
-                        failed.add(task.request_id)
-                        self.failed(task.request_id, task.attempt, str(exc), retryable=False)
-                        break
-        if pending and not self._encode(pending, [t for t in batch if t.request_id not in failed]):
-            return
+                if im.hash in pending or im.hash in found:
+                    continue
+                if (enc := self.lookup(im.hash)) is not None:
+                    found[im.hash] = enc
+                    continue
+                try:
+                    pending[im.hash] = self.engine.decode_visual(visual_input(im))
+                except ImageError as exc:
+                    failed.add(task.request_id)
+                    self.failed(task.request_id, task.attempt, str(exc), retryable=False)
+                    break
+        if pending:
+            encoded = self._encode(pending, [t for t in batch if t.request_id not in failed])
+            if encoded is None:
+                return
+            found.update(encoded)
         for task in batch:
             if task.request_id not in failed:
-                self._send_encoded(task, new_hashes=set(pending))
+                self._send_encoded(task, found, fresh=set(pending))
 
-    def _encode(self, pending: dict[str, Any], batch: list[EncodeTask]) -> bool:
+    def _encode(self, pending: dict[str, Any], batch: list[EncodeTask]) -> dict[str, EncodedImage] | None:
+        """One vision forward over the decoded images; None when it failed (its requests then retry)."""
+        t0 = time.perf_counter()
         try:
             encoded = self.engine.runner.encode_visuals(list(pending.values()))
         except Exception as exc:  # the vision tower failed on this batch: its requests try elsewhere
             log.exception("vision forward failed for %d images", len(pending))
             for task in batch:
                 self.failed(task.request_id, task.attempt, f"encode failed: {exc}", retryable=True)
-            return False
+            return None
+        per_image = (time.perf_counter() - t0) / len(pending)
+        self.encode_s_per_image = per_image if not self.encode_s_per_image else \
+            0.7 * self.encode_s_per_image + 0.3 * per_image
         for h, enc in zip(pending, encoded):
-            for gone in self.cache.put(h, enc):
-                if self.store:
-                    self.store.remove_embedding(self.model_name, gone, self.worker_id)
-            if self.store:
-                self.store.add_embedding(self.model_name, h, self.worker_id)
+            self._l1_put(h, enc)
+            evicted = self.host_cache.put(h, enc.embeds, enc.grid_thw)
+            if self.store and self.host_cache.enabled:
+                self.store.add_embedding(self.model_name, h, self.host_member)
+                if evicted:
+                    self.store.drop_worker_embeddings(self.host_member, self.model_name, evicted)
         self.engine.counters["encoded_images"] += len(pending)
         self.engine.counters["visual_tokens"] += sum(int(enc.embeds.shape[0]) for enc in encoded)
         if self.store:
             self.store.incr_counter("encoded_images", self.worker_id, len(pending))
-        return True
+        return dict(zip(pending, encoded))
 
-    def _send_encoded(self, task: EncodeTask, new_hashes: set[str]) -> None:
+    def _send_encoded(self, task: EncodeTask, found: dict[str, EncodedImage], fresh: set[str]) -> None:
+        """Publish the request's embeddings (`found` has every image) and tell the coordinator."""
         rid, attempt = task.request_id, task.attempt
         tensors, images, hits = {}, [], 0
         for i, im in enumerate(task.images):
-            enc = self.cache.get(im.hash)
-            if enc is None:  # evicted by this very batch: tiny cache; fail over to a re-run
-                return self.failed(rid, attempt, "embedding evicted before it was sent", retryable=True)
+            enc = found[im.hash]
             tensors[f"img{i}"] = enc.embeds
             images.append(EncodedImageInfo(hash=im.hash, tokens=int(enc.embeds.shape[0]),
                                            grid=list(enc.grid_thw) if enc.grid_thw else None))
-            hits += im.hash not in new_hashes
-        self.engine.counters["embedding_cache_hits"] += hits
+            hits += im.hash not in fresh
+        c = self.engine.counters
+        c["embedding_cache_hits"] += hits
+        c["embedding_l1_hits"] = c["embedding_cache_hits"] - c["embedding_l2_hits"]
         if hits and self.store:
             self.store.incr_counter("embedding_cache_hits", self.worker_id, hits)
         desc = self.transfer.publish(f"{rid}:{attempt}:emb", tensors)

@@ -29,7 +29,7 @@ class PrefillWorker(SteppingWorker):
                                       sampling=sampling_from_dict(task.sampling), priority=task.priority,
                                       prefill_only=True, output_ids=task.output_ids,
                                       latency_class=task.latency_class)
-        self.cached_tokens[rid] = seq.num_cached_tokens
+        self.seqs[rid] = seq
 
     def report(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -41,7 +41,7 @@ class PrefillWorker(SteppingWorker):
     def _send_prefilled(self, rid: str, attempt: int, out: StepOutput) -> None:
         msg = Prefilled(request_id=rid, attempt=attempt, token_id=out.new_token_ids[0],
                         finish_reason=out.finish_reason or "stop", fetch_s=self.fetch_s.pop(rid, 0.0),
-                        cached_tokens=self.cached_tokens.pop(rid, 0), worker_s=self.worker_s(rid))
+                        cached_tokens=self.cached_tokens(rid), worker_s=self.worker_s(rid))
         self.fresh.discard(rid)
         if out.finish_reason == "prefilled":
             # The KV blocks are gathered straight into the transfer's buffer (a pooled shm

@@ -23,7 +23,9 @@ class SteppingWorker(Worker):
         super().__init__(*args, **kwargs)
         self.attempts: dict[str, int] = {}  # engine request id -> coordinator attempt
         self.fetch_s: dict[str, float] = {}  # transfer time to report with a request's first output
-        self.cached_tokens: dict[str, int] = {}
+        # Each request's sequence, read when it reports: the scheduler matches cached prefix blocks
+        # when it first schedules the prompt, after `add`, so the hit count is only known then.
+        self.seqs: dict[str, Any] = {}
         self.fresh: set[str] = set()  # requests that have not reported a token yet
 
     def add(self, task: Message) -> None:
@@ -46,9 +48,14 @@ class SteppingWorker(Worker):
         self.attempts.pop(rid, None)
 
     def _forget(self, rid: str) -> None:
-        for table in (self.fetch_s, self.cached_tokens):
+        for table in (self.fetch_s, self.seqs):
             table.pop(rid, None)
         self.fresh.discard(rid)
+
+    def cached_tokens(self, rid: str) -> int:
+        """Prompt tokens of `rid` that were already in the pool (prefix hits); forgets the request."""
+        seq = self.seqs.pop(rid, None)
+        return seq.num_cached_tokens if seq is not None else 0
 
     def fetch(self, rid: str, descriptor: Any) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
@@ -85,7 +92,7 @@ class SteppingWorker(Worker):
             if out.finished:
                 self.attempts.pop(rid, None)
                 item.worker_s = self.worker_s(rid)
-                item.cached_tokens = self.cached_tokens.pop(rid, 0)
+                item.cached_tokens = self.cached_tokens(rid)
             items.append(item)
         if items:
             self.send(StepTokens(items=items))

@@ -15,4 +15,4 @@ class UnifiedWorker(SteppingWorker):
         seq = self.engine.add_request(task.request_id, task.prompt_ids, images=[visual_input(im) for im in task.images],
                                       sampling=sampling_from_dict(task.sampling), priority=task.priority,
                                       output_ids=task.output_ids, latency_class=task.latency_class)
-        self.cached_tokens[task.request_id] = seq.num_cached_tokens
+        self.seqs[task.request_id] = seq
