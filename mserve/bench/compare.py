@@ -57,6 +57,13 @@ COMPARE_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("text-only goodput req/s", ("text", "goodput")),
     ("image goodput req/s", ("image", "goodput")),
     ("generator lag p99 ms", ("loadgen", "dispatch_lag_ms", "p99")),
+    # multiturn traces only (a dash elsewhere): what the caches save from turn 2 on
+    ("turn 1 TTFT p50 ms", ("first_turn", "ttft_ms", "p50")),
+    ("turn >=2 TTFT p50 ms", ("later_turns", "ttft_ms", "p50")),
+    ("turn >=2 TTFT p99 ms", ("later_turns", "ttft_ms", "p99")),
+    ("image encodes / conversation", ("encodes_per_conversation",)),
+    ("prefix cache hit rate", ("cache_hit_rate", "prefix")),
+    ("embedding cache hit rate", ("cache_hit_rate", "encoder")),
 )
 
 
@@ -227,7 +234,23 @@ def headline_summary(summary: dict[str, Any], records: list[Any], slos: dict[str
     out["text"] = summarize_group([r for r in records if r.modality == "text"], duration, slos or None)
     out["image"] = summarize_group([r for r in records if r.modality != "text"], duration, slos or None)
     out["loadgen"] = loadgen
+    if any(getattr(r, "turn", 0) for r in records):
+        out.update(multiturn_groups(records, duration, slos))
     return out
+
+
+def multiturn_groups(records: list[Any], duration: float, slos: dict[str, float]) -> dict[str, Any]:
+    """First turns vs later turns, and how many images were encoded per conversation (misses of the
+    embedding cache: 1 per image is the ideal, one per image per turn is no cache at all)."""
+    from mserve.bench.metrics import summarize_group
+
+    encodes: dict[str, float] = {}
+    for r in records:
+        hits, images = r.cache_hits.get("encoder", (0, 0)) if r.ok else (0, 0)
+        encodes[r.conversation_id] = encodes.get(r.conversation_id, 0) + images - hits
+    return {"first_turn": summarize_group([r for r in records if r.turn == 0], duration, slos or None),
+            "later_turns": summarize_group([r for r in records if r.turn > 0], duration, slos or None),
+            "encodes_per_conversation": sum(encodes.values()) / len(encodes) if encodes else None}
 
 
 def slug(label: str) -> str:

@@ -75,7 +75,10 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="words of text per user turn (default 64)")
-    p.add_argument("--image-share", type=float, default=0.5, help="share of requests with an image (mixed; 0.5)")
+    p.add_argument("--image-share", type=float, default=0.5,
+                   help="share of requests (multiturn: conversations) with an image (mixed, multiturn; 0.5)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="multiturn: turns per conversation (default: 2-4, drawn per conversation)")
     p.add_argument("--resolutions", default=None, metavar="WxH,...",
                    help="image sizes to draw from, equally weighted (default: the trace's realistic mix)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (fixed output lengths)")
@@ -281,7 +284,7 @@ def build_trace(args: argparse.Namespace) -> list[Any]:
     try:
         return make_trace(args.trace, args.num_requests, args.seed, rate=args.rate, burstiness=args.burstiness,
                           image_share=args.image_share, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
-                          resolutions=parse_resolutions(args.resolutions))
+                          resolutions=parse_resolutions(args.resolutions), turns=getattr(args, "turns", None))
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
 

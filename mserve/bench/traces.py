@@ -112,8 +112,11 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generat
     return delays.tolist()
 
 
-def _conversation_lengths(n: int, rng: np.random.Generator) -> list[int]:
-    """2-4 turns each, summing to n; adjusts draws so no 1-turn tail is left (unless n == 1)."""
+def _conversation_lengths(n: int, rng: np.random.Generator, turns: int | None = None) -> list[int]:
+    """2-4 turns each (or exactly `turns`, the last conversation shorter if n is not a multiple),
+    summing to n; adjusts draws so no 1-turn tail is left (unless n == 1)."""
+    if turns is not None:
+        return [turns] * (n // turns) + ([n % turns] if n % turns else [])
     lengths: list[int] = []
     left = n
     while left > 0:
@@ -155,6 +158,7 @@ def make_trace(
     resolutions: Sequence[tuple[tuple[int, int], float]] | None = None,
     photos: bool | None = None,
     distinct_images: bool = True,
+    turns: int | None = None,
 ) -> list[TraceRequest]:
     """Build a reproducible trace of `num_requests` requests, sorted by arrival.
 
@@ -166,7 +170,11 @@ def make_trace(
     Multiturn: every turn resends the conversation's image(s) and the whole
     history (with placeholder assistant replies of ~max_tokens words); a runner
     must not send turn k+1 before turn k has finished, so arrival_s is a lower bound.
+    Conversations have 2-4 turns, or exactly `turns` (the last one shorter when
+    num_requests is not a multiple of it).
     """
+    if turns is not None and turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
     if name not in TRACE_NAMES:
         raise ValueError(f"unknown trace {name!r}; expected one of {TRACE_NAMES}")
     if num_requests < 0:
@@ -233,7 +241,7 @@ def make_trace(
             )
         return trace
 
-    lengths = _conversation_lengths(num_requests, r_shape)
+    lengths = _conversation_lengths(num_requests, r_shape, turns)
     histories: list[list[dict[str, Any]]] = []
     convs: list[tuple[list[tuple[int, int]], int, str, str]] = []
     for c in range(len(lengths)):

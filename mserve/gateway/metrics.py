@@ -34,6 +34,10 @@ WORKER_COUNTERS = {
     "visual_tokens": ("mserve_worker_visual_tokens", "Visual tokens the vision tower produced", "counter"),
     "embedding_cache_hits": ("mserve_worker_embedding_cache_hits", "Images served from the embedding cache",
                              "counter"),
+    "embedding_l1_hits": ("mserve_worker_embedding_l1_hits", "Images served from the encode worker's own cache (L1)",
+                          "counter"),
+    "embedding_l2_hits": ("mserve_worker_embedding_l2_hits", "Images served from the host's shared cache (L2)",
+                          "counter"),
     "prefill_tokens": ("mserve_worker_prefill_tokens", "Prompt tokens prefilled", "counter"),
     "decode_tokens": ("mserve_worker_decode_tokens", "Tokens decoded", "counter"),
     "steps": ("mserve_worker_engine_steps", "Engine steps (forward passes)", "counter"),
@@ -43,6 +47,10 @@ WORKER_COUNTERS = {
     "preemptions": ("mserve_worker_preemptions", "Requests preempted when KV blocks ran out", "counter"),
     "used_blocks": ("mserve_worker_kv_blocks_used", "KV blocks held by requests", "gauge"),
     "cached_blocks": ("mserve_worker_kv_blocks_cached", "Free KV blocks still holding a reusable prefix", "gauge"),
+    "indexed_blocks": ("mserve_worker_kv_blocks_indexed", "KV blocks in the cluster's prefix index (held or cached)",
+                       "gauge"),
+    "prefix_evictions": ("mserve_worker_prefix_cache_evictions", "Cached prefix blocks reused for other tokens",
+                         "counter"),
     "batch_size": ("mserve_worker_batch_size", "Sequences in the worker's latest engine step", "gauge"),
 }
 _COORDINATOR_STATS = {

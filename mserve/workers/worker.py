@@ -299,9 +299,16 @@ class Worker:
         return round(time.perf_counter() - t0, 6) if t0 is not None else 0.0
 
 
+# Cache counters that Redis load stats carry too (hit rates per tier, for `mserve status` and autoscalers).
+CACHE_COUNTERS = ("embedding_l1_hits", "embedding_l2_hits", "encoded_images", "prefix_hits", "prefix_queries",
+                  "cached_blocks", "indexed_blocks", "prefix_evictions")
+
+
 def redis_load(load: dict[str, Any]) -> dict[str, Any]:
-    """The load as Redis keeps it (a flat hash): the queued ids and counters go to the coordinator only."""
-    return {k: v for k, v in load.items() if k not in ("queued", "counters")}
+    """The load as Redis keeps it (a flat hash): the queued ids and other counters go to the coordinator only."""
+    counters = load.get("counters") or {}
+    return {**{k: v for k, v in load.items() if k not in ("queued", "counters")},
+            **{k: counters[k] for k in CACHE_COUNTERS if k in counters}}
 
 
 def make_worker(settings: WorkerSettings) -> Worker:

@@ -64,3 +64,22 @@ def test_cluster_configs_take_worker_settings_for_side_by_side_runs():
     for bad in ("unified:1@max-prefill-tokens", "unified:1@Bad=1", "hf-sequential@max-num-seqs=2"):
         with pytest.raises(ValueError, match="@"):
             parse_config(bad)
+
+
+def test_multiturn_groups_split_turns_and_count_encodes_per_conversation():
+    from mserve.bench.compare import multiturn_groups
+    from mserve.bench.serve import record_class
+
+    rec = record_class()
+
+    def r(conv: str, turn: int, ttft: float, hits: int) -> object:
+        x = rec(request_id=f"{conv}{turn}", modality="image", conversation_id=conv, turn=turn, start_s=0.0,
+                first_token_s=ttft, end_s=ttft + 1, token_times_s=[ttft, ttft + 1], output_tokens=2)
+        x.cache_hits = {"encoder": (hits, 1)}
+        return x
+
+    records = [r("a", 0, 1.0, 0), r("a", 1, 0.2, 1), r("a", 2, 0.2, 1), r("b", 0, 1.0, 0), r("b", 1, 0.6, 0)]
+    groups = multiturn_groups(records, duration=10.0, slos={})
+    assert groups["first_turn"]["count"] == 2 and groups["later_turns"]["count"] == 3
+    assert groups["first_turn"]["ttft_ms"]["p50"] == pytest.approx(1000.0)
+    assert groups["encodes_per_conversation"] == pytest.approx(1.5)  # a: 1, b: 2 (its turn 2 missed)

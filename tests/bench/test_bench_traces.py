@@ -181,3 +181,14 @@ def test_video_trace_round_trip_and_openai_payload(tmp_path) -> None:
     assert parts[0]["type"] == "video" and len(parts[0]["video"]) == len(trace[0].videos()[0])
     assert all(u.startswith("data:image/png;base64,") for u in parts[0]["video"])
     assert parts[-1]["type"] == "text"
+
+
+def test_multiturn_with_fixed_turns() -> None:
+    trace = make_trace("multiturn", 10, seed=5, image_share=1.0, max_tokens=4, resolutions=SMALL, turns=4)
+    per_conv: dict[str, list[int]] = {}
+    for req in trace:
+        per_conv.setdefault(req.conversation_id, []).append(req.turn)
+    assert sorted(len(t) for t in per_conv.values()) == [2, 4, 4]
+    assert all(sorted(t) == list(range(len(t))) for t in per_conv.values())
+    with pytest.raises(ValueError, match="turns"):
+        make_trace("multiturn", 4, seed=0, turns=0)
