@@ -45,12 +45,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --image {path}: no such file")
         images.append(p.read_bytes())
     try:
-        builder = PromptBuilder(args.model)
+        builder = PromptBuilder(args.model, visual_token_pruning=args.visual_token_pruning)
         prompt = builder.prepare_text(args.prompt, images)
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed)
         engine = Engine(EngineConfig(args.model, device=args.device, threads=args.threads,
-                                     num_blocks=args.num_blocks, block_size=args.block_size))
+                                     num_blocks=args.num_blocks, block_size=args.block_size,
+                                     visual_token_pruning=builder.visual_token_pruning))
         t0 = time.perf_counter()
         engine.add_request("cli", prompt.prompt_ids, images=images, sampling=sampling)
         tokens = engine.run_until_done()["cli"]
@@ -84,8 +85,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "max_tokens", "max_image_bytes", "max_image_pixels",
                                                                "max_images_per_request", "max_video_frames",
                                                                "video_fps", "client_api_key", "curve_secret_key",
-                                                               "curve_authorized_keys"])
-    coord = Coordinator(settings)
+                                                               "curve_authorized_keys", "visual_token_pruning"])
+    from mserve.common.pruning import PruningError
+
+    try:
+        coord = Coordinator(settings)
+    except PruningError as exc:
+        raise SystemExit(f"error: {exc}")
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: coord.stop())
@@ -110,11 +116,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                           "host_embedding_cache_mb", "host_embedding_cache_dir",
                                                           "enable_prefix_caching",
                                                           "curve_secret_key", "curve_server_key",
-                                                          "curve_authorized_keys"])
+                                                          "curve_authorized_keys", "visual_token_pruning",
+                                                          "drain_timeout_s"])
+    from mserve.common.pruning import PruningError
+
     try:
         make_worker(settings).run()
     except KeyboardInterrupt:
         pass
+    except PruningError as exc:
+        raise SystemExit(f"error: {exc}")
     return 0
 
 
@@ -193,6 +204,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mserve.common.pruning import add_argument as add_pruning_argument
+
     parser = argparse.ArgumentParser(prog="mserve", description="MServe: disaggregated serving for vision-language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -227,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--json", action="store_true",
                    help='print {"prompt_token_ids": [...], "token_ids": [...], "text": "..."} instead of the text')
+    add_pruning_argument(p, "Changes the answer (see docs/operations.md).")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("coordinator", help="run the coordinator (admission, routing, request state machine)",
@@ -258,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--curve-authorized-keys")
     p.add_argument("--curve-authorized-keys", metavar="DIR",
                    help="folder of the public keys (*.key) of the workers allowed in; any other is refused")
+    add_pruning_argument(p, "Admission counts placeholders at this ratio; encode and unified workers with "
+                            "another are refused.")
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("worker", help="run one worker of a role: encode, prefill, decode or unified",
@@ -299,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-server-key", metavar="FILE", help="the coordinator's public .key file")
     p.add_argument("--curve-authorized-keys", metavar="DIR",
                    help="folder of the public keys (*.key) of the workers allowed to fetch from this one")
+    add_pruning_argument(p, "Encode and unified workers prune; must equal the coordinator's.")
+    p.add_argument("--drain-timeout-s", type=float,
+                   help="SIGTERM drains the worker (no new work, finish what it has, exit when the coordinator "
+                        "releases it); past this many seconds it exits anyway (default 25; SIGTERM twice: now)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair for one process (NAME.key, NAME.key_secret)",

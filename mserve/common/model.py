@@ -117,6 +117,9 @@ class ModelFamily:
     processor_source: str = ""
     video_token_id: int | None = None
     video_config: dict[str, Any] | None = None
+    # Opt-in visual-token pruning (mserve/common/pruning.py): the share of each image's visual tokens
+    # kept; None = off. Set only through pruning.apply, which refuses families that cannot prune.
+    visual_keep_ratio: float | None = None
 
     @property
     def uses_mrope(self) -> bool:
@@ -179,6 +182,10 @@ class ModelFamily:
             grid_h, grid_w = self.qwen_grid(width, height)
             merge = self.processor_config["merge_size"]
             return grid_h * grid_w // (merge * merge)
+        if self.visual_keep_ratio is not None:
+            from mserve.common.pruning import kept_tokens
+
+            return kept_tokens(self.llava_tokens_per_image, self.visual_keep_ratio)
         return self.llava_tokens_per_image
 
     @property

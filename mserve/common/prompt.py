@@ -117,11 +117,16 @@ def _videos_as_frames(norm: list[dict[str, Any]], sizes: Any) -> list[dict[str, 
 class PromptBuilder:
     """Tokenizer + chat template + family rules for one checkpoint."""
 
-    def __init__(self, model_dir: str | os.PathLike) -> None:
+    def __init__(self, model_dir: str | os.PathLike, visual_token_pruning: float | str | None = None) -> None:
+        """`visual_token_pruning`: the keep ratio the encoders prune to (mserve/common/pruning.py); each
+        image then expands to that many placeholders. Raises PruningError for a family that cannot prune."""
         from transformers import AutoTokenizer
+
+        from mserve.common import pruning
 
         self.model_dir = str(model_dir)
         self.family: ModelFamily = load_family(model_dir)
+        self.visual_token_pruning = pruning.apply(self.family, visual_token_pruning)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.chat_template = load_chat_template(model_dir, self.tokenizer)
         self.bos_token_id = self._implicit_bos()

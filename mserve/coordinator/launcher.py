@@ -344,6 +344,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CURVE on the worker link and the data plane, keys in DIR (made if missing)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     parser.add_argument("--log-dir", default=None, help="keep the child processes' logs here (default: a temp dir)")
+    from mserve.common.pruning import add_argument as add_pruning_argument
+
+    add_pruning_argument(parser, "Given to the coordinator and every worker alike.")
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -352,9 +355,21 @@ def run_up(args: argparse.Namespace) -> int:
     default_pool = 0 if args.unified and all(getattr(args, r) is None for r in ("encode", "prefill", "decode")) else 1
     pools = {r: default_pool if getattr(args, r) is None else getattr(args, r) for r in ("encode", "prefill", "decode")}
     stop = threading.Event()
+    pruning = getattr(args, "visual_token_pruning", None)
+    pruning_args = ["--visual-token-pruning", pruning] if pruning is not None else []
+    if pruning is not None:  # refuse a family that cannot prune before starting anything
+        from mserve.common import pruning as visual_pruning
+        from mserve.common.model import load_family
+
+        try:
+            visual_pruning.apply(load_family(args.model), pruning)
+        except (ValueError, FileNotFoundError) as exc:  # PruningError, CheckpointError
+            logger.error("mserve up failed: %s", exc)
+            return 1
     cluster = LocalCluster(args.model, **pools, unified=args.unified, redis_url=args.redis, port=args.port,
                            threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
-                           client_api_key=args.client_api_key, curve_dir=args.curve_dir)
+                           client_api_key=args.client_api_key, curve_dir=args.curve_dir,
+                           extra_worker_args=pruning_args, extra_coordinator_args=pruning_args)
     try:
         cluster.start(timeout_s=args.start_timeout)
     except (ClusterStartError, RuntimeError, ValueError) as exc:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from mserve.common.protocol import ROLES, ErrorCode, MsgType, ProtocolError
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
                                                    TokenItem, WorkerInfo)
+from mserve.common.pruning import mismatch as pruning_mismatch
 from mserve.coordinator.admission import Admitted
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (ACTIVE_STAGES, Lookups, NoLookups, Out, RequestState, Stage, ToClient, ToWorker,
@@ -54,7 +55,8 @@ def _entry(handler: Callable[..., None]) -> Callable[..., list[Out]]:
 class RequestMachine:
     def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 5.0, max_attempts: int = 3,
                  max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
-                 new_id: Callable[[], str] | None = None, raise_errors: bool = False) -> None:
+                 new_id: Callable[[], str] | None = None, raise_errors: bool = False,
+                 visual_token_pruning: float | None = None) -> None:
         self.stage_timeout_s = stage_timeout_s
         self.dead_after_s = dead_after_s
         self.max_attempts = max_attempts
@@ -65,6 +67,9 @@ class RequestMachine:
         self.detokenize = detokenize or (lambda ids: "")
         self.new_id = new_id or (lambda: uuid.uuid4().hex)
         self.raise_errors = raise_errors
+        # Admission counts placeholders at this keep ratio: encoding workers must prune to the same one.
+        self.visual_token_pruning = visual_token_pruning
+        self._refused: dict[str, float | None] = {}  # worker -> the ratio it was refused for (logged once)
         self.members = Membership()
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -291,6 +296,15 @@ class RequestMachine:
         if role not in ROLES:
             log.error("worker %s announced unknown role %r; ignored", worker_id, role)
             return
+        why = pruning_mismatch(worker_id, role, info.visual_token_pruning, self.visual_token_pruning)
+        if why is not None:  # its images would not fit the prompts admitted here: never give it work
+            if self._refused.get(worker_id, -1.0) != info.visual_token_pruning:
+                self._refused[worker_id] = info.visual_token_pruning
+                log.error("%s", why)
+            if self.members.is_alive(worker_id):  # restarted with another setting: its old self is gone
+                self._worker_died(worker_id, "re-registered with another --visual-token-pruning")
+            return
+        self._refused.pop(worker_id, None)
         if self.members.is_alive(worker_id):  # a restarted process with the same id: its old work is lost
             self._worker_died(worker_id, "re-registered")
         for rid in self.members.join(worker_id, role, info.fields(), self._now):  # it was only stalled: stop its stale work

@@ -54,7 +54,7 @@ class Coordinator:
         from mserve.common.prompt import PromptBuilder
 
         self.settings = settings
-        self.builder = PromptBuilder(settings.model)
+        self.builder = PromptBuilder(settings.model, visual_token_pruning=settings.visual_token_pruning)
         self.model_name = settings.model_name or settings.model
         self.limits = Limits(**settings.limits())
         self.ctx = zmq.Context.instance()
@@ -74,7 +74,7 @@ class Coordinator:
         self.machine = RequestMachine(
             stage_timeout_s=settings.stage_timeout_s, dead_after_s=settings.dead_after_s,
             max_attempts=settings.max_attempts, max_waiting_requests=settings.max_waiting_requests,
-            detokenize=self.builder.decode,
+            detokenize=self.builder.decode, visual_token_pruning=settings.visual_token_pruning,
             lookups=RedisLookups(self.store, self.builder, self.model_name) if self.store else None)
         self._running = True
         self._next_redis_sync = 0.0

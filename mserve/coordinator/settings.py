@@ -37,6 +37,16 @@ class CoordinatorSettings(BaseSettings):
     # public keys (both or neither); a worker whose key is not there is refused at the handshake.
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
+    # Opt-in FasterVLM visual-token pruning (mserve/common/pruning.py): admission counts each image's
+    # placeholders at this keep ratio; encode and unified workers must run the same one (checked at READY).
+    visual_token_pruning: float | None = None
+
+    @field_validator("visual_token_pruning", mode="before")
+    @classmethod
+    def _pruning_ratio(cls, v: object) -> float | None:
+        from mserve.common.pruning import parse_ratio
+
+        return parse_ratio(v)
 
     @field_validator("client_api_key")
     @classmethod

@@ -41,6 +41,7 @@ class EngineConfig:
     max_image_bytes: int = 20 * 1024 * 1024
     threads: int | None = None
     parts: str = "all"  # "vision" (encode), "text" (prefill/decode) or "all": which weights stay loaded
+    visual_token_pruning: float | None = None  # FasterVLM keep ratio on the encode path; None = off (common/pruning.py)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Engine:
         self.config = config
         self.runner = ModelRunner(config.model_dir, device=config.device, dtype=config.dtype,
                                   num_blocks=config.num_blocks, block_size=config.block_size, model=model,
-                                  parts=config.parts)
+                                  parts=config.parts, visual_token_pruning=config.visual_token_pruning)
         self.family = self.runner.family
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,

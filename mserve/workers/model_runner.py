@@ -7,6 +7,7 @@ model with the paged attention function, and returns the logits of requests that
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -73,9 +74,13 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
 class ModelRunner:
     def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  num_blocks: int = 1024, block_size: int = 16, model: torch.nn.Module | None = None,
-                 parts: str = "all") -> None:
+                 parts: str = "all", visual_token_pruning: float | None = None) -> None:
+        from mserve.common import pruning
+
         self.device = torch.device(device)
         self.family: ModelFamily = load_family(model_dir)
+        # Checked before the weights load: a family that cannot prune is refused at once, naming the flag.
+        ratio = pruning.apply(self.family, visual_token_pruning)
         self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
         text = self.model.config.text_config
@@ -90,6 +95,11 @@ class ModelRunner:
                               dtype=self.dtype, device=self.device)
         self._image_processor = None
         self.model_dir = str(model_dir)
+        self.pruner = None  # FasterVLM on the encode path (mserve/workers/pruning.py), when asked for
+        if ratio is not None and getattr(self.model.model, "vision_tower", None) is not None:
+            from mserve.workers.pruning import ClsAttentionPruner
+
+            self.pruner = ClsAttentionPruner(self.model, self.family, ratio)
 
     # -- encode stage ------------------------------------------------------------------------
     @property
@@ -118,13 +128,17 @@ class ModelRunner:
             grids = [tuple(int(x) for x in g) for g in grid.tolist()]
         else:
             cfg = self.model.config
-            out = self.model.model.get_image_features(
-                pixel_values=pixel_values,
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                return_dict=True,
-            )
+            with self.pruner.capture() if self.pruner else contextlib.nullcontext() as scores:
+                out = self.model.model.get_image_features(
+                    pixel_values=pixel_values,
+                    vision_feature_layer=cfg.vision_feature_layer,
+                    vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                    return_dict=True,
+                )
             grids = [None] * len(images)
+            if self.pruner is not None:  # keep each image's top tokens by [CLS] attention, in order
+                kept = self.pruner.select([e.reshape(-1, self.hidden_size) for e in out.pooler_output], scores)
+                return [EncodedImage(e, g) for e, g in zip(kept, grids)]
         return [EncodedImage(e.reshape(-1, self.hidden_size).contiguous(), g) for e, g in zip(out.pooler_output, grids)]
 
     @torch.inference_mode()

@@ -97,7 +97,7 @@ class Worker:
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             max_prefill_tokens=s.max_prefill_tokens,
             enable_prefix_caching=s.enable_prefix_caching, max_image_pixels=s.max_image_pixels,
-            max_image_bytes=s.max_image_bytes, parts=self.PARTS)
+            max_image_bytes=s.max_image_bytes, parts=self.PARTS, visual_token_pruning=s.visual_token_pruning)
 
     # -- what a role implements ------------------------------------------------------------------------
     def start(self, task: Message) -> None:
@@ -125,7 +125,7 @@ class Worker:
         return WorkerInfo(worker_id=self.worker_id, role=self.role, data_address=self.transfer.address,
                           host_id=self.transfer.host_id, pid=os.getpid(), model=self.model_name,
                           block_size=self.s.block_size, num_blocks=self.engine.pool.num_blocks, load=self.load(),
-                          data_key=self.transfer.key)
+                          data_key=self.transfer.key, visual_token_pruning=self.s.visual_token_pruning)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())

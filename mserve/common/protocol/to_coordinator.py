@@ -25,6 +25,9 @@ class WorkerInfo(Message):
     num_blocks: int = wire(as_int, 0)
     load: dict[str, Any] = wire(as_map, {})  # queue_len, running, free_blocks, total_blocks, tokens_per_s
     data_key: str | None = wire(optional(as_str), None)  # the data plane's CURVE public key (Z85), when it has one
+    # The FasterVLM keep ratio this worker prunes images to (None: off); the coordinator refuses an
+    # encode or unified worker whose ratio differs from its own (mserve/common/pruning.py).
+    visual_token_pruning: float | None = wire(optional(as_float), None)
 
 
 @dataclass
@@ -38,13 +41,15 @@ class Heartbeat(Message):
     data_address: str | None = wire(optional(as_str), None)
     host_id: str | None = wire(optional(as_str), None)
     block_size: int | None = wire(optional(as_int), None)
+    visual_token_pruning: float | None = wire(optional(as_float), None)
 
     def registration(self) -> WorkerInfo | None:
         """The READY this heartbeat repeats, if it carries one."""
         if self.role is None or self.data_address is None or self.host_id is None:
             return None
         return WorkerInfo(worker_id=self.worker_id, role=self.role, data_address=self.data_address,
-                          host_id=self.host_id, block_size=self.block_size or 16, load=self.load)
+                          host_id=self.host_id, block_size=self.block_size or 16, load=self.load,
+                          visual_token_pruning=self.visual_token_pruning)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from typing import Any
 
 from mserve.common.model import ImageError
+from mserve.common.pruning import cache_namespace
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
 from mserve.common.protocol.to_worker import LATENCY_CLASSES, EncodeTask, ImageRef
 from mserve.common.transfer.host_store import HostEmbeddingStore, default_root, host_member
@@ -100,7 +101,7 @@ class EncodeWorker(Worker):
 
     def embedding_namespace(self) -> str:
         """What an embedding depends on besides the image: entries of another namespace never mix."""
-        return self.model_name
+        return cache_namespace(self.model_name, self.s.visual_token_pruning)
 
     def engine_config(self, s: WorkerSettings) -> EngineConfig:
         return dataclasses.replace(super().engine_config(s), num_blocks=16)  # an encoder keeps no KV
