@@ -111,6 +111,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings_from_args(WorkerSettings, args, ["role", "model", "model_name", "coordinator", "redis",
                                                           "worker_id", "device", "dtype", "threads", "transfer",
                                                           "host", "num_blocks", "block_size", "max_num_seqs",
+                                                          "gpu_memory_fraction", "device_memory_gb", "mig_device",
                                                           "max_num_batched_tokens", "max_prefill_tokens",
                                                           "embedding_cache_mb", "max_encode_images",
                                                           "host_embedding_cache_mb", "host_embedding_cache_dir",
@@ -293,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address peers reach this worker's data plane at (default 127.0.0.1)")
     p.add_argument("--num-blocks", type=int, help="KV pool blocks (default 2048)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--gpu-memory-fraction", type=float, metavar="F",
+                   help="this worker's share of its device's memory, in (0, 1]: the KV pool is sized to fit it "
+                        "(--num-blocks is then ignored) and, on CUDA, the allocator is capped at it; several "
+                        "workers can share one GPU (default: unset, --num-blocks as given)")
+    p.add_argument("--device-memory-gb", type=float, metavar="GIB",
+                   help="the memory --gpu-memory-fraction is of: required on CPU, on CUDA it overrides the device's")
+    p.add_argument("--mig-device", metavar="UUID",
+                   help="run on this MIG instance (MIG-..., as `nvidia-smi -L` lists it): CUDA_VISIBLE_DEVICES")
     p.add_argument("--max-num-seqs", type=int, help="running requests at most (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step (default 2048)")
     p.add_argument("--max-prefill-tokens", type=int,

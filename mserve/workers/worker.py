@@ -92,8 +92,13 @@ class Worker:
         self._next_refusal_log = 0.0
 
     def engine_config(self, s: WorkerSettings) -> EngineConfig:
+        num_blocks = s.num_blocks
+        if s.gpu_memory_fraction is not None or s.mig_device:  # a share of a GPU: size the pool to fit it
+            from mserve.workers.sizing import partition_worker
+
+            num_blocks = partition_worker(s, self.PARTS)
         return EngineConfig(
-            s.model, device=s.device, dtype=s.dtype, block_size=s.block_size, num_blocks=s.num_blocks,
+            s.model, device=s.device, dtype=s.dtype, block_size=s.block_size, num_blocks=num_blocks,
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             max_prefill_tokens=s.max_prefill_tokens,
             enable_prefix_caching=s.enable_prefix_caching, max_image_pixels=s.max_image_pixels,

@@ -1,0 +1,368 @@
+"""GPU partitioning: a worker's share of a device (a memory fraction or a MIG instance) and the KV pool
+that fits in it.
+
+Pure arithmetic over the checkpoint's config.json and its safetensors headers: torch is imported only
+by `partition_worker`, on a CUDA device, so the sizing itself is tested on CPU. The formula
+(docs/gpu-partitioning.md):
+
+    budget     = device_memory × gpu_memory_fraction
+    reserve    = workspace + activations + logits
+      workspace   = WORKSPACE_BYTES (512 MiB: CUDA context, cuBLAS/attention workspaces, allocator slack)
+      activations = T × (4·H + 3·I) × b   the widest layer's live tensors for one packed step of T tokens
+                                          (residual, normed input, q/k/v, attention output, MLP gate/up/product)
+      logits      = S × V × 4 × 2         float32 logits of S sequences and the sampler's copy
+    kv_budget  = (budget − weights − reserve) / (1 + 1/L)
+                                          one layer's K and V are gathered per step beside the pool
+    block      = 2 × L × kv_heads × head_dim × block_size × b
+    num_blocks = floor(kv_budget / block)
+
+T = max_num_batched_tokens, S = max_num_seqs, H/I/V/L = the text model's hidden, intermediate, vocab
+sizes and layers, b = bytes per element of the serving dtype (bfloat16 on CUDA, float32 on CPU unless
+`dtype` says otherwise), weights = the parameters this role keeps (encode: vision tower + projector;
+prefill/decode: language model + head; unified: all), counted from the safetensors headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mserve.sizing")
+
+GIB = 2**30
+MIB = 2**20
+WORKSPACE_BYTES = 512 * MIB
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual")  # as model_runner._VISION_MODULES
+QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+# What transformers' config classes default to when a config.json leaves a key out (published llava-hf
+# text_configs name little more than model_type and vocab_size); checked against transformers in tests.
+TEXT_DEFAULTS: dict[str, dict[str, int]] = {
+    "llama": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "vocab_size": 32000},
+    "mistral": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 32000},
+    "qwen2": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "vocab_size": 151936},
+}
+
+
+class SizingError(ValueError):
+    """A partition setting cannot be honoured (names the setting and the numbers)."""
+
+
+# --------------------------------------------------------------------------- MIG profiles
+
+
+@dataclass(frozen=True)
+class MigProfile:
+    gpu: str
+    name: str  # as nvidia-smi and the device plugin spell it: 1g.10gb
+    memory_slices: int  # of 8
+    compute_slices: int  # of 7 (SM slices)
+    max_instances: int  # of this profile on one GPU
+    board_memory_gib: int
+
+    @property
+    def memory_bytes(self) -> int:
+        """Nominal: slices × board / 8. A running instance reports a little less; a worker on a MIG device
+        sizes against what the device reports, this is for planning."""
+        return self.board_memory_gib * GIB * self.memory_slices // 8
+
+    @property
+    def resource(self) -> str:
+        """The Kubernetes extended resource under the NVIDIA device plugin's `mixed` MIG strategy."""
+        return f"nvidia.com/mig-{self.name}"
+
+
+def _profiles(gpu: str, board_gib: int, rows: list[tuple[str, int, int, int]]) -> tuple[MigProfile, ...]:
+    return tuple(MigProfile(gpu, name, mem, sm, n, board_gib) for name, mem, sm, n in rows)
+
+
+_A100_40 = [("1g.5gb", 1, 1, 7), ("1g.5gb+me", 1, 1, 1), ("1g.10gb", 2, 1, 4), ("2g.10gb", 2, 2, 3),
+            ("3g.20gb", 4, 3, 2), ("4g.20gb", 4, 4, 1), ("7g.40gb", 8, 7, 1)]
+_80GB = [("1g.10gb", 1, 1, 7), ("1g.10gb+me", 1, 1, 1), ("1g.20gb", 2, 1, 4), ("2g.20gb", 2, 2, 3),
+         ("3g.40gb", 4, 3, 2), ("4g.40gb", 4, 4, 1), ("7g.80gb", 8, 7, 1)]
+MIG_PROFILES: dict[str, tuple[MigProfile, ...]] = {
+    "A100-40GB": _profiles("A100-40GB", 40, _A100_40),
+    "A100-80GB": _profiles("A100-80GB", 80, _80GB),
+    "H100-80GB": _profiles("H100-80GB", 80, _80GB),
+}
+
+
+def mig_profile(spec: str) -> MigProfile:
+    """'A100-80GB:3g.40gb' (the profile may also be spelt as its resource, nvidia.com/mig-3g.40gb) -> its row."""
+    gpu, sep, name = spec.partition(":")
+    gpu, name = gpu.strip().upper(), name.strip().lower().removeprefix("nvidia.com/mig-")
+    if not sep or gpu not in MIG_PROFILES:
+        raise SizingError(f"MIG profile {spec!r}: name the GPU and the profile, e.g. 'A100-80GB:1g.10gb'; "
+                          f"GPUs: {', '.join(MIG_PROFILES)}")
+    for p in MIG_PROFILES[gpu]:
+        if p.name == name:
+            return p
+    raise SizingError(f"{gpu} has no MIG profile {name!r}; it has {', '.join(p.name for p in MIG_PROFILES[gpu])}")
+
+
+# --------------------------------------------------------------------------- the checkpoint
+
+
+@dataclass(frozen=True)
+class TextGeometry:
+    """What the KV pool and the activations depend on: the text model's dimensions."""
+
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+        """2 (K and V) × layers × kv_heads × head_dim × block_size × dtype bytes: paged_attention.KVCache's."""
+        return self.kv_bytes_per_token(dtype_bytes) * block_size
+
+
+def text_geometry(config: dict[str, Any], where: str = "config.json") -> TextGeometry:
+    """From a checkpoint's config.json (as a dict): llava's `text_config`; Qwen2-VL's top-level keys (the
+    published layout) overlaid by its `text_config` (what transformers 5 saves)."""
+    model_type = config.get("model_type")
+    if model_type in QWEN_TYPES:
+        text = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+        text.update(config.get("text_config") or {})
+    elif model_type == "llava":
+        text = dict(config.get("text_config") or {})
+        text.setdefault("model_type", "llama")  # LlavaConfig's default text model
+    else:
+        raise SizingError(f"{where}: model_type {model_type!r} is not one sizing knows "
+                          f"(llava, {', '.join(QWEN_TYPES)})")
+    text_type = text.get("model_type") or model_type
+    defaults = TEXT_DEFAULTS.get(text_type, {})
+
+    def get(key: str, fallback: int | None = None) -> int:
+        value = text.get(key, defaults.get(key, fallback))
+        if value is None:
+            raise SizingError(f"{where}: the text model ({text_type}) has no {key!r}, and sizing knows no "
+                              f"default for it")
+        return int(value)
+
+    heads = get("num_attention_heads")
+    hidden = get("hidden_size")
+    return TextGeometry(model_type=str(model_type), num_layers=get("num_hidden_layers"),
+                        num_kv_heads=get("num_key_value_heads", heads),
+                        head_dim=int(text.get("head_dim") or hidden // heads), hidden_size=hidden,
+                        intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"))
+
+
+def read_geometry(model_dir: str | os.PathLike) -> TextGeometry:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise SizingError(f"{model_dir} is not a model folder: no config.json")
+    return text_geometry(json.loads(path.read_text()), str(path))
+
+
+def is_vision_weight(name: str) -> bool:
+    return any(part in VISION_MODULES for part in name.split("."))
+
+
+def parameter_counts(model_dir: str | os.PathLike) -> dict[str, int]:
+    """{"vision": n, "text": n} parameters, read from the safetensors headers (no tensor is loaded)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise SizingError(f"{model_dir}: sizing reads the weights' sizes from *.safetensors, and there are none")
+    counts = {"vision": 0, "text": 0}
+    for f in files:
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                counts["vision" if is_vision_weight(name) else "text"] += math.prod(info["shape"])
+    return counts
+
+
+def weight_bytes(counts: dict[str, int], parts: str, dtype_bytes: int) -> int:
+    """Bytes of the weights a role keeps resident, in the serving dtype."""
+    kept = {"all": counts["vision"] + counts["text"], "vision": counts["vision"], "text": counts["text"]}[parts]
+    return kept * dtype_bytes
+
+
+# --------------------------------------------------------------------------- the formula
+
+
+@dataclass(frozen=True)
+class SizingPlan:
+    budget_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    kv_bytes: int  # what the pool's blocks take
+    block_bytes: int
+    num_blocks: int
+
+    def describe(self) -> str:
+        if not self.num_blocks:
+            return (f"budget {self.budget_bytes / GIB:.2f} GiB holds weights {self.weights_bytes / GIB:.2f} GiB + "
+                    f"reserve {self.reserve_bytes / GIB:.2f} GiB (no KV pool)")
+        return (f"budget {self.budget_bytes / GIB:.2f} GiB = weights {self.weights_bytes / GIB:.2f} GiB + reserve "
+                f"{self.reserve_bytes / GIB:.2f} GiB + KV {self.kv_bytes / GIB:.2f} GiB "
+                f"({self.num_blocks} blocks of {self.block_bytes / MIB:.3f} MiB) + gather headroom")
+
+
+def reserve_bytes(geom: TextGeometry, *, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
+                  workspace_bytes: int = WORKSPACE_BYTES, kv: bool = True) -> int:
+    """workspace + T × (4·H + 3·I) × b + S × V × 4 × 2 (the text terms only where a text model runs)."""
+    if not kv:  # an encoder: the vision tower's activations are bounded by max_encode_images, in the workspace
+        return workspace_bytes
+    act = max_num_batched_tokens * (4 * geom.hidden_size + 3 * geom.intermediate_size) * dtype_bytes
+    logits = max_num_seqs * geom.vocab_size * 4 * 2
+    return workspace_bytes + act + logits
+
+
+def plan_blocks(*, total_bytes: int, fraction: float, weights_bytes: int, reserve: int, block_bytes: int,
+                num_layers: int, min_blocks: int = 1, kv: bool = True,
+                setting: str = "gpu_memory_fraction") -> SizingPlan:
+    """The number of KV blocks that fit; SizingError (naming `setting`) when the share leaves no room."""
+    if not 0.0 < fraction <= 1.0:
+        raise SizingError(f"{setting}={fraction} must be in (0, 1]")
+    budget = int(total_bytes * fraction)
+    left = budget - weights_bytes - reserve
+    need = f"weights {weights_bytes / GIB:.2f} GiB + reserve {reserve / GIB:.2f} GiB"
+    if left < 0:
+        raise SizingError(f"{setting}={fraction} of {total_bytes / GIB:.2f} GiB is {budget / GIB:.2f} GiB: it does not "
+                          f"hold the {need}{', let alone a KV pool' if kv else ''}; raise {setting}, use a larger "
+                          f"device or MIG profile, or lower max_num_batched_tokens / max_num_seqs")
+    if not kv:
+        return SizingPlan(budget, weights_bytes, reserve, 0, block_bytes, 0)
+    num_blocks = int(left / (1.0 + 1.0 / num_layers)) // block_bytes
+    if num_blocks < min_blocks:
+        raise SizingError(f"{setting}={fraction} of {total_bytes / GIB:.2f} GiB leaves room for {num_blocks} KV blocks "
+                          f"after the {need}; at least {min_blocks} are needed (one step of max_num_batched_tokens); "
+                          f"raise {setting} or use a larger device or MIG profile")
+    return SizingPlan(budget, weights_bytes, reserve, num_blocks * block_bytes, block_bytes, num_blocks)
+
+
+def plan_for_model(model_dir: str | os.PathLike, *, total_bytes: int, fraction: float, parts: str = "text",
+                   dtype_bytes: int = 2, block_size: int = 16, max_num_batched_tokens: int = 2048,
+                   max_num_seqs: int = 64, workspace_bytes: int = WORKSPACE_BYTES,
+                   setting: str = "gpu_memory_fraction") -> SizingPlan:
+    """The whole formula for one checkpoint and one role's `parts` ("vision" keeps no KV pool)."""
+    geom = read_geometry(model_dir)
+    kv = parts != "vision"
+    return plan_blocks(
+        total_bytes=total_bytes, fraction=fraction,
+        weights_bytes=weight_bytes(parameter_counts(model_dir), parts, dtype_bytes),
+        reserve=reserve_bytes(geom, dtype_bytes=dtype_bytes, max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs, workspace_bytes=workspace_bytes, kv=kv),
+        block_bytes=geom.block_bytes(block_size, dtype_bytes), num_layers=geom.num_layers,
+        min_blocks=max(1, math.ceil(max_num_batched_tokens / block_size)), kv=kv, setting=setting)
+
+
+# --------------------------------------------------------------------------- a worker's settings
+
+
+def serving_dtype_bytes(device: str, dtype: str | None) -> int:
+    """As model_runner.resolve_dtype: bfloat16 on CUDA and float32 on CPU unless `dtype` names one."""
+    if dtype in (None, "auto"):
+        return 2 if device.startswith("cuda") else 4
+    if dtype not in DTYPE_BYTES:
+        raise SizingError(f"dtype={dtype!r}: one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def select_mig_device(mig_device: str, device: str) -> None:
+    """CUDA_VISIBLE_DEVICES = the MIG instance's UUID; must happen before CUDA starts in this process."""
+    if not device.startswith("cuda"):
+        raise SizingError(f"mig_device={mig_device!r} needs device=cuda (device is {device!r})")
+    if not mig_device.startswith("MIG-"):
+        raise SizingError(f"mig_device={mig_device!r}: give the MIG instance's UUID (MIG-...) as `nvidia-smi -L` "
+                          f"lists it")
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if current != mig_device and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        raise SizingError(f"mig_device={mig_device!r} was set after CUDA started (CUDA_VISIBLE_DEVICES={current!r})")
+    os.environ["CUDA_VISIBLE_DEVICES"] = mig_device
+
+
+def partition_worker(s: Any, parts: str) -> int:
+    """Apply a worker's mig_device / gpu_memory_fraction and return its KV pool's size in blocks.
+
+    Unset settings change nothing (`s.num_blocks` comes back). With gpu_memory_fraction on CUDA the
+    device's own total memory is the base (a MIG instance reports its own slice) unless
+    device_memory_gb names one, and torch's allocator is capped at the budget (the fraction of that
+    memory); on CPU device_memory_gb is required (the memory to size against, e.g. the container's limit)."""
+    if s.mig_device:
+        select_mig_device(s.mig_device, s.device)
+    if s.gpu_memory_fraction is None:
+        return s.num_blocks
+    on_cuda = s.device.startswith("cuda")
+    device_total = None
+    if on_cuda:
+        import torch
+
+        index = torch.device(s.device).index or 0
+        device_total = torch.cuda.get_device_properties(index).total_memory
+    if s.device_memory_gb is not None:
+        if s.device_memory_gb <= 0:
+            raise SizingError(f"device_memory_gb={s.device_memory_gb} must be positive")
+        total = int(s.device_memory_gb * GIB)
+    elif device_total is not None:
+        total = device_total
+    else:
+        raise SizingError(f"gpu_memory_fraction={s.gpu_memory_fraction} on device {s.device!r}: there is no device "
+                          f"memory to take a fraction of; set device_memory_gb (the memory to size against) too, "
+                          f"or unset gpu_memory_fraction and give num_blocks")
+    plan = plan_for_model(s.model, total_bytes=total, fraction=s.gpu_memory_fraction, parts=parts,
+                          dtype_bytes=serving_dtype_bytes(s.device, s.dtype), block_size=s.block_size,
+                          max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
+    if device_total is not None:  # the allocator's cap is the budget, whatever memory it was taken of
+        torch.cuda.set_per_process_memory_fraction(min(1.0, plan.budget_bytes / device_total), index)
+    log.info("gpu_memory_fraction %s of %.2f GiB: %s", s.gpu_memory_fraction, total / GIB, plan.describe())
+    return plan.num_blocks if parts != "vision" else s.num_blocks
+
+
+# --------------------------------------------------------------------------- planning from the shell
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mserve.workers.sizing",
+                                description="How many KV blocks a worker of this checkpoint gets on a share of a GPU.")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--profile", help="a MIG profile, e.g. A100-80GB:1g.10gb")
+    where.add_argument("--memory-gb", type=float, help="device memory in GiB")
+    p.add_argument("--fraction", type=float, default=1.0, help="gpu_memory_fraction (default 1)")
+    p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], default="decode")
+    p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    a = p.parse_args(argv)
+    total = mig_profile(a.profile).memory_bytes if a.profile else int(a.memory_gb * GIB)
+    parts = {"encode": "vision", "unified": "all"}.get(a.role, "text")
+    try:
+        plan = plan_for_model(a.model, total_bytes=total, fraction=a.fraction, parts=parts,
+                              dtype_bytes=DTYPE_BYTES[a.dtype], block_size=a.block_size,
+                              max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs)
+    except SizingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"num_blocks": plan.num_blocks, "tokens": plan.num_blocks * a.block_size,
+                      "summary": plan.describe()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
