@@ -369,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_arguments(p)
     p.set_defaults(func=cmd_gateway)
 
+    from mserve.autoscale.cli import add_parser as add_autoscale_parser
+
+    add_autoscale_parser(sub)
+
     p = sub.add_parser("bench", help="benchmarks (see mserve/bench/README.md)")
     bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
     from mserve.bench.engine_bench import add_arguments as add_engine_bench

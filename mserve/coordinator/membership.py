@@ -26,6 +26,10 @@ class Membership:
         self.embedding_holders: dict[str, set[str]] = {}
         # Requests moved off a worker declared dead: cancelled there if it turns out to be alive.
         self.abandoned: dict[str, set[str]] = {}
+        # Workers whose load says "draining" (they got SIGTERM): routed nothing new (coordinator/drain.py),
+        # and the ones already sent SHUTDOWN because nothing depends on them any more.
+        self.draining: set[str] = set()
+        self.shutdown_sent: set[str] = set()
 
     def get(self, worker_id: str) -> WorkerView | None:
         return self.workers.get(worker_id)
@@ -40,10 +44,16 @@ class Membership:
     def alive_ids(self) -> list[str]:
         return [wid for wid, w in self.workers.items() if w.alive]
 
+    def routable(self) -> list[WorkerView]:
+        """The workers new work may go to: alive and not draining."""
+        return [w for wid, w in self.workers.items() if w.alive and wid not in self.draining]
+
     def join(self, worker_id: str, role: str, payload: dict[str, Any], now: float) -> set[str]:
         """Register (or re-register) a live worker; returns the requests it was abandoned with, to cancel."""
         self.workers[worker_id] = WorkerView(worker_id, role, host_id=str(payload.get("host_id") or ""))
         abandoned = self.abandoned.pop(worker_id, set())
+        self.draining.discard(worker_id)  # until its load says so again
+        self.shutdown_sent.discard(worker_id)
         self.info[worker_id] = dict(payload)
         self.last_seen[worker_id] = now
         self.load_at.pop(worker_id, None)  # a restarted process: its clock starts anew
@@ -69,6 +79,8 @@ class Membership:
             if at < self.load_at.get(worker_id, 0.0):
                 return
             self.load_at[worker_id] = float(at)
+        if "draining" in load:
+            (self.draining.add if load["draining"] else self.draining.discard)(worker_id)
         if isinstance(load.get("queued"), list):
             self.queued[worker_id] = {str(r) for r in load["queued"]}
         if isinstance(load.get("counters"), dict):
@@ -118,7 +130,7 @@ class Membership:
         for w in self.workers.values():
             if w.alive:
                 roles[w.role] = roles.get(w.role, 0) + 1
-        workers = {wid: {"role": w.role, "alive": w.alive, "load": {
+        workers = {wid: {"role": w.role, "alive": w.alive, "draining": wid in self.draining, "load": {
             "queue_len": w.queue_len, "running": w.running, "free_blocks": w.free_blocks,
             "total_blocks": w.total_blocks, "tokens_per_s": w.tokens_per_s, "inflight": w.inflight,
             "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib},

@@ -71,6 +71,9 @@ class RequestState:
     admitted: Admitted
     arrived: float
     attempt: int = 0
+    # Attempts whose stage message never reached its worker (the send failed): they did not run, so
+    # they do not count toward max_attempts (a dead host must not use up a request's retries).
+    undelivered: int = 0
     next_stage: Stage = Stage.START
     stage: Stage = Stage.QUEUED
     worker_id: str | None = None

@@ -21,6 +21,7 @@ from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Fail
                                                    TokenItem, WorkerInfo)
 from mserve.common.pruning import mismatch as pruning_mismatch
 from mserve.coordinator.admission import Admitted
+from mserve.coordinator.drain import holds_work, waiting_by_role
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (ACTIVE_STAGES, Lookups, NoLookups, Out, RequestState, Stage, ToClient, ToWorker,
                                         result_body, stage_message)
@@ -168,9 +169,10 @@ class RequestMachine:
             self._worker_died(worker_id, "said goodbye")
 
     @_entry
-    def worker_unreachable(self, worker_id: str, why: str) -> None:
-        """A send to the worker failed (its socket is gone): it is dead."""
-        self._worker_died(worker_id, f"unreachable ({why})")
+    def worker_unreachable(self, worker_id: str, why: str, request_id: str | None = None) -> None:
+        """A send to the worker failed (its socket is gone): it is dead. `request_id`: the request whose
+        stage message was the one that failed; that attempt never ran, so it costs the request nothing."""
+        self._worker_died(worker_id, f"unreachable ({why})", undelivered=request_id)
 
     @_entry
     def tick(self) -> None:
@@ -190,6 +192,8 @@ class RequestMachine:
                     self._restart(st, reason=f"{st.stage} stage timed out on {st.worker_id}")
         if self.pending:
             self._retry_pending()
+        if self.members.draining:
+            self._release_drained()
 
     def apply_loads(self, loads: dict[str, dict[str, Any]]) -> None:
         """Loads the workers published elsewhere (Redis), fresher than their last heartbeat."""
@@ -202,19 +206,32 @@ class RequestMachine:
     def status(self) -> dict[str, Any]:
         workers, roles = self.members.status()
         return {"workers": workers, "roles": roles, "requests_in_flight": len(self.requests),
-                "stats": dict(self.stats), "telemetry": self.telemetry.snapshot()}
+                "stats": dict(self.stats), "telemetry": self.telemetry.snapshot(),
+                "waiting": waiting_by_role(self.requests.values(), {w.role for w in self.members.routable()},
+                                           self._now)}
 
     def unknown(self, client: bytes, request_ids: list[str]) -> list[str]:
         """Which of a client's request ids this coordinator does not hold (it restarted, or they ended)."""
         return [r for r in request_ids if (client, r) not in self.by_client]
 
+    def _release_drained(self) -> None:
+        """SHUTDOWN to each draining worker nothing depends on any more (coordinator/drain.py), once."""
+        for worker_id in sorted(self.members.draining - self.members.shutdown_sent):
+            if self.members.is_alive(worker_id) and not holds_work(self.requests.values(), worker_id):
+                self.members.shutdown_sent.add(worker_id)
+                log.info("worker %s drained: no work of this coordinator left on it; SHUTDOWN sent", worker_id)
+                self._out.append(ToWorker(worker_id, MsgType.SHUTDOWN, {}))
+
     # -- stages ----------------------------------------------------------------------------------------
-    def _restart(self, st: RequestState, first: bool = False, reason: str = "") -> None:
-        """(Re)run a request from its first stage, keeping the tokens the client already has."""
+    def _restart(self, st: RequestState, first: bool = False, reason: str = "", ran: bool = True) -> None:
+        """(Re)run a request from its first stage, keeping the tokens the client already has. `ran`:
+        False when the attempt's stage never reached a worker (it is not counted against max_attempts)."""
         if not first:
             self.stats["reruns"] += 1
-            if st.attempt + 1 >= self.max_attempts:
-                self._end(st, error=(ErrorCode.INTERNAL, f"gave up after {st.attempt + 1} attempts: {reason}"))
+            st.undelivered += not ran
+            if st.attempt + 1 - st.undelivered >= self.max_attempts:
+                unsent = f" ({st.undelivered} never reached a worker)" if st.undelivered else ""
+                self._end(st, error=(ErrorCode.INTERNAL, f"gave up after {st.attempt + 1} attempts{unsent}: {reason}"))
                 return
             log.warning("%s re-run (attempt %d): %s", st.client_rid, st.attempt + 2, reason)
             self._cancel_on_worker(st)  # the stage may still be running on a live worker
@@ -228,7 +245,7 @@ class RequestMachine:
         """Dispatch the request's next stage, or park it until a worker of that role is up."""
         now = self._now
         if st.next_stage == Stage.START:
-            route = pipeline_for(self.members.views(), st.has_images)
+            route = pipeline_for(self.members.routable(), st.has_images)
             if route is None:
                 return self._park(st)
             st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
@@ -252,7 +269,7 @@ class RequestMachine:
             self.pending.append(st.rid)
 
     def _route(self, st: RequestState) -> WorkerView | None:
-        ws = self.members.views()
+        ws = self.members.routable()  # a draining worker takes nothing new
         a = st.admitted
         if st.next_stage == Stage.RUN:
             return route_unified(ws)
@@ -381,7 +398,7 @@ class RequestMachine:
         else:
             self._end(st, error=(ErrorCode.BAD_REQUEST, msg.message))
 
-    def _worker_died(self, worker_id: str, why: str) -> None:
+    def _worker_died(self, worker_id: str, why: str, undelivered: str | None = None) -> None:
         w = self.members.mark_dead(worker_id)
         if w is None:
             return
@@ -396,7 +413,8 @@ class RequestMachine:
                 if st.worker_id == worker_id:
                     self.members.abandon(worker_id, st.rid)
                 self._uncharge(st)
-                self._restart(st, reason=f"worker {worker_id} {why}")
+                ran = not (st.rid == undelivered and st.worker_id == worker_id)
+                self._restart(st, reason=f"worker {worker_id} {why}", ran=ran)
 
     # -- results ----------------------------------------------------------------------------------------
     def _error(self, client: bytes, request_id: str | None, code: str, message: str, **extra: Any) -> None:

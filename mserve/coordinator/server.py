@@ -135,7 +135,8 @@ class Coordinator:
             try:
                 send(self.worker_sock, msg.kind, body(**msg.body), identity=msg.worker_id.encode(), flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker's socket is gone
-                self._send(self.machine.worker_unreachable(msg.worker_id, str(exc), now=time.monotonic()))
+                self._send(self.machine.worker_unreachable(msg.worker_id, str(exc), msg.body.get("request_id"),
+                                                           now=time.monotonic()))
 
     def _reply(self, client: bytes, kind: MsgType, payload: dict[str, Any]) -> None:
         try:

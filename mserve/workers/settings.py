@@ -42,6 +42,10 @@ class WorkerSettings(BaseSettings):
     # waits behind a batch of others (it is taken first, by class, from the queue).
     max_encode_images: int = 8
     heartbeat_s: float = 0.25
+    # SIGTERM drains: no new work, finish what is here, exit when the coordinator releases the worker
+    # (workers/draining.py); past this many seconds it exits anyway. Keep it below the platform's kill
+    # grace (Kubernetes terminationGracePeriodSeconds, compose stop_grace_period).
+    drain_timeout_s: float = 25.0
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
     # CURVE on the coordinator link and the data plane (docs/operations.md, "Security"): all three or

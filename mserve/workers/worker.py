@@ -32,6 +32,7 @@ from mserve.common.serde import WireError
 from mserve.common.sockets import make_socket, recv, send
 from mserve.common.transfer import TransferEngine, TransferError
 from mserve.workers.block_pool import OutOfBlocks
+from mserve.workers.draining import Drain
 from mserve.workers.cache_index import PrefixIndexPublisher
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.liveness import Pulse
@@ -85,6 +86,7 @@ class Worker:
                              if self.store is not None and settings.enable_prefix_caching else None)
         self.received: dict[str, float] = {}  # when each request's stage arrived: its worker_s
         self.running = True
+        self.drain = Drain(settings.drain_timeout_s)  # SIGTERM: finish what it has, then exit (workers/draining.py)
         self._seen_state_losses = 0
         self._tokens_ewma = 0.0
         self._last_rate_t = time.monotonic()
@@ -133,7 +135,7 @@ class Worker:
                           data_key=self.transfer.key, visual_token_pruning=self.s.visual_token_pruning)
 
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGTERM, lambda *_: self.begin_drain())
         ttl = max(3.0, 8 * self.s.heartbeat_s)
         info = self.info()
         if self.store:  # registration and load in Redis before the coordinator hears of this worker
@@ -156,11 +158,31 @@ class Worker:
                     self.work()
                 self._publish_prefixes()
                 self._republish_after_redis_loss()
+                if self.drain.active:
+                    self._drain_check()
         finally:
             self.close()
 
     def stop(self) -> None:
         self.running = False
+
+    def begin_drain(self) -> None:
+        """SIGTERM: take no new work (the coordinator hears it from the load), finish, exit; twice: exit now.
+        Runs as a signal handler: flags only (the loop logs), no locks."""
+        if not self.drain.begin(time.monotonic()):
+            self.stop()
+
+    def _drain_check(self) -> None:
+        if not self.drain.announced:
+            self.drain.announced = True
+            log.info("worker %s draining (SIGTERM): %d running, %d queued, %d transfer(s) unfetched; exits once the "
+                     "coordinator releases it (at most %gs; SIGTERM again to stop now)", self.worker_id,
+                     len(self.engine.scheduler.running), len(self.queued_ids()), self.transfer.pending(),
+                     self.drain.timeout_s)
+        why = self.drain.exit_reason(busy=self.busy(), unfetched=self.transfer.pending(), now=time.monotonic())
+        if why is not None:
+            (log.info if why.startswith("drained") else log.warning)("worker %s exits: %s", self.worker_id, why)
+            self.stop()
 
     def close(self) -> None:
         self.pulse.stop()
@@ -183,7 +205,8 @@ class Worker:
         return {"queue_len": len(queued), "running": len(self.engine.scheduler.running), "queued": queued,
                 "free_blocks": self.engine.pool.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
                 "tokens_per_s": round(self._tokens_ewma, 2), "rss_mib": round(resident_mib(), 1), **self.memory_mib,
-                "counters": self.engine.stats(), "at": time.time()}  # lets the coordinator drop a report older than one it already has
+                "draining": self.drain.active, "counters": {**self.engine.stats(), **self.transfer.counters()},
+                "at": time.time()}  # lets the coordinator drop a report older than one it already has
 
     def count_tokens(self, n: int) -> None:
         self._tokens_since += n
@@ -242,7 +265,9 @@ class Worker:
         kind = kind or msg.KIND
         try:
             send(self.sock, kind, msg.to_body(), flags=zmq.NOBLOCK)
+            self.drain.link_down = False
         except zmq.Again:
+            self.drain.link_down = True
             log.warning("coordinator unreachable: %s for %s dropped", kind.name, getattr(msg, "request_id", "-"))
 
     # -- messages ------------------------------------------------------------------------------------------
@@ -261,7 +286,10 @@ class Worker:
                 self._refuse(payload, str(exc))
                 continue
             if kind is MsgType.SHUTDOWN:
-                self.stop()
+                if self.drain.active:  # nothing of the coordinator's left here: exit once idle and fetched
+                    self.drain.released = True
+                else:
+                    self.stop()
             elif isinstance(msg, Cancel):
                 self.cancel(msg.request_id)
             else:

@@ -340,6 +340,23 @@ def test_unreachable_worker_is_dead_and_its_stage_reruns():
     assert h.step("u0", run, [1], finished=True) == []
 
 
+def test_sends_that_never_reached_a_worker_do_not_use_up_attempts():
+    """A dead host's workers are found one send at a time; those attempts never ran."""
+    h = Harness(("u0", "unified"), ("u1", "unified"), ("u2", "unified"), ("u3", "unified"), max_attempts=2)
+    run = only(h.submit(make_admitted()), MsgType.RUN, "u0")
+    rid = run.body["request_id"]
+    out = h.m.worker_unreachable("u0", "Host unreachable", rid, now=h.t)
+    run = only(out, MsgType.RUN, "u1")
+    run = only(h.m.worker_unreachable("u1", "Host unreachable", rid, now=h.t), MsgType.RUN, "u2")
+    assert run.body["attempt"] == 2  # two re-runs, neither counted: max_attempts=2 is not reached
+    # A worker that dies while running it (not a failed send) does use up an attempt.
+    out = h.m.worker_unreachable("u2", "Host unreachable", now=h.t)
+    run = only(out, MsgType.RUN, "u3")
+    out = h.m.worker_unreachable("u3", "Host unreachable", now=h.t)
+    errors = [o for o in out if o.kind == MsgType.ERROR]
+    assert len(errors) == 1 and "gave up after 4 attempts (2 never reached a worker)" in errors[0].body["message"]
+
+
 def test_reregistering_worker_loses_its_work():
     h = Harness(("u0", "unified"))
     only(h.submit(make_admitted()), MsgType.RUN, "u0")

@@ -101,6 +101,7 @@ class TransferEngine:
             "fetched": 0, "fetch_errors": 0, "torch_groups": 0,
             "bytes_sent": {b: 0 for b in BACKENDS[1:]},
             "bytes_received": {b: 0 for b in BACKENDS[1:]},
+            "fetched_by": {b: 0 for b in BACKENDS[1:]},  # fetches per backend that moved them
         }
         count_group = lambda: self._count("torch_groups")  # noqa: E731
         self._fetcher = Fetcher(
@@ -197,6 +198,14 @@ class TransferEngine:
         out["worker_id"] = self.worker_id
         return out
 
+    def counters(self) -> dict[str, int]:
+        """Flat per-backend counters for a worker's heartbeat: transfers this engine fetched and
+        bytes it served, by the backend that moved them (``auto`` resolves to shm or tcp)."""
+        with self._lock:
+            out = {f"transfer_fetched_{b}": n for b, n in self._stats["fetched_by"].items()}
+            out.update({f"transfer_sent_bytes_{b}": n for b, n in self._stats["bytes_sent"].items()})
+        return out
+
     def _check_backend(self, backend: str | None) -> str:
         kind = backend or self.backend
         if kind not in BACKENDS:
@@ -266,6 +275,7 @@ class TransferEngine:
             raise
         with self._lock:
             self._stats["fetched"] += 1
+            self._stats["fetched_by"][mode] += 1
             self._stats["bytes_received"][mode] += nbytes
         if ack is None:
             return FetchedView(tid, tensors, None)
