@@ -177,7 +177,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from mserve.coordinator.launcher import run_up
+    from mserve.up import run_up
 
     return run_up(args)
 
@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "pools; wait until every worker is ready; print the client address; stop "
                                    "everything on Ctrl-C or SIGTERM.")
     try:
-        from mserve.coordinator.launcher import add_up_arguments
+        from mserve.up import add_up_arguments
 
         add_up_arguments(p)
     except ImportError:  # launcher not installed in this build

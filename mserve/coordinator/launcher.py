@@ -1,4 +1,5 @@
-"""Starts a whole cluster on this host (redis, coordinator, worker pools) as child processes: `mserve up`, tests, demo.
+"""Starts a whole cluster on this host (redis, coordinator, worker pools) as child processes: for `mserve up`
+(mserve/up.py), tests and the demo.
 
 Each child runs `python -m mserve.cli ...` in its own process group (so a Ctrl-C aimed at the
 launcher reaches only the launcher, which then stops the children in order, and a kill takes any
@@ -11,7 +12,6 @@ public keys). Without them (the default) every link is unauthenticated: one trus
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import logging
 import os
@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -317,115 +316,3 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(proc.pid, sig)  # the child leads its own group (start_new_session)
     except ProcessLookupError:
         pass
-
-
-# --------------------------------------------------------------------------- mserve up
-
-
-def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local llava-hf or Qwen2-VL checkpoint folder")
-    parser.add_argument("--encode", type=int, default=None, help="encode workers (default 1; 0 with --unified)")
-    parser.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 with --unified)")
-    parser.add_argument("--decode", type=int, default=None, help="decode workers (default 1; 0 with --unified)")
-    parser.add_argument("--unified", type=int, default=0, help="workers running all three stages (default 0)")
-    parser.add_argument("--redis", default=None, metavar="URL",
-                        help="existing redis (default: $REDIS_URL, else a private redis-server)")
-    parser.add_argument("--port", type=int, default=None, help="client port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
-    parser.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"], default="auto",
-                        help="worker-to-worker tensor transport (default auto)")
-    parser.add_argument("--http-port", type=int, default=None,
-                        help="also start the OpenAI-compatible HTTP gateway on this port (see `mserve gateway`)")
-    parser.add_argument("--api-key", default=None,
-                        help="with --http-port: the key /v1 requests must carry (default: $MSERVE_API_KEY, else none)")
-    parser.add_argument("--client-api-key", default=None,
-                        help="require this key on the ZeroMQ client API (default: $MSERVE_CLIENT_API_KEY, else none)")
-    parser.add_argument("--curve-dir", default=None, metavar="DIR",
-                        help="CURVE on the worker link and the data plane, keys in DIR (made if missing)")
-    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for every worker")
-    parser.add_argument("--log-dir", default=None, help="keep the child processes' logs here (default: a temp dir)")
-    from mserve.common.pruning import add_argument as add_pruning_argument
-
-    add_pruning_argument(parser, "Given to the coordinator and every worker alike.")
-
-
-def run_up(args: argparse.Namespace) -> int:
-    """Start a cluster, print where to send requests, and keep it up until Ctrl-C or SIGTERM."""
-    # With --unified alone, the user asked for a monolithic cluster: no stage pools unless named.
-    default_pool = 0 if args.unified and all(getattr(args, r) is None for r in ("encode", "prefill", "decode")) else 1
-    pools = {r: default_pool if getattr(args, r) is None else getattr(args, r) for r in ("encode", "prefill", "decode")}
-    stop = threading.Event()
-    pruning = getattr(args, "visual_token_pruning", None)
-    pruning_args = ["--visual-token-pruning", pruning] if pruning is not None else []
-    if pruning is not None:  # refuse a family that cannot prune before starting anything
-        from mserve.common import pruning as visual_pruning
-        from mserve.common.model import load_family
-
-        try:
-            visual_pruning.apply(load_family(args.model), pruning)
-        except (ValueError, FileNotFoundError) as exc:  # PruningError, CheckpointError
-            logger.error("mserve up failed: %s", exc)
-            return 1
-    cluster = LocalCluster(args.model, **pools, unified=args.unified, redis_url=args.redis, port=args.port,
-                           threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
-                           client_api_key=args.client_api_key, curve_dir=args.curve_dir,
-                           extra_worker_args=pruning_args, extra_coordinator_args=pruning_args)
-    try:
-        cluster.start(timeout_s=args.start_timeout)
-    except (ClusterStartError, RuntimeError, ValueError) as exc:
-        logger.error("mserve up failed: %s", exc)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    http_url = None
-    if args.http_port:
-        try:
-            # The key travels in the environment, not on a command line other users can read.
-            if args.api_key:
-                os.environ["MSERVE_API_KEY"] = args.api_key
-            http_url = cluster.start_gateway(args.http_port)
-        except (ClusterStartError, RuntimeError) as exc:
-            logger.error("mserve up: the HTTP gateway did not start: %s", exc)
-            cluster.stop()
-            return 1
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        print(f"MServe cluster up: {cluster._describe()}; clients connect to {cluster.address}", flush=True)
-        if http_url:
-            print(f"  OpenAI API at {http_url}/v1 (health {http_url}/health, metrics {http_url}/metrics)", flush=True)
-        print(f'  try: python -c "from mserve.coordinator.client import Client; '
-              f"print(Client('{cluster.address}').generate([{{'role': 'user', 'content': 'Hello'}}]).text)\"",
-              flush=True)
-        print("  Ctrl-C stops the cluster", flush=True)
-        return _watch(cluster, stop)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        cluster.stop()
-
-
-def _watch(cluster: LocalCluster, stop: threading.Event) -> int:
-    """Wait for a stop signal; say so when a child dies (the coordinator re-routes around dead workers)."""
-    reported: set[str] = set()
-    while not stop.wait(1.0):
-        for name, proc in cluster.processes.items():
-            if proc.poll() is not None and name not in reported:
-                reported.add(name)
-                logger.warning("%s exited with code %s; log tail:\n%s", name, proc.returncode,
-                               cluster.log_tail(name, 10))
-                if name == "coordinator":
-                    logger.error("the coordinator is gone: stopping the cluster")
-                    return 1
-    logger.info("stopping the cluster")
-    return 0
-
-
-def _main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="mserve up", description=run_up.__doc__)
-    add_up_arguments(parser)
-    return run_up(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -18,11 +18,12 @@ from typing import Any, Callable
 
 from mserve.common.protocol import ROLES, ErrorCode, MsgType, ProtocolError
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
-                                                   TokenItem, WorkerInfo)
+                                                   WorkerInfo)
 from mserve.common.pruning import mismatch as pruning_mismatch
 from mserve.coordinator.admission import Admitted
 from mserve.coordinator.drain import holds_work, waiting_by_role
 from mserve.coordinator.membership import Membership
+from mserve.coordinator.replies import StageReplies
 from mserve.coordinator.records import (ACTIVE_STAGES, Lookups, NoLookups, Out, RequestState, Stage, ToClient, ToWorker,
                                         result_body, stage_message)
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
@@ -53,7 +54,7 @@ def _entry(handler: Callable[..., None]) -> Callable[..., list[Out]]:
     return wrapper
 
 
-class RequestMachine:
+class RequestMachine(StageReplies):
     def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 5.0, max_attempts: int = 3,
                  max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
                  new_id: Callable[[], str] | None = None, raise_errors: bool = False,
@@ -328,75 +329,6 @@ class RequestMachine:
             self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": rid}))
         log.info("worker %s joined as %s (data plane %s)", worker_id, role, info.data_address)
         self._retry_pending()
-
-    def _current(self, worker_id: str, reply: Encoded | Prefilled | TokenItem, stage: Stage) -> RequestState | None:
-        """The request a worker reply is about, if that reply is still the live attempt of that stage."""
-        st = self.requests.get(reply.request_id)
-        if st is None or st.attempt != reply.attempt or st.stage != stage or st.worker_id != worker_id:
-            return None  # stale: an earlier attempt, a re-routed stage, or an aborted request
-        return st
-
-    def _on_encoded(self, worker_id: str, msg: Encoded) -> None:
-        st = self._current(worker_id, msg, Stage.ENCODE)
-        for im in msg.images:
-            self.members.add_holder(im.hash, worker_id)
-        if st is None:
-            return
-        self._stage_done(st, "encode_s")
-        st.timings["worker_s"] += msg.worker_s
-        st.embeddings, st.embeddings_from = msg.descriptor, worker_id
-        st.image_grids = [im.grid for im in msg.images]
-        st.cache_hits["embedding"] += msg.cache_hits
-        st.next_stage = Stage.PREFILL
-        self._advance(st)
-
-    def _on_prefilled(self, worker_id: str, msg: Prefilled) -> None:
-        st = self._current(worker_id, msg, Stage.PREFILL)
-        if st is None:
-            return
-        self._stage_done(st, "prefill_s")
-        st.timings["transfer_s"] += msg.fetch_s
-        st.timings["worker_s"] += msg.worker_s
-        st.cache_hits["prefix_tokens"] += msg.cached_tokens
-        self._emit(st, [msg.token_id])
-        if msg.finish_reason != "prefilled":
-            return self._end(st, finish_reason=msg.finish_reason)
-        if msg.descriptor is None or msg.state is None:
-            return self._restart(st, reason=f"{worker_id} prefilled without handing over its KV")
-        st.kv, st.kv_from = {"descriptor": msg.descriptor, "state": msg.state}, worker_id
-        st.next_stage = Stage.DECODE
-        self._advance(st)
-
-    def _on_step_tokens(self, worker_id: str, item: TokenItem) -> None:
-        stage = Stage.RUN if self.members.workers[worker_id].role == "unified" else Stage.DECODE
-        st = self._current(worker_id, item, stage)
-        if st is None:
-            if item.request_id not in self.requests and not item.finished:
-                # Nobody waits for it (a coordinator before this one admitted it): free the worker.
-                self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": item.request_id}))
-            return
-        st.timings["transfer_s"] += item.fetch_s or 0.0
-        now = self._now
-        st.deadline = now + self.stage_timeout_s  # progress resets the stage timeout
-        if stage == Stage.RUN and item.first:  # unified: time to the first token is its prefill
-            st.timings["prefill_s"] += now - st.stage_started
-            st.stage_started = now
-        self._emit(st, item.token_ids)
-        if item.finished:
-            st.timings["worker_s"] += item.worker_s or 0.0
-            self._stage_done(st, "decode_s")
-            st.cache_hits["prefix_tokens"] += item.cached_tokens or 0
-            self._end(st, finish_reason=item.finish_reason or "stop")
-
-    def _on_failed(self, worker_id: str, msg: Failed) -> None:
-        st = self.requests.get(msg.request_id)
-        if st is None or st.attempt != msg.attempt or st.worker_id != worker_id:
-            return
-        self._uncharge(st)
-        if msg.retryable:
-            self._restart(st, reason=f"{worker_id}: {msg.message}")
-        else:
-            self._end(st, error=(ErrorCode.BAD_REQUEST, msg.message))
 
     def _worker_died(self, worker_id: str, why: str, undelivered: str | None = None) -> None:
         w = self.members.mark_dead(worker_id)
