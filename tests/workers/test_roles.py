@@ -13,7 +13,7 @@ import zmq
 
 from mserve.common.protocol import MsgType, ProtocolError
 from mserve.common.protocol.to_coordinator import Encoded, Failed, StepTokens, TokenItem, WorkerInfo
-from mserve.common.protocol.to_worker import EncodeTask, ImageRef, PrefillTask, RunTask
+from mserve.common.protocol.to_worker import EncodeTask, ImageRef, PrefillTask, RunTask, Shutdown
 from mserve.common.sockets import bound_address, make_socket, recv, send
 from mserve.common.transfer import TransferEngine
 from mserve.workers.engine import Engine, EngineConfig
@@ -87,8 +87,14 @@ def test_encode_worker_refuses_other_roles_and_encodes_exactly(tiny_model_dirs, 
         assert encoded.images[0].tokens == want.shape[0]
         assert torch.equal(got, want)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        # As a coordinator would: SHUTDOWN stops it at once (SIGTERM would drain, waiting for a
+        # release this bare socket never sends).
+        send(router, MsgType.SHUTDOWN, Shutdown().to_body(), identity=b"enc-under-test")
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
         receiver.close()
         router.close(0)
 
