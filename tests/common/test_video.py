@@ -61,9 +61,12 @@ def hf_video_module():
 def test_token_count_matches_transformers_video_processor(qwen, hf_video_module, num_frames, size):
     family = load_family(qwen)
     cfg = family.video_config
-    proc = SimpleNamespace(size={"shortest_edge": cfg["min_pixels"], "longest_edge": cfg["max_pixels"]},
-                           patch_size=cfg["patch_size"], merge_size=cfg["merge_size"],
-                           temporal_patch_size=cfg["temporal_patch_size"])
+    settings = {"size": {"shortest_edge": cfg["min_pixels"], "longest_edge": cfg["max_pixels"]},
+                "patch_size": cfg["patch_size"], "merge_size": cfg["merge_size"],
+                "temporal_patch_size": cfg["temporal_patch_size"]}
+    # The processor's settings as attributes (transformers < 5.25 reads those) and as the merged
+    # kwargs newer versions read through _merge_and_standardize_kwargs.
+    proc = SimpleNamespace(**settings, _merge_and_standardize_kwargs=lambda **kw: {**settings, **kw})
     patches = hf_video_module.Qwen2VLVideoProcessor.get_num_of_video_patches(proc, num_frames, size[1], size[0], {})
     info = VideoInfo(num_frames, *size)
     assert family.video_token_count(info) * cfg["merge_size"] ** 2 == patches
