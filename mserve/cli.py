@@ -85,7 +85,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "max_tokens", "max_image_bytes", "max_image_pixels",
                                                                "max_images_per_request", "max_video_frames",
                                                                "video_fps", "client_api_key", "curve_secret_key",
-                                                               "curve_authorized_keys", "visual_token_pruning"])
+                                                               "curve_authorized_keys", "visual_token_pruning",
+                                                               "kv_hand_back"])
     from mserve.common.pruning import PruningError
 
     try:
@@ -257,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-run a stage that makes no progress this long (default 60; a request merely queued at a "
                         "live worker is not re-run)")
     p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (default 5)")
+    p.add_argument("--kv-hand-back", action="store_true", default=None,
+                   help="decode workers hand each finished reply's KV blocks back to the prefill worker, so a "
+                        "conversation's next turn finds its prompt and the reply cached (default off)")
     p.add_argument("--max-waiting-requests", type=int,
                    help="requests waiting for their first token, at most; past it the lowest class is shed with an "
                         "overloaded error and a retry-after hint (default 256)")

@@ -100,8 +100,9 @@ class RequestState:
         return bool(self.admitted.images)
 
 
-def stage_message(st: RequestState, stage: Stage) -> tuple[MsgType, dict[str, Any], int]:
-    """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there."""
+def stage_message(st: RequestState, stage: Stage, hand_back: bool = False) -> tuple[MsgType, dict[str, Any], int]:
+    """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there.
+    `hand_back`: a DECODE asks for the reply's KV blocks at the end (the coordinator's kv_hand_back)."""
     a, req = st.admitted, st.admitted.request
     ids = {"request_id": st.rid, "attempt": st.attempt}
     images = [ImageRef(hash=im.hash, data=im.data, frames=im.frames, frame_indices=im.frame_indices) for im in a.images]
@@ -115,7 +116,7 @@ def stage_message(st: RequestState, stage: Stage) -> tuple[MsgType, dict[str, An
                           **classes)
         tokens = len(a.prompt_ids)
     elif stage == Stage.DECODE:
-        msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"])
+        msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back)
     else:
         msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
                       images=images, **classes)

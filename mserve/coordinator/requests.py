@@ -58,11 +58,12 @@ class RequestMachine(StageReplies):
     def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 5.0, max_attempts: int = 3,
                  max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
                  new_id: Callable[[], str] | None = None, raise_errors: bool = False,
-                 visual_token_pruning: float | None = None) -> None:
+                 visual_token_pruning: float | None = None, kv_hand_back: bool = False) -> None:
         self.stage_timeout_s = stage_timeout_s
         self.dead_after_s = dead_after_s
         self.max_attempts = max_attempts
         self.max_waiting_requests = max_waiting_requests
+        self.kv_hand_back = kv_hand_back  # DECODE asks for the reply's KV back (replies.py relays it to prefill)
         self.first_tokens = FirstTokenRate()
         self.telemetry = Telemetry()
         self.lookups: Lookups = lookups or NoLookups()
@@ -256,7 +257,7 @@ class RequestMachine(StageReplies):
         if worker is None:
             return self._park(st)
         stage = st.next_stage
-        kind, payload, tokens = stage_message(st, stage)
+        kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back)
         st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
         st.deadline = now + self.stage_timeout_s
         self._charge(st, worker.worker_id, tokens)

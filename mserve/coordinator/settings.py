@@ -23,6 +23,10 @@ class CoordinatorSettings(BaseSettings):
     # explicit `overloaded` error carrying a retry-after hint (never a silent drop or an unbounded queue).
     max_waiting_requests: int = 256
     max_attempts: int = 3
+    # Decode workers hand a finished reply's full KV blocks back to the prefill worker that holds its
+    # prompt (workers/hand_back.py): a next turn that resends prompt + reply finds both cached. Off by
+    # default: it moves the reply's KV once per request, which pays only for multi-turn traffic.
+    kv_hand_back: bool = False
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
     max_images_per_request: int = 8

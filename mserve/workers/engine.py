@@ -17,6 +17,7 @@ from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers.block_pool import BlockPool
+from mserve.workers.hand_back import adopt_blocks, reply_blocks
 from mserve.workers.model_runner import EncodedImage, ModelRunner
 from mserve.workers.sampler import sample
 from mserve.workers.scheduler import Scheduler
@@ -86,6 +87,7 @@ class Engine:
                          "embedding_l1_hits": 0, "embedding_l2_hits": 0, "prefill_tokens": 0,
                          "decode_tokens": 0, "steps": 0}
         self.last_batch_size = 0  # sequences in the latest step
+        self.hand_backs: dict[str, dict[str, Any]] = {}  # finished requests' reply blocks, for the worker to send
 
     # -- encode ---------------------------------------------------------------------------------
     def encode(self, images: Sequence[bytes | VideoPart]) -> list[EncodedImage]:
@@ -182,6 +184,8 @@ class Engine:
                 self.scheduler.finish(seq, seq.finish_reason)
                 # A prefilled request keeps its blocks until export_kv hands them on.
                 if seq.finish_reason != "prefilled":
+                    if seq.hand_back and (blocks := reply_blocks(self.pool, self.runner.kv, seq)) is not None:
+                        self.hand_backs[seq.request_id] = blocks
                     self.scheduler.release_blocks(seq)
                     self.requests.pop(seq.request_id, None)
             outputs.append(StepOutput(seq.request_id, [tok], seq.is_finished, seq.finish_reason))
@@ -273,6 +277,12 @@ class Engine:
         self.requests[rid] = seq
         self.scheduler.add_running(seq)
         return seq
+
+    def adopt_blocks(self, token_ids: Sequence[int], images: Sequence[Any], first_block: int, kv: torch.Tensor) -> int:
+        """Keep KV blocks another engine computed as cached prefix blocks here (workers/hand_back.py)."""
+        n = adopt_blocks(self.pool, self.runner.kv, token_ids, images, first_block, kv)
+        self.counters["adopted_blocks"] = self.counters.get("adopted_blocks", 0) + n
+        return n
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.pool.stats(), "waiting": len(self.scheduler.waiting),

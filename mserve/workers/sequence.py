@@ -67,6 +67,8 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     # Prefill workers stop after the first token and hand the KV blocks on.
     prefill_only: bool = False
+    # Decode: at the end, copy the reply's full KV blocks out for a prefill worker (workers/hand_back.py).
+    hand_back: bool = False
 
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -21,7 +21,7 @@ from mserve.common.redis_store import RedisStore
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected, generate_all
-from tests.helpers import make_image
+from tests.helpers import hf_generate, make_image
 
 pytestmark = pytest.mark.slow
 
@@ -99,3 +99,28 @@ def test_every_cache_tier_hit_is_exact_and_the_prefix_index_is_exact(tiny_model_
             cs = counters(cluster)[w]
             assert cs["used_blocks"] == 0 and cs["free_blocks"] == cs["total_blocks"], w
         store.close()
+
+
+def test_kv_hand_back_gives_the_next_turn_the_reply_blocks_exactly(tiny_model_dirs, redis_url):
+    """--kv-hand-back: decode hands turn 1's reply blocks to the prefill worker; turn 2 (which resends the
+    reply) finds every block whose tokens match, and its answer equals HF generate on its own prompt."""
+    model = str(tiny_model_dirs["llava"])
+    image = make_image(112, 112, seed=21)
+    q1 = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]}]
+    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_url,
+                      extra_coordinator_args=["--kv-hand-back"]) as cluster:
+        with Client(cluster.address, timeout_s=120) as c:
+            r1 = c.generate(q1, max_tokens=40, ignore_eos=True)
+            prefill = cluster.worker_names("prefill")[0]
+            wait_for(lambda: counters(cluster)[prefill].get("adopted_blocks", 0) > 0, what="the hand-back")
+            q2 = q1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And the colours?"}]
+            r2 = c.generate(q2, max_tokens=8)
+    builder = PromptBuilder(model)
+    p1, p2 = builder.prepare(q1), builder.prepare(q2)
+    assert r2.token_ids == hf_generate(model, p2.prompt_ids, p2.images, 8)
+    # Blocks the prefill worker holds: the prompt's full ones, then the reply's up to the last computed token.
+    held = (len(p1.prompt_ids) + len(r1.token_ids) - 1) // 16
+    sent = p1.prompt_ids + r1.token_ids
+    same = next((i for i, (a, b) in enumerate(zip(p2.prompt_ids, sent)) if a != b), min(len(p2.prompt_ids), len(sent)))
+    want = min(held, same // 16, (len(p2.prompt_ids) - 1) // 16) * 16
+    assert r2.cache_hits["prefix_tokens"] == want >= len(p1.prompt_ids) // 16 * 16

@@ -39,6 +39,7 @@ class MsgType(IntEnum):
     RUN = 33
     CANCEL = 34
     SHUTDOWN = 35
+    ADOPT = 36  # cached KV blocks handed back to a prefill worker (a finished reply's, for the next turn)
 
 
 # Required body fields of the client link's messages; extra fields are allowed (appended by newer
@@ -59,7 +60,7 @@ CLIENT_TO_COORDINATOR = frozenset({MsgType.GENERATE, MsgType.ABORT, MsgType.STAT
 WORKER_TO_COORDINATOR = frozenset({MsgType.READY, MsgType.HEARTBEAT, MsgType.ENCODED, MsgType.PREFILLED,
                                    MsgType.STEP_TOKENS, MsgType.FAILED, MsgType.BYE})
 COORDINATOR_TO_WORKER = frozenset({MsgType.ENCODE, MsgType.PREFILL, MsgType.DECODE, MsgType.RUN,
-                                   MsgType.CANCEL, MsgType.SHUTDOWN})
+                                   MsgType.CANCEL, MsgType.SHUTDOWN, MsgType.ADOPT})
 COORDINATOR_TO_CLIENT = frozenset({MsgType.TOKENS, MsgType.RESULT, MsgType.ERROR, MsgType.STATUS_REPLY})
 
 ROLES = ("encode", "prefill", "decode", "unified")
@@ -69,7 +70,7 @@ ROLES = ("encode", "prefill", "decode", "unified")
 _CONTROL = {MsgType.CANCEL, MsgType.SHUTDOWN}
 ROLE_ACCEPTS: dict[str, frozenset[MsgType]] = {
     "encode": frozenset({MsgType.ENCODE, *_CONTROL}),
-    "prefill": frozenset({MsgType.PREFILL, *_CONTROL}),
+    "prefill": frozenset({MsgType.PREFILL, MsgType.ADOPT, *_CONTROL}),
     "decode": frozenset({MsgType.DECODE, *_CONTROL}),
     "unified": frozenset({MsgType.RUN, *_CONTROL}),
 }

@@ -97,6 +97,8 @@ class TokenItem(Message):
     fetch_s: float | None = wire(optional(as_float), None)
     worker_s: float | None = wire(optional(as_float), None)  # with the last tokens
     cached_tokens: int | None = wire(optional(as_int), None)  # with the last tokens
+    # With the last tokens of a DECODE asked to hand back: AdoptBlocks' fields but request_id (see to_worker.py).
+    hand_back: dict[str, Any] | None = wire(optional(as_map), None)
 
 
 @dataclass

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mserve.common.protocol.core import MsgType
-from mserve.common.protocol.typed import (Message, as_bytes, as_int, as_map, as_str, list_of, nested, one_of,
-                                          optional, wire)
+from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_int, as_list, as_map, as_str, list_of,
+                                          nested, one_of, optional, wire)
 
 LATENCY_CLASSES = ("interactive", "batch")
 
@@ -68,6 +68,9 @@ class DecodeTask(Message):
     attempt: int = wire(as_int)
     descriptor: dict[str, Any] = wire(as_map)  # the prefilled KV (on a prefill worker)
     state: dict[str, Any] = wire(as_map)  # the engine's request state without its tensors
+    # At the end, publish the full KV blocks of the reply for the prefill worker that holds the prompt's
+    # (the coordinator's --kv-hand-back): a next turn that resends prompt + reply then finds them cached.
+    hand_back: bool = wire(as_bool, False)
 
 
 @dataclass
@@ -96,5 +99,17 @@ class Shutdown(Message):
     KIND: ClassVar = MsgType.SHUTDOWN
 
 
+@dataclass
+class AdoptBlocks(Message):
+    """KV blocks a decode worker handed back: the prefill worker keeps them as cached prefix blocks."""
+
+    KIND: ClassVar = MsgType.ADOPT
+    request_id: str = wire(as_str)  # the finished request they come from (for logs)
+    descriptor: dict[str, Any] = wire(as_map)  # "kv": [layers, 2, n, kv_heads, block_size, head_dim] on the decode worker
+    token_ids: list[int] = wire(list_of(as_int))  # prompt + reply, through the last handed-back block
+    images: list[Any] = wire(list_of(as_list), [])  # [start, length, image hash] per image of the prompt
+    first_block: int = wire(as_int, 0)  # the first block handed back (the ones before it are the prompt's)
+
+
 TO_WORKER: dict[MsgType, type[Message]] = {
-    cls.KIND: cls for cls in (EncodeTask, PrefillTask, DecodeTask, RunTask, Cancel, Shutdown)}
+    cls.KIND: cls for cls in (EncodeTask, PrefillTask, DecodeTask, RunTask, Cancel, Shutdown, AdoptBlocks)}

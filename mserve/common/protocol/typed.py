@@ -42,6 +42,7 @@ as_int = _typed(int, "an integer")
 as_bool = _typed(bool, "a boolean")
 as_bytes = _typed((bytes, bytearray, memoryview), "bytes")
 as_map = _typed(dict, "a map")
+as_list = _typed((list, tuple), "a list")
 
 
 def as_float(v: Any, where: str) -> float:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
+from mserve.common.protocol.to_coordinator import TokenItem
 from mserve.common.protocol.to_worker import DecodeTask
+from mserve.common.transfer import TransferError
 from mserve.workers.roles.stepping import SteppingWorker
 from mserve.workers.worker import FETCH_TIMEOUT_S
+
+log = logging.getLogger("mserve.worker")
 
 
 class DecodeWorker(SteppingWorker):
@@ -30,4 +35,23 @@ class DecodeWorker(SteppingWorker):
             mrope = tensors.get("mrope")
             payload = {**state, "kv": tensors["kv"], "mrope_positions": keep(mrope) if mrope is not None else None,
                        "image_embeds": [keep(tensors[f"emb{i}"]) for i in range(n_images) if f"emb{i}" in tensors]}
-            self.engine.import_kv(payload, request_id=rid)
+            seq = self.engine.import_kv(payload, request_id=rid)
+        seq.hand_back = task.hand_back
+
+    def finishing(self, rid: str, attempt: int, item: TokenItem) -> None:
+        """With --kv-hand-back: publish the reply's full KV blocks for the prefill worker (workers/hand_back.py)."""
+        blocks = self.engine.hand_backs.pop(rid, None)
+        if blocks is None:
+            return
+        try:
+            desc = self.transfer.publish(f"{rid}:{attempt}:handback", {"kv": blocks.pop("kv")})
+        except TransferError as exc:  # the reply is delivered either way; only the next turn's hit is lost
+            log.warning("%s: KV hand-back not published: %s", rid, exc)
+            return
+        item.hand_back = {**blocks, "descriptor": desc.to_wire()}
+
+    def report(self, outputs: list) -> None:
+        super().report(outputs)
+        for out in outputs:  # finished, but no longer ours (cancelled): nobody takes its blocks
+            if out.finished:
+                self.engine.hand_backs.pop(out.request_id, None)

@@ -2,20 +2,40 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from mserve.common.protocol.to_coordinator import Prefilled
-from mserve.common.protocol.to_worker import PrefillTask
+from mserve.common.protocol.to_worker import AdoptBlocks, PrefillTask
 from mserve.workers.engine import StepOutput, sampling_from_dict
 from mserve.workers.model_runner import EncodedImage
 from mserve.workers.roles.stepping import SteppingWorker
+from mserve.workers.worker import FETCH_TIMEOUT_S
+
+log = logging.getLogger("mserve.worker")
 
 
 class PrefillWorker(SteppingWorker):
     ROLE = "prefill"
     PARTS = "text"
+
+    def start(self, task: PrefillTask | AdoptBlocks) -> None:
+        if isinstance(task, AdoptBlocks):
+            self.received.pop(task.request_id, None)
+            return self.adopt(task)
+        super().start(task)
+
+    def adopt(self, task: AdoptBlocks) -> None:
+        """A decode worker's reply blocks, handed back: keep them cached for the conversation's next turn."""
+        try:
+            kv = self.transfer.fetch(task.descriptor, timeout_s=FETCH_TIMEOUT_S)["kv"]
+            n = self.engine.adopt_blocks(task.token_ids, task.images, task.first_block, kv)
+        except Exception as exc:  # only a later cache hit is at stake
+            log.warning("%s: handed-back KV blocks not adopted: %s", task.request_id, exc)
+            return
+        log.debug("%s: adopted %d handed-back KV blocks", task.request_id, n)
 
     def add(self, task: PrefillTask) -> None:
         rid = task.request_id

@@ -77,6 +77,9 @@ class SteppingWorker(Worker):
             return
         self.report(outputs)
 
+    def finishing(self, rid: str, attempt: int, item: TokenItem) -> None:
+        """A request's last tokens are about to go out: a role may add to them."""
+
     def report(self, outputs: list[StepOutput]) -> None:
         """Stream every request's new tokens in one STEP_TOKENS message."""
         items = []
@@ -93,6 +96,7 @@ class SteppingWorker(Worker):
                 self.attempts.pop(rid, None)
                 item.worker_s = self.worker_s(rid)
                 item.cached_tokens = self.cached_tokens(rid)
+                self.finishing(rid, attempt, item)
             items.append(item)
         if items:
             self.send(StepTokens(items=items))
