@@ -59,7 +59,8 @@ def test_encode_worker_refuses_other_roles_and_encodes_exactly(tiny_model_dirs, 
     router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "mserve.cli", "worker", "--role", "encode", "--model", model,
-                             "--coordinator", bound_address(router), "--worker-id", "enc-under-test"],
+                             "--coordinator", bound_address(router), "--worker-id", "enc-under-test",
+                             "--host-embedding-cache-dir", str(tmp_path / "l2")],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "worker.log", "wb"))
     receiver = TransferEngine("test-receiver")
     try:
