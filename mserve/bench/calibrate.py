@@ -235,17 +235,7 @@ def measure_transfer(threads: int, iters: int) -> dict[str, Any]:
     tx_rx, rx_tx = ctx.Pipe()
     workers = [ctx.Process(target=procs.sender, args=(child, tx_rx, 1, iters, 2, threads)),
                ctx.Process(target=procs.receiver, args=(rx_tx, threads))]
-    for p in workers:
-        p.start()
-    try:
-        if not parent.poll(600):
-            raise TimeoutError("transfer calibration did not finish in 10 minutes")
-        res = parent.recv()
-    finally:
-        for p in workers:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    res = procs.run_pair(workers, parent, "transfer calibration")
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     sizes = {k: procs.nbytes(s) for k, s in procs.SIZES.items()}
     out: dict[str, Any] = {}

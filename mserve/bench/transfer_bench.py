@@ -115,17 +115,7 @@ def main(argv: list[str]) -> None:
                     args=(child, tx_rx, args.warmup, args.iters, args.passes, args.threads)),
         ctx.Process(target=procs.receiver, args=(rx_tx, args.threads)),
     ]
-    for p in workers:
-        p.start()
-    try:
-        if not parent.poll(600):
-            raise TimeoutError("benchmark did not finish in 10 minutes")
-        res = parent.recv()
-    finally:
-        for p in workers:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    res = procs.run_pair(workers, parent, "benchmark")
     print(report(res, parent_copy, torch.get_num_threads()))
 
 

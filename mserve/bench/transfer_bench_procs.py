@@ -220,6 +220,22 @@ class Sender:
         return paths
 
 
+def run_pair(workers: list[Any], parent: Any, what: str, timeout_s: float = 600.0) -> Any:
+    """Start the sender/receiver processes, return what the parent end of the pipe receives, and always
+    reap them (killed if they outlive the result by 30 s)."""
+    for p in workers:
+        p.start()
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"{what} did not finish in {timeout_s / 60:g} minutes")
+        return parent.recv()
+    finally:
+        for p in workers:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
 def sender(conn: Any, rx_conn: Any, warmup: int, iters: int, passes: int, threads: int) -> None:
     import zmq
 
