@@ -198,9 +198,11 @@ class RequestMachine(StageReplies):
             self._release_drained()
 
     def apply_loads(self, loads: dict[str, dict[str, Any]]) -> None:
-        """Loads the workers published elsewhere (Redis), fresher than their last heartbeat."""
+        """Loads the workers published elsewhere (Redis), fresher than their last heartbeat. Only the
+        numbers: whether a worker drains is its own word, in its heartbeats (another process under the
+        same id on a shared Redis must not stop this one's routing)."""
         for worker_id, load in loads.items():
-            self.members.apply_load(worker_id, load)
+            self.members.apply_load(worker_id, {k: v for k, v in load.items() if k != "draining"})
 
     def alive_workers(self) -> list[str]:
         return self.members.alive_ids()

@@ -73,8 +73,10 @@ def test_redis_outage_degrades_routing_but_loses_nothing(tiny_model_dirs):
 
 
 @pytest.fixture(scope="module")
-def small_cluster(tiny_model_dirs, redis_server):
-    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=1, redis_url=redis_server.url) as c:
+def small_cluster(tiny_model_dirs):
+    # Its own Redis: the other tests here flush the session one and run clusters whose workers have
+    # the same ids (encode-0, ...), whose loads in a shared Redis would read as this cluster's.
+    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=1) as c:
         yield c
 
 

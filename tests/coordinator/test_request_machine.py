@@ -471,3 +471,10 @@ def test_a_restarted_coordinator_knows_none_of_the_old_requests_and_frees_their_
     out = fresh.step("u0", run, [5, 6])
     assert kinds(out) == [("CANCEL", "u0")] and out[0].body == {"request_id": run.body["request_id"]}
     assert fresh.step("u0", run, [7], finished=True) == []  # already over there: nothing to cancel
+
+
+def test_a_draining_flag_read_from_redis_does_not_stop_routing():
+    """Only a worker's own heartbeat says it drains: Redis may hold another process's load under its id."""
+    h = Harness(("u0", "unified"))
+    h.m.apply_loads({"u0": {"draining": True, "queue_len": 0, "at": 1e12}})
+    assert kinds(h.submit(make_admitted())) == [("RUN", "u0")]
