@@ -387,3 +387,8 @@ class RequestMachine(StageReplies):
     def _cancel_on_worker(self, st: RequestState) -> None:
         if self.members.is_alive(st.worker_id or "") and st.stage in ACTIVE_STAGES:
             self._out.append(ToWorker(st.worker_id, MsgType.CANCEL, {"request_id": st.rid}))
+        # Embeddings parked on an encoder for a prefill that will not come: let it free them now
+        # rather than at the transfer's expiry.
+        parked = st.embeddings_from
+        if st.embeddings is not None and parked and parked != st.worker_id and self.members.is_alive(parked):
+            self._out.append(ToWorker(parked, MsgType.CANCEL, {"request_id": st.rid}))

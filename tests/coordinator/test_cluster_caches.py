@@ -95,9 +95,12 @@ def test_every_cache_tier_hit_is_exact_and_the_prefix_index_is_exact(tiny_model_
             held = {w: cs[w].get("indexed_blocks") for w in cluster.worker_names("prefill") + cluster.worker_names("decode")}
             return all(len(store.prefix_blocks_of(model, w)) == n for w, n in held.items()) and held[prefill]
         wait_for(indexed_equals_pool, what="the Redis prefix index to equal the pools")
-        for w in cluster.worker_names("prefill") + cluster.worker_names("decode"):
-            cs = counters(cluster)[w]
-            assert cs["used_blocks"] == 0 and cs["free_blocks"] == cs["total_blocks"], w
+
+        def drained() -> bool:  # counters come with heartbeats: wait for one after the last request
+            cs = counters(cluster)
+            return all(cs[w]["used_blocks"] == 0 and cs[w]["free_blocks"] == cs[w]["total_blocks"]
+                       for w in cluster.worker_names("prefill") + cluster.worker_names("decode"))
+        wait_for(drained, what="every KV pool to be drained (used 0, free == total)")
         store.close()
 
 

@@ -95,6 +95,9 @@ class EncodeWorker(Worker):
         self.host_member = host_member(self.transfer.host_id)  # the L2 entries' holder in the Redis index
         self.queue: list[EncodeTask] = []
         self.encode_s_per_image = 0.0  # measured (EWMA): the coordinator weighs re-encoding against it
+        # Each request's latest embeddings publication, so a CANCEL frees it before its expiry (bounded:
+        # older entries only wait for the expiry).
+        self.published: OrderedDict[str, str] = OrderedDict()
 
     def load(self) -> dict[str, Any]:
         return {**super().load(), "encode_s_per_image": round(self.encode_s_per_image, 5)}
@@ -159,6 +162,9 @@ class EncodeWorker(Worker):
 
     def cancel(self, rid: str) -> None:
         self.queue = [t for t in self.queue if t.request_id != rid]
+        tid = self.published.pop(rid, None)
+        if tid is not None:
+            self.transfer.release(tid)  # a no-op once fetched
         super().cancel(rid)
 
     def work(self) -> None:
@@ -230,6 +236,10 @@ class EncodeWorker(Worker):
         c["embedding_l1_hits"] = c["embedding_cache_hits"] - c["embedding_l2_hits"]
         if hits and self.store:
             self.store.incr_counter("embedding_cache_hits", self.worker_id, hits)
-        desc = self.transfer.publish(f"{rid}:{attempt}:emb", tensors)
+        tid = f"{rid}:{attempt}:emb"
+        desc = self.transfer.publish(tid, tensors)
+        self.published[rid] = tid
+        while len(self.published) > 4096:
+            self.published.popitem(last=False)
         self.send(Encoded(request_id=rid, attempt=attempt, descriptor=desc.to_wire(), images=images, cache_hits=hits,
                           worker_s=self.worker_s(rid)))
