@@ -294,7 +294,12 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
                 assert time.monotonic() < deadline, "redis state was not rebuilt by the workers"
                 time.sleep(0.1)
             again = asyncio.run(generate_all(cluster.address, requests))
-            assert Client(cluster.address).status()["redis_healthy"] is True
+            # The coordinator's store turns healthy at its next successful Redis call (a probe, or a
+            # lookup): wait for it rather than race it.
+            deadline = time.monotonic() + 30
+            while Client(cluster.address).status()["redis_healthy"] is not True:
+                assert time.monotonic() < deadline, "the coordinator never saw Redis healthy again"
+                time.sleep(0.1)
             store.close()
     want = expected(model, requests)
     assert [r.token_ids for r in first] == [r.token_ids for r in again] == want
