@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-KV_SHAPE = (8, 2, 38, 4, 16, 64)  # [layers, k/v, blocks, kv_heads, block_size, head_dim]
+KV_SHAPE = (8, 2, 38, 16, 4, 64)  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
 BIG_BLOCKS = 256  # 64 MiB of the same layout
 POOL_BLOCKS = 256
 BACKENDS = ("shm", "tcp", "torch")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 def reply_blocks(pool: BlockPool, kv: KVCache, seq: Seq) -> dict[str, Any] | None:
     """The finished request's full blocks past its prompt's last full one, or None when there are none.
 
-    Taken before the blocks are released: {"kv": [layers, 2, n, kv_heads, block_size, head_dim],
+    Taken before the blocks are released: {"kv": [layers, 2, n, block_size, kv_heads, head_dim],
     "token_ids": prompt + reply through the last block, "images", "first_block"}."""
     bs = pool.block_size
     first = len(seq.prompt_ids) // bs

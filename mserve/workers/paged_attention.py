@@ -20,11 +20,16 @@ ATTN_IMPLEMENTATION = "mserve_paged"
 
 
 class KVCache:
-    """Per layer, K and V as [num_blocks, kv_heads, block_size, head_dim]."""
+    """Per layer, K and V as [num_blocks, block_size, kv_heads, head_dim].
+
+    Token-major inside a block: a request's blocks gathered by one `index_select` (whole blocks,
+    contiguous memory) are already its keys as [tokens, kv_heads, head_dim], which SDPA reads
+    through a transposed view. A heads-first layout needs a strided gather that costs ~4x more
+    (measured: 1.7-2.1 ms vs 0.25-0.46 ms per layer for 32 requests of 8 blocks on `small`)."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
-        shape = (num_blocks, kv_heads, block_size, head_dim)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -43,7 +48,7 @@ class KVCache:
         return self.k[0].dtype
 
     def export_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """A request's blocks as one tensor [layers, 2, n, kv_heads, block_size, head_dim].
+        """A request's blocks as one tensor [layers, 2, n, block_size, kv_heads, head_dim].
 
         ``out`` (e.g. a transfer's shared-memory buffer) receives the blocks directly: each block
         is copied exactly once, gathered straight into place.
@@ -120,38 +125,34 @@ class PagedBatch:
     make a decode token pay for a 512-query attention (measured: steps several times slower)."""
 
     kv: KVCache
-    slot_blocks: torch.Tensor  # [T] block of each new token
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    slots: torch.Tensor  # [T] where each new token's K/V go: block * block_size + offset
     groups: list[AttentionGroup]
 
     @classmethod
     def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> "PagedBatch":
         """`chunks`: per request (block ids, first position computed, number of tokens)."""
         bs = kv.block_size
-        slot_blocks, slot_offsets, by_len = [], [], {}
+        slots, by_len = [], {}
         packed = 0
         for blocks, start, n in chunks:
-            pos = range(start, start + n)
-            slot_blocks.extend(blocks[p // bs] for p in pos)
-            slot_offsets.extend(p % bs for p in pos)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             # One query each (decode) go together; a longer chunk goes with chunks of its own length.
             by_len.setdefault(n, []).append((blocks, start, n, packed))
             packed += n
         return cls(
             kv=kv,
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
             groups=[AttentionGroup.build(g, bs, packed, device) for g in by_len.values()],
         )
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim], whole blocks at a time."""
+    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim], whole blocks at a time.
+
+    One contiguous copy per block; the result is a transposed view of [B, L, kv_heads, head_dim]."""
     b, nb = tables.shape
-    _, h, bs, d = cache.shape
-    # Index through a heads-first view: the copy comes out as [heads, B, blocks, block_size, head_dim],
-    # so [B, heads, L, head_dim] is a view of it and the blocks are copied once, not twice.
-    return cache.transpose(0, 1)[:, tables].permute(1, 0, 2, 3, 4).reshape(b, h, nb * bs, d)
+    _, bs, h, d = cache.shape
+    return cache.index_select(0, tables.view(-1)).view(b, nb * bs, h, d).transpose(1, 2)
 
 
 def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -180,9 +181,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                       dropout=dropout, is_causal=attention_mask is None and query.shape[2] > 1)
     layer = module.layer_idx
     k_cache, v_cache = batch.kv.k[layer], batch.kv.v[layer]
-    # query/key/value: [1, heads, T, head_dim] for the packed batch.
-    k_cache[batch.slot_blocks, :, batch.slot_offsets] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[batch.slot_blocks, :, batch.slot_offsets] = value[0].transpose(0, 1).to(v_cache.dtype)
+    # query/key/value: [1, heads, T, head_dim] for the packed batch; the pool takes [T, kv_heads, head_dim].
+    _, bs, h, d = k_cache.shape
+    k_cache.view(-1, h, d).index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(-1, h, d).index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_cache.dtype))
     if len(batch.groups) == 1 and batch.groups[0].whole_uniform:
         out = _attend(batch.groups[0], query[0], k_cache, v_cache, scaling)
     else:

@@ -105,7 +105,7 @@ class AdoptBlocks(Message):
 
     KIND: ClassVar = MsgType.ADOPT
     request_id: str = wire(as_str)  # the finished request they come from (for logs)
-    descriptor: dict[str, Any] = wire(as_map)  # "kv": [layers, 2, n, kv_heads, block_size, head_dim] on the decode worker
+    descriptor: dict[str, Any] = wire(as_map)  # "kv": [layers, 2, n, block_size, kv_heads, head_dim] on the decode worker
     token_ids: list[int] = wire(list_of(as_int))  # prompt + reply, through the last handed-back block
     images: list[Any] = wire(list_of(as_list), [])  # [start, length, image hash] per image of the prompt
     first_block: int = wire(as_int, 0)  # the first block handed back (the ones before it are the prompt's)
