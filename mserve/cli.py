@@ -86,7 +86,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "max_images_per_request", "max_video_frames",
                                                                "video_fps", "client_api_key", "curve_secret_key",
                                                                "curve_authorized_keys", "visual_token_pruning",
-                                                               "kv_hand_back"])
+                                                               "kv_hand_back", "max_stages_per_worker",
+                                                               "class_aging_s"])
     from mserve.common.pruning import PruningError
 
     try:
@@ -264,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int,
                    help="requests waiting for their first token, at most; past it the lowest class is shed with an "
                         "overloaded error and a retry-after hint (default 256)")
+    p.add_argument("--max-stages-per-worker", type=int,
+                   help="stages kept open at once on one encode, prefill or unified worker; the rest wait at the "
+                        "coordinator, best class first, for whichever worker frees first (default 0: no cap)")
+    p.add_argument("--class-aging-s", type=float,
+                   help="a request waiting at the coordinator longer than this goes before every class "
+                        "(default 10)")
     for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
                          ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8"),
                          ("max-video-frames", "32; a video file is sampled down to it")):

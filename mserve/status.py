@@ -3,7 +3,8 @@
 Two sources, read once each, either of which may be down:
 
 * the coordinator's STATUS reply (client address): workers with role, liveness and load, live
-  workers per role, requests in flight, its counters, the model, whether it sees Redis healthy;
+  workers per role, requests in flight and those waiting in its class queues, its counters, the
+  model, whether it sees Redis healthy;
 * Redis (read only): the worker registry, each worker's published load (with when it was
   published: the heartbeat age), the embedding and prefix index sizes, the workers' counters.
 
@@ -158,6 +159,12 @@ def _pools(workers: list[dict[str, Any]], coord_roles: dict[str, Any]) -> list[d
     return pools
 
 
+def _queued(v: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """The coordinator's class queues: {stage: {class: requests waiting}}."""
+    return {str(stage): {str(c): _int(n) for c, n in classes.items() if _int(n)}
+            for stage, classes in v.items() if isinstance(classes, dict)}
+
+
 def build_report(coordinator: str, coord: dict[str, Any] | None, coord_error: str | None, redis_url: str | None,
                  redis_data: dict[str, Any] | None, redis_error: str | None, now: float) -> dict[str, Any]:
     """One JSON-able dict from what was read; either source may be None (with its error)."""
@@ -185,6 +192,8 @@ def build_report(coordinator: str, coord: dict[str, Any] | None, coord_error: st
             "model": coord.get("model") if coord else None,
             "redis_healthy": coord.get("redis_healthy") if coord else None,
             "requests_in_flight": _int(coord.get("requests_in_flight")) if coord else None,
+            # only from a coordinator that reports its class queues (the key is absent otherwise)
+            **({"queued": _queued(coord["queued"])} if coord and isinstance(coord.get("queued"), dict) else {}),
         },
         "redis": {"url": redis_url, "read": redis_data is not None,
                   "error": None if redis_data is not None else redis_error},
@@ -259,6 +268,11 @@ def format_report(report: dict[str, Any]) -> str:
                          _kv(p["kv_used"], p["kv_total"]), f"{p['tokens_per_s']:.1f}"] for p in report["pools"]])
     else:
         lines.append("  (no workers)")
+    queued = {stage: classes for stage, classes in (c.get("queued") or {}).items() if classes}
+    if queued:  # requests waiting at the coordinator for a worker with room (max_stages_per_worker)
+        lines.append("  waiting at the coordinator: " + "; ".join(
+            f"{stage} {sum(classes.values())} (" + ", ".join(f"{k} {n}" for k, n in classes.items()) + ")"
+            for stage, classes in queued.items()))
 
     workers = report["workers"]
     lines += ["", "workers"]

@@ -73,26 +73,32 @@ class ConfigSpec:
     kind: str  # "cluster" | "hf" | "http" | "zmq"
     pools: dict[str, int] = field(default_factory=dict)
     url: str | None = None
-    worker_args: tuple[str, ...] = ()  # from "@flag=value" suffixes: worker settings of this configuration
+    worker_args: tuple[str, ...] = ()  # from "@flag=value" suffixes: worker settings of this configuration...
+    coordinator_args: tuple[str, ...] = ()  # ...and coordinator settings (flags that name one)
 
 
 def parse_config(text: str) -> ConfigSpec:
     """One configuration string -> ConfigSpec; ValueError with the accepted forms otherwise.
 
-    A cluster configuration may end in worker settings, `@flag=value` each, e.g.
-    `unified:2@max-prefill-tokens=256`, so settings compare side by side in one run."""
+    A cluster configuration may end in settings, `@flag=value` each, e.g.
+    `unified:2@max-prefill-tokens=256` or `disagg:1e1p1d@max-stages-per-worker=2`, so settings compare
+    side by side in one run. A flag that names a coordinator setting goes to the coordinator; any other
+    to every worker."""
+    from mserve.coordinator.settings import CoordinatorSettings
+
     text = text.strip()
     base, *overrides = text.split("@")
-    worker_args: list[str] = []
+    args: dict[str, list[str]] = {"worker": [], "coordinator": []}
     for item in overrides:
         flag, eq, value = item.partition("=")
         if not eq or not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not value:
-            raise ValueError(f"{text!r}: worker settings are written @flag=value, e.g. @max-prefill-tokens=256")
-        worker_args += [f"--{flag}", value]
+            raise ValueError(f"{text!r}: settings are written @flag=value, e.g. @max-prefill-tokens=256")
+        side = "coordinator" if flag.replace("-", "_") in CoordinatorSettings.model_fields else "worker"
+        args[side] += [f"--{flag}", value]
     spec = _parse_base(base, text)
-    if worker_args and spec.kind != "cluster":
+    if overrides and spec.kind != "cluster":
         raise ValueError(f"{text!r}: @settings apply to disagg: and unified: configurations only")
-    return dataclasses.replace(spec, worker_args=tuple(worker_args))
+    return dataclasses.replace(spec, worker_args=tuple(args["worker"]), coordinator_args=tuple(args["coordinator"]))
 
 
 def _parse_base(base: str, text: str) -> ConfigSpec:
@@ -162,7 +168,7 @@ def launched(spec: ConfigSpec, args: argparse.Namespace, log_dir: Path) -> Itera
 
         extra = ["--dead-after-s", str(args.dead_after_s)] if args.dead_after_s is not None else []
         cluster = LocalCluster(args.model, **spec.pools, threads=args.threads, transfer=args.transfer,
-                               log_dir=str(log_dir), extra_coordinator_args=extra,
+                               log_dir=str(log_dir), extra_coordinator_args=[*extra, *spec.coordinator_args],
                                extra_worker_args=spec.worker_args)
         try:
             cluster.start(timeout_s=args.start_timeout)

@@ -18,7 +18,7 @@ from mserve.coordinator.admission import Admitted
 
 class Stage(str, Enum):  # enum.StrEnum once Python 3.10 support goes
     START = "start"  # next_stage only: pick the pipeline (disaggregated or unified) first
-    QUEUED = "queued"  # stage only: waiting for a worker of the role its next stage needs
+    QUEUED = "queued"  # stage only: waiting at the coordinator for a worker to take its next stage
     ENCODE = "encode"
     PREFILL = "prefill"
     DECODE = "decode"
@@ -29,6 +29,7 @@ class Stage(str, Enum):  # enum.StrEnum once Python 3.10 support goes
 
 
 ACTIVE_STAGES = (Stage.ENCODE, Stage.PREFILL, Stage.DECODE, Stage.RUN)
+STAGE_ROLE = {Stage.ENCODE: "encode", Stage.PREFILL: "prefill", Stage.DECODE: "decode", Stage.RUN: "unified"}
 
 
 @dataclass(frozen=True)

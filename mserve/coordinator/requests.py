@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from collections import deque
 from typing import Any, Callable
 
 from mserve.common.protocol import ROLES, ErrorCode, MsgType, ProtocolError
@@ -24,10 +23,11 @@ from mserve.coordinator.admission import Admitted
 from mserve.coordinator.drain import holds_work, waiting_by_role
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.replies import StageReplies
-from mserve.coordinator.records import (ACTIVE_STAGES, Lookups, NoLookups, Out, RequestState, Stage, ToClient, ToWorker,
-                                        result_body, stage_message)
+from mserve.coordinator.records import (ACTIVE_STAGES, STAGE_ROLE, Lookups, NoLookups, Out, RequestState, Stage,
+                                        ToClient, ToWorker, result_body, stage_message)
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
 from mserve.coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
+from mserve.coordinator.stage_queues import StageQueues, takers
 from mserve.coordinator.telemetry import Telemetry
 
 __all__ = ["ACTIVE_STAGES", "Lookups", "NoLookups", "Out", "RequestMachine", "RequestState", "Stage", "ToClient",
@@ -37,13 +37,16 @@ log = logging.getLogger("mserve.coordinator")
 
 
 def _entry(handler: Callable[..., None]) -> Callable[..., list[Out]]:
-    """An entry point: set the clock, run the handler, return what it queued to send."""
+    """An entry point: set the clock, run the handler, send waiting stages to the workers that can take
+    them now (whatever the handler did may have freed one), return what it queued to send."""
 
     @functools.wraps(handler)
     def wrapper(self: RequestMachine, *args: Any, now: float) -> list[Out]:
         self._now, self._out = now, []
         try:
             handler(self, *args)
+            if len(self.queues):
+                self._dispatch_waiting()
         except Exception:  # a message that validates but is wrong inside must not stop serving
             if self.raise_errors:
                 raise
@@ -58,12 +61,16 @@ class RequestMachine(StageReplies):
     def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 5.0, max_attempts: int = 3,
                  max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
                  new_id: Callable[[], str] | None = None, raise_errors: bool = False,
-                 visual_token_pruning: float | None = None, kv_hand_back: bool = False) -> None:
+                 visual_token_pruning: float | None = None, kv_hand_back: bool = False, max_stages_per_worker: int = 0,
+                 class_aging_s: float = 10.0) -> None:
         self.stage_timeout_s = stage_timeout_s
         self.dead_after_s = dead_after_s
         self.max_attempts = max_attempts
         self.max_waiting_requests = max_waiting_requests
         self.kv_hand_back = kv_hand_back  # DECODE asks for the reply's KV back (replies.py relays it to prefill)
+        # Stages open at once on one encode, prefill or unified worker (0: no cap); the rest wait in
+        # `queues`, best class first, and bind to whichever worker frees first.
+        self.max_stages_per_worker = max_stages_per_worker
         self.first_tokens = FirstTokenRate()
         self.telemetry = Telemetry()
         self.lookups: Lookups = lookups or NoLookups()
@@ -76,7 +83,7 @@ class RequestMachine(StageReplies):
         self.members = Membership()
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
-        self.pending: deque[str] = deque()
+        self.queues = StageQueues(aging_s=class_aging_s)
         self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0}
         self._now = 0.0
         self._out: list[Out] = []
@@ -178,11 +185,17 @@ class RequestMachine(StageReplies):
 
     @_entry
     def tick(self) -> None:
-        """Housekeeping: silent workers die, overdue stages re-run, parked requests look for a worker."""
+        """Housekeeping: silent workers die, overdue stages re-run, waiting requests look for a worker."""
         for worker_id, silence in self.members.silent(self._now, self.dead_after_s):
             self._worker_died(worker_id, f"no heartbeat for {silence:.1f}s")
+        roles_up = {w.role for w in self.members.routable()}
         for st in list(self.requests.values()):
-            if self._now > st.deadline > 0:
+            if st.stage == Stage.QUEUED and STAGE_ROLE.get(st.next_stage) in roles_up:
+                # Waiting only for room under max_stages_per_worker, which the stages open on those live
+                # workers free (or re-run at their own deadlines): never a failure. A waiting request's
+                # timeout counts from when no worker of its role is left.
+                st.deadline = self._now + self.stage_timeout_s
+            elif self._now > st.deadline > 0:
                 if st.stage == Stage.QUEUED:
                     self._end(st, error=(ErrorCode.NO_WORKERS, f"no worker could take the request's "
                                                                f"{st.next_stage} stage within {self.stage_timeout_s}s"))
@@ -192,8 +205,6 @@ class RequestMachine(StageReplies):
                 else:
                     self._uncharge(st)
                     self._restart(st, reason=f"{st.stage} stage timed out on {st.worker_id}")
-        if self.pending:
-            self._retry_pending()
         if self.members.draining:
             self._release_drained()
 
@@ -210,7 +221,7 @@ class RequestMachine(StageReplies):
     def status(self) -> dict[str, Any]:
         workers, roles = self.members.status()
         return {"workers": workers, "roles": roles, "requests_in_flight": len(self.requests),
-                "stats": dict(self.stats), "telemetry": self.telemetry.snapshot(),
+                "stats": dict(self.stats), "telemetry": self.telemetry.snapshot(), "queued": self.queues.counts(),
                 "waiting": waiting_by_role(self.requests.values(), {w.role for w in self.members.routable()},
                                            self._now)}
 
@@ -246,34 +257,39 @@ class RequestMachine(StageReplies):
         self._advance(st)
 
     def _advance(self, st: RequestState) -> None:
-        """Dispatch the request's next stage, or park it until a worker of that role is up."""
+        """Queue the request's next stage; `_dispatch_waiting` sends it once a worker can take it."""
+        st.stage, st.deadline = Stage.QUEUED, self._now + self.stage_timeout_s  # a full stage timeout to find one
+        self._wait(st, st.next_stage, since=self._now)
+
+    def _wait(self, st: RequestState, stage: Stage, since: float) -> None:
+        req = st.admitted.request
+        self.queues.push(st.rid, stage, priority=req.priority, latency_class=req.latency_class, since=since)
+
+    def _dispatch_waiting(self) -> None:
+        """Bind waiting stages to the workers that can take them, best class first (coordinator/stage_queues.py)."""
         now = self._now
-        if st.next_stage == Stage.START:
+        for w in self.queues.ordered(Stage.START, now):  # no pipeline yet: choose one once its pools are up
+            st = self.requests[w.rid]
             route = pipeline_for(self.members.routable(), st.has_images)
-            if route is None:
-                return self._park(st)
-            st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
-        if st.stage == Stage.QUEUED and st.timings["queue_s"] == 0.0:
-            st.timings["queue_s"] = now - st.arrived
-        worker = self._route(st)
-        if worker is None:
-            return self._park(st)
-        stage = st.next_stage
-        kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back)
-        st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
-        st.deadline = now + self.stage_timeout_s
-        self._charge(st, worker.worker_id, tokens)
-        self._out.append(ToWorker(worker.worker_id, kind, payload))
+            if route is not None:
+                st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
+                self._wait(st, st.next_stage, since=w.since)
+        cap = self.max_stages_per_worker
+        for stage in reversed(STAGE_ROLE):  # later stages first: their messages go out first
+            # Every request of a stage routes among the same workers: when the best cannot go, none can.
+            while (ws := takers(self.members.routable(), stage, cap)) and (w := self.queues.first(stage, now)):
+                self.queues.discard(w.rid)
+                st = self.requests[w.rid]
+                worker = self._route(st, ws)
+                assert worker is not None, (stage, ws)
+                kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back)
+                st.timings["queue_s"] += now - w.since
+                st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
+                st.deadline = now + self.stage_timeout_s
+                self._charge(st, worker.worker_id, tokens)
+                self._out.append(ToWorker(worker.worker_id, kind, payload))
 
-    def _park(self, st: RequestState) -> None:
-        if st.stage != Stage.QUEUED or st.deadline == 0.0:  # newly parked: a full stage timeout to find a worker
-            st.deadline = self._now + self.stage_timeout_s
-        st.stage = Stage.QUEUED
-        if st.rid not in self.pending:
-            self.pending.append(st.rid)
-
-    def _route(self, st: RequestState) -> WorkerView | None:
-        ws = self.members.routable()  # a draining worker takes nothing new
+    def _route(self, st: RequestState, ws: list[WorkerView]) -> WorkerView | None:
         a = st.admitted
         if st.next_stage == Stage.RUN:
             return route_unified(ws)
@@ -304,13 +320,6 @@ class RequestMachine(StageReplies):
         st.timings[timing_key] += self._now - st.stage_started
         self._uncharge(st)
 
-    def _retry_pending(self) -> None:
-        for _ in range(len(self.pending)):
-            rid = self.pending.popleft()
-            st = self.requests.get(rid)
-            if st is not None and st.stage == Stage.QUEUED:
-                self._advance(st)
-
     # -- worker replies --------------------------------------------------------------------------------
     def _on_ready(self, worker_id: str, info: WorkerInfo) -> None:
         role = info.role
@@ -331,7 +340,6 @@ class RequestMachine(StageReplies):
         for rid in self.members.join(worker_id, role, info.fields(), self._now):  # it was only stalled: stop its stale work
             self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": rid}))
         log.info("worker %s joined as %s (data plane %s)", worker_id, role, info.data_address)
-        self._retry_pending()
 
     def _worker_died(self, worker_id: str, why: str, undelivered: str | None = None) -> None:
         w = self.members.mark_dead(worker_id)
@@ -371,6 +379,7 @@ class RequestMachine(StageReplies):
     def _end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
              **error_extra: Any) -> None:
         self._uncharge(st)
+        self.queues.discard(st.rid)
         self.requests.pop(st.rid, None)
         self.by_client.pop((st.client, st.client_rid), None)
         if error is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,6 +23,15 @@ class CoordinatorSettings(BaseSettings):
     # explicit `overloaded` error carrying a retry-after hint (never a silent drop or an unbounded queue).
     max_waiting_requests: int = 256
     max_attempts: int = 3
+    # Stages the coordinator keeps assigned and unfinished at one encode, prefill or unified worker;
+    # beyond it a request waits in the coordinator's class queues (priority, then interactive before
+    # batch, then arrival) and binds to whichever worker frees first, so a later interactive request
+    # overtakes waiting batch ones. 0: no cap, every stage is sent at once (workers order their own
+    # queues). Decode is not capped: a decode worker batches whatever fits its KV pool.
+    max_stages_per_worker: int = Field(0, ge=0)
+    # A request waiting in those queues longer than this is served before every class (oldest first):
+    # nothing starves behind a stream of higher classes.
+    class_aging_s: float = Field(10.0, ge=0.0)
     # Decode workers hand a finished reply's full KV blocks back to the prefill worker that holds its
     # prompt (workers/hand_back.py): a next turn that resends prompt + reply finds both cached. Off by
     # default: it moves the reply's KV once per request, which pays only for multi-turn traffic.

@@ -61,6 +61,8 @@ def test_cluster_configs_take_worker_settings_for_side_by_side_runs():
     assert spec.label == "unified:2@max-prefill-tokens=256@max-num-seqs=8" and spec.pools["unified"] == 2
     assert spec.worker_args == ("--max-prefill-tokens", "256", "--max-num-seqs", "8")
     assert parse_config("disagg:1e1p1d").worker_args == ()
+    mixed = parse_config("disagg:1e1p1d@max-stages-per-worker=2@max-num-seqs=8")  # coordinator's, then workers'
+    assert mixed.coordinator_args == ("--max-stages-per-worker", "2") and mixed.worker_args == ("--max-num-seqs", "8")
     for bad in ("unified:1@max-prefill-tokens", "unified:1@Bad=1", "hf-sequential@max-num-seqs=2"):
         with pytest.raises(ValueError, match="@"):
             parse_config(bad)

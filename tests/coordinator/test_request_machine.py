@@ -31,11 +31,12 @@ def make_admitted(rid: str = "r1", *, images: int = 0, prompt_len: int = 20, max
 class Harness:
     """A RequestMachine, a fake clock, and helpers that speak for workers."""
 
-    def __init__(self, *roles: tuple[str, str], max_attempts: int = 3, max_waiting: int = 256) -> None:
+    def __init__(self, *roles: tuple[str, str], max_attempts: int = 3, max_waiting: int = 256, max_stages: int = 0,
+                 aging: float = 10.0) -> None:
         self.t = 0.0
         self.ids = iter(f"rid{i}" for i in range(1000))
         self.m = RequestMachine(stage_timeout_s=TIMEOUT, dead_after_s=DEAD_AFTER, max_attempts=max_attempts,
-                                max_waiting_requests=max_waiting,
+                                max_waiting_requests=max_waiting, max_stages_per_worker=max_stages, class_aging_s=aging,
                                 detokenize=lambda ids: " ".join(map(str, ids)), new_id=lambda: next(self.ids),
                                 raise_errors=True)
         for wid, role in roles:
@@ -80,6 +81,10 @@ class Harness:
         item = {"request_id": b["request_id"], "attempt": b["attempt"], "token_ids": tokens, "finished": finished,
                 **({"finish_reason": "length"} if finished else {}), **kw}
         return self.worker(wid, MsgType.STEP_TOKENS, items=[item])
+
+    def client_rid(self, stage_msg: ToWorker) -> str:
+        """The client's request_id of the request a stage message is about."""
+        return self.m.requests[stage_msg.body["request_id"]].client_rid
 
     def failed(self, wid: str, stage_msg: ToWorker, retryable: bool = True) -> list:
         b = stage_msg.body
@@ -478,3 +483,108 @@ def test_a_draining_flag_read_from_redis_does_not_stop_routing():
     h = Harness(("u0", "unified"))
     h.m.apply_loads({"u0": {"draining": True, "queue_len": 0, "at": 1e12}})
     assert kinds(h.submit(make_admitted())) == [("RUN", "u0")]
+
+
+# -- late binding: stages wait at the coordinator, in class order, beyond max_stages_per_worker ---------------
+
+def test_with_a_cap_a_later_interactive_request_overtakes_a_waiting_batch_one():
+    h = Harness(("p0", "prefill"), ("d0", "decode"), max_stages=1)
+    first = only(h.submit(make_admitted("first")), MsgType.PREFILL, "p0")
+    h.t = 1.0
+    assert h.submit(make_admitted("batch", latency_class="batch")) == []  # p0 has its one stage: it waits here
+    h.t = 2.0
+    assert h.submit(make_admitted("inter")) == []
+    status = h.m.status()
+    assert status["queued"] == {"prefill": {"interactive": 1, "batch": 1}}
+    assert status["workers"]["p0"]["load"]["inflight"] == 1
+    h.t = 3.0
+    out = h.prefilled("p0", first, token=1, finish="stop")  # p0 frees: the interactive one goes first
+    assert kinds(out) == [("RESULT", CLIENT), ("PREFILL", "p0")] and h.client_rid(out[1]) == "inter"
+    h.t = 4.0
+    out = h.prefilled("p0", out[1], token=2, finish="stop")
+    assert kinds(out) == [("RESULT", CLIENT), ("PREFILL", "p0")] and h.client_rid(out[1]) == "batch"
+    assert h.m.status()["queued"] == {}
+    res = only(h.prefilled("p0", out[1], token=3, finish="stop"), MsgType.RESULT).body
+    assert res["request_id"] == "batch" and res["timings"]["queue_s"] == 3.0  # waited at the coordinator 1.0 -> 4.0
+
+
+def test_with_a_cap_a_waiting_request_binds_to_whichever_worker_frees_first():
+    h = Harness(("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), max_stages=1)
+    only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")
+    b = only(h.submit(make_admitted("b")), MsgType.PREFILL, "p1")
+    assert h.submit(make_admitted("c")) == []  # not bound early to p0 (the one routing would pick now)
+    out = h.prefilled("p1", b, token=1)  # p1 finishes first
+    assert kinds(out) == [("DECODE", "d0"), ("PREFILL", "p1")] and h.client_rid(out[1]) == "c"
+    assert {w: s["load"]["inflight"] for w, s in h.m.status()["workers"].items()} == {"p0": 1, "p1": 1, "d0": 1}
+
+
+def test_the_cap_counts_open_stages_per_worker_and_leaves_decode_uncapped():
+    h = Harness(("e0", "encode"), ("p0", "prefill"), ("d0", "decode"), max_stages=2)
+    encs = [only(h.submit(make_admitted(f"img{i}", images=1)), MsgType.ENCODE, "e0") for i in range(2)]
+    assert h.submit(make_admitted("img2", images=1)) == []
+    assert h.m.status()["queued"] == {"encode": {"interactive": 1}}
+    out = h.encoded("e0", encs[0])  # e0 has room again: img2's encode goes out after img0's prefill
+    assert kinds(out) == [("PREFILL", "p0"), ("ENCODE", "e0")] and [h.client_rid(m) for m in out] == ["img0", "img2"]
+    pre0, enc2 = out
+    pre1 = only(h.encoded("e0", encs[1]), MsgType.PREFILL, "p0")
+    assert h.encoded("e0", enc2) == []  # p0 has its two: img2's prefill waits
+    assert h.m.status()["queued"] == {"prefill": {"interactive": 1}}
+    out = h.prefilled("p0", pre0, token=1)
+    assert kinds(out) == [("DECODE", "d0"), ("PREFILL", "p0")]
+    only(h.prefilled("p0", pre1, token=1), MsgType.DECODE, "d0")
+    only(h.prefilled("p0", out[1], token=1), MsgType.DECODE, "d0")
+    assert h.m.status()["workers"]["d0"]["load"]["inflight"] == 3  # decode is not capped
+
+
+def test_a_request_waiting_behind_busy_live_workers_is_neither_failed_nor_rerun_past_the_stage_timeout():
+    """p0 keeps finishing stages, and each time an interactive request is there before the batch one
+    (aging off): the batch one waits at the coordinator for over twice the stage timeout, untouched."""
+    h = Harness(("p0", "prefill"), ("d0", "decode"), max_stages=1, aging=1000.0)
+    cur = only(h.submit(make_admitted("i0")), MsgType.PREFILL, "p0")
+    assert h.submit(make_admitted("b", latency_class="batch")) == []
+    for k in range(1, 7):  # 6 x 2 s = 12 s > 2 x TIMEOUT
+        assert h.submit(make_admitted(f"i{k}")) == []
+        assert h.advance(2.0, beating=("p0", "d0")) == []
+        out = h.prefilled("p0", cur, token=k, finish="stop")
+        cur = only(out, MsgType.PREFILL, "p0")
+        assert h.client_rid(cur) == f"i{k}" and cur.body["attempt"] == 0
+    assert h.m.status()["queued"] == {"prefill": {"batch": 1}}
+    assert h.m.stats["reruns"] == 0 and h.m.stats["failed"] == 0
+    b = only(h.prefilled("p0", cur, token=9, finish="stop"), MsgType.PREFILL, "p0")
+    assert h.client_rid(b) == "b" and b.body["attempt"] == 0
+    res = only(h.prefilled("p0", b, token=1, finish="stop"), MsgType.RESULT).body
+    assert res["request_id"] == "b" and res["attempts"] == 1 and res["timings"]["queue_s"] == 12.0
+
+
+def test_a_waiting_request_ages_past_the_classes_behind_it():
+    h = Harness(("p0", "prefill"), ("d0", "decode"), max_stages=1, aging=3.0)
+    cur = only(h.submit(make_admitted("i0")), MsgType.PREFILL, "p0")
+    assert h.submit(make_admitted("b", latency_class="batch")) == []
+    h.t = 2.0
+    assert h.submit(make_admitted("i1")) == []
+    h.t = 3.5  # b has waited 3.5 s > 3 s: it goes before the interactive i1
+    b = only(h.prefilled("p0", cur, token=1, finish="stop"), MsgType.PREFILL, "p0")
+    assert h.client_rid(b) == "b"
+
+
+def test_a_waiting_request_fails_a_stage_timeout_after_the_last_worker_of_its_role_is_gone():
+    h = Harness(("p0", "prefill"), ("d0", "decode"), max_stages=1)
+    only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")
+    assert h.submit(make_admitted("b")) == []
+    for _ in range(2):  # long past the stage timeout behind busy p0, which heartbeats and reports "a" queued
+        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [h.m.by_client[(CLIENT, "a")]]})
+        assert h.advance(TIMEOUT * 0.9, beating=("p0", "d0")) == []
+    assert h.worker("p0", MsgType.BYE, worker_id="p0") == []  # "a" re-runs: both wait, no prefill pool left
+    assert h.advance(TIMEOUT - 0.1, beating=("d0",)) == []  # a full stage timeout from then on
+    out = h.advance(0.2, beating=("d0",))
+    assert sorted(m.body["request_id"] for m in out if m.kind is MsgType.ERROR) == ["a", "b"]
+    assert all(m.body["code"] == ErrorCode.NO_WORKERS for m in out)
+    assert h.m.status()["queued"] == {} and h.m.status()["requests_in_flight"] == 0
+
+
+def test_with_no_cap_stages_are_sent_at_once_and_nothing_waits_at_the_coordinator():
+    h = Harness(("p0", "prefill"), ("d0", "decode"))
+    sent = [only(h.submit(make_admitted(f"r{i}", latency_class="batch" if i % 2 else "interactive")),
+                 MsgType.PREFILL, "p0") for i in range(4)]
+    assert [h.client_rid(m) for m in sent] == ["r0", "r1", "r2", "r3"]
+    assert h.m.status()["queued"] == {} and h.m.status()["workers"]["p0"]["load"]["inflight"] == 4
