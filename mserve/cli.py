@@ -87,7 +87,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "video_fps", "client_api_key", "curve_secret_key",
                                                                "curve_authorized_keys", "visual_token_pruning",
                                                                "kv_hand_back", "max_stages_per_worker",
-                                                               "class_aging_s"])
+                                                               "class_aging_s", "spread_encode"])
     from mserve.common.pruning import PruningError
 
     try:
@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-hand-back", action="store_true", default=None,
                    help="decode workers hand each finished reply's KV blocks back to the prefill worker, so a "
                         "conversation's next turn finds its prompt and the reply cached (default off)")
+    p.add_argument("--spread-encode", choices=("on", "off"), default=None,
+                   help="share a multi-image request's images with idle encode workers, which encode their parts "
+                        "at the same time (default on)")
     p.add_argument("--max-waiting-requests", type=int,
                    help="requests waiting for their first token, at most; past it the lowest class is shed with an "
                         "overloaded error and a retry-after hint (default 256)")

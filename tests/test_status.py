@@ -33,7 +33,8 @@ def coordinator_reply() -> dict:
             "prefill-0": {"role": "prefill", "alive": True, "load": _load(running=1, free=2000, tps=10.0, inflight=1)},
             "decode-0": {"role": "decode", "alive": True, "load": _load(running=3, free=1900, tps=50.5, inflight=3),
                          "counters": {"prefix_hits": 7, "cached_blocks": 12, "steps": 99}},
-            "decode-1": {"role": "decode", "alive": True, "load": _load(running=1, free=2040, tps=20.0, inflight=1)},
+            "decode-1": {"role": "decode", "alive": True, "draining": True,
+                         "load": _load(running=1, free=2040, tps=20.0, inflight=1)},
             "decode-9": {"role": "decode", "alive": False, "load": _load(running=7, free=0, tps=99.0)},
         },
         "roles": {"encode": 1, "prefill": 1, "decode": 2},
@@ -84,6 +85,7 @@ def test_both_sources_merge_into_pools_workers_caches_and_stats():
     assert workers["decode-0"]["inflight"] == 3 and workers["decode-0"]["kv_used"] == 148
     assert workers["decode-0"]["seen_by"] == ["coordinator", "redis"]
     assert workers["decode-9"]["alive"] is False and workers["decode-9"]["seen_by"] == ["coordinator"]
+    assert workers["decode-1"]["draining"] and not workers["decode-0"]["draining"]
     assert workers["decode-9"]["heartbeat_age_s"] is None
     # The coordinator's load wins (queue 2), Redis gives the heartbeat age.
     assert workers["encode-0"]["queue_len"] == 2 and workers["encode-0"]["heartbeat_age_s"] == 1.25
@@ -115,6 +117,7 @@ def test_table_layout():
     # Columns line up: each value ends (numbers) or starts (names) where its header does.
     assert row.index("decode ") == header.index("role")
     assert row.index("148/2048") + len("148/2048") == header.index("KV used/total") + len("KV used/total")
+    assert lines[i + 5].split()[:3] == ["decode-1", "decode", "draining"]  # SIGTERM'd: finishing, taking nothing new
     dead = lines[i + 6].split()
     assert dead[:3] == ["decode-9", "decode", "no"] and dead[-1] == "-"
     assert f"caches (model {MODEL})" in lines

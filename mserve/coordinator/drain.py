@@ -13,23 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from mserve.coordinator.records import ACTIVE_STAGES, RequestState, Stage
-
-_STAGE_ROLE = {Stage.ENCODE: "encode", Stage.PREFILL: "prefill", Stage.DECODE: "decode", Stage.RUN: "unified"}
+from mserve.coordinator.records import STAGE_ROLE, RequestState, Stage
 
 
 def holds_work(requests: Iterable[RequestState], worker_id: str) -> bool:
-    """True while a request has a stage open on the worker, or is parked with data (embeddings, KV)
-    that lives there and will be fetched from it."""
-    for st in requests:
-        if st.worker_id == worker_id and st.stage in ACTIVE_STAGES:
-            return True
-        if st.stage == Stage.QUEUED:
-            if st.embeddings is not None and st.embeddings_from == worker_id and st.next_stage == Stage.PREFILL:
-                return True
-            if st.kv is not None and st.kv_from == worker_id and st.next_stage == Stage.DECODE:
-                return True
-    return False
+    """True while a request has a stage open on the worker, or data (embeddings, KV) parked there
+    that its next stage will fetch (RequestState.needs)."""
+    return any(st.needs(worker_id) for st in requests)
 
 
 def waiting_by_role(requests: Iterable[RequestState], routable_roles: set[str], now: float) -> dict[str, Any]:
@@ -51,6 +41,6 @@ def waiting_by_role(requests: Iterable[RequestState], routable_roles: set[str], 
             needed = {"prefill", "decode"} | ({"encode"} if st.has_images else set())
             for role in sorted(needed - routable_roles):
                 add(role, st)
-        elif st.next_stage in _STAGE_ROLE:
-            add(_STAGE_ROLE[st.next_stage], st)
+        elif st.next_stage in STAGE_ROLE:
+            add(STAGE_ROLE[st.next_stage], st)
     return out

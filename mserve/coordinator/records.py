@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any, Protocol, Union
 
 from mserve.common.protocol import MsgType
-from mserve.common.protocol.to_worker import DecodeTask, EncodeTask, ImageRef, PrefillTask, RunTask
+from mserve.common.protocol.to_worker import DecodeTask, EmbeddingPart, EncodeTask, ImageRef, PrefillTask, RunTask
 from mserve.coordinator.admission import Admitted
 
 
@@ -66,6 +66,16 @@ class NoLookups:
 
 
 @dataclass
+class EncodePart:
+    """One encode worker's share of a request whose images are encoded on several at once."""
+
+    worker_id: str
+    images: list[int]  # indices into the request's images
+    descriptor: dict | None = None  # its embeddings, once ENCODED
+    grids: list | None = None
+
+
+@dataclass
 class RequestState:
     rid: str  # coordinator-internal id, unique across clients
     client: bytes
@@ -89,8 +99,11 @@ class RequestState:
     timings: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in (
         "queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s", "worker_s")})
     cache_hits: dict[str, int] = field(default_factory=lambda: {"embedding": 0, "prefix_tokens": 0})
-    charged: tuple[str, int] | None = None
+    charged: list[tuple[str, int]] = field(default_factory=list)  # (worker, prompt tokens) per open stage
     first_token_at: float | None = None
+    # An ENCODE spread over several encoders (routing.spread_encode), primary (worker_id) first; empty
+    # when one encoder takes every image (then `embeddings` holds them all).
+    parts: list[EncodePart] = field(default_factory=list)
 
     @property
     def client_rid(self) -> str:
@@ -100,21 +113,44 @@ class RequestState:
     def has_images(self) -> bool:
         return bool(self.admitted.images)
 
+    def embedding_sources(self) -> set[str]:
+        """The encode workers holding (or making) this attempt's embeddings."""
+        return {p.worker_id for p in self.parts} or ({self.embeddings_from} if self.embeddings_from else set())
 
-def stage_message(st: RequestState, stage: Stage, hand_back: bool = False) -> tuple[MsgType, dict[str, Any], int]:
+    def stage_workers(self) -> set[str]:
+        """The workers running this attempt's open stage (several for a spread ENCODE)."""
+        if self.stage not in ACTIVE_STAGES or self.worker_id is None:
+            return set()
+        return {self.worker_id} | ({p.worker_id for p in self.parts} if self.stage == Stage.ENCODE else set())
+
+    def needs(self, worker_id: str) -> bool:
+        """True while this attempt cannot go on without `worker_id`: a stage open there, or its
+        embeddings or prefilled KV parked there and not yet fetched (the next stage reads them)."""
+        if worker_id in self.stage_workers():
+            return True
+        if self.next_stage == Stage.PREFILL and self.stage in (Stage.QUEUED, Stage.PREFILL):
+            return (self.embeddings is not None or bool(self.parts)) and worker_id in self.embedding_sources()
+        return self.next_stage == Stage.DECODE and self.stage == Stage.QUEUED and self.kv is not None \
+            and self.kv_from == worker_id
+
+
+def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
+                  part: list[int] | None = None) -> tuple[MsgType, dict[str, Any], int]:
     """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there.
-    `hand_back`: a DECODE asks for the reply's KV blocks at the end (the coordinator's kv_hand_back)."""
+    `hand_back`: a DECODE asks for the reply's KV blocks at the end (the coordinator's kv_hand_back).
+    `part`: an ENCODE of only these images (by index; a spread encode)."""
     a, req = st.admitted, st.admitted.request
     ids = {"request_id": st.rid, "attempt": st.attempt}
     images = [ImageRef(hash=im.hash, data=im.data, frames=im.frames, frame_indices=im.frame_indices) for im in a.images]
     classes = {"priority": req.priority, "latency_class": req.latency_class}
     tokens = 0
     if stage == Stage.ENCODE:
-        msg = EncodeTask(**ids, images=images, **classes)
+        msg = EncodeTask(**ids, images=[images[i] for i in part] if part is not None else images, **classes)
     elif stage == Stage.PREFILL:
         msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
-                          **classes)
+                          embedding_parts=[EmbeddingPart(descriptor=p.descriptor or {}, images=p.images)
+                                           for p in st.parts] or None, **classes)
         tokens = len(a.prompt_ids)
     elif stage == Stage.DECODE:
         msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back)

@@ -22,9 +22,12 @@ class StageReplies:
         return st
 
     def _on_encoded(self, worker_id: str, msg: Encoded) -> None:
-        st = self._current(worker_id, msg, Stage.ENCODE)
         for im in msg.images:
             self.members.add_holder(im.hash, worker_id)
+        spread = self.requests.get(msg.request_id)
+        if spread is not None and spread.parts:
+            return self._on_encoded_part(spread, worker_id, msg)
+        st = self._current(worker_id, msg, Stage.ENCODE)
         if st is None:
             return
         self._stage_done(st, "encode_s")
@@ -32,6 +35,26 @@ class StageReplies:
         st.embeddings, st.embeddings_from = msg.descriptor, worker_id
         st.image_grids = [im.grid for im in msg.images]
         st.cache_hits["embedding"] += msg.cache_hits
+        st.next_stage = Stage.PREFILL
+        self._advance(st)
+
+    def _on_encoded_part(self, st: RequestState, worker_id: str, msg: Encoded) -> None:
+        """One encoder's share of a spread ENCODE; prefill starts once every part is in."""
+        part = next((p for p in st.parts if p.worker_id == worker_id), None)
+        if st.attempt != msg.attempt or st.stage != Stage.ENCODE or part is None or part.descriptor is not None:
+            return  # stale: an earlier attempt, or a part already in
+        part.descriptor, part.grids = msg.descriptor, [im.grid for im in msg.images]
+        self._uncharge(st, worker_id)
+        st.timings["worker_s"] += msg.worker_s
+        st.cache_hits["embedding"] += msg.cache_hits
+        if any(p.descriptor is None for p in st.parts):
+            return
+        self._stage_done(st, "encode_s")
+        grids: list = [None] * len(st.admitted.images)
+        for p in st.parts:
+            for i, grid in zip(p.images, p.grids or []):
+                grids[i] = grid
+        st.image_grids = grids
         st.next_stage = Stage.PREFILL
         self._advance(st)
 

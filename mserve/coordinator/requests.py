@@ -26,8 +26,8 @@ from mserve.coordinator.replies import StageReplies
 from mserve.coordinator.records import (ACTIVE_STAGES, STAGE_ROLE, Lookups, NoLookups, Out, RequestState, Stage,
                                         ToClient, ToWorker, result_body, stage_message)
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
-from mserve.coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
-from mserve.coordinator.stage_queues import StageQueues, takers
+from mserve.coordinator.dispatch import Dispatch
+from mserve.coordinator.stage_queues import StageQueues
 from mserve.coordinator.telemetry import Telemetry
 
 __all__ = ["ACTIVE_STAGES", "Lookups", "NoLookups", "Out", "RequestMachine", "RequestState", "Stage", "ToClient",
@@ -57,12 +57,12 @@ def _entry(handler: Callable[..., None]) -> Callable[..., list[Out]]:
     return wrapper
 
 
-class RequestMachine(StageReplies):
+class RequestMachine(StageReplies, Dispatch):
     def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 5.0, max_attempts: int = 3,
                  max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
                  new_id: Callable[[], str] | None = None, raise_errors: bool = False,
                  visual_token_pruning: float | None = None, kv_hand_back: bool = False, max_stages_per_worker: int = 0,
-                 class_aging_s: float = 10.0) -> None:
+                 class_aging_s: float = 10.0, spread_encode: bool = True) -> None:
         self.stage_timeout_s = stage_timeout_s
         self.dead_after_s = dead_after_s
         self.max_attempts = max_attempts
@@ -71,6 +71,7 @@ class RequestMachine(StageReplies):
         # Stages open at once on one encode, prefill or unified worker (0: no cap); the rest wait in
         # `queues`, best class first, and bind to whichever worker frees first.
         self.max_stages_per_worker = max_stages_per_worker
+        self.spread_encode = spread_encode  # share a multi-image ENCODE with idle encoders (dispatch.py)
         self.first_tokens = FirstTokenRate()
         self.telemetry = Telemetry()
         self.lookups: Lookups = lookups or NoLookups()
@@ -84,7 +85,8 @@ class RequestMachine(StageReplies):
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.queues = StageQueues(aging_s=class_aging_s)
-        self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0}
+        self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0,
+                      "spread_encodes": 0}
         self._now = 0.0
         self._out: list[Out] = []
 
@@ -253,6 +255,7 @@ class RequestMachine(StageReplies):
             st.attempt += 1
         st.deadline = 0.0
         st.embeddings = st.kv = st.embeddings_from = st.kv_from = None
+        st.parts = []
         st.next_stage = Stage.START
         self._advance(st)
 
@@ -264,57 +267,6 @@ class RequestMachine(StageReplies):
     def _wait(self, st: RequestState, stage: Stage, since: float) -> None:
         req = st.admitted.request
         self.queues.push(st.rid, stage, priority=req.priority, latency_class=req.latency_class, since=since)
-
-    def _dispatch_waiting(self) -> None:
-        """Bind waiting stages to the workers that can take them, best class first (coordinator/stage_queues.py)."""
-        now = self._now
-        for w in self.queues.ordered(Stage.START, now):  # no pipeline yet: choose one once its pools are up
-            st = self.requests[w.rid]
-            route = pipeline_for(self.members.routable(), st.has_images)
-            if route is not None:
-                st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
-                self._wait(st, st.next_stage, since=w.since)
-        cap = self.max_stages_per_worker
-        for stage in reversed(STAGE_ROLE):  # later stages first: their messages go out first
-            # Every request of a stage routes among the same workers: when the best cannot go, none can.
-            while (ws := takers(self.members.routable(), stage, cap)) and (w := self.queues.first(stage, now)):
-                self.queues.discard(w.rid)
-                st = self.requests[w.rid]
-                worker = self._route(st, ws)
-                assert worker is not None, (stage, ws)
-                kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back)
-                st.timings["queue_s"] += now - w.since
-                st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
-                st.deadline = now + self.stage_timeout_s
-                self._charge(st, worker.worker_id, tokens)
-                self._out.append(ToWorker(worker.worker_id, kind, payload))
-
-    def _route(self, st: RequestState, ws: list[WorkerView]) -> WorkerView | None:
-        a = st.admitted
-        if st.next_stage == Stage.RUN:
-            return route_unified(ws)
-        if st.next_stage == Stage.ENCODE:
-            hashes = [im.hash for im in a.images]
-            holders = {h: self.members.embedding_holders.get(h, set()) | self.lookups.embedding_holders(h)
-                       for h in hashes}
-            return route_encode(ws, hashes, holders)
-        block_size = self.members.block_size
-        if st.next_stage == Stage.PREFILL:
-            return route_prefill(ws, len(a.prompt_ids), self.lookups.prefix_hits(a, block_size), block_size)
-        if st.next_stage == Stage.DECODE:
-            need = -(-(len(a.prompt_ids) + a.request.sampling.max_tokens) // block_size)
-            return route_decode(ws, need)
-        raise AssertionError(st.next_stage)
-
-    def _charge(self, st: RequestState, worker_id: str, tokens: int) -> None:
-        self._uncharge(st)
-        self.members.charge(worker_id, tokens)
-        st.charged = (worker_id, tokens)
-
-    def _uncharge(self, st: RequestState) -> None:
-        if st.charged:
-            self.members.uncharge(*st.charged)
-            st.charged = None
 
     def _stage_done(self, st: RequestState, timing_key: str) -> None:
         st.timings[timing_key] += self._now - st.stage_started
@@ -347,13 +299,9 @@ class RequestMachine(StageReplies):
             return
         log.warning("worker %s (%s) is gone: %s", worker_id, w.role, why)
         for st in list(self.requests.values()):
-            lost = st.worker_id == worker_id and st.stage in ACTIVE_STAGES
-            # Data parked on the dead worker (embeddings, prefilled KV) is gone too.
-            lost |= (st.embeddings_from == worker_id and st.stage in (Stage.QUEUED, Stage.PREFILL)
-                     and st.embeddings is not None)
-            lost |= st.kv_from == worker_id and st.stage == Stage.QUEUED and st.kv is not None
-            if lost:
-                if st.worker_id == worker_id:
+            # Its stage ran there, or data it still needs (embeddings, prefilled KV) was parked there.
+            if st.needs(worker_id):
+                if worker_id in st.stage_workers():
                     self.members.abandon(worker_id, st.rid)
                 self._uncharge(st)
                 ran = not (st.rid == undelivered and st.worker_id == worker_id)
@@ -394,10 +342,11 @@ class RequestMachine(StageReplies):
         self._out.append(ToClient(st.client, MsgType.RESULT, body))
 
     def _cancel_on_worker(self, st: RequestState) -> None:
-        if self.members.is_alive(st.worker_id or "") and st.stage in ACTIVE_STAGES:
-            self._out.append(ToWorker(st.worker_id, MsgType.CANCEL, {"request_id": st.rid}))
-        # Embeddings parked on an encoder for a prefill that will not come: let it free them now
-        # rather than at the transfer's expiry.
-        parked = st.embeddings_from
-        if st.embeddings is not None and parked and parked != st.worker_id and self.members.is_alive(parked):
-            self._out.append(ToWorker(parked, MsgType.CANCEL, {"request_id": st.rid}))
+        targets = st.stage_workers()
+        if st.embeddings is not None or st.parts:
+            # Embeddings parked on encoders for a prefill that will not come: let them free them now
+            # rather than at the transfer's expiry.
+            targets |= st.embedding_sources()
+        for worker_id in sorted(targets):
+            if self.members.is_alive(worker_id):
+                self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": st.rid}))

@@ -77,6 +77,29 @@ def route_encode(workers: Iterable[WorkerView], image_hashes: list[str],
     return min(candidates, key=lambda w: (encode_cost_s(w, image_hashes, holders), w.busy, w.worker_id))
 
 
+def spread_encode(primary: WorkerView, workers: Iterable[WorkerView], image_hashes: list[str],
+                  holders: Mapping[str, set[str]]) -> list[tuple[WorkerView, list[int]]]:
+    """Share a request's images among idle encode workers: [(worker, image indices)], `primary` first.
+
+    `primary` (route_encode's choice) keeps every image it or its host already holds. The images it
+    would have to encode are dealt in turn to it and to the idle encoders (nothing open, nothing
+    queued), so two misses on two idle encoders take one forward's time, not two. One part when
+    fewer than two images miss or no other encoder is idle (today's single-encoder stage)."""
+    mine = {primary.worker_id, host_member(primary.host_id)} if primary.host_id else {primary.worker_id}
+    misses = [i for i, h in enumerate(image_hashes) if not (holders.get(h, set()) & mine)]
+    idle = sorted((w for w in alive(workers, "encode") if w.worker_id != primary.worker_id and w.busy == 0),
+                  key=lambda w: (w.encode_s_per_image or DEFAULT_ENCODE_S_PER_IMAGE, w.worker_id))
+    if len(misses) < 2 or not idle:
+        return [(primary, list(range(len(image_hashes))))]
+    helpers = idle[: len(misses) - 1]
+    parts: dict[str, list[int]] = {w.worker_id: [] for w in [primary, *helpers]}
+    order = [primary, *helpers]
+    for n, i in enumerate(misses):
+        parts[order[n % len(order)].worker_id].append(i)
+    parts[primary.worker_id] += [i for i in range(len(image_hashes)) if i not in misses]
+    return [(w, sorted(parts[w.worker_id])) for w in order]
+
+
 def route_prefill(workers: Iterable[WorkerView], prompt_tokens: int,
                   prefix_hits: Mapping[str, int] | None = None, block_size: int = 16) -> WorkerView | None:
     """Least pending prefill work, less the tokens a worker already holds as cached prefix blocks."""

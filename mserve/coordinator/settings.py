@@ -32,6 +32,9 @@ class CoordinatorSettings(BaseSettings):
     # A request waiting in those queues longer than this is served before every class (oldest first):
     # nothing starves behind a stream of higher classes.
     class_aging_s: float = Field(10.0, ge=0.0)
+    # A request with several images that the chosen encoder would have to encode shares them with
+    # idle encode workers, which encode their parts at the same time (coordinator/dispatch.py).
+    spread_encode: bool = True
     # Decode workers hand a finished reply's full KV blocks back to the prefill worker that holds its
     # prompt (workers/hand_back.py): a next turn that resends prompt + reply finds both cached. Off by
     # default: it moves the reply's KV once per request, which pays only for multi-turn traffic.

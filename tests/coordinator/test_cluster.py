@@ -9,7 +9,7 @@ import pytest
 
 from mserve.common.prompt import PromptBuilder
 from mserve.common.redis_store import RedisStore
-from mserve.coordinator.client import AsyncClient
+from mserve.coordinator.client import AsyncClient, Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.helpers import chat, hf_generate, request_mix
 
@@ -30,19 +30,27 @@ def expected(model_dir: str, requests, max_tokens: int = MAX_TOKENS, ignore_eos:
 
 
 @pytest.mark.parametrize("arch, pools, transfer", [
-    ("llava", {"encode": 1, "prefill": 1, "decode": 1}, "shm"),
+    ("llava", {"encode": 2, "prefill": 1, "decode": 1}, "shm"),
     ("qwen2_vl", {"encode": 2, "prefill": 2, "decode": 2}, "tcp"),
     ("qwen2_vl", {"encode": 1, "prefill": 1, "decode": 1}, "torch"),
     ("llava", {"unified": 1}, "auto"),
     ("qwen2_vl", {"unified": 1, "encode": 0, "prefill": 0, "decode": 0}, "auto"),
-], ids=["llava-1e1p1d-shm", "qwen-2e2p2d-tcp", "qwen-1e1p1d-torch", "llava-unified", "qwen-unified"])
+], ids=["llava-2e1p1d-shm", "qwen-2e2p2d-tcp", "qwen-1e1p1d-torch", "llava-unified", "qwen-unified"])
 def test_concurrent_batch_matches_hf(tiny_model_dirs, redis_url, arch, pools, transfer):
     model = str(tiny_model_dirs[arch])
     pools = {"encode": 0, "prefill": 0, "decode": 0, **pools} if "unified" in pools else pools
     requests = request_mix(16, seed=7)
+    # With two encoders, two-image requests sent one at a time find both idle: their images are
+    # encoded on both at once (spread_encode) and prefill fetches the two parts.
+    spread = [(text, ims) for text, ims in request_mix(6, seed=8) if len(ims) == 2] if pools["encode"] >= 2 else []
     with LocalCluster(model, redis_url=redis_url, transfer=transfer, **pools) as cluster:
         results = asyncio.run(generate_all(cluster.address, requests))
-        status = cluster.status() if hasattr(cluster, "status") else None
+        for req in spread:
+            results += asyncio.run(generate_all(cluster.address, [req]))
+        with Client(cluster.address, timeout_s=10) as c:
+            stats = c.status()["stats"]
+    requests += spread
+    assert stats["spread_encodes"] >= len(spread)
     want = expected(model, requests)
     for i, (res, exp) in enumerate(zip(results, want)):
         assert res.token_ids == exp, f"request {i} ({len(requests[i][1])} images): {res.token_ids} != {exp}"
@@ -51,7 +59,6 @@ def test_concurrent_batch_matches_hf(tiny_model_dirs, redis_url, arch, pools, tr
         with_images = [r for r, (_, ims) in zip(results, requests) if ims]
         assert all(r.timings["encode_s"] > 0 and r.timings["prefill_s"] > 0 for r in with_images)
         assert all(r.timings["transfer_s"] > 0 for r in results)
-    del status
 
 
 @pytest.fixture(scope="module")

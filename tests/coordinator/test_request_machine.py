@@ -108,6 +108,57 @@ DISAGG = (("e0", "encode"), ("e1", "encode"), ("p0", "prefill"), ("p1", "prefill
 
 # -- happy paths ----------------------------------------------------------------------------------------
 
+def test_a_multi_image_encode_is_spread_over_idle_encoders_and_prefill_gets_every_part():
+    h = Harness(*DISAGG)
+    out = h.submit(make_admitted(images=3))
+    assert kinds(out) == [("ENCODE", "e0"), ("ENCODE", "e1")]
+    e0, e1 = out
+    assert [im["hash"] for im in e0.body["images"]] == ["img-r1-0", "img-r1-2"]
+    assert [im["hash"] for im in e1.body["images"]] == ["img-r1-1"]
+    loads = h.m.status()["workers"]
+    assert loads["e0"]["load"]["inflight"] == 1 and loads["e1"]["load"]["inflight"] == 1
+    assert h.encoded("e1", e1) == []  # the other part is still encoding
+    assert h.m.status()["workers"]["e1"]["load"]["inflight"] == 0
+    pre = only(h.encoded("e0", e0), MsgType.PREFILL, "p0")
+    assert pre.body.get("embeddings") is None and pre.body["grids"] == [[1, 2, 2]] * 3
+    assert pre.body["embedding_parts"] == [{"descriptor": {"from": "e0", "attempt": 0}, "images": [0, 2]},
+                                           {"descriptor": {"from": "e1", "attempt": 0}, "images": [1]}]
+    assert h.m.status()["workers"]["e0"]["load"]["inflight"] == 0
+    dec = only(h.prefilled("p0", pre, token=5), MsgType.DECODE)
+    out = h.step("d0", dec, [6], finished=True)
+    assert only(out, MsgType.RESULT).body["token_ids"] == [5, 6]
+
+
+def test_a_spread_encode_reruns_when_a_part_encoder_dies_and_cancels_the_others():
+    h = Harness(*DISAGG)
+    e0, e1 = h.submit(make_admitted(images=2))
+    assert h.encoded("e0", e0) == []  # its part is parked on e0 while e1 still encodes
+    out = h.advance(DEAD_AFTER + 1, beating=("e0", "p0", "p1", "d0", "d1"))  # e1 falls silent
+    # The re-run goes to e0 alone (the only encoder left) and e0's parked part is cancelled first.
+    assert kinds(out) == [("CANCEL", "e0"), ("ENCODE", "e0")]
+    rerun = out[1]
+    assert rerun.body["attempt"] == 1 and len(rerun.body["images"]) == 2
+    assert h.encoded("e1", e1) == []  # a late part of attempt 0 is stale
+    pre = only(h.encoded("e0", rerun), MsgType.PREFILL)
+    assert pre.body["embeddings"] == {"from": "e0", "attempt": 1} and pre.body.get("embedding_parts") is None
+
+
+def test_aborting_a_spread_encode_cancels_it_on_every_encoder():
+    h = Harness(*DISAGG)
+    e0, e1 = h.submit(make_admitted(images=2))
+    h.encoded("e1", e1)  # one part done and parked, one encoding
+    out = h.m.abort(CLIENT, "r1", now=h.t)
+    assert sorted(kinds(out)) == [("CANCEL", "e0"), ("CANCEL", "e1"), ("ERROR", CLIENT)]
+    assert h.m.status()["workers"]["e0"]["load"]["inflight"] == 0
+
+
+def test_spread_encode_off_keeps_a_request_on_one_encoder():
+    h = Harness(*DISAGG)
+    h.m.spread_encode = False
+    out = h.submit(make_admitted(images=2))
+    assert kinds(out) == [("ENCODE", "e0")] and len(out[0].body["images"]) == 2
+
+
 def test_disaggregated_happy_path_streams_and_ends_with_all_tokens():
     h = Harness(*DISAGG)
     out = h.submit(make_admitted(images=1, stream=True))

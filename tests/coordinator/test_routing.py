@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mserve.coordinator.routing import WorkerView, pipeline_for, route_decode, route_encode, route_prefill, route_unified
+from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
+                                        route_unified, spread_encode)
 
 
 def w(wid: str, role: str, **kw) -> WorkerView:
@@ -56,3 +57,22 @@ def test_encode_counts_the_hosts_shared_cache_and_weighs_reencoding_by_measured_
     slow = w("e2", "encode", host_id="h3", encode_s_per_image=0.5, inflight=1)
     fast = w("e3", "encode", host_id="h4", encode_s_per_image=0.05)
     assert route_encode([slow, fast], ["a"], {"a": {"e2"}}).worker_id == "e3"
+
+
+def test_spread_encode_deals_the_misses_to_idle_encoders_and_keeps_held_images_on_the_primary():
+    e0, e1, e2 = w("e0", "encode", host_id="h0"), w("e1", "encode", host_id="h1"), w("e2", "encode", host_id="h2")
+    ids = lambda parts: [(p.worker_id, images) for p, images in parts]  # noqa: E731
+    # Two misses, one idle helper: one image each, at the same time.
+    assert ids(spread_encode(e0, [e0, e1, e2], ["a", "b"], {})) == [("e0", [0]), ("e1", [1])]
+    # Image 1 is on the primary's host (L2): it stays there, with one of the misses; the other miss goes out.
+    assert ids(spread_encode(e0, [e0, e1, e2], ["a", "b", "c"], {"b": {"host:h0"}})) == [("e0", [0, 1]), ("e1", [2])]
+    # Four misses over three idle encoders: dealt in turn, the primary first.
+    assert ids(spread_encode(e0, [e0, e1, e2], list("abcd"), {})) == [("e0", [0, 3]), ("e1", [1]), ("e2", [2])]
+    # One miss, or no other idle encoder (busy or dead): the primary takes everything, as before.
+    assert ids(spread_encode(e0, [e0, e1], ["a", "b"], {"a": {"e0"}})) == [("e0", [0, 1])]
+    busy = w("e1", "encode", inflight=1)
+    dead = w("e2", "encode", alive=False)
+    assert ids(spread_encode(e0, [e0, busy, dead], ["a", "b"], {})) == [("e0", [0, 1])]
+    # Helpers are the idle encoders measured fastest first.
+    slow, fast = w("e1", "encode", encode_s_per_image=0.5), w("e2", "encode", encode_s_per_image=0.05)
+    assert ids(spread_encode(e0, [e0, slow, fast], ["a", "b"], {})) == [("e0", [0]), ("e2", [1])]

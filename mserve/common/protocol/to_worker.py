@@ -47,6 +47,12 @@ class EncodeTask(Message):
 
 
 @dataclass
+class EmbeddingPart(Message):
+    descriptor: dict[str, Any] = wire(as_map)  # transfer descriptor on the encode worker that made the part
+    images: list[int] = wire(list_of(as_int))  # the request's images it holds, in order: img0, img1, ...
+
+
+@dataclass
 class PrefillTask(Message):
     KIND: ClassVar = MsgType.PREFILL
     request_id: str = wire(as_str)
@@ -59,6 +65,9 @@ class PrefillTask(Message):
     grids: list[Any] | None = wire(optional(list_of(optional(list_of(as_int)))), None)  # Qwen2-VL (t, h, w)
     priority: int = wire(as_int, 0)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
+    # Images encoded on several encode workers at once (instead of `embeddings`): each part's
+    # descriptor, and which of the request's images (by index) its tensors img0..imgK are.
+    embedding_parts: list[EmbeddingPart] | None = wire(optional(list_of(nested(EmbeddingPart))), None)
 
 
 @dataclass

@@ -40,8 +40,13 @@ class PrefillWorker(SteppingWorker):
     def add(self, task: PrefillTask) -> None:
         rid = task.request_id
         encoded = []
+        tensors: dict[str, torch.Tensor] = {}
         if task.embeddings:
             tensors = self.fetch(rid, task.embeddings)
+        for part in task.embedding_parts or ():  # encoded on several encoders: image i of the request
+            got = self.fetch(rid, part.descriptor)
+            tensors.update((f"img{i}", got[f"img{j}"]) for j, i in enumerate(part.images))
+        if tensors:
             grids = task.grids or [None] * len(tensors)
             encoded = [EncodedImage(tensors[f"img{i}"], tuple(grids[i]) if grids[i] else None)
                        for i in range(len(tensors))]

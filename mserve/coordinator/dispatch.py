@@ -1,0 +1,87 @@
+"""The request machine's dispatch: bind waiting stages to workers, and charge each worker what it was sent.
+
+A mixin of RequestMachine (coordinator/requests.py), split out to keep each module readable. At the
+end of every entry point `_dispatch_waiting` takes the class queues (coordinator/stage_queues.py)
+stage by stage, best class first, routes each request among the workers that can take it now
+(coordinator/routing.py), and sends the stage. An ENCODE of several images that would miss the
+chosen encoder's caches is shared with idle encoders (`spread_encode`): each encodes its part at
+the same time, and the prefill worker fetches every part.
+"""
+
+from __future__ import annotations
+
+from mserve.coordinator.records import STAGE_ROLE, EncodePart, RequestState, Stage, ToWorker, stage_message
+from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
+                                        route_unified, spread_encode)
+from mserve.coordinator.stage_queues import takers
+
+
+class Dispatch:
+    """Mixed into RequestMachine: uses its queues, requests, members, lookups and settings."""
+
+    def _dispatch_waiting(self) -> None:
+        """Bind waiting stages to the workers that can take them, best class first (coordinator/stage_queues.py)."""
+        now = self._now
+        for w in self.queues.ordered(Stage.START, now):  # no pipeline yet: choose one once its pools are up
+            st = self.requests[w.rid]
+            route = pipeline_for(self.members.routable(), st.has_images)
+            if route is not None:
+                st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
+                self._wait(st, st.next_stage, since=w.since)
+        cap = self.max_stages_per_worker
+        for stage in reversed(STAGE_ROLE):  # later stages first: their messages go out first
+            # Every request of a stage routes among the same workers: when the best cannot go, none can.
+            while (ws := takers(self.members.routable(), stage, cap)) and (w := self.queues.first(stage, now)):
+                self.queues.discard(w.rid)
+                st = self.requests[w.rid]
+                worker = self._route(st, ws)
+                assert worker is not None, (stage, ws)
+                st.timings["queue_s"] += now - w.since
+                st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
+                st.deadline = now + self.stage_timeout_s
+                self._send_stage(st, stage, worker, ws)
+
+    def _send_stage(self, st: RequestState, stage: Stage, worker: WorkerView, ws: list[WorkerView]) -> None:
+        shares: list[tuple[WorkerView, list[int] | None]] = [(worker, None)]
+        if stage == Stage.ENCODE and self.spread_encode and len(st.admitted.images) > 1:
+            hashes = [im.hash for im in st.admitted.images]
+            spread = spread_encode(worker, ws, hashes, self._holders(hashes))
+            if len(spread) > 1:
+                st.parts = [EncodePart(w.worker_id, idx) for w, idx in spread]
+                shares = list(spread)
+                self.stats["spread_encodes"] += 1
+        self._uncharge(st)
+        for w, part in shares:
+            kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back, part=part)
+            self.members.charge(w.worker_id, tokens)
+            st.charged.append((w.worker_id, tokens))
+            self._out.append(ToWorker(w.worker_id, kind, payload))
+
+    def _holders(self, hashes: list[str]) -> dict[str, set[str]]:
+        """Who holds each image's embeddings: encoders that sent them, and the Redis index (workers, hosts)."""
+        return {h: self.members.embedding_holders.get(h, set()) | self.lookups.embedding_holders(h) for h in hashes}
+
+    def _route(self, st: RequestState, ws: list[WorkerView]) -> WorkerView | None:
+        a = st.admitted
+        if st.next_stage == Stage.RUN:
+            return route_unified(ws)
+        if st.next_stage == Stage.ENCODE:
+            hashes = [im.hash for im in a.images]
+            return route_encode(ws, hashes, self._holders(hashes))
+        block_size = self.members.block_size
+        if st.next_stage == Stage.PREFILL:
+            return route_prefill(ws, len(a.prompt_ids), self.lookups.prefix_hits(a, block_size), block_size)
+        if st.next_stage == Stage.DECODE:
+            need = -(-(len(a.prompt_ids) + a.request.sampling.max_tokens) // block_size)
+            return route_decode(ws, need)
+        raise AssertionError(st.next_stage)
+
+    def _uncharge(self, st: RequestState, worker_id: str | None = None) -> None:
+        """Take back what the open stage charged its workers (only `worker_id`'s share when given)."""
+        keep = []
+        for w, tokens in st.charged:
+            if worker_id is None or w == worker_id:
+                self.members.uncharge(w, tokens)
+            else:
+                keep.append((w, tokens))
+        st.charged = keep
