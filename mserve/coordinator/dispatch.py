@@ -50,7 +50,9 @@ class Dispatch:
                 st.parts = [EncodePart(w.worker_id, idx) for w, idx in spread]
                 shares = list(spread)
                 self.stats["spread_encodes"] += 1
-        self._uncharge(st)
+        if stage == Stage.ENCODE:
+            st.encode_started = self._now
+        self._uncharge(st, keep={p.worker_id for p in st.parts if p.descriptor is None})  # parts still encoding
         for w, part in shares:
             kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back, part=part)
             self.members.charge(w.worker_id, tokens)
@@ -76,12 +78,13 @@ class Dispatch:
             return route_decode(ws, need)
         raise AssertionError(st.next_stage)
 
-    def _uncharge(self, st: RequestState, worker_id: str | None = None) -> None:
-        """Take back what the open stage charged its workers (only `worker_id`'s share when given)."""
-        keep = []
+    def _uncharge(self, st: RequestState, worker_id: str | None = None, keep: set[str] = frozenset()) -> None:
+        """Take back what the request's open stages charged their workers: only `worker_id`'s share
+        when given, never that of the workers in `keep`."""
+        left = []
         for w, tokens in st.charged:
-            if worker_id is None or w == worker_id:
+            if (worker_id is None or w == worker_id) and w not in keep:
                 self.members.uncharge(w, tokens)
             else:
-                keep.append((w, tokens))
-        st.charged = keep
+                left.append((w, tokens))
+        st.charged = left

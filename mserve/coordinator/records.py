@@ -104,6 +104,7 @@ class RequestState:
     # An ENCODE spread over several encoders (routing.spread_encode), primary (worker_id) first; empty
     # when one encoder takes every image (then `embeddings` holds them all).
     parts: list[EncodePart] = field(default_factory=list)
+    encode_started: float = 0.0  # when its ENCODE went out (a spread one's prefill may start before it ends)
 
     @property
     def client_rid(self) -> str:
@@ -149,8 +150,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
     elif stage == Stage.PREFILL:
         msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
-                          embedding_parts=[EmbeddingPart(descriptor=p.descriptor or {}, images=p.images)
-                                           for p in st.parts] or None, **classes)
+                          **embedding_parts(st), **classes)
         tokens = len(a.prompt_ids)
     elif stage == Stage.DECODE:
         msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back)
@@ -159,6 +159,21 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
                       images=images, **classes)
         tokens = len(a.prompt_ids)
     return msg.KIND, msg.fields(), tokens
+
+
+def embedding_parts(st: RequestState) -> dict[str, Any]:
+    """A spread encode's PREFILL fields: the parts in so far, and the images still encoding (they
+    follow as EMBEDDINGS) with every image's visual tokens; {} when one encoder had them all."""
+    if not st.parts:
+        return {}
+    pending = sorted(i for p in st.parts if p.descriptor is None for i in p.images)
+    return {"embedding_parts": [part_message(p) for p in st.parts if p.descriptor is not None],
+            "pending_images": pending,
+            "image_tokens": [im.num_tokens for im in st.admitted.images] if pending else []}
+
+
+def part_message(p: EncodePart) -> EmbeddingPart:
+    return EmbeddingPart(descriptor=p.descriptor or {}, images=p.images, grids=p.grids)
 
 
 def result_body(st: RequestState, finish_reason: str, text: str, now: float) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.to_coordinator import Encoded, Failed, Prefilled, TokenItem
-from mserve.coordinator.records import RequestState, Stage, ToWorker
+from mserve.common.protocol.to_worker import Embeddings
+from mserve.coordinator.records import RequestState, Stage, ToWorker, part_message
 
 class StageReplies:
     """Mixed into RequestMachine: uses its requests, members, _advance, _restart, _emit and _end."""
@@ -39,24 +40,29 @@ class StageReplies:
         self._advance(st)
 
     def _on_encoded_part(self, st: RequestState, worker_id: str, msg: Encoded) -> None:
-        """One encoder's share of a spread ENCODE; prefill starts once every part is in."""
+        """One encoder's share of a spread ENCODE. The first part in sends the request on to prefill,
+        which computes the prompt up to the first image still encoding (its KV blocks reserved
+        meanwhile); each later part follows it there as EMBEDDINGS."""
         part = next((p for p in st.parts if p.worker_id == worker_id), None)
-        if st.attempt != msg.attempt or st.stage != Stage.ENCODE or part is None or part.descriptor is not None:
+        if st.attempt != msg.attempt or part is None or part.descriptor is not None:
             return  # stale: an earlier attempt, or a part already in
         part.descriptor, part.grids = msg.descriptor, [im.grid for im in msg.images]
         self._uncharge(st, worker_id)
         st.timings["worker_s"] += msg.worker_s
         st.cache_hits["embedding"] += msg.cache_hits
-        if any(p.descriptor is None for p in st.parts):
-            return
-        self._stage_done(st, "encode_s")
         grids: list = [None] * len(st.admitted.images)
         for p in st.parts:
             for i, grid in zip(p.images, p.grids or []):
                 grids[i] = grid
         st.image_grids = grids
-        st.next_stage = Stage.PREFILL
-        self._advance(st)
+        if all(p.descriptor is not None for p in st.parts):
+            st.timings["encode_s"] += self._now - st.encode_started
+        if st.stage == Stage.ENCODE:
+            st.next_stage = Stage.PREFILL
+            self._advance(st)  # its PREFILL carries every part in by the time a prefill worker takes it
+        elif st.stage == Stage.PREFILL and st.worker_id is not None:
+            more = Embeddings(request_id=st.rid, attempt=st.attempt, parts=[part_message(part)])
+            self._out.append(ToWorker(st.worker_id, MsgType.EMBEDDINGS, more.fields()))
 
     def _on_prefilled(self, worker_id: str, msg: Prefilled) -> None:
         st = self._current(worker_id, msg, Stage.PREFILL)

@@ -114,11 +114,15 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes | VideoPart] = (),
-                    encoded: Sequence[EncodedImage] | None = None, image_hashes: Sequence[str] | None = None,
+                    encoded: Sequence[EncodedImage | None] | None = None, image_hashes: Sequence[str] | None = None,
                     sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
-                    output_ids: Sequence[int] = (), latency_class: str = "interactive") -> Seq:
+                    output_ids: Sequence[int] = (), latency_class: str = "interactive",
+                    item_tokens: Sequence[int] | None = None) -> Seq:
         """Queue a request. Images come as bytes (encoded here) or already encoded elsewhere.
 
+        An `encoded` entry may be None: that image is still being encoded elsewhere and comes later
+        (`attach_embeddings`); `item_tokens` gives its visual tokens. The prompt is computed up to
+        the first image still awaited, its KV blocks reserved on admission.
         `output_ids` resumes a request whose first tokens were already delivered (a re-run after a
         worker died): they are recomputed like a preempted request's, and generation continues.
         """
@@ -131,21 +135,50 @@ class Engine:
             encoded = self.encode(images)
             image_hashes = [visual_hash(d) for d in images]
         hashes = list(image_hashes or [f"anon-{request_id}-{i}" for i in range(len(encoded))])
+        if any(e is None for e in encoded) and (item_tokens is None or len(item_tokens) != len(encoded)):
+            raise ValueError(f"request {request_id}: images still to come need item_tokens, one per image")
+        counts = [int(e.embeds.shape[0]) if e is not None else int(item_tokens[i]) for i, e in enumerate(encoded)]
         # An image or Qwen2-VL video fills one placeholder run; a video given to LLaVA as frames, one per frame.
         try:
-            spans = item_spans(runs, [(h, int(e.embeds.shape[0])) for h, e in zip(hashes, encoded)])
+            spans = item_spans(runs, list(zip(hashes, counts)))
         except ValueError as exc:
             raise ValueError(f"request {request_id}: prompt has {len(runs)} image placeholder runs but "
                              f"{len(encoded)} images ({exc})") from None
-        embeds = _run_embeds(spans, encoded)
+        embeds, awaiting = _run_embeds(spans, encoded, counts)
         seq = Seq(request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling or SamplingParams(),
                   images=spans, image_embeds=embeds, priority=priority, latency_class=latency_class,
-                  eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids))
+                  eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids),
+                  awaiting=awaiting, item_grids=[e.grid_thw if e is not None else None for e in encoded])
         if self.family.uses_mrope:
-            seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, [e.grid_thw for e in encoded])
+            if awaiting:
+                seq.positions_pending = True  # computed once every grid is in (attach_embeddings)
+            else:
+                seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids)
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return seq
+
+    def attach_embeddings(self, request_id: str, item: int, encoded: EncodedImage) -> bool:
+        """An awaited image's embeddings: its placeholder runs can be computed now. False when the
+        request is gone or does not await that image; ValueError when its size does not fit."""
+        seq = self.requests.get(request_id)
+        if seq is None or item not in seq.awaiting:
+            return False
+        runs = seq.awaiting[item]
+        if sum(seq.images[i].length for i in runs) != encoded.embeds.shape[0]:
+            raise ValueError(f"request {request_id}: image {item} has {encoded.embeds.shape[0]} visual tokens, "
+                             f"its placeholders {sum(seq.images[i].length for i in runs)}")
+        del seq.awaiting[item]
+        offset = 0
+        for i in runs:
+            n = seq.images[i].length
+            seq.image_embeds[i] = encoded.embeds[offset : offset + n]
+            offset += n
+        seq.item_grids[item] = encoded.grid_thw
+        if seq.positions_pending and not seq.awaiting:
+            seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids)
+            seq.positions_pending = False
+        return True
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -290,16 +323,24 @@ class Engine:
                 "batch_size": self.last_batch_size}
 
 
-def _run_embeds(spans: Sequence[Any], encoded: Sequence[EncodedImage]) -> list[torch.Tensor]:
-    """Each placeholder run's slice (a view) of its item's embeddings; `spans` come from item_spans."""
-    out, runs = [], iter(spans)
-    for enc in encoded:
+def _run_embeds(spans: Sequence[Any], encoded: Sequence[EncodedImage | None],
+                counts: Sequence[int]) -> tuple[list[torch.Tensor | None], dict[int, list[int]]]:
+    """Each placeholder run's slice (a view) of its item's embeddings (None for an item still to
+    come), and which runs each awaited item fills; `spans` come from item_spans."""
+    out: list[torch.Tensor | None] = []
+    awaiting: dict[int, list[int]] = {}
+    runs = iter(enumerate(spans))
+    for item, (enc, count) in enumerate(zip(encoded, counts)):
         offset = 0
-        while offset < enc.embeds.shape[0]:
-            n = next(runs).length
-            out.append(enc.embeds[offset : offset + n])
-            offset += n
-    return out
+        while offset < count:
+            index, span = next(runs)
+            if enc is None:
+                out.append(None)
+                awaiting.setdefault(item, []).append(index)
+            else:
+                out.append(enc.embeds[offset : offset + span.length])
+            offset += span.length
+    return out, awaiting
 
 
 def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:

@@ -128,7 +128,9 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.status is SeqStatus.RUNNING:
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = min(seq.ready_tokens() - seq.num_computed_tokens, budget)
+                if n <= 0:
+                    continue  # waiting for an image's embeddings; its blocks stay reserved
                 if not self._grow_or_preempt(seq, seq.num_computed_tokens + n):
                     return  # the pool is exhausted: admit nothing new this step either
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
@@ -139,8 +141,9 @@ class Scheduler:
                 n = self._admit(seq, budget)
                 if n is None:
                     return  # keep the order: nothing jumps a prompt that is waiting for blocks
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-                budget -= n
+                if n > 0:  # 0: admitted (its blocks reserved), but its first image has not arrived yet
+                    chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                    budget -= n
 
     def _lookahead(self, seq: Sequence) -> int:
         """Tokens `seq` will still add, as far as admission plans ahead."""
@@ -190,7 +193,7 @@ class Scheduler:
         free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_count == 0)
         if not self.pool.can_allocate(needed + free_hits + self._reserved_for_running()):
             return None
-        n = min(seq.num_tokens - hits * bs, budget)
+        n = max(0, min(seq.ready_tokens(hits * bs) - hits * bs, budget))
         cached = self.pool.allocate(seq.block_table, hits * bs + n, hashes, seq.token_ids)
         assert cached == hits * bs
         seq.num_computed_tokens = cached

@@ -69,6 +69,12 @@ class Sequence:
     prefill_only: bool = False
     # Decode: at the end, copy the reply's full KV blocks out for a prefill worker (workers/hand_back.py).
     hand_back: bool = False
+    # Images still to come (a prefill that started while other encoders were still at work): item index
+    # -> the indices into `images` of its placeholder runs, whose `image_embeds` are None until then.
+    awaiting: dict[int, list[int]] = field(default_factory=dict)
+    # Qwen2-VL: 3-D positions wait for every image's grid; until then only the text before the first image runs.
+    positions_pending: bool = False
+    item_grids: list[Any] = field(default_factory=list)  # each item's (t, h, w) grid as it arrives (M-RoPE)
 
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -92,6 +98,15 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def ready_tokens(self, computed: int | None = None) -> int:
+        """How far the sequence can be computed now (from `computed` tokens, default those computed):
+        up to the first awaited image past that point, else all of it."""
+        done = self.num_computed_tokens if computed is None else computed
+        starts = [self.images[i].start for runs in self.awaiting.values() for i in runs if self.images[i].end > done]
+        if self.positions_pending and self.images:
+            starts.append(self.images[0].start)
+        return max(done, min(starts)) if starts else self.num_tokens
 
     @property
     def is_finished(self) -> bool:

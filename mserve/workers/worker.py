@@ -293,7 +293,8 @@ class Worker:
             elif isinstance(msg, Cancel):
                 self.cancel(msg.request_id)
             else:
-                self.received[msg.request_id] = time.perf_counter()
+                if msg.STARTS_STAGE:
+                    self.received[msg.request_id] = time.perf_counter()
                 self.start(msg)
 
     def _refuse(self, payload: Any, why: str) -> None:

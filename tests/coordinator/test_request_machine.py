@@ -108,8 +108,9 @@ DISAGG = (("e0", "encode"), ("e1", "encode"), ("p0", "prefill"), ("p1", "prefill
 
 # -- happy paths ----------------------------------------------------------------------------------------
 
-def test_a_multi_image_encode_is_spread_over_idle_encoders_and_prefill_gets_every_part():
+def test_a_multi_image_encode_is_spread_over_idle_encoders_and_prefill_starts_with_the_first_part():
     h = Harness(*DISAGG)
+    h.t = 1.0
     out = h.submit(make_admitted(images=3))
     assert kinds(out) == [("ENCODE", "e0"), ("ENCODE", "e1")]
     e0, e1 = out
@@ -117,28 +118,51 @@ def test_a_multi_image_encode_is_spread_over_idle_encoders_and_prefill_gets_ever
     assert [im["hash"] for im in e1.body["images"]] == ["img-r1-1"]
     loads = h.m.status()["workers"]
     assert loads["e0"]["load"]["inflight"] == 1 and loads["e1"]["load"]["inflight"] == 1
-    assert h.encoded("e1", e1) == []  # the other part is still encoding
-    assert h.m.status()["workers"]["e1"]["load"]["inflight"] == 0
-    pre = only(h.encoded("e0", e0), MsgType.PREFILL, "p0")
-    assert pre.body.get("embeddings") is None and pre.body["grids"] == [[1, 2, 2]] * 3
-    assert pre.body["embedding_parts"] == [{"descriptor": {"from": "e0", "attempt": 0}, "images": [0, 2]},
-                                           {"descriptor": {"from": "e1", "attempt": 0}, "images": [1]}]
+    # e1's part is in: prefill starts now with it (the prompt runs up to image 0, its KV reserved)...
+    h.t = 2.0
+    pre = only(h.encoded("e1", e1), MsgType.PREFILL, "p0")
+    assert pre.body["embedding_parts"] == [{"descriptor": {"from": "e1", "attempt": 0}, "images": [1],
+                                            "grids": [[1, 2, 2]]}]
+    assert pre.body["pending_images"] == [0, 2] and pre.body["image_tokens"] == [4, 4, 4]
+    assert pre.body.get("embeddings") is None and pre.body["grids"] == [None, [1, 2, 2], None]
+    loads = h.m.status()["workers"]
+    assert loads["e1"]["load"]["inflight"] == 0 and loads["e0"]["load"]["inflight"] == 1  # e0 still encoding
+    assert loads["p0"]["load"]["inflight"] == 1
+    # ...and e0's part follows it there.
+    h.t = 3.0
+    more = only(h.encoded("e0", e0), MsgType.EMBEDDINGS, "p0")
+    assert more.body == {"request_id": pre.body["request_id"], "attempt": 0,
+                         "parts": [{"descriptor": {"from": "e0", "attempt": 0}, "images": [0, 2],
+                                    "grids": [[1, 2, 2], [1, 2, 2]]}]}
     assert h.m.status()["workers"]["e0"]["load"]["inflight"] == 0
     dec = only(h.prefilled("p0", pre, token=5), MsgType.DECODE)
     out = h.step("d0", dec, [6], finished=True)
-    assert only(out, MsgType.RESULT).body["token_ids"] == [5, 6]
+    res = only(out, MsgType.RESULT).body
+    assert res["token_ids"] == [5, 6] and res["timings"]["encode_s"] == 2.0  # until the last part
+
+
+def test_all_parts_in_before_a_prefill_worker_is_free_go_in_one_prefill():
+    h = Harness(("e0", "encode"), ("e1", "encode"), ("p0", "prefill"), ("d0", "decode"), max_stages=1)
+    busy = only(h.submit(make_admitted("t", images=0)), MsgType.PREFILL, "p0")  # p0 is full (cap 1)
+    e0, e1 = h.submit(make_admitted(images=2))
+    assert h.encoded("e0", e0) == [] and h.m.requests[e0.body["request_id"]].stage == Stage.QUEUED
+    assert h.encoded("e1", e1) == []
+    out = h.prefilled("p0", busy, token=1, finish="stop")
+    pre = only(out, MsgType.PREFILL, "p0")
+    assert [p["images"] for p in pre.body["embedding_parts"]] == [[0], [1]] and pre.body["pending_images"] == []
 
 
 def test_a_spread_encode_reruns_when_a_part_encoder_dies_and_cancels_the_others():
     h = Harness(*DISAGG)
     e0, e1 = h.submit(make_admitted(images=2))
-    assert h.encoded("e0", e0) == []  # its part is parked on e0 while e1 still encodes
+    pre = only(h.encoded("e0", e0), MsgType.PREFILL, "p0")  # prefill started; e1 still encodes image 1
     out = h.advance(DEAD_AFTER + 1, beating=("e0", "p0", "p1", "d0", "d1"))  # e1 falls silent
-    # The re-run goes to e0 alone (the only encoder left) and e0's parked part is cancelled first.
-    assert kinds(out) == [("CANCEL", "e0"), ("ENCODE", "e0")]
-    rerun = out[1]
+    # Re-run on e0 alone (the only encoder left); the prefill and e0's parked part are cancelled first.
+    assert kinds(out) == [("CANCEL", "e0"), ("CANCEL", "p0"), ("ENCODE", "e0")]
+    rerun = out[2]
     assert rerun.body["attempt"] == 1 and len(rerun.body["images"]) == 2
     assert h.encoded("e1", e1) == []  # a late part of attempt 0 is stale
+    assert h.prefilled("p0", pre, token=3) == []  # so is the cancelled prefill
     pre = only(h.encoded("e0", rerun), MsgType.PREFILL)
     assert pre.body["embeddings"] == {"from": "e0", "attempt": 1} and pre.body.get("embedding_parts") is None
 
@@ -146,10 +170,11 @@ def test_a_spread_encode_reruns_when_a_part_encoder_dies_and_cancels_the_others(
 def test_aborting_a_spread_encode_cancels_it_on_every_encoder():
     h = Harness(*DISAGG)
     e0, e1 = h.submit(make_admitted(images=2))
-    h.encoded("e1", e1)  # one part done and parked, one encoding
+    only(h.encoded("e1", e1), MsgType.PREFILL, "p0")  # one part in and prefilling, one still encoding
     out = h.m.abort(CLIENT, "r1", now=h.t)
-    assert sorted(kinds(out)) == [("CANCEL", "e0"), ("CANCEL", "e1"), ("ERROR", CLIENT)]
-    assert h.m.status()["workers"]["e0"]["load"]["inflight"] == 0
+    assert sorted(kinds(out)) == [("CANCEL", "e0"), ("CANCEL", "e1"), ("CANCEL", "p0"), ("ERROR", CLIENT)]
+    loads = h.m.status()["workers"]
+    assert loads["e0"]["load"]["inflight"] == 0 and loads["p0"]["load"]["inflight"] == 0
 
 
 def test_spread_encode_off_keeps_a_request_on_one_encoder():

@@ -54,6 +54,34 @@ def test_single_request_matches_hf(model_dir, builder, n_images):
     assert engine.pool.num_used_blocks == 0
 
 
+def test_images_arriving_after_the_prompt_started_give_hf_tokens(model_dir, builder):
+    """A prefill that starts while its second and third images are still encoding elsewhere computes
+    the prompt up to the first image it lacks, holds its blocks, and ends exactly as HF does."""
+    pp = prepared(builder, 3, 3, size=(96, 80))
+    engine = new_engine(model_dir, max_num_batched_tokens=32)  # small chunks: several steps per image
+    encoded = engine.encode(pp.images)
+    tokens = [int(e.embeds.shape[0]) for e in encoded]
+    seq = engine.add_request("r", pp.prompt_ids, encoded=[encoded[0], None, None], item_tokens=tokens,
+                             image_hashes=[f"h{i}" for i in range(3)], sampling=greedy())
+    second = seq.images[1].start if len(seq.images) == 3 else None
+    stalled = -1
+    while seq.num_computed_tokens != stalled:  # run until it stalls on a missing image
+        stalled = seq.num_computed_tokens
+        assert engine.step() == []  # no token yet: the prompt is not complete
+    if engine.family.uses_mrope:  # 3-D positions wait for every grid: only the text before the first image
+        assert stalled == seq.images[0].start
+    else:
+        assert stalled == second  # the first image and the text after it are in
+    assert seq.block_table.block_ids and not seq.output_ids  # admitted: its blocks held while it waits
+    assert engine.attach_embeddings("r", 2, encoded[2]) and not engine.attach_embeddings("r", 2, encoded[2])
+    engine.step()
+    assert seq.num_computed_tokens == stalled  # image 1 still missing: no progress
+    assert engine.attach_embeddings("r", 1, encoded[1])
+    results = engine.run_until_done()
+    check_against_hf(model_dir, {"r": pp}, results)
+    assert engine.pool.num_used_blocks == 0
+
+
 def test_ragged_batch_decoded_together(model_dir, builder):
     requests = {f"r{i}": prepared(builder, i, i % 3, size=(120 + 40 * i, 90 + 25 * i)) for i in range(9)}
     assert len({len(p.prompt_ids) for p in requests.values()}) >= 5  # ragged

@@ -170,3 +170,35 @@ def test_admission_reserves_room_for_running_requests_next_tokens():
     assert sched.num_preemptions == 0
     assert [r for r, _, _ in run_step(sched)] == ["second"]
     pool.check_integrity()
+
+
+def test_a_prompt_waits_at_its_first_missing_image_holding_its_blocks_while_others_run():
+    from mserve.common.hashing import ImageSpan
+
+    sched = Scheduler(BlockPool(64, 4), max_num_batched_tokens=8)
+    seq = make_seq("a", 30)
+    seq.images = [ImageSpan(4, 6, "x"), ImageSpan(14, 6, "y")]
+    seq.image_embeds = ["x-embeds", None]
+    seq.awaiting = {1: [1]}  # image "y" is still encoding elsewhere
+    sched.add(seq)
+    assert run_step(sched) == [("a", 0, 8)]
+    assert run_step(sched) == [("a", 8, 6)]  # stops where "y" starts
+    assert run_step(sched) == []  # nothing to do until "y" arrives
+    # Admitted: it holds 4 blocks and the 5 more its prompt and next tokens need are reserved, so a
+    # request needing 56 of the 60 free blocks is not admitted...
+    big = make_seq("big", 220)
+    sched.add(big)
+    assert run_step(sched) == [] and big in sched.waiting
+    sched.waiting.remove(big)
+    sched.add(make_seq("b", 3))
+    assert run_step(sched) == [("b", 0, 3)]  # ...while one that fits goes ahead of it
+    assert run_step(sched) == [("b", 3, 1)]
+    seq.awaiting.clear()
+    seq.image_embeds[1] = "y-embeds"
+    assert run_step(sched) == [("b", 4, 1), ("a", 14, 7)]  # decode first, then the prompt goes on
+    assert seq.ready_tokens() == 30
+    # Qwen2-VL: 3-D positions wait for every grid: only the text before the first image runs.
+    qwen = make_seq("q", 30)
+    qwen.images, qwen.image_embeds, qwen.awaiting = [ImageSpan(4, 6, "x")], [None], {0: [0]}
+    qwen.positions_pending = True
+    assert qwen.ready_tokens() == 4 and qwen.ready_tokens(computed=12) == 12

@@ -40,6 +40,7 @@ class MsgType(IntEnum):
     CANCEL = 34
     SHUTDOWN = 35
     ADOPT = 36  # cached KV blocks handed back to a prefill worker (a finished reply's, for the next turn)
+    EMBEDDINGS = 37  # more of a running prefill's images, encoded elsewhere after its PREFILL was sent
 
 
 # Required body fields of the client link's messages; extra fields are allowed (appended by newer
@@ -60,7 +61,7 @@ CLIENT_TO_COORDINATOR = frozenset({MsgType.GENERATE, MsgType.ABORT, MsgType.STAT
 WORKER_TO_COORDINATOR = frozenset({MsgType.READY, MsgType.HEARTBEAT, MsgType.ENCODED, MsgType.PREFILLED,
                                    MsgType.STEP_TOKENS, MsgType.FAILED, MsgType.BYE})
 COORDINATOR_TO_WORKER = frozenset({MsgType.ENCODE, MsgType.PREFILL, MsgType.DECODE, MsgType.RUN,
-                                   MsgType.CANCEL, MsgType.SHUTDOWN, MsgType.ADOPT})
+                                   MsgType.CANCEL, MsgType.SHUTDOWN, MsgType.ADOPT, MsgType.EMBEDDINGS})
 COORDINATOR_TO_CLIENT = frozenset({MsgType.TOKENS, MsgType.RESULT, MsgType.ERROR, MsgType.STATUS_REPLY})
 
 ROLES = ("encode", "prefill", "decode", "unified")
@@ -70,7 +71,7 @@ ROLES = ("encode", "prefill", "decode", "unified")
 _CONTROL = {MsgType.CANCEL, MsgType.SHUTDOWN}
 ROLE_ACCEPTS: dict[str, frozenset[MsgType]] = {
     "encode": frozenset({MsgType.ENCODE, *_CONTROL}),
-    "prefill": frozenset({MsgType.PREFILL, MsgType.ADOPT, *_CONTROL}),
+    "prefill": frozenset({MsgType.PREFILL, MsgType.ADOPT, MsgType.EMBEDDINGS, *_CONTROL}),
     "decode": frozenset({MsgType.DECODE, *_CONTROL}),
     "unified": frozenset({MsgType.RUN, *_CONTROL}),
 }

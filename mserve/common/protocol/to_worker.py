@@ -50,6 +50,7 @@ class EncodeTask(Message):
 class EmbeddingPart(Message):
     descriptor: dict[str, Any] = wire(as_map)  # transfer descriptor on the encode worker that made the part
     images: list[int] = wire(list_of(as_int))  # the request's images it holds, in order: img0, img1, ...
+    grids: list[Any] | None = wire(optional(list_of(optional(list_of(as_int)))), None)  # Qwen2-VL, per image
 
 
 @dataclass
@@ -68,6 +69,10 @@ class PrefillTask(Message):
     # Images encoded on several encode workers at once (instead of `embeddings`): each part's
     # descriptor, and which of the request's images (by index) its tensors img0..imgK are.
     embedding_parts: list[EmbeddingPart] | None = wire(optional(list_of(nested(EmbeddingPart))), None)
+    # Images still encoding when this PREFILL was sent (they follow as EMBEDDINGS), and every image's
+    # visual tokens (so the prompt's placeholder runs map to images before they arrive).
+    pending_images: list[int] = wire(list_of(as_int), [])
+    image_tokens: list[int] = wire(list_of(as_int), [])
 
 
 @dataclass
@@ -113,6 +118,7 @@ class AdoptBlocks(Message):
     """KV blocks a decode worker handed back: the prefill worker keeps them as cached prefix blocks."""
 
     KIND: ClassVar = MsgType.ADOPT
+    STARTS_STAGE: ClassVar = False
     request_id: str = wire(as_str)  # the finished request they come from (for logs)
     descriptor: dict[str, Any] = wire(as_map)  # "kv": [layers, 2, n, block_size, kv_heads, head_dim] on the decode worker
     token_ids: list[int] = wire(list_of(as_int))  # prompt + reply, through the last handed-back block
@@ -120,5 +126,17 @@ class AdoptBlocks(Message):
     first_block: int = wire(as_int, 0)  # the first block handed back (the ones before it are the prompt's)
 
 
+@dataclass
+class Embeddings(Message):
+    """More of a running prefill's images: parts whose encoders finished after its PREFILL was sent."""
+
+    KIND: ClassVar = MsgType.EMBEDDINGS
+    STARTS_STAGE: ClassVar = False
+    request_id: str = wire(as_str)
+    attempt: int = wire(as_int)
+    parts: list[EmbeddingPart] = wire(list_of(nested(EmbeddingPart)))
+
+
 TO_WORKER: dict[MsgType, type[Message]] = {
-    cls.KIND: cls for cls in (EncodeTask, PrefillTask, DecodeTask, RunTask, Cancel, Shutdown, AdoptBlocks)}
+    cls.KIND: cls for cls in (EncodeTask, PrefillTask, DecodeTask, RunTask, Cancel, Shutdown, AdoptBlocks,
+                              Embeddings)}

@@ -82,6 +82,9 @@ class Message:
     """Base of every typed body (subclasses are dataclasses)."""
 
     KIND: ClassVar[MsgType | None] = None
+    # A coordinator -> worker message that starts a stage (its arrival begins the stage's worker_s);
+    # False for one about a stage already there (more embeddings) or none (handed-back blocks).
+    STARTS_STAGE: ClassVar[bool] = True
 
     def to_body(self) -> dict[str, Any]:
         return body(**self.fields())

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mserve.common.protocol.to_coordinator import Prefilled
-from mserve.common.protocol.to_worker import AdoptBlocks, PrefillTask
+from mserve.common.protocol.to_worker import AdoptBlocks, EmbeddingPart, Embeddings, PrefillTask
 from mserve.workers.engine import StepOutput, sampling_from_dict
 from mserve.workers.model_runner import EncodedImage
 from mserve.workers.roles.stepping import SteppingWorker
@@ -21,11 +21,38 @@ class PrefillWorker(SteppingWorker):
     ROLE = "prefill"
     PARTS = "text"
 
-    def start(self, task: PrefillTask | AdoptBlocks) -> None:
+    def start(self, task: PrefillTask | AdoptBlocks | Embeddings) -> None:
         if isinstance(task, AdoptBlocks):
-            self.received.pop(task.request_id, None)
             return self.adopt(task)
+        if isinstance(task, Embeddings):
+            return self.more_embeddings(task)
         super().start(task)
+
+    def more_embeddings(self, task: Embeddings) -> None:
+        """Images that finished encoding after the request's PREFILL came: its prompt can go on."""
+        rid = task.request_id
+        if self.attempts.get(rid) != task.attempt:
+            return  # an attempt no longer here (cancelled, re-run, failed): nothing waits for them
+
+        def attach() -> None:
+            for i, enc in self._fetch_parts(rid, task.parts).items():
+                self.engine.attach_embeddings(rid, i, enc)
+
+        if not self.guarded(rid, task.attempt, attach):
+            self.engine.abort(rid)
+            self.attempts.pop(rid, None)
+            self._forget(rid)
+
+    def _fetch_parts(self, rid: str, parts: list[EmbeddingPart],
+                     grids: list | None = None) -> dict[int, EncodedImage]:
+        """Each part's embeddings from its encoder, as {image index: EncodedImage}."""
+        out = {}
+        for part in parts:
+            got = self.fetch(rid, part.descriptor)
+            for j, i in enumerate(part.images):
+                grid = (part.grids or [None] * len(part.images))[j] or (grids[i] if grids else None)
+                out[i] = EncodedImage(got[f"img{j}"], tuple(grid) if grid else None)
+        return out
 
     def adopt(self, task: AdoptBlocks) -> None:
         """A decode worker's reply blocks, handed back: keep them cached for the conversation's next turn."""
@@ -39,21 +66,20 @@ class PrefillWorker(SteppingWorker):
 
     def add(self, task: PrefillTask) -> None:
         rid = task.request_id
-        encoded = []
-        tensors: dict[str, torch.Tensor] = {}
+        encoded: list[EncodedImage | None] = []
         if task.embeddings:
             tensors = self.fetch(rid, task.embeddings)
-        for part in task.embedding_parts or ():  # encoded on several encoders: image i of the request
-            got = self.fetch(rid, part.descriptor)
-            tensors.update((f"img{i}", got[f"img{j}"]) for j, i in enumerate(part.images))
-        if tensors:
             grids = task.grids or [None] * len(tensors)
             encoded = [EncodedImage(tensors[f"img{i}"], tuple(grids[i]) if grids[i] else None)
                        for i in range(len(tensors))]
+        elif task.embedding_parts or task.pending_images:
+            # Encoded on several encoders: the parts in so far; the pending ones follow as EMBEDDINGS.
+            got = self._fetch_parts(rid, task.embedding_parts or [], task.grids)
+            encoded = [got.get(i) for i in range(len(task.image_hashes))]
         seq = self.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
                                       sampling=sampling_from_dict(task.sampling), priority=task.priority,
                                       prefill_only=True, output_ids=task.output_ids,
-                                      latency_class=task.latency_class)
+                                      latency_class=task.latency_class, item_tokens=task.image_tokens or None)
         self.seqs[rid] = seq
 
     def report(self, outputs: list[StepOutput]) -> None:
