@@ -107,11 +107,12 @@ class StageReplies:
 
     def _on_failed(self, worker_id: str, msg: Failed) -> None:
         st = self.requests.get(msg.request_id)
-        if st is None or st.attempt != msg.attempt or st.worker_id != worker_id:
-            return
+        if st is None or st.attempt != msg.attempt or worker_id not in st.stage_workers() | {st.worker_id}:
+            return  # stale, or from a worker this attempt no longer runs on
         self._uncharge(st)
         if msg.retryable:
             self._restart(st, reason=f"{worker_id}: {msg.message}")
         else:
+            self._cancel_on_worker(st, skip=worker_id)  # other encoders' parts, embeddings parked for it
             self._end(st, error=(ErrorCode.BAD_REQUEST, msg.message))
 

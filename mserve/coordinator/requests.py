@@ -246,12 +246,12 @@ class RequestMachine(StageReplies, Dispatch):
         if not first:
             self.stats["reruns"] += 1
             st.undelivered += not ran
+            self._cancel_on_worker(st)  # the stage may still be running on a live worker
             if st.attempt + 1 - st.undelivered >= self.max_attempts:
                 unsent = f" ({st.undelivered} never reached a worker)" if st.undelivered else ""
                 self._end(st, error=(ErrorCode.INTERNAL, f"gave up after {st.attempt + 1} attempts{unsent}: {reason}"))
                 return
             log.warning("%s re-run (attempt %d): %s", st.client_rid, st.attempt + 2, reason)
-            self._cancel_on_worker(st)  # the stage may still be running on a live worker
             st.attempt += 1
         st.deadline = 0.0
         st.embeddings = st.kv = st.embeddings_from = st.kv_from = None
@@ -341,12 +341,13 @@ class RequestMachine(StageReplies, Dispatch):
         body = result_body(st, finish_reason or "stop", self.detokenize(st.output_ids), self._now)
         self._out.append(ToClient(st.client, MsgType.RESULT, body))
 
-    def _cancel_on_worker(self, st: RequestState) -> None:
+    def _cancel_on_worker(self, st: RequestState, skip: str | None = None) -> None:
+        """CANCEL the request wherever it runs or has data parked (but on `skip`, which already gave up on it)."""
         targets = st.stage_workers()
         if st.embeddings is not None or st.parts:
             # Embeddings parked on encoders for a prefill that will not come: let them free them now
             # rather than at the transfer's expiry.
             targets |= st.embedding_sources()
-        for worker_id in sorted(targets):
+        for worker_id in sorted(targets - {skip}):
             if self.members.is_alive(worker_id):
                 self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": st.rid}))

@@ -664,3 +664,20 @@ def test_with_no_cap_stages_are_sent_at_once_and_nothing_waits_at_the_coordinato
                  MsgType.PREFILL, "p0") for i in range(4)]
     assert [h.client_rid(m) for m in sent] == ["r0", "r1", "r2", "r3"]
     assert h.m.status()["queued"] == {} and h.m.status()["workers"]["p0"]["load"]["inflight"] == 4
+
+
+def test_a_bad_image_in_one_part_ends_the_request_and_cancels_the_other_parts():
+    h = Harness(*DISAGG)
+    e0, e1 = h.submit(make_admitted(images=2))
+    out = h.failed("e1", e1, retryable=False)  # e1's image cannot be decoded
+    assert kinds(out) == [("CANCEL", "e0"), ("ERROR", CLIENT)]
+    assert h.m.status()["workers"]["e0"]["load"]["inflight"] == 0 and not h.m.requests
+
+
+def test_a_retryable_failure_of_one_part_reruns_the_request():
+    h = Harness(*DISAGG)
+    e0, e1 = h.submit(make_admitted(images=2))
+    out = h.failed("e1", e1)  # e1's part failed (say, out of memory): the whole request is re-run
+    assert [k for k in kinds(out) if k[0] == "CANCEL"] == [("CANCEL", "e0"), ("CANCEL", "e1")]
+    reruns = [m for m in out if m.kind is MsgType.ENCODE]
+    assert reruns and all(m.body["attempt"] == 1 for m in reruns)
