@@ -119,10 +119,12 @@ class RequestState:
         return {p.worker_id for p in self.parts} or ({self.embeddings_from} if self.embeddings_from else set())
 
     def stage_workers(self) -> set[str]:
-        """The workers running this attempt's open stage (several for a spread ENCODE)."""
-        if self.stage not in ACTIVE_STAGES or self.worker_id is None:
-            return set()
-        return {self.worker_id} | ({p.worker_id for p in self.parts} if self.stage == Stage.ENCODE else set())
+        """The workers running this attempt's open stages: its stage's worker (every part's during a
+        spread ENCODE), and the encoders of parts still encoding once prefill has started."""
+        running = {p.worker_id for p in self.parts if p.descriptor is None or self.stage == Stage.ENCODE}
+        if self.stage in ACTIVE_STAGES and self.worker_id is not None:
+            running.add(self.worker_id)
+        return running
 
     def needs(self, worker_id: str) -> bool:
         """True while this attempt cannot go on without `worker_id`: a stage open there, or its

@@ -681,3 +681,11 @@ def test_a_retryable_failure_of_one_part_reruns_the_request():
     assert [k for k in kinds(out) if k[0] == "CANCEL"] == [("CANCEL", "e0"), ("CANCEL", "e1")]
     reruns = [m for m in out if m.kind is MsgType.ENCODE]
     assert reruns and all(m.body["attempt"] == 1 for m in reruns)
+
+
+def test_a_part_still_encoding_after_prefill_started_can_fail_the_request():
+    h = Harness(*DISAGG)
+    e0, e1 = h.submit(make_admitted(images=2))
+    only(h.encoded("e1", e1), MsgType.PREFILL, "p0")  # prefill started with e1's part; e0 still encodes
+    out = h.failed("e0", e0, retryable=False)
+    assert kinds(out) == [("CANCEL", "e1"), ("CANCEL", "p0"), ("ERROR", CLIENT)]
