@@ -208,6 +208,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mserve.common.pruning import add_argument as add_pruning_argument
+    from mserve.coordinator.cli import add_arguments as add_coordinator_arguments
+    from mserve.workers.cli import add_arguments as add_worker_arguments
 
     parser = argparse.ArgumentParser(prog="mserve", description="MServe: disaggregated serving for vision-language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -249,99 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="run the coordinator (admission, routing, request state machine)",
                        description="Bind a ROUTER for clients (--bind) and one for workers (--worker-bind). Every "
                                    "flag can also be set as MSERVE_<NAME> in the environment.")
-    p.add_argument("--model", help="local checkpoint folder (tokenizer, chat template, processor rules)")
-    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
-    p.add_argument("--bind", help="client address (default tcp://127.0.0.1:5555)")
-    p.add_argument("--worker-bind", help="worker address (default tcp://127.0.0.1:5556)")
-    p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "
-                                   "heartbeats only)")
-    p.add_argument("--stage-timeout-s", type=float,
-                   help="re-run a stage that makes no progress this long (default 60; a request merely queued at a "
-                        "live worker is not re-run)")
-    p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (default 5)")
-    p.add_argument("--kv-hand-back", action="store_true", default=None,
-                   help="decode workers hand each finished reply's KV blocks back to the prefill worker, so a "
-                        "conversation's next turn finds its prompt and the reply cached (default off)")
-    p.add_argument("--spread-encode", choices=("on", "off"), default=None,
-                   help="share a multi-image request's images with idle encode workers, which encode their parts "
-                        "at the same time (default on)")
-    p.add_argument("--max-waiting-requests", type=int,
-                   help="requests waiting for their first token, at most; past it the lowest class is shed with an "
-                        "overloaded error and a retry-after hint (default 256)")
-    p.add_argument("--max-stages-per-worker", type=int,
-                   help="stages kept open at once on one encode, prefill or unified worker; the rest wait at the "
-                        "coordinator, best class first, for whichever worker frees first (default 0: no cap)")
-    p.add_argument("--class-aging-s", type=float,
-                   help="a request waiting at the coordinator longer than this goes before every class "
-                        "(default 10)")
-    for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
-                         ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8"),
-                         ("max-video-frames", "32; a video file is sampled down to it")):
-        p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
-    p.add_argument("--video-fps", type=float, help="frames sampled per second of a video file (default 2)")
-    p.add_argument("--client-api-key", help="require this key in every client message (default: "
-                                            "$MSERVE_CLIENT_API_KEY, else none; better set the variable than put a "
-                                            "key on a command line)")
-    p.add_argument("--curve-secret-key", metavar="FILE",
-                   help="CURVE on the worker link: this coordinator's .key_secret file (`mserve keygen`); needs "
-                        "--curve-authorized-keys")
-    p.add_argument("--curve-authorized-keys", metavar="DIR",
-                   help="folder of the public keys (*.key) of the workers allowed in; any other is refused")
-    add_pruning_argument(p, "Admission counts placeholders at this ratio; encode and unified workers with "
-                            "another are refused.")
+    add_coordinator_arguments(p)
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("worker", help="run one worker of a role: encode, prefill, decode or unified",
                        description="Connect to the coordinator's worker address and serve one role. Every flag can "
                                    "also be set as MSERVE_<NAME> in the environment.")
-    p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], help="which stage(s) to run")
-    p.add_argument("--model", help="local checkpoint folder")
-    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
-    p.add_argument("--coordinator", help="the coordinator's worker address (default tcp://127.0.0.1:5556)")
-    p.add_argument("--redis", help="redis URL (registry, load, cache indexes)")
-    p.add_argument("--worker-id", help="unique id (default role-host-pid)")
-    p.add_argument("--device", help="cpu (float32, default) or cuda (bfloat16)")
-    p.add_argument("--dtype", help="override the dtype: float32, bfloat16, float16")
-    p.add_argument("--threads", type=int, help="torch threads (default 1)")
-    p.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"],
-                   help="tensor transfer backend (default auto: shm on the same host, tcp otherwise)")
-    p.add_argument("--host", help="address peers reach this worker's data plane at (default 127.0.0.1)")
-    p.add_argument("--num-blocks", type=int, help="KV pool blocks (default 2048)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    p.add_argument("--gpu-memory-fraction", type=float, metavar="F",
-                   help="this worker's share of its device's memory, in (0, 1]: the KV pool is sized to fit it "
-                        "(--num-blocks is then ignored) and, on CUDA, the allocator is capped at it; several "
-                        "workers can share one GPU (default: unset, --num-blocks as given)")
-    p.add_argument("--device-memory-gb", type=float, metavar="GIB",
-                   help="the memory --gpu-memory-fraction is of: required on CPU, on CUDA it overrides the device's")
-    p.add_argument("--mig-device", metavar="UUID",
-                   help="run on this MIG instance (MIG-..., as `nvidia-smi -L` lists it): CUDA_VISIBLE_DEVICES")
-    p.add_argument("--max-num-seqs", type=int, help="running requests at most (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step (default 2048)")
-    p.add_argument("--max-prefill-tokens", type=int,
-                   help="prompt tokens per engine step, the prefill chunk cap: a long prompt delays a short one "
-                        "or a running stream by at most one chunk (default 512)")
-    p.add_argument("--max-encode-images", type=int,
-                   help="images per vision forward on an encode worker, at most; interactive ones first (default 8)")
-    p.add_argument("--embedding-cache-mb", type=float,
-                   help="L1 embedding cache: an encode worker's own memory, 0 for none (default 512)")
-    p.add_argument("--host-embedding-cache-mb", type=float,
-                   help="L2 embedding cache: tmpfs files shared by the host's encode workers, surviving their "
-                        "restarts; 0 for none (default 1024)")
-    p.add_argument("--host-embedding-cache-dir", metavar="DIR",
-                   help="where the L2 cache lives (default /dev/shm/mserve-embeddings)")
-    p.add_argument("--prefix-caching", dest="enable_prefix_caching", choices=["on", "off"],
-                   type=str.lower, help="keep freed prompt blocks for reuse by later prompts (default on)")
-    p.add_argument("--curve-secret-key", metavar="FILE",
-                   help="CURVE on the coordinator link and the data plane: this worker's .key_secret file "
-                        "(`mserve keygen`); needs --curve-server-key and --curve-authorized-keys")
-    p.add_argument("--curve-server-key", metavar="FILE", help="the coordinator's public .key file")
-    p.add_argument("--curve-authorized-keys", metavar="DIR",
-                   help="folder of the public keys (*.key) of the workers allowed to fetch from this one")
-    add_pruning_argument(p, "Encode and unified workers prune; must equal the coordinator's.")
-    p.add_argument("--drain-timeout-s", type=float,
-                   help="SIGTERM drains the worker (no new work, finish what it has, exit when the coordinator "
-                        "releases it); past this many seconds it exits anyway (default 25; SIGTERM twice: now)")
+    add_worker_arguments(p)
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair for one process (NAME.key, NAME.key_secret)",

@@ -1,0 +1,51 @@
+"""`mserve coordinator`'s flags: every CoordinatorSettings field a flag can set (the rest come from
+MSERVE_* environment variables; docs/operations.md lists both). mserve/cli.py runs the command."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from mserve.common.pruning import add_argument as add_pruning_argument
+
+    p.add_argument("--model", help="local checkpoint folder (tokenizer, chat template, processor rules)")
+    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
+    p.add_argument("--bind", help="client address (default tcp://127.0.0.1:5555)")
+    p.add_argument("--worker-bind", help="worker address (default tcp://127.0.0.1:5556)")
+    p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "
+                                   "heartbeats only)")
+    p.add_argument("--stage-timeout-s", type=float,
+                   help="re-run a stage that makes no progress this long (default 60; a request merely queued at a "
+                        "live worker is not re-run)")
+    p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (default 5)")
+    p.add_argument("--kv-hand-back", action="store_true", default=None,
+                   help="decode workers hand each finished reply's KV blocks back to the prefill worker, so a "
+                        "conversation's next turn finds its prompt and the reply cached (default off)")
+    p.add_argument("--spread-encode", choices=("on", "off"), default=None,
+                   help="share a multi-image request's images with idle encode workers, which encode their parts "
+                        "at the same time (default on)")
+    p.add_argument("--max-waiting-requests", type=int,
+                   help="requests waiting for their first token, at most; past it the lowest class is shed with an "
+                        "overloaded error and a retry-after hint (default 256)")
+    p.add_argument("--max-stages-per-worker", type=int,
+                   help="stages kept open at once on one encode, prefill or unified worker; the rest wait at the "
+                        "coordinator, best class first, for whichever worker frees first (default 0: no cap)")
+    p.add_argument("--class-aging-s", type=float,
+                   help="a request waiting at the coordinator longer than this goes before every class "
+                        "(default 10)")
+    for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
+                         ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8"),
+                         ("max-video-frames", "32; a video file is sampled down to it")):
+        p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
+    p.add_argument("--video-fps", type=float, help="frames sampled per second of a video file (default 2)")
+    p.add_argument("--client-api-key", help="require this key in every client message (default: "
+                                            "$MSERVE_CLIENT_API_KEY, else none; better set the variable than put a "
+                                            "key on a command line)")
+    p.add_argument("--curve-secret-key", metavar="FILE",
+                   help="CURVE on the worker link: this coordinator's .key_secret file (`mserve keygen`); needs "
+                        "--curve-authorized-keys")
+    p.add_argument("--curve-authorized-keys", metavar="DIR",
+                   help="folder of the public keys (*.key) of the workers allowed in; any other is refused")
+    add_pruning_argument(p, "Admission counts placeholders at this ratio; encode and unified workers with "
+                            "another are refused.")

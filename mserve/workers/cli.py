@@ -1,0 +1,59 @@
+"""`mserve worker`'s flags: every WorkerSettings field a flag can set (the rest come from MSERVE_*
+environment variables; docs/operations.md lists both). mserve/cli.py runs the command."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from mserve.common.pruning import add_argument as add_pruning_argument
+
+    p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], help="which stage(s) to run")
+    p.add_argument("--model", help="local checkpoint folder")
+    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
+    p.add_argument("--coordinator", help="the coordinator's worker address (default tcp://127.0.0.1:5556)")
+    p.add_argument("--redis", help="redis URL (registry, load, cache indexes)")
+    p.add_argument("--worker-id", help="unique id (default role-host-pid)")
+    p.add_argument("--device", help="cpu (float32, default) or cuda (bfloat16)")
+    p.add_argument("--dtype", help="override the dtype: float32, bfloat16, float16")
+    p.add_argument("--threads", type=int, help="torch threads (default 1)")
+    p.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"],
+                   help="tensor transfer backend (default auto: shm on the same host, tcp otherwise)")
+    p.add_argument("--host", help="address peers reach this worker's data plane at (default 127.0.0.1)")
+    p.add_argument("--num-blocks", type=int, help="KV pool blocks (default 2048)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--gpu-memory-fraction", type=float, metavar="F",
+                   help="this worker's share of its device's memory, in (0, 1]: the KV pool is sized to fit it "
+                        "(--num-blocks is then ignored) and, on CUDA, the allocator is capped at it; several "
+                        "workers can share one GPU (default: unset, --num-blocks as given)")
+    p.add_argument("--device-memory-gb", type=float, metavar="GIB",
+                   help="the memory --gpu-memory-fraction is of: required on CPU, on CUDA it overrides the device's")
+    p.add_argument("--mig-device", metavar="UUID",
+                   help="run on this MIG instance (MIG-..., as `nvidia-smi -L` lists it): CUDA_VISIBLE_DEVICES")
+    p.add_argument("--max-num-seqs", type=int, help="running requests at most (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step (default 2048)")
+    p.add_argument("--max-prefill-tokens", type=int,
+                   help="prompt tokens per engine step, the prefill chunk cap: a long prompt delays a short one "
+                        "or a running stream by at most one chunk (default 512)")
+    p.add_argument("--max-encode-images", type=int,
+                   help="images per vision forward on an encode worker, at most; interactive ones first (default 8)")
+    p.add_argument("--embedding-cache-mb", type=float,
+                   help="L1 embedding cache: an encode worker's own memory, 0 for none (default 512)")
+    p.add_argument("--host-embedding-cache-mb", type=float,
+                   help="L2 embedding cache: tmpfs files shared by the host's encode workers, surviving their "
+                        "restarts; 0 for none (default 1024)")
+    p.add_argument("--host-embedding-cache-dir", metavar="DIR",
+                   help="where the L2 cache lives (default /dev/shm/mserve-embeddings)")
+    p.add_argument("--prefix-caching", dest="enable_prefix_caching", choices=["on", "off"],
+                   type=str.lower, help="keep freed prompt blocks for reuse by later prompts (default on)")
+    p.add_argument("--curve-secret-key", metavar="FILE",
+                   help="CURVE on the coordinator link and the data plane: this worker's .key_secret file "
+                        "(`mserve keygen`); needs --curve-server-key and --curve-authorized-keys")
+    p.add_argument("--curve-server-key", metavar="FILE", help="the coordinator's public .key file")
+    p.add_argument("--curve-authorized-keys", metavar="DIR",
+                   help="folder of the public keys (*.key) of the workers allowed to fetch from this one")
+    add_pruning_argument(p, "Encode and unified workers prune; must equal the coordinator's.")
+    p.add_argument("--drain-timeout-s", type=float,
+                   help="SIGTERM drains the worker (no new work, finish what it has, exit when the coordinator "
+                        "releases it); past this many seconds it exits anyway (default 25; SIGTERM twice: now)")
