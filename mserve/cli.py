@@ -87,12 +87,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "video_fps", "client_api_key", "curve_secret_key",
                                                                "curve_authorized_keys", "visual_token_pruning",
                                                                "kv_hand_back", "max_stages_per_worker",
-                                                               "class_aging_s", "spread_encode"])
+                                                               "class_aging_s", "spread_encode", "shard_id", "advertise", "route_choices",
+                                                               "load_poll_s", "token_report_every",
+                                                               "worker_advertise"])
     from mserve.common.pruning import PruningError
 
     try:
         coord = Coordinator(settings)
-    except PruningError as exc:
+    except (PruningError, ValueError) as exc:
         raise SystemExit(f"error: {exc}")
     import signal
 
@@ -120,7 +122,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                           "enable_prefix_caching",
                                                           "curve_secret_key", "curve_server_key",
                                                           "curve_authorized_keys", "visual_token_pruning",
-                                                          "drain_timeout_s"])
+                                                          "drain_timeout_s", "heartbeat_s"])
     from mserve.common.pruning import PruningError
 
     try:
@@ -134,7 +136,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True) -> None:
     if standalone:
-        p.add_argument("--coordinator", help="the coordinator's client address (default tcp://127.0.0.1:5555)")
+        p.add_argument("--coordinator", help="the coordinator's client address (default tcp://127.0.0.1:5555); "
+                                             "sharded coordinators: their addresses comma-separated, or redis://... "
+                                             "to read them from the shard registry")
+        p.add_argument("--direct-tokens", action="store_true", default=None,
+                       help="take streamed tokens straight from the decode workers (needs the coordinator's "
+                            "--token-report-every > 1 to pay); they connect to --tokens-host")
+        p.add_argument("--tokens-host", help="address the workers reach this gateway's token sink on (default "
+                                             "127.0.0.1)")
         p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
         p.add_argument("--port", type=int, help="HTTP port (default 8000)")
         p.add_argument("--model", help="checkpoint folder for the tokenizer (default: the coordinator's model path)")
@@ -154,7 +163,8 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
 
 
 GATEWAY_FIELDS = ["coordinator", "host", "port", "model", "api_key", "served_model_name", "allowed_media_path",
-                  "max_request_bytes", "default_max_tokens", "request_timeout_s", "access_log", "coordinator_api_key"]
+                  "max_request_bytes", "default_max_tokens", "request_timeout_s", "access_log", "coordinator_api_key",
+                  "direct_tokens", "tokens_host"]
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

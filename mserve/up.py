@@ -26,6 +26,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, metavar="URL",
                         help="existing redis (default: $REDIS_URL, else a private redis-server)")
     parser.add_argument("--port", type=int, default=None, help="client port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--coordinators", type=int, default=1,
+                        help="coordinator shards (default 1); with more, each announces itself in Redis, every worker "
+                             "joins every shard, and clients spread requests over them (docs/scaling.md)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     parser.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"], default="auto",
                         help="worker-to-worker tensor transport (default auto)")
@@ -64,7 +67,8 @@ def run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(args.model, **pools, unified=args.unified, redis_url=args.redis, port=args.port,
                            threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
                            client_api_key=args.client_api_key, curve_dir=args.curve_dir,
-                           extra_worker_args=pruning_args, extra_coordinator_args=pruning_args)
+                           extra_worker_args=pruning_args, extra_coordinator_args=pruning_args,
+                           coordinators=args.coordinators)
     try:
         cluster.start(timeout_s=args.start_timeout)
     except (ClusterStartError, RuntimeError, ValueError) as exc:
@@ -108,9 +112,12 @@ def _watch(cluster: LocalCluster, stop: threading.Event) -> int:
                 reported.add(name)
                 logger.warning("%s exited with code %s; log tail:\n%s", name, proc.returncode,
                                cluster.log_tail(name, 10))
-                if name == "coordinator":
-                    logger.error("the coordinator is gone: stopping the cluster")
+                if name == "coordinator" or (name.startswith("coordinator-") and all(
+                        cluster.processes[c].poll() is not None for c in cluster.coordinator_names())):
+                    logger.error("no coordinator is left: stopping the cluster")
                     return 1
+                if name.startswith("coordinator-"):
+                    logger.warning("%s is gone: its clients send their requests to the other shards", name)
     logger.info("stopping the cluster")
     return 0
 

@@ -92,7 +92,8 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, metavar="URL",
-                   help="zmq://HOST:PORT (an MServe coordinator) or http://HOST:PORT/v1 (OpenAI-compatible)")
+                   help="zmq://HOST:PORT (an MServe coordinator; sharded: comma-separated, or redis://... for "
+                        "their registry) or http://HOST:PORT/v1 (OpenAI-compatible)")
     p.add_argument("--model", default=None, help="model name sent to an HTTP server (recorded for zmq)")
     add_load_arguments(p)
     p.add_argument("--out", default=None, help="output folder (default out/bench/serve-TRACE-TIME)")

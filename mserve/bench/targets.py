@@ -41,7 +41,7 @@ class Target(Protocol):
         raise NotImplementedError
 
 
-ZMQ_SCHEMES = ("zmq://", "tcp://", "ipc://")
+ZMQ_SCHEMES = ("zmq://", "tcp://", "ipc://", "redis://", "rediss://")  # redis: the shards' registry
 HTTP_SCHEMES = ("http://", "https://")
 
 

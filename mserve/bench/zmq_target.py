@@ -21,10 +21,12 @@ POLL_INTERVAL_S = 0.005
 
 
 class ZmqTarget(Target):
-    """MServe's AsyncClient: one DEALER for all requests; each TOKENS message's arrival is timestamped."""
+    """MServe's AsyncClient: one DEALER (per coordinator shard) for all requests; each TOKENS message's arrival
+    is timestamped. ``address``: zmq:// (or tcp://, ipc://), comma-separated for shards, or redis://..."""
 
     def __init__(self, address: str, *, ignore_eos: bool, timeout_s: float) -> None:
-        self.address = "tcp://" + address.split("://", 1)[1] if address.startswith("zmq://") else address
+        parts = (a.strip() for a in address.split(","))  # several for sharded coordinators
+        self.address = ",".join("tcp://" + a[len("zmq://"):] if a.startswith("zmq://") else a for a in parts)
         self.ignore_eos = ignore_eos
         self.timeout_s = timeout_s
         self.client: Any = None

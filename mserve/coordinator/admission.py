@@ -67,6 +67,9 @@ class GenerateIn(BaseModel):
     priority: int = Field(0, ge=-100, le=100)
     latency_class: Literal["interactive", "batch"] = "interactive"
     stream: bool = False
+    # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
+    # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.
+    tokens_to: str | None = Field(None, max_length=256, pattern=r"^tcp://[^\s/]+:\d+$")
 
 
 @dataclass

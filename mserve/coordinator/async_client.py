@@ -1,7 +1,7 @@
-"""The asyncio client: many concurrent requests over one DEALER socket (see coordinator/client.py).
+"""The asyncio client: many concurrent requests, one DEALER socket per coordinator shard (see coordinator/client.py).
 
-Builds only on client_core (never on client.py, which re-exports AsyncClient), so either module can be
-imported first.
+Builds only on client_core and client_links (one shard's socket and reader), never on client.py, which
+re-exports AsyncClient, so either module can be imported first.
 """
 
 from __future__ import annotations
@@ -13,17 +13,16 @@ from collections import deque
 from typing import Any, AsyncIterator, Sequence
 
 import zmq
-import zmq.asyncio
 
 from mserve.common import protocol
-from mserve.common.protocol import MsgType
-from mserve.common.sockets import make_socket, send
-from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, GenerateResult, MServeError,
-                                            RequestTimeout, ServerError, StreamState, generate_body, logger,
-                                            lost_reply, new_identity, new_request_id, probe_body, recv_valid,
-                                            send_abort)
-from mserve.common.protocol import ErrorCode
-from mserve.coordinator.client_core import client_api_key, error_from_reply, with_api_key
+from mserve.common.protocol import ErrorCode, MsgType
+from mserve.coordinator.client_core import (PROBE_AFTER_S, SHARD_PROBES_UNANSWERED, Aborted, Assembler,
+                                            GenerateResult, Lost, MServeError, RequestTimeout, ServerError,
+                                            ShardChooser, StreamState, client_api_key, error_from_reply,
+                                            generate_body, logger, lost_reply, new_identity, new_request_id,
+                                            send_abort, shard_gone_reply)
+from mserve.common.sockets import bound_address, make_socket
+from mserve.coordinator.client_links import ShardLink
 
 __all__ = ["AsyncClient", "AsyncTokenStream"]
 
@@ -31,45 +30,78 @@ __all__ = ["AsyncClient", "AsyncTokenStream"]
 
 
 class AsyncClient:
-    """asyncio client: many concurrent requests over one DEALER socket and one reader task.
+    """asyncio client: many concurrent requests; one DEALER socket and one reader task per coordinator shard.
 
-    The socket is a plain (sync) socket from ``make_socket`` used with NOBLOCK, and an asyncio shadow
-    of it only waits for readiness: sends then never wait on the loop, so ABORT can go out from
-    ``close()`` or a finalizer, and the shared ``send``/``recv`` helpers are used unchanged.
-    Use it from one event loop.
+    ``address`` takes the same forms as ``Client``'s: the coordinator's client address, a
+    comma-separated list of sharded coordinators, or ``redis://...`` to read the live shards from their
+    registry (once, here; it blocks up to 5 s for one to appear). Each request goes to the shard its id
+    picks (rendezvous hashing, mserve/common/shards.py). With several shards, a request whose shard
+    leaves SHARD_PROBES_UNANSWERED probes in a row unanswered (nothing at all heard from it since), or
+    cannot be reached to send it, ends as ``Lost``, the shard is skipped for a while, and ``generate()``
+    sends the request to another one. With one coordinator, a silent request waits for its timeout.
 
-    ``poll_interval_s`` bounds how late a reply can be read. The reader waits on the socket's
+    Each socket is a plain (sync) socket from ``make_socket`` used with NOBLOCK, and an asyncio shadow
+    of it only waits for readiness (client_links.ShardLink): sends then never wait on the loop, so ABORT
+    can go out from ``close()`` or a finalizer, and the shared ``send``/``recv`` helpers are used
+    unchanged. Use it from one event loop.
+
+    ``poll_interval_s`` bounds how late a reply can be read. A reader waits on its socket's
     edge-triggered FD, and a send on the same socket can consume a "readable" edge while replies sit
     unread; after each send the client reads what is queued, and the reader also looks at the socket
     every ``poll_interval_s`` even without an edge. The default (50 ms) costs nothing measurable; a
     benchmark timing every token wants a few milliseconds (mserve.bench.zmq_target uses 5 ms).
+
+    ``direct_tokens``: as ``Client``'s, the client binds a token sink on ``tokens_host`` and streamed
+    requests' tokens come from the decode workers straight to it (read by one more reader).
     """
 
     def __init__(self, address: str, *, timeout_s: float = 120.0, poll_interval_s: float = 0.05,
-                 probe_after_s: float = PROBE_AFTER_S, api_key: str | None = None) -> None:
+                 probe_after_s: float = PROBE_AFTER_S, api_key: str | None = None, direct_tokens: bool = False,
+                 tokens_host: str = "127.0.0.1") -> None:
+        from mserve.common.shards import resolve_client_addresses
+
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.address = address
+        self._shards = ShardChooser(resolve_client_addresses(address))
         self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
-        self.probe_after_s = probe_after_s  # a request this silent is checked with the coordinator
+        self.probe_after_s = probe_after_s  # a request this silent is checked with its coordinator
         self.poll_interval_s = poll_interval_s
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=address, identity=new_identity())
-        self._waiter: zmq.asyncio.Socket | None = None  # created inside the running loop
-        self._reader: asyncio.Task[None] | None = None
+        self._identity = new_identity()  # one identity on every shard's socket
+        self._links: dict[str, ShardLink] = {}  # shard address -> its socket and reader, opened when first used
         self._pending: dict[str, asyncio.Queue[tuple[int | None, Any]]] = {}
+        self._routes: dict[str, str] = {}  # request id -> the shard it was sent to (while pending)
         self._status_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
         self._closed = False
+        # The token sink (direct_tokens, see Client): workers push streamed requests' tokens here.
+        self._sink: ShardLink | None = None
+        if direct_tokens:
+            sock = make_socket(self._ctx, zmq.PULL, bind=f"tcp://{tokens_host}:0")
+            self._sink = ShardLink(self._ctx, bound_address(sock), identity=self._identity, api_key=None,
+                                   poll_interval_s=poll_interval_s, on_reply=self._dispatch_direct,
+                                   on_reader_failed=self._fail_requests_of, sock=sock)
 
     async def generate(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
                        request_id: str | None = None, **sampling: Any) -> GenerateResult:
-        """Same arguments as ``Client.generate``."""
-        async with self._stream(messages, False, timeout_s, request_id, sampling) as s:
-            async for _ in s:
-                pass
-        assert s.result is not None
-        return s.result
+        """Same arguments as ``Client.generate``. With sharded coordinators, a request whose shard stopped
+        answering is sent to another shard (same id, same overall deadline); with one, ``Lost`` is raised."""
+        rid = new_request_id(request_id)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for tries_left in range(len(self._shards.addresses) - 1, -1, -1):
+            try:
+                async with self._stream(messages, False, deadline - time.monotonic(), rid, sampling) as s:
+                    async for _ in s:
+                        pass
+            except Lost as exc:
+                if not (self._shards.sharded and tries_left):
+                    raise
+                logger.warning("%s: %s; sending it to another shard", rid, exc.message)
+                continue
+            assert s.result is not None
+            return s.result
+        raise AssertionError("unreachable")
 
     def stream(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
                request_id: str | None = None, **sampling: Any) -> AsyncTokenStream:
@@ -84,42 +116,49 @@ class AsyncClient:
         if rid in self._pending:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
         payload = generate_body(rid, messages, stream, **sampling)
+        if stream and self._sink is not None:
+            payload["tokens_to"] = self._sink.address
         return AsyncTokenStream(self, rid, payload, self.timeout_s if timeout_s is None else timeout_s)
 
     async def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        self._ensure_reader()
+        """The STATUS_REPLY body of the first shard not taken for dead (the only one, unsharded)."""
+        now = time.monotonic()
+        down = self._shards._down_until  # no public view of it in ShardChooser
+        link = self._link(next((a for a in self._shards.addresses if down.get(a, 0.0) <= now),
+                               self._shards.addresses[0]))
+        link.ensure_reader()
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._status_waiters.append(waiter)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            await self._send(MsgType.STATUS, protocol.body(), time.monotonic() + timeout, None)
+            if not await link.send(MsgType.STATUS, protocol.body(), time.monotonic() + timeout):
+                raise RequestTimeout(f"coordinator at {link.address} is not reachable")
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
-            raise RequestTimeout(f"no STATUS reply from {self.address} within {timeout}s") from None
+            raise RequestTimeout(f"no STATUS reply from {link.address} within {timeout}s") from None
         finally:
             if waiter in self._status_waiters:
                 self._status_waiters.remove(waiter)
 
     async def abort(self, request_id: str) -> None:
+        """Ask the request's shard to drop it (best effort, no reply is awaited)."""
         if not self._closed:
-            send_abort(self._sock, request_id, self._api_key)
-            self._drain()
+            link = self._link(self._routes.get(request_id) or self._shards.pick(request_id, time.monotonic()))
+            send_abort(link.sock, request_id, self._api_key)
+            link.drain()
 
     async def close(self) -> None:
-        """Abort what is in flight, stop the reader and close the socket."""
+        """Abort what is in flight (each request on its own shard), stop the readers and close the sockets."""
         if self._closed:
             return
         self._closed = True
         for rid, queue in list(self._pending.items()):
-            send_abort(self._sock, rid, self._api_key)
+            link = self._links.get(self._routes.get(rid, ""))
+            if link is not None:
+                send_abort(link.sock, rid, self._api_key)
             queue.put_nowait((None, Aborted("client closed", request_id=rid)))
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
-        self._sock.close(linger=0)
+        for link in [*self._links.values(), *([self._sink] if self._sink else [])]:
+            await link.close()
         self._ctx.term()
 
     async def __aenter__(self) -> AsyncClient:
@@ -128,64 +167,60 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _ensure_reader(self) -> None:
-        if self._reader is None or self._reader.done():
-            if self._waiter is None:
-                self._waiter = zmq.asyncio.Socket.from_socket(self._sock)
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+    def _link(self, address: str) -> ShardLink:
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = ShardLink(self._ctx, address, identity=self._identity,
+                                                    api_key=self._api_key, poll_interval_s=self.poll_interval_s,
+                                                    on_reply=self._dispatch, on_reader_failed=self._fail_requests_of)
+        return link
 
-    async def _send(self, kind: MsgType, payload: dict[str, Any], deadline: float, request_id: str | None) -> None:
-        assert self._waiter is not None
-        while True:
-            try:
-                send(self._sock, kind, with_api_key(payload, self._api_key), flags=zmq.NOBLOCK)
-                # A send on the shared socket can consume the "readable" edge of its FD, and the
-                # reader would then wait forever on replies already queued: read them here.
-                if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    self._drain()
-                return
-            except zmq.Again:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms <= 0 or not await self._waiter.poll(remaining_ms, zmq.POLLOUT):
-                    raise RequestTimeout(f"coordinator at {self.address} is not reachable",
-                                         request_id=request_id) from None
+    async def _send_generate(self, link: ShardLink, payload: dict[str, Any], deadline: float, request_id: str) -> None:
+        # IMMEDIATE makes a send wait while the coordinator is unreachable; bound it by the deadline, and
+        # with shards by the time a silent shard is given: it is then taken for dead, like a silent one.
+        until = deadline
+        if self._shards.sharded:
+            until = min(deadline, time.monotonic() + (SHARD_PROBES_UNANSWERED + 1) * self.probe_after_s)
+        if await link.send(MsgType.GENERATE, payload, until):
+            return
+        if until < deadline:
+            self._shards.mark_down(link.address, time.monotonic())
+            raise error_from_reply(shard_gone_reply(request_id, link.address)[1])
+        raise RequestTimeout(f"coordinator at {link.address} is not reachable", request_id=request_id)
 
-    def _drain(self) -> None:
-        while True:
-            try:
-                reply = recv_valid(self._sock, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if reply is not None:
-                self._dispatch(*reply)
+    def _probe(self, stream: AsyncTokenStream) -> tuple[MsgType, dict[str, Any]] | None:
+        """A silent request: ask its shard whether it still holds it (answered in _dispatch). With shards,
+        the Lost reply that ends it instead once its shard left SHARD_PROBES_UNANSWERED probes in a row
+        unanswered (nothing heard from the shard since the first of them)."""
+        assert stream.shard is not None
+        link = self._links[stream.shard]
+        now = time.monotonic()
+        if self._shards.sharded:
+            stream._probes = [t for t in stream._probes if t > link.last_heard]
+            if len(stream._probes) >= SHARD_PROBES_UNANSWERED:
+                self._shards.mark_down(link.address, now)
+                return shard_gone_reply(stream.request_id, link.address)
+            stream._probes.append(now)
+        link.probe([stream.request_id])
+        return None
 
-    async def _read_loop(self) -> None:
-        assert self._waiter is not None
-        poll_ms = max(1, round(self.poll_interval_s * 1000))
-        try:
-            while True:
-                # Edge-triggered FD: also look every poll_ms in case an edge was consumed elsewhere.
-                await self._waiter.poll(poll_ms, zmq.POLLIN)
-                self._drain()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a dead reader would hang every caller: fail them instead
-            logger.exception("client reader stopped")
-            for rid, queue in self._pending.items():
+    def _fail_requests_of(self, address: str, exc: Exception) -> None:
+        for rid, queue in self._pending.items():
+            if self._routes.get(rid) == address:
                 queue.put_nowait((None, ServerError(f"client reader failed: {exc}", request_id=rid)))
 
-    def _probe(self, request_ids: list[str]) -> None:
-        """Ask (without waiting) whether the coordinator still holds these requests; see _dispatch."""
-        try:
-            send(self._sock, MsgType.STATUS, with_api_key(probe_body(request_ids), self._api_key), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # no coordinator connected right now: the next probe asks again
-            pass
+    def _dispatch_direct(self, kind: MsgType, payload: dict[str, Any], address: str) -> None:
+        """TOKENS a worker pushed to the token sink: the request's, whichever shard runs it."""
+        queue = self._pending.get(payload.get("request_id")) if kind == MsgType.TOKENS else None
+        if queue is not None:
+            queue.put_nowait((kind, payload))
 
-    def _dispatch(self, kind: MsgType, payload: dict[str, Any]) -> None:
+    def _dispatch(self, kind: MsgType, payload: dict[str, Any], address: str) -> None:
+        """Route one reply from the shard at ``address``; a request's replies count only from its own shard."""
         if kind == MsgType.STATUS_REPLY and "unknown_requests" in payload:  # a probe's answer
             for rid in payload.get("unknown_requests") or ():
                 queue = self._pending.get(rid)
-                if queue is not None:
+                if queue is not None and self._routes.get(rid) == address:
                     queue.put_nowait(lost_reply(rid))
             return
         if kind == MsgType.STATUS_REPLY:
@@ -205,9 +240,10 @@ class AsyncClient:
                     return
             logger.warning("coordinator refused a message: %s", payload.get("message", ""))
             return
-        if rid is None and kind == MsgType.ERROR and len(self._pending) == 1:
-            rid = next(iter(self._pending))  # undecodable-message error: only one request it can be
-        queue = self._pending.get(rid) if rid is not None else None
+        if rid is None and kind == MsgType.ERROR:  # undecodable-message error: if only one request it can be
+            here = [r for r in self._pending if self._routes.get(r) == address]
+            rid = here[0] if len(here) == 1 else None
+        queue = self._pending.get(rid) if rid is not None and self._routes.get(rid) == address else None
         if queue is None:
             level = logging.WARNING if rid is None else logging.DEBUG
             logger.log(level, "%s dropping %s for no pending request: %s", rid, kind.name, payload.get("message", ""))
@@ -220,12 +256,14 @@ class AsyncTokenStream(StreamState):
 
     def __init__(self, client: AsyncClient, request_id: str, payload: dict[str, Any], timeout_s: float) -> None:
         self.request_id = request_id
+        self.shard: str | None = None  # the coordinator shard's address, picked when the request is sent
         self._client = client
         self._payload = payload
         self._timeout_s = timeout_s
         self._deadline = 0.0
         self._queue: asyncio.Queue[tuple[int | None, Any]] | None = None
-        self._asm = Assembler(request_id)
+        self._probes: list[float] = []  # when the probes its shard left unanswered were sent (sharded only)
+        self._asm = Assembler(request_id, reorder=client._sink is not None)
         self._closed = False
 
     def __aiter__(self) -> AsyncTokenStream:
@@ -261,12 +299,14 @@ class AsyncTokenStream(StreamState):
             try:
                 kind, payload = await asyncio.wait_for(self._queue.get(), min(left, self._client.probe_after_s))
             except asyncio.TimeoutError:
-                if time.monotonic() < self._deadline:  # silent for a while: does the coordinator still hold it?
-                    self._client._probe([self.request_id])
+                if time.monotonic() >= self._deadline:
+                    self.close()
+                    raise RequestTimeout(f"no result within {self._timeout_s}s; request aborted",
+                                         request_id=self.request_id) from None
+                gone = self._client._probe(self)  # silent for a while: does its coordinator still hold it?
+                if gone is None:
                     continue
-                self.close()
-                raise RequestTimeout(f"no result within {self._timeout_s}s; request aborted",
-                                     request_id=self.request_id) from None
+                kind, payload = gone
             except asyncio.CancelledError:
                 self.close()
                 raise
@@ -285,21 +325,26 @@ class AsyncTokenStream(StreamState):
         client = self._client
         if client._closed:
             raise RuntimeError("client is closed")
-        client._ensure_reader()
+        self.shard = client._shards.pick(self.request_id, time.monotonic())
+        link = client._link(self.shard)
+        link.ensure_reader()
+        if client._sink is not None:
+            client._sink.ensure_reader()
         self._queue = asyncio.Queue()
         client._pending[self.request_id] = self._queue  # registered before sending: no reply can be missed
+        client._routes[self.request_id] = self.shard
         self._deadline = time.monotonic() + self._timeout_s
         try:
-            await client._send(MsgType.GENERATE, self._payload, self._deadline, self.request_id)
+            await client._send_generate(link, self._payload, self._deadline, self.request_id)
         except BaseException:
             self._closed = True
             self._release()
             raise
 
     def close(self) -> None:
-        """Stop early: sends ABORT unless the server already finished (or it was never sent)."""
+        """Stop early: sends ABORT (to its shard) unless the server already finished (or it was never sent)."""
         if not self.done and self._queue is not None and not self._client._closed:
-            send_abort(self._client._sock, self.request_id, self._client._api_key)
+            send_abort(self._client._links[self.shard].sock, self.request_id, self._client._api_key)
         self._closed = True
         self._release()
 
@@ -307,8 +352,10 @@ class AsyncTokenStream(StreamState):
         self.close()
 
     def _release(self) -> None:
-        if self._client._pending.get(self.request_id) is self._queue:
-            del self._client._pending[self.request_id]
+        client = self._client
+        if self._queue is not None and client._pending.get(self.request_id) is self._queue:
+            del client._pending[self.request_id]
+            client._routes.pop(self.request_id, None)
 
     async def __aenter__(self) -> AsyncTokenStream:
         return self

@@ -15,6 +15,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-bind", help="worker address (default tcp://127.0.0.1:5556)")
     p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "
                                    "heartbeats only)")
+    p.add_argument("--shard-id",
+                   help="run as one of several coordinator shards under this name: it announces itself in Redis "
+                        "(needs --redis), workers connect to every shard found there, and clients given "
+                        "--coordinator redis://... spread requests over the shards (docs/scaling.md)")
+    p.add_argument("--advertise", help="client address a shard announces, when --bind is a wildcard (tcp://*:...)")
+    p.add_argument("--worker-advertise",
+                   help="worker address a shard announces, when --worker-bind is a wildcard")
+    p.add_argument("--route-choices", type=int,
+                   help="route each stage among this many workers drawn at random plus the cache holders, instead "
+                        "of among all (0, the default); 2 for sharded coordinators, which would otherwise all pick "
+                        "the same least busy worker between load reports")
+    p.add_argument("--load-poll-s", type=float,
+                   help="read the worker loads from Redis this often, besides their heartbeats (default 0.25; 0: "
+                        "heartbeats only, the cheaper choice for many workers and shards)")
+    p.add_argument("--token-report-every", type=int,
+                   help="workers report a request's tokens here every N tokens instead of every step, and stream "
+                        "them straight to clients that opened a token sink (Client(direct_tokens=True), the "
+                        "gateway's --direct-tokens); default 1: every token through the coordinator")
     p.add_argument("--stage-timeout-s", type=float,
                    help="re-run a stage that makes no progress this long (default 60; a request merely queued at a "
                         "live worker is not re-run)")

@@ -2,10 +2,11 @@
 
 Two flavours over one wire protocol (mserve/common/protocol/), sharing client_core.py:
 
-* ``Client`` is synchronous: one request in flight at a time over one DEALER socket that every call
-  reuses. It is NOT thread-safe; give each thread its own ``Client``.
+* ``Client`` is synchronous: one request in flight at a time over one DEALER socket (one per
+  coordinator shard) that every call reuses. It is NOT thread-safe; give each thread its own ``Client``.
 * ``AsyncClient`` is asyncio: any number of concurrent ``generate()`` / ``stream()`` calls share one
-  DEALER socket, and a single reader task routes replies by request_id to per-request queues.
+  DEALER socket per coordinator shard, whose reader task routes replies by request_id to per-request
+  queues.
 
 ``stream()`` returns a ``TokenStream`` (``AsyncTokenStream``): iterate it for token ids as TOKENS
 arrive; once it is exhausted, ``.result`` holds the same ``GenerateResult`` that ``generate()``
@@ -14,8 +15,9 @@ Every timeout is a deadline for the whole request; when it passes, ABORT is sent
 ``RequestTimeout`` raised. Replies that arrive for a request the client gave up on are dropped.
 
 Modules: this one holds ``Client`` and ``TokenStream`` and re-exports the whole public API;
-``async_client`` holds ``AsyncClient`` and ``AsyncTokenStream``; ``client_core`` what both share
-(errors, ``GenerateResult``, request building, reply assembly). None of them imports torch.
+``async_client`` holds ``AsyncClient`` and ``AsyncTokenStream`` (``client_links`` its per-shard socket
+and reader); ``client_core`` what both share (errors, ``GenerateResult``, request building, reply
+assembly, shard choice). None of them imports torch.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ import zmq
 
 from mserve.common import protocol
 from mserve.common.protocol import MsgType
-from mserve.common.sockets import make_socket, send
+from mserve.common.sockets import bound_address, make_socket, send
 from mserve.coordinator.async_client import AsyncClient, AsyncTokenStream
 from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, BadRequest, GenerateResult, Lost,
                                             MServeError, NoWorkers, Overloaded, RequestTimeout, ServerError,
                                             StreamState, error_from_reply, generate_body, logger, lost_reply,
                                             new_identity, new_request_id, normalize_client_messages, probe_body,
                                             recv_valid, send_abort)
-from mserve.coordinator.client_core import Unauthorized, client_api_key, with_api_key
+from mserve.coordinator.client_core import (SHARD_PROBES_UNANSWERED, ShardChooser, Unauthorized, client_api_key,
+                                            shard_gone_reply, with_api_key)
 
 __all__ = [
     "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError", "Lost",
@@ -48,29 +51,69 @@ __all__ = [
 
 
 class Client:
-    """Synchronous client over one DEALER socket; one request at a time, not thread-safe."""
+    """Synchronous client; one request at a time, not thread-safe.
+
+    ``address`` is the coordinator's client address; for sharded coordinators (docs/scaling.md) a
+    comma-separated list of them, or ``redis://...`` to read the live shards from their registry. Each
+    request goes to one shard, picked by its id; a shard that stops answering is skipped, and
+    ``generate()`` sends its request to another one.
+    """
 
     def __init__(self, address: str, *, timeout_s: float = 120.0, probe_after_s: float = PROBE_AFTER_S,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, direct_tokens: bool = False, tokens_host: str = "127.0.0.1") -> None:
+        from mserve.common.shards import resolve_client_addresses
+
         self.address = address
+        self._shards = ShardChooser(resolve_client_addresses(address))
         self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
         self.probe_after_s = probe_after_s  # a request this silent is checked with the coordinator
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=address, identity=new_identity())
+        self._identity = new_identity()
+        self._socks: dict[str, zmq.Socket] = {}  # one DEALER per shard, opened when first used
+        self._current = self._shards.addresses[0]  # the shard of the request in flight
+        # direct_tokens: a token sink (a PULL socket bound on tokens_host, an address the workers can reach)
+        # to which decode workers push a streamed request's tokens themselves, when the coordinator runs
+        # with --token-report-every > 1 (docs/scaling.md); otherwise the tokens still come through it.
+        self._sink: zmq.Socket | None = None
+        self._sink_address: str | None = None
+        if direct_tokens:
+            self._sink = make_socket(self._ctx, zmq.PULL, bind=f"tcp://{tokens_host}:0")
+            self._sink_address = bound_address(self._sink)
         # Weak, so a stream the caller dropped mid-way is finalized (ABORT sent) instead of pinned here.
         self._active: weakref.ref[TokenStream] | None = None
         self._closed = False
 
+    @property
+    def _sock(self) -> zmq.Socket:
+        sock = self._socks.get(self._current)
+        if sock is None:
+            sock = self._socks[self._current] = make_socket(self._ctx, zmq.DEALER, connect=self._current,
+                                                            identity=self._identity)
+        return sock
+
     def generate(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
                  request_id: str | None = None, **sampling: Any) -> GenerateResult:
         """Send one request and wait for its result. ``sampling``: max_tokens=64, temperature=0.0, top_k=0,
-        top_p=1.0, seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive"."""
-        with self._start(messages, False, timeout_s, request_id, sampling) as s:
-            for _ in s:
-                pass
-        assert s.result is not None
-        return s.result
+        top_p=1.0, seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive".
+
+        With sharded coordinators, a request whose shard stopped answering is sent to another shard
+        (nothing of it was handed out yet); with one coordinator, ``Lost`` is raised."""
+        rid = new_request_id(request_id)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for tries_left in range(len(self._shards.addresses) - 1, -1, -1):
+            try:
+                with self._start(messages, False, deadline - time.monotonic(), rid, sampling) as s:
+                    for _ in s:
+                        pass
+            except Lost as exc:
+                if not (self._shards.sharded and tries_left):
+                    raise
+                logger.warning("%s: %s; sending it to another shard", rid, exc.message)
+                continue
+            assert s.result is not None
+            return s.result
+        raise AssertionError("unreachable")
 
     def stream(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
                request_id: str | None = None, **sampling: Any) -> TokenStream:
@@ -82,7 +125,10 @@ class Client:
         self._check_idle()
         rid = new_request_id(request_id)
         payload = generate_body(rid, messages, stream, **sampling)
+        if stream and self._sink_address is not None:
+            payload["tokens_to"] = self._sink_address
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        self._current = self._shards.pick(rid, time.monotonic())
         self._send(MsgType.GENERATE, payload, time.monotonic() + timeout, rid)
         stream = TokenStream(self, rid, time.monotonic() + timeout, timeout)
         self._active = weakref.ref(stream)
@@ -120,7 +166,8 @@ class Client:
         if active is not None:
             active.close()
         self._closed = True
-        self._sock.close(linger=0)
+        for sock in [*self._socks.values(), *([self._sink] if self._sink is not None else [])]:
+            sock.close(linger=0)
         self._ctx.term()
 
     def __enter__(self) -> Client:
@@ -130,33 +177,52 @@ class Client:
         self.close()
 
     def _send(self, kind: MsgType, payload: dict[str, Any], deadline: float, request_id: str | None) -> None:
-        # IMMEDIATE makes a send block while the coordinator is unreachable; bound it by the deadline.
+        # IMMEDIATE makes a send block while the coordinator is unreachable; bound it by the deadline. With
+        # shards, a GENERATE waits only as long as a silent shard is given, then the shard is taken for dead.
+        until = deadline
+        if self._shards.sharded and kind == MsgType.GENERATE:
+            until = min(deadline, time.monotonic() + (SHARD_PROBES_UNANSWERED + 1) * self.probe_after_s)
         while True:
             try:
                 send(self._sock, kind, with_api_key(payload, self._api_key), flags=zmq.NOBLOCK)
                 return
             except zmq.Again:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                remaining_ms = int((until - time.monotonic()) * 1000)
                 if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLOUT):
-                    raise RequestTimeout(f"coordinator at {self.address} is not reachable",
+                    if until < deadline:
+                        self._shards.mark_down(self._current, time.monotonic())
+                        raise error_from_reply(shard_gone_reply(request_id or "", self._current)[1]) from None
+                    raise RequestTimeout(f"coordinator at {self._current} is not reachable",
                                          request_id=request_id) from None
 
     def _recv(self, deadline: float) -> tuple[MsgType, dict[str, Any]] | None:
-        """The next valid reply, or None once the deadline passes."""
+        """The next valid reply (from the coordinator, or a worker through the token sink), or None once the
+        deadline passes."""
+        poller = zmq.Poller()
+        for sock in (self._sock, self._sink):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         while (remaining_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            if not self._sock.poll(remaining_ms, zmq.POLLIN):
+            ready = dict(poller.poll(remaining_ms))
+            if not ready:
                 return None
-            reply = recv_valid(self._sock)
-            if reply is not None:
-                return reply
+            for sock in ready:
+                reply = recv_valid(sock)
+                if reply is not None:
+                    return reply
         return None
 
     def _next_reply(self, request_id: str, deadline: float) -> tuple[MsgType, dict[str, Any]] | None:
+        unanswered = 0  # probes in a row that the shard left unanswered
         while True:
             reply = self._recv(min(deadline, time.monotonic() + self.probe_after_s))
             if reply is None:
                 if time.monotonic() >= deadline:
                     return None
+                if self._shards.sharded and unanswered >= SHARD_PROBES_UNANSWERED:
+                    self._shards.mark_down(self._current, time.monotonic())
+                    return shard_gone_reply(request_id, self._current)
+                unanswered += 1
                 try:  # silent for a while: does the coordinator still hold it? (answered below)
                     send(self._sock, MsgType.STATUS, with_api_key(probe_body([request_id]), self._api_key),
                          flags=zmq.NOBLOCK)
@@ -164,6 +230,7 @@ class Client:
                     pass
                 continue
             kind, payload = reply
+            unanswered = 0
             if kind == MsgType.STATUS_REPLY and request_id in (payload.get("unknown_requests") or ()):
                 return lost_reply(request_id)
             rid = payload.get("request_id")
@@ -182,7 +249,7 @@ class TokenStream(StreamState):
         self._client = client
         self._deadline = deadline
         self._timeout_s = timeout_s
-        self._asm = Assembler(request_id)
+        self._asm = Assembler(request_id, reorder=client._sink is not None)
         self._closed = False
 
     def __iter__(self) -> TokenStream:

@@ -29,7 +29,7 @@ logger = logging.getLogger("mserve.coordinator.client")
 
 __all__ = [
     "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError", "Lost",
-    "PROBE_AFTER_S", "probe_body", "lost_reply",
+    "PROBE_AFTER_S", "probe_body", "lost_reply", "shard_gone_reply", "ShardChooser", "SHARD_PROBES_UNANSWERED",
     "GenerateResult", "normalize_client_messages", "error_from_reply", "generate_body", "new_request_id",
     "new_identity", "Assembler", "StreamState", "send_abort", "recv_valid",
     "Unauthorized", "client_api_key", "with_api_key",
@@ -100,10 +100,47 @@ def probe_body(request_ids: list[str]) -> dict[str, Any]:
     return protocol.body(request_ids=list(request_ids))
 
 
-def lost_reply(request_id: str) -> tuple[MsgType, dict[str, Any]]:
-    """The ERROR a probe's ``unknown_requests`` stands for."""
+def lost_reply(request_id: str, message: str | None = None) -> tuple[MsgType, dict[str, Any]]:
+    """The ERROR a probe's ``unknown_requests`` (or a shard that stopped answering) stands for."""
     return MsgType.ERROR, {"request_id": request_id, "code": ErrorCode.LOST,
-                           "message": "the coordinator no longer holds this request (it restarted); send it again"}
+                           "message": message or "the coordinator no longer holds this request (it restarted); "
+                                                 "send it again"}
+
+
+# A coordinator shard that leaves this many probes in a row unanswered is taken for dead: its request
+# ends as Lost (and generate() sends it to another shard) instead of waiting out its timeout. Only
+# with several shards: a lone coordinator that is slow to answer is still the only one there is.
+SHARD_PROBES_UNANSWERED = 2
+SHARD_DOWN_S = 30.0  # a shard taken for dead is skipped by new requests this long
+
+
+def shard_gone_reply(request_id: str, address: str) -> tuple[MsgType, dict[str, Any]]:
+    return lost_reply(request_id, f"the coordinator shard at {address} stopped answering; send it again (another "
+                                  "shard takes it)")
+
+
+class ShardChooser:
+    """Which coordinator shard a request goes to: rendezvous hashing of its id over the shards not taken
+    for dead (mserve/common/shards.py); with one address, always that one."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self._down_until: dict[str, float] = {}
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.addresses) > 1
+
+    def pick(self, request_id: str, now: float) -> str:
+        from mserve.common.shards import pick_shard
+
+        up = [a for a in self.addresses if self._down_until.get(a, 0.0) <= now]
+        return pick_shard(request_id, up or self.addresses)
+
+    def mark_down(self, address: str, now: float) -> None:
+        logger.warning("coordinator shard at %s does not answer: new requests skip it for %.0fs", address,
+                       SHARD_DOWN_S)
+        self._down_until[address] = now + SHARD_DOWN_S
 
 
 _ERRORS_BY_CODE: dict[str, type[MServeError]] = {
@@ -227,12 +264,21 @@ def new_identity() -> bytes:
 
 
 class Assembler:
-    """Folds one request's TOKENS / RESULT / ERROR replies into tokens ready to hand out."""
+    """Folds one request's TOKENS / RESULT / ERROR replies into tokens ready to hand out.
 
-    def __init__(self, request_id: str) -> None:
+    ``reorder``: tokens arrive on two paths (the coordinator's, and a decode worker's straight to this
+    client's token sink) and may overtake each other; a chunk ahead of the next index waits until the
+    gap fills (RESULT, which carries every token, fills any that remains). Without it a gap is an error.
+    Either way a token already received is never handed out twice, and a RESULT that disagrees with
+    what was streamed fails loudly."""
+
+    def __init__(self, request_id: str, reorder: bool = False) -> None:
         self.request_id = request_id
+        self.reorder = reorder
         self.ready: deque[int] = deque()
+        self.received: list[int] = []
         self.num_received = 0
+        self._early: dict[int, list[int]] = {}  # chunks ahead of num_received, by index (reorder)
         self.result: GenerateResult | None = None
         self.finished = False  # the server ended the request (RESULT or ERROR)
         self.prompt_tokens: int | None = None  # from the first TOKENS (streams) or RESULT
@@ -246,20 +292,33 @@ class Assembler:
             if isinstance(body.get("prompt_tokens"), int):
                 self.prompt_tokens = body["prompt_tokens"]
             if index > self.num_received:
-                # A gap means tokens were lost; the output would be silently wrong, so fail loudly.
-                raise ServerError(f"token stream gap: expected index {self.num_received}, got {index}",
-                                  request_id=self.request_id)
-            fresh = tokens[self.num_received - index:]  # a retried attempt may resend tokens we have
-            self.ready.extend(fresh)
-            self.num_received += len(fresh)
+                if not self.reorder:
+                    # A gap means tokens were lost; the output would be silently wrong, so fail loudly.
+                    raise ServerError(f"token stream gap: expected index {self.num_received}, got {index}",
+                                      request_id=self.request_id)
+                if len(tokens) > len(self._early.get(index, ())):
+                    self._early[index] = tokens
+                return
+            self._take(index, tokens)
+            while early := [i for i in self._early if i <= self.num_received]:
+                for i in sorted(early):
+                    self._take(i, self._early.pop(i))
         elif kind == MsgType.RESULT:
             self.result = GenerateResult.from_body(body)
             self.prompt_tokens = self.result.prompt_tokens
+            if self.result.token_ids[:self.num_received] != self.received:
+                self.finished = True
+                raise ServerError("the streamed tokens differ from the result's", request_id=self.request_id)
             # RESULT carries the whole output: hand out any tail that no TOKENS chunk carried.
-            tail = self.result.token_ids[self.num_received:]
-            self.ready.extend(tail)
-            self.num_received += len(tail)
+            self._early.clear()
+            self._take(0, self.result.token_ids)
             self.finished = True
+
+    def _take(self, index: int, tokens: list[int]) -> None:
+        fresh = tokens[self.num_received - index:]  # a retried attempt may resend tokens we have
+        self.ready.extend(fresh)
+        self.received.extend(fresh)
+        self.num_received += len(fresh)
 
 
 class StreamState:

@@ -6,10 +6,16 @@ stage by stage, best class first, routes each request among the workers that can
 (coordinator/routing.py), and sends the stage. An ENCODE of several images that would miss the
 chosen encoder's caches is shared with idle encoders (`spread_encode`): each encodes its part at
 the same time, and the prefill worker fetches every part.
+
+With `route_choices` N (power of N choices) a stage is routed among N workers of its role drawn at
+random, plus every worker holding its cached images or prompt prefix, instead of among all of them.
+Several coordinator shards routing on the same load reports would otherwise all pick the same
+"least busy" worker until its next report (docs/scaling.md, herding); random draws spread them.
 """
 
 from __future__ import annotations
 
+from mserve.common.hashing import host_member
 from mserve.coordinator.records import STAGE_ROLE, EncodePart, RequestState, Stage, ToWorker, stage_message
 from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
                                         route_unified, spread_encode)
@@ -34,18 +40,19 @@ class Dispatch:
             while (ws := takers(self.members.routable(), stage, cap)) and (w := self.queues.first(stage, now)):
                 self.queues.discard(w.rid)
                 st = self.requests[w.rid]
-                worker = self._route(st, ws)
+                holders = self._holders([im.hash for im in st.admitted.images]) if stage == Stage.ENCODE else {}
+                worker = self._route(st, ws, holders)
                 assert worker is not None, (stage, ws)
                 st.timings["queue_s"] += now - w.since
                 st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
                 st.deadline = now + self.stage_timeout_s
-                self._send_stage(st, stage, worker, ws)
+                self._send_stage(st, stage, worker, ws, holders)
 
-    def _send_stage(self, st: RequestState, stage: Stage, worker: WorkerView, ws: list[WorkerView]) -> None:
+    def _send_stage(self, st: RequestState, stage: Stage, worker: WorkerView, ws: list[WorkerView],
+                    holders: dict[str, set[str]]) -> None:
         shares: list[tuple[WorkerView, list[int] | None]] = [(worker, None)]
         if stage == Stage.ENCODE and self.spread_encode and len(st.admitted.images) > 1:
-            hashes = [im.hash for im in st.admitted.images]
-            spread = spread_encode(worker, ws, hashes, self._holders(hashes))
+            spread = spread_encode(worker, ws, [im.hash for im in st.admitted.images], holders)
             if len(spread) > 1:
                 st.parts = [EncodePart(w.worker_id, idx) for w, idx in spread]
                 shares = list(spread)
@@ -54,7 +61,8 @@ class Dispatch:
             st.encode_started = self._now
         self._uncharge(st, keep={p.worker_id for p in st.parts if p.descriptor is None})  # parts still encoding
         for w, part in shares:
-            kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back, part=part)
+            kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back, part=part,
+                                                  report_every=self.token_report_every)
             self.members.charge(w.worker_id, tokens)
             st.charged.append((w.worker_id, tokens))
             self._out.append(ToWorker(w.worker_id, kind, payload))
@@ -63,20 +71,30 @@ class Dispatch:
         """Who holds each image's embeddings: encoders that sent them, and the Redis index (workers, hosts)."""
         return {h: self.members.embedding_holders.get(h, set()) | self.lookups.embedding_holders(h) for h in hashes}
 
-    def _route(self, st: RequestState, ws: list[WorkerView]) -> WorkerView | None:
+    def _route(self, st: RequestState, ws: list[WorkerView], holders: dict[str, set[str]]) -> WorkerView | None:
         a = st.admitted
         if st.next_stage == Stage.RUN:
-            return route_unified(ws)
+            return route_unified(self._draw(ws))
         if st.next_stage == Stage.ENCODE:
             hashes = [im.hash for im in a.images]
-            return route_encode(ws, hashes, self._holders(hashes))
+            return route_encode(self._draw(ws, set().union(*holders.values())), hashes, holders)
         block_size = self.members.block_size
         if st.next_stage == Stage.PREFILL:
-            return route_prefill(ws, len(a.prompt_ids), self.lookups.prefix_hits(a, block_size), block_size)
+            hits = self.lookups.prefix_hits(a, block_size)
+            return route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
         if st.next_stage == Stage.DECODE:
             need = -(-(len(a.prompt_ids) + a.request.sampling.max_tokens) // block_size)
-            return route_decode(ws, need)
+            return route_decode(self._draw(ws), need)
         raise AssertionError(st.next_stage)
+
+    def _draw(self, ws: list[WorkerView], keep: set[str] = frozenset()) -> list[WorkerView]:
+        """The workers a stage is routed among: all, or `route_choices` drawn at random plus those in `keep`
+        (cache holders, by worker id or host member: cache affinity is never traded for the draw)."""
+        n = self.route_choices
+        if n < 2 or len(ws) <= n:
+            return ws
+        drawn = {w.worker_id for w in self.rng.sample(ws, n)}
+        return [w for w in ws if w.worker_id in drawn or w.worker_id in keep or host_member(w.host_id) in keep]
 
     def _uncharge(self, st: RequestState, worker_id: str | None = None, keep: set[str] = frozenset()) -> None:
         """Take back what the request's open stages charged their workers: only `worker_id`'s share

@@ -138,10 +138,11 @@ class RequestState:
 
 
 def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
-                  part: list[int] | None = None) -> tuple[MsgType, dict[str, Any], int]:
+                  part: list[int] | None = None, report_every: int = 1) -> tuple[MsgType, dict[str, Any], int]:
     """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there.
     `hand_back`: a DECODE asks for the reply's KV blocks at the end (the coordinator's kv_hand_back).
-    `part`: an ENCODE of only these images (by index; a spread encode)."""
+    `part`: an ENCODE of only these images (by index; a spread encode). `report_every`: a DECODE or RUN
+    reports tokens that often, and streams them to the client's token sink itself (direct_tokens)."""
     a, req = st.admitted, st.admitted.request
     ids = {"request_id": st.rid, "attempt": st.attempt}
     images = [ImageRef(hash=im.hash, data=im.data, frames=im.frames, frame_indices=im.frame_indices) for im in a.images]
@@ -155,12 +156,28 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
                           **embedding_parts(st), **classes)
         tokens = len(a.prompt_ids)
     elif stage == Stage.DECODE:
-        msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back)
+        msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back,
+                         **token_route(st, report_every))
     else:
         msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
-                      images=images, **classes)
+                      images=images, **classes, **token_route(st, report_every))
         tokens = len(a.prompt_ids)
     return msg.KIND, msg.fields(), tokens
+
+
+def direct_tokens(st: RequestState, report_every: int) -> bool:
+    """The worker streams this request's tokens to the client itself (the coordinator relays none)."""
+    req = st.admitted.request
+    return report_every > 1 and req.stream and req.tokens_to is not None
+
+
+def token_route(st: RequestState, report_every: int) -> dict[str, Any]:
+    """A DECODE's or RUN's fields for how its tokens leave the worker ({} : every step, to the coordinator)."""
+    if report_every <= 1:
+        return {}
+    direct = direct_tokens(st, report_every)
+    return {"report_every": report_every, "tokens_to": st.admitted.request.tokens_to if direct else None,
+            "client_rid": st.client_rid if direct else None}
 
 
 def embedding_parts(st: RequestState) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.to_coordinator import Encoded, Failed, Prefilled, TokenItem
 from mserve.common.protocol.to_worker import Embeddings
-from mserve.coordinator.records import RequestState, Stage, ToWorker, part_message
+from mserve.coordinator.records import RequestState, Stage, ToWorker, direct_tokens, part_message
 
 class StageReplies:
     """Mixed into RequestMachine: uses its requests, members, _advance, _restart, _emit and _end."""
@@ -89,13 +89,15 @@ class StageReplies:
                 # Nobody waits for it (a coordinator before this one admitted it): free the worker.
                 self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": item.request_id}))
             return
+        self.stats["token_items"] += 1
         st.timings["transfer_s"] += item.fetch_s or 0.0
         now = self._now
         st.deadline = now + self.stage_timeout_s  # progress resets the stage timeout
         if stage == Stage.RUN and item.first:  # unified: time to the first token is its prefill
             st.timings["prefill_s"] += now - st.stage_started
             st.stage_started = now
-        self._emit(st, item.token_ids)
+        # Direct tokens: the worker streamed these to the client itself; here they are only recorded.
+        self._emit(st, item.token_ids, relay=not direct_tokens(st, self.token_report_every))
         if item.finished:
             st.timings["worker_s"] += item.worker_s or 0.0
             self._stage_done(st, "decode_s")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import uuid
 from typing import Any, Callable
 
@@ -62,7 +63,8 @@ class RequestMachine(StageReplies, Dispatch):
                  max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
                  new_id: Callable[[], str] | None = None, raise_errors: bool = False,
                  visual_token_pruning: float | None = None, kv_hand_back: bool = False, max_stages_per_worker: int = 0,
-                 class_aging_s: float = 10.0, spread_encode: bool = True) -> None:
+                 class_aging_s: float = 10.0, spread_encode: bool = True, route_choices: int = 0,
+                 seed: int | None = None, token_report_every: int = 1) -> None:
         self.stage_timeout_s = stage_timeout_s
         self.dead_after_s = dead_after_s
         self.max_attempts = max_attempts
@@ -72,6 +74,12 @@ class RequestMachine(StageReplies, Dispatch):
         # `queues`, best class first, and bind to whichever worker frees first.
         self.max_stages_per_worker = max_stages_per_worker
         self.spread_encode = spread_encode  # share a multi-image ENCODE with idle encoders (dispatch.py)
+        # 0: score every worker of the role; N: N drawn at random plus the cache holders (dispatch.py)
+        self.route_choices = route_choices
+        self.rng = random.Random(seed)
+        # > 1: decode and unified workers report tokens this often, streaming them to clients that
+        # gave a token sink themselves (records.token_route); 1: every step, all through here.
+        self.token_report_every = token_report_every
         self.first_tokens = FirstTokenRate()
         self.telemetry = Telemetry()
         self.lookups: Lookups = lookups or NoLookups()
@@ -86,7 +94,7 @@ class RequestMachine(StageReplies, Dispatch):
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.queues = StageQueues(aging_s=class_aging_s)
         self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0,
-                      "spread_encodes": 0}
+                      "spread_encodes": 0, "token_items": 0}
         self._now = 0.0
         self._out: list[Out] = []
 
@@ -101,6 +109,11 @@ class RequestMachine(StageReplies, Dispatch):
             return
         if not self._make_room(client, admitted):
             return
+        sampling = admitted.request.sampling
+        if self.token_report_every > 1 and sampling.temperature > 0 and sampling.seed is None:
+            # Tokens the coordinator has not heard of yet may already be with the client: a re-run
+            # must sample them again identically (seeds draw per token index, workers/sampler.py).
+            sampling.seed = self.rng.getrandbits(62)
         st = RequestState(rid=self.new_id(), client=client, admitted=admitted, arrived=self._now)
         self.requests[st.rid] = st
         self.by_client[key] = st.rid
@@ -312,13 +325,13 @@ class RequestMachine(StageReplies, Dispatch):
         self._out.append(ToClient(client, MsgType.ERROR, {"request_id": request_id, "code": code, "message": message,
                                                           **extra}))
 
-    def _emit(self, st: RequestState, tokens: list[int]) -> None:
+    def _emit(self, st: RequestState, tokens: list[int], relay: bool = True) -> None:
         index = len(st.output_ids)
         if index == 0:
             self.first_tokens.record(self._now)
             st.first_token_at = self._now
         st.output_ids.extend(tokens)
-        if st.admitted.request.stream:
+        if st.admitted.request.stream and relay:
             body: dict[str, Any] = {"request_id": st.client_rid, "index": index, "token_ids": tokens}
             if index == 0:  # a client that stops early (a stop string) still learns its prompt's size
                 body["prompt_tokens"] = len(st.admitted.prompt_ids)

@@ -22,6 +22,7 @@ from mserve.common.protocol import (CLIENT_TO_COORDINATOR, WORKER_TO_COORDINATOR
                                     body, validate)
 from mserve.common.redis_store import RedisStore
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
+from mserve.common.shards import SHARD_REFRESH_S, ShardRegistry, advertised
 from mserve.common.serde import WireError, decode
 from mserve.common.sockets import make_socket, send
 from mserve.coordinator.admission import Admitted, AdmissionError, Limits, admit
@@ -71,11 +72,20 @@ class Coordinator:
         self.worker_sock = make_socket(self.ctx, zmq.ROUTER, bind=settings.worker_bind,
                                        curve=self._gate.apply if self._gate else None)
         self.store = RedisStore(settings.redis) if settings.redis else None
+        # A shard announces itself where workers and clients look for every shard (mserve/common/shards.py).
+        self.shard_id = settings.shard_id
+        self.registry = ShardRegistry(self.store) if self.store is not None and self.shard_id else None
+        self._announced = (advertised(settings.bind, settings.advertise, "--bind"),
+                           advertised(settings.worker_bind, settings.worker_advertise, "--worker-bind")) \
+            if self.registry is not None else None
+        self._started = time.time()
+        self._next_announce = 0.0
         self.machine = RequestMachine(
             stage_timeout_s=settings.stage_timeout_s, dead_after_s=settings.dead_after_s,
             max_attempts=settings.max_attempts, max_waiting_requests=settings.max_waiting_requests,
             kv_hand_back=settings.kv_hand_back, max_stages_per_worker=settings.max_stages_per_worker,
             class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode,
+            route_choices=settings.route_choices, token_report_every=settings.token_report_every,
             detokenize=self.builder.decode, visual_token_pruning=settings.visual_token_pruning,
             lookups=RedisLookups(self.store, self.builder, self.model_name) if self.store else None)
         self._running = True
@@ -89,6 +99,10 @@ class Coordinator:
         poller.register(self.worker_sock, zmq.POLLIN)
         log.info("coordinator ready: clients %s, workers %s, model %s", self.settings.bind, self.settings.worker_bind,
                  self.model_name)
+        if self.shard_id:
+            log.info("coordinator shard %r: %s", self.shard_id,
+                     f"announced in Redis as clients {self._announced[0]}, workers {self._announced[1]}"
+                     if self._announced else "not announced (no --redis): workers and clients must list it")
         log.info("client link: %s; worker link: %s",
                  "API key required" if self._client_key else "no API key (unauthenticated)",
                  f"CURVE, authorized keys in {self.settings.curve_authorized_keys}" if self._gate
@@ -109,6 +123,8 @@ class Coordinator:
         self._running = False
 
     def close(self) -> None:
+        if self.registry is not None:
+            self.registry.withdraw(self.shard_id)
         self.client_sock.close(0)
         self.worker_sock.close(0)
         if self._gate:
@@ -219,11 +235,15 @@ class Coordinator:
     # -- housekeeping -------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
         self._send(self.machine.tick(now=now))
-        if self.store is not None and now >= self._next_redis_sync:
-            self._next_redis_sync = now + 0.25
+        if self.registry is not None and now >= self._next_announce:
+            self._next_announce = now + SHARD_REFRESH_S
+            self.registry.announce(self.shard_id, *self._announced, started=self._started)
+        if self.store is not None and self.settings.load_poll_s > 0 and now >= self._next_redis_sync:
+            self._next_redis_sync = now + self.settings.load_poll_s
             self.machine.apply_loads(self.store.get_loads(self.machine.alive_workers()))
 
     def status(self) -> dict[str, Any]:
         return {**self.machine.status(), "model": self.model_name, "model_path": self.settings.model,
+                "shard_id": self.shard_id,
                 "rss_mib": round(resident_mib(), 1),
                 "redis_healthy": bool(self.store and self.store.healthy), "unauthorized": self._unauthorized}

@@ -14,6 +14,12 @@ class CoordinatorSettings(BaseSettings):
     bind: str = "tcp://127.0.0.1:5555"  # clients connect here
     worker_bind: str = "tcp://127.0.0.1:5556"  # workers connect here
     redis: str | None = None
+    # Sharded coordinators (docs/scaling.md): this process is one of several, named so in Redis
+    # (`mserve:coordinator:{shard_id}`), where workers and clients find every shard. None: the only one.
+    shard_id: str | None = None
+    # The addresses a shard announces when it binds a wildcard (tcp://*:5555): what others connect to.
+    advertise: str | None = None
+    worker_advertise: str | None = None
     # A stage making no progress this long is re-run elsewhere (one merely queued at a live worker is not).
     stage_timeout_s: float = 60.0
     # Heartbeat silence after which a worker is declared dead. Workers beat from a thread of their
@@ -35,6 +41,18 @@ class CoordinatorSettings(BaseSettings):
     # A request with several images that the chosen encoder would have to encode shares them with
     # idle encode workers, which encode their parts at the same time (coordinator/dispatch.py).
     spread_encode: bool = True
+    # How often the worker loads are read from Redis, on top of the heartbeats that carry them (0: never;
+    # with many workers and shards, heartbeats alone at 1 Hz are the cheaper source).
+    load_poll_s: float = Field(0.25, ge=0.0)
+    # 0: route each stage among every worker of its role (one coordinator sees every stage it sent).
+    # N >= 2: among N drawn at random plus the workers holding the request's cached images or prefix
+    # ("power of two choices"): for several shards, which otherwise herd onto one "least busy" worker.
+    route_choices: int = Field(0, ge=0)
+    # 1: decode and unified workers report every step's tokens here, and this process streams them to
+    # clients. N > 1: workers report a request's tokens every N tokens (and its first and last), and a
+    # streaming client that gave a token sink (Client(direct_tokens=True)) gets them from the worker
+    # directly; the coordinator's per-token work, its largest after admission, drops about N-fold.
+    token_report_every: int = Field(1, ge=1)
     # Decode workers hand a finished reply's full KV blocks back to the prefill worker that holds its
     # prompt (workers/hand_back.py): a next turn that resends prompt + reply finds both cached. Off by
     # default: it moves the reply's KV once per request, which pays only for multi-turn traffic.
@@ -63,6 +81,13 @@ class CoordinatorSettings(BaseSettings):
         from mserve.common.pruning import parse_ratio
 
         return parse_ratio(v)
+
+    @field_validator("route_choices")
+    @classmethod
+    def _choices(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("route_choices must be 0 (every worker) or at least 2: one random worker ignores load")
+        return v
 
     @field_validator("client_api_key")
     @classmethod

@@ -132,7 +132,8 @@ class Gateway:
         # 5 ms: how late a reply can be read when a send consumed the socket's readable edge.
         key = self.settings.coordinator_api_key
         self.client = AsyncClient(self.settings.coordinator, timeout_s=self.settings.request_timeout_s,
-                                  poll_interval_s=0.005, api_key=key.get_secret_value() if key else None)
+                                  poll_interval_s=0.005, api_key=key.get_secret_value() if key else None,
+                                  direct_tokens=self.settings.direct_tokens, tokens_host=self.settings.tokens_host)
         model_path = self.settings.model
         if model_path is None or not self.model_name:
             status = await self.client.status(timeout_s=30.0)

@@ -27,3 +27,7 @@ class GatewaySettings(BaseSettings):
     # The coordinator's client API key (its MSERVE_CLIENT_API_KEY), sent with every message to it; None
     # falls back to $MSERVE_CLIENT_API_KEY, else nothing. Printed as ********** in the settings line.
     coordinator_api_key: SecretStr | None = None
+    # Take streamed tokens straight from the decode workers (a token sink bound on `tokens_host`, which
+    # the workers must reach) instead of through the coordinator; pays with --token-report-every > 1 there.
+    direct_tokens: bool = False
+    tokens_host: str = "127.0.0.1"

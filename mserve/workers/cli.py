@@ -12,7 +12,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], help="which stage(s) to run")
     p.add_argument("--model", help="local checkpoint folder")
     p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
-    p.add_argument("--coordinator", help="the coordinator's worker address (default tcp://127.0.0.1:5556)")
+    p.add_argument("--heartbeat-s", type=float,
+                   help="seconds between heartbeats (with the load) to every coordinator (default 0.25; 1 for a "
+                        "cluster of many workers and coordinator shards: each heartbeat costs every shard CPU)")
+    p.add_argument("--coordinator",
+                   help="the coordinator's worker address (default tcp://127.0.0.1:5556); several coordinator shards: "
+                        "their addresses comma-separated, or redis://... to connect to every shard registered there "
+                        "as they come and go (shards announced in --redis are always joined too)")
     p.add_argument("--redis", help="redis URL (registry, load, cache indexes)")
     p.add_argument("--worker-id", help="unique id (default role-host-pid)")
     p.add_argument("--device", help="cpu (float32, default) or cuda (bfloat16)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from typing import Any, Callable, ClassVar
 
@@ -27,14 +26,15 @@ from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
 from mserve.common.protocol.to_worker import TO_WORKER, Cancel
 from mserve.common.protocol.typed import Message
 from mserve.common.redis_store import RedisStore
-from mserve.common.security import CurveKeys, HandshakeWatch, check_curve_settings
+from mserve.common.security import CurveKeys, check_curve_settings
 from mserve.common.serde import WireError
-from mserve.common.sockets import make_socket, recv, send
+from mserve.common.shards import ShardRegistry, is_redis_url, split_addresses
 from mserve.common.transfer import TransferEngine, TransferError
 from mserve.workers.block_pool import OutOfBlocks
 from mserve.workers.draining import Drain
 from mserve.workers.cache_index import PrefixIndexPublisher
 from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.links import CoordinatorLinks, Link
 from mserve.workers.liveness import Pulse
 from mserve.workers.settings import WorkerSettings
 
@@ -74,13 +74,20 @@ class Worker:
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
                                        device=settings.device, shm_pool_bytes=settings.transfer_pool_mb * 2**20,
                                        curve=keys)
-        self.sock = make_socket(self.ctx, zmq.DEALER, connect=settings.coordinator, identity=self.worker_id.encode(),
-                                curve=keys.client() if keys else None)
-        # Under CURVE a coordinator that refuses this worker's key would only look unreachable: say why.
-        self.handshake = HandshakeWatch(self.sock) if keys else None
-        self.sock_lock = threading.Lock()  # the loop and the pulse thread share the socket
-        self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
         self.store = RedisStore(settings.redis) if settings.redis else None
+        # One link per coordinator shard: those named by --coordinator, and those announced in Redis (the
+        # --redis store, or the one --coordinator redis://... names: then only those).
+        static, registry_store = split_addresses(settings.coordinator), self.store
+        self._registry_store: RedisStore | None = None
+        if is_redis_url(settings.coordinator):
+            static = []
+            if settings.coordinator != settings.redis:
+                registry_store = self._registry_store = RedisStore(settings.coordinator)
+        self.links = CoordinatorLinks(self.ctx, self.worker_id, static, keys=keys,
+                                      registry=ShardRegistry(registry_store) if registry_store is not None else None)
+        self.sock_lock = self.links.lock  # the loop and the pulse thread share the sockets
+        self._next_link_refresh = 0.0
+        self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
         self.prefix_index = (PrefixIndexPublisher(self.store, self.model_name, self.worker_id, self.engine.pool,
                                                   every_s=settings.heartbeat_s)
                              if self.store is not None and settings.enable_prefix_caching else None)
@@ -142,6 +149,9 @@ class Worker:
             self.store.register_worker(self.worker_id, {k: v for k, v in info.fields().items() if k != "load"},
                                        ttl_s=ttl)
             self.store.publish_load(self.worker_id, redis_load(info.load), ttl_s=ttl)
+        self._refresh_links(time.monotonic())
+        if not self.links.links:
+            log.info("no coordinator shard is registered in Redis yet: this worker joins them as they announce")
         freeze_startup_heap()
         self.send(info)
         self.pulse.start()
@@ -151,11 +161,12 @@ class Worker:
             while self.running:
                 busy = self.busy()
                 with self.sock_lock:
-                    readable = self.sock.poll(0 if busy else 20)
+                    readable = self.links.poll(0 if busy else 20)
                 if readable:
-                    self._drain()
+                    self._drain(readable)
                 if self.busy():
                     self.work()
+                self._refresh_links(time.monotonic())
                 self._publish_prefixes()
                 self._republish_after_redis_loss()
                 if self.drain.active:
@@ -186,18 +197,14 @@ class Worker:
 
     def close(self) -> None:
         self.pulse.stop()
-        try:
-            send(self.sock, MsgType.BYE, Bye(worker_id=self.worker_id).to_body(), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        self.links.close(bye=Bye(worker_id=self.worker_id))
         if self.store:
             self.drop_indexes()
             self.store.deregister_worker(self.worker_id)
             self.store.close()
+        if self._registry_store is not None:
+            self._registry_store.close()
         self.transfer.close()
-        if self.handshake:  # the pulse thread, which reads it, has stopped
-            self.handshake.close()
-        self.sock.close(linger=200)
         log.info("worker %s stopped", self.worker_id)
 
     def load(self) -> dict[str, Any]:
@@ -224,10 +231,10 @@ class Worker:
             # worker dead) re-admits it from its next heartbeat.
             info = self.info()
             self._send_locked(info, MsgType.HEARTBEAT)
-            refused = self.handshake.failure() if self.handshake else None
+            refused = self.links.handshake_failures()
         if refused and time.monotonic() >= self._next_refusal_log:
             self._next_refusal_log = time.monotonic() + 60.0
-            log.error("the coordinator at %s does not let this worker in: %s", self.s.coordinator, refused)
+            log.error("a coordinator does not let this worker in: %s", "; ".join(refused))
         if self.store:
             ttl = max(3.0, 8 * self.s.heartbeat_s)
             self.store.heartbeat(self.worker_id, ttl_s=ttl)
@@ -262,21 +269,34 @@ class Worker:
             self._send_locked(msg, kind)
 
     def _send_locked(self, msg: Message, kind: MsgType | None = None) -> None:
-        kind = kind or msg.KIND
-        try:
-            send(self.sock, kind, msg.to_body(), flags=zmq.NOBLOCK)
-            self.drain.link_down = False
-        except zmq.Again:
-            self.drain.link_down = True
-            log.warning("coordinator unreachable: %s for %s dropped", kind.name, getattr(msg, "request_id", "-"))
+        self.drain.link_down = not self.links.send(msg, kind or msg.KIND)
+
+    def _refresh_links(self, now: float) -> None:
+        """On the loop, once a second: connect to coordinator shards that joined (READY on the new link),
+        drop the ones that left the Redis registry and cancel what they sent here."""
+        if self.links.registry is None or now < self._next_link_refresh:
+            return
+        self._next_link_refresh = now + 1.0
+        opened, orphaned = self.links.refresh()
+        if opened:
+            with self.sock_lock:
+                info = self.info()
+                for link in opened:
+                    self.links.send_to(link.address, info, MsgType.READY)
+        for rid in orphaned:
+            self.cancel(rid)
 
     # -- messages ------------------------------------------------------------------------------------------
-    def _drain(self) -> None:
+    def _drain(self, readable: list[Link]) -> None:
+        for link in readable:
+            self._drain_link(link)
+
+    def _drain_link(self, link: Link) -> None:
         while True:
             payload: Any = None
             try:
                 with self.sock_lock:
-                    _, msg_type, payload = recv(self.sock, flags=zmq.NOBLOCK)
+                    msg_type, payload = self.links.recv(link)
                 kind = validate(msg_type, payload, self.accepts)
                 msg = TO_WORKER[kind].from_body(payload)
             except zmq.Again:
@@ -286,8 +306,8 @@ class Worker:
                 self._refuse(payload, str(exc))
                 continue
             if kind is MsgType.SHUTDOWN:
-                if self.drain.active:  # nothing of the coordinator's left here: exit once idle and fetched
-                    self.drain.released = True
+                if self.drain.active:  # nothing of this coordinator's left here: exit once all have said so
+                    self.drain.released = self.links.release(link)
                 else:
                     self.stop()
             elif isinstance(msg, Cancel):

@@ -176,6 +176,27 @@ def test_assembler_refuses_a_gap():
     assert not asm.finished
 
 
+def test_a_reordering_assembler_waits_for_a_late_chunk():
+    """Direct tokens: the worker's chunks may overtake the coordinator's first token."""
+    asm = Assembler("r", reorder=True)
+    asm.feed(*tokens(2, [3, 4]))
+    asm.feed(*tokens(1, [2]))
+    assert list(asm.ready) == [] and asm.num_received == 0
+    asm.feed(*tokens(0, [1]))
+    assert list(asm.ready) == [1, 2, 3, 4]
+    asm.feed(*tokens(3, [4, 5]))  # a re-run streams some again
+    asm.feed(*tokens(7, [8]))  # lost ahead of a gap: RESULT fills it
+    asm.feed(*result([1, 2, 3, 4, 5, 6, 7, 8]))
+    assert list(asm.ready) == [1, 2, 3, 4, 5, 6, 7, 8] and asm.finished
+
+
+def test_a_result_that_contradicts_the_stream_fails_loudly():
+    asm = Assembler("r", reorder=True)
+    asm.feed(*tokens(0, [1, 2]))
+    with pytest.raises(ServerError, match="differ"):
+        asm.feed(*result([1, 9, 3]))
+
+
 def test_assembler_error_ends_the_request_with_our_id():
     asm = Assembler("r")
     with pytest.raises(Overloaded) as info:

@@ -32,13 +32,13 @@ class Harness:
     """A RequestMachine, a fake clock, and helpers that speak for workers."""
 
     def __init__(self, *roles: tuple[str, str], max_attempts: int = 3, max_waiting: int = 256, max_stages: int = 0,
-                 aging: float = 10.0) -> None:
+                 aging: float = 10.0, **kw: Any) -> None:
         self.t = 0.0
         self.ids = iter(f"rid{i}" for i in range(1000))
         self.m = RequestMachine(stage_timeout_s=TIMEOUT, dead_after_s=DEAD_AFTER, max_attempts=max_attempts,
                                 max_waiting_requests=max_waiting, max_stages_per_worker=max_stages, class_aging_s=aging,
                                 detokenize=lambda ids: " ".join(map(str, ids)), new_id=lambda: next(self.ids),
-                                raise_errors=True)
+                                raise_errors=True, **kw)
         for wid, role in roles:
             assert self.join(wid, role) == []
 
@@ -218,6 +218,33 @@ def test_disaggregated_happy_path_streams_and_ends_with_all_tokens():
     status = h.m.status()
     assert status["requests_in_flight"] == 0 and status["stats"]["completed"] == 1
     assert all(w["load"]["inflight"] == 0 for w in status["workers"].values())
+
+
+def test_direct_tokens_leave_the_coordinator_out_of_the_stream():
+    """token_report_every > 1: DECODE tells the worker where the client's token sink is; the coordinator
+    relays the first token (from PREFILLED) and the RESULT only, and assigns a seed to sampling."""
+    h = Harness(*DISAGG, token_report_every=16, seed=3)
+    adm = make_admitted(stream=True)
+    adm.request.tokens_to = "tcp://10.0.0.9:4000"
+    adm.request.sampling.temperature = 0.7
+    pre = only(h.submit(adm), MsgType.PREFILL)
+    assert isinstance(pre.body["sampling"]["seed"], int)  # a re-run samples what the client already has
+    out = h.prefilled("p0", pre, token=7)
+    assert kinds(out) == [("TOKENS", CLIENT), ("DECODE", "d0")]
+    dec = out[1]
+    assert (dec.body["report_every"], dec.body["tokens_to"], dec.body["client_rid"]) == (16, "tcp://10.0.0.9:4000", "r1")
+    assert h.step("d0", dec, list(range(20, 36))) == []  # the worker streamed them to the client itself
+    out = h.step("d0", dec, [36], finished=True)
+    assert kinds(out) == [("RESULT", CLIENT)] and out[0].body["token_ids"] == [7, *range(20, 37)]
+    assert h.m.status()["stats"]["token_items"] == 2
+
+    # A client without a sink (or a request that does not stream) still gets its tokens relayed.
+    plain = make_admitted("r2", stream=True)
+    pre = only(h.submit(plain), MsgType.PREFILL)
+    assert plain.request.sampling.seed is None  # greedy: nothing to seed
+    dec = h.prefilled("p0", pre, token=1)[1]
+    assert (dec.body["report_every"], dec.body.get("tokens_to")) == (16, None)
+    assert kinds(h.step("d0", dec, [2, 3])) == [("TOKENS", CLIENT)]
 
 
 def test_unified_route_when_only_unified_workers_exist():
@@ -489,6 +516,40 @@ def test_routing_charges_in_flight_load_and_prefers_the_embedding_holder():
     adm.images[0].hash = "img-a-0"
     assert only(h.submit(adm), MsgType.ENCODE).worker_id == "e0"
     assert Stage.PREFILL == "prefill" and f"{Stage.QUEUED}" == "queued"
+
+
+def test_route_choices_spread_shards_that_see_the_same_loads():
+    """Two shards (two machines) over the same idle prefill pool: scoring every worker, both send their
+    next request to the same one; drawing two at random they mostly do not."""
+    pool = [(f"p{i}", "prefill") for i in range(6)] + [("d0", "decode")]
+
+    def first_pick(seed: int | None, choices: int) -> str:
+        h = Harness(*pool, route_choices=choices, seed=seed)
+        return only(h.submit(make_admitted("a")), MsgType.PREFILL).worker_id
+
+    assert {first_pick(None, 0) for _ in range(5)} == {"p0"}  # herding: every shard's "least busy" is p0
+    pairs = [(first_pick(2 * i, 2), first_pick(2 * i + 1, 2)) for i in range(20)]
+    assert sum(a != b for a, b in pairs) >= 8, pairs
+    assert len({w for pair in pairs for w in pair}) >= 4
+
+
+def test_route_choices_never_trade_away_cache_affinity():
+    """The encoder holding a request's image is always among the choices, whatever the draw."""
+    pool = [(f"e{i}", "encode") for i in range(6)] + [("p0", "prefill"), ("d0", "decode")]
+    for seed in range(10):
+        h = Harness(*pool, route_choices=2, seed=seed)
+        h.m.members.add_holder("img-a-0", "e5")
+        assert only(h.submit(make_admitted("a", images=1)), MsgType.ENCODE).worker_id == "e5"
+
+
+def test_route_choices_of_one_is_refused():
+    from pydantic import ValidationError
+
+    from mserve.coordinator.settings import CoordinatorSettings
+
+    with pytest.raises(ValidationError, match="at least 2"):
+        CoordinatorSettings(model="m", route_choices=1)
+    assert CoordinatorSettings(model="m", route_choices=2).route_choices == 2
 
 
 @pytest.mark.parametrize("dead_role", ["decode", "unified"])

@@ -85,6 +85,9 @@ class DecodeTask(Message):
     # At the end, publish the full KV blocks of the reply for the prefill worker that holds the prompt's
     # (the coordinator's --kv-hand-back): a next turn that resends prompt + reply then finds them cached.
     hand_back: bool = wire(as_bool, False)
+    report_every: int = wire(as_int, 1)  # see RunTask
+    tokens_to: str | None = wire(optional(as_str), None)
+    client_rid: str | None = wire(optional(as_str), None)
 
 
 @dataclass
@@ -100,6 +103,13 @@ class RunTask(Message):
     images: list[ImageRef] = wire(list_of(nested(ImageRef)), [])
     priority: int = wire(as_int, 0)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
+    # Tokens off the coordinator (its --token-report-every, docs/scaling.md): the worker reports this
+    # request's tokens to the coordinator only every `report_every` tokens (and its first and last), and
+    # when the client gave `tokens_to` (its token sink) it streams each step's tokens there itself, as
+    # TOKENS under the client's request id `client_rid`.
+    report_every: int = wire(as_int, 1)
+    tokens_to: str | None = wire(optional(as_str), None)
+    client_rid: str | None = wire(optional(as_str), None)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 from mserve.common.protocol.to_coordinator import StepTokens, TokenItem
 from mserve.common.protocol.typed import Message
 from mserve.workers.engine import StepOutput
+from mserve.workers.token_sinks import TokenRoute, TokenSinks
 from mserve.workers.worker import FETCH_TIMEOUT_S, Worker
 
 log = logging.getLogger("mserve.worker")
@@ -27,6 +28,10 @@ class SteppingWorker(Worker):
         # when it first schedules the prompt, after `add`, so the hit count is only known then.
         self.seqs: dict[str, Any] = {}
         self.fresh: set[str] = set()  # requests that have not reported a token yet
+        # Requests whose tokens go to the coordinator only now and then, and to the client directly
+        # (workers/token_sinks.py); the rest report every step.
+        self.routes: dict[str, TokenRoute] = {}
+        self.sinks = TokenSinks(self.ctx)
 
     def add(self, task: Message) -> None:
         """Put the stage's request into the engine (fetching what it needs first)."""
@@ -41,6 +46,21 @@ class SteppingWorker(Worker):
             return
         self.attempts[rid] = attempt
         self.fresh.add(rid)
+        every = getattr(task, "report_every", 1)
+        seq = self.engine.requests.get(rid)
+        if every > 1 and seq is not None:
+            self.routes[rid] = TokenRoute(every, task.tokens_to, task.client_rid, len(seq.output_ids),
+                                          len(seq.prompt_ids))
+
+    def close(self) -> None:
+        self.sinks.close()
+        super().close()
+
+    def load(self) -> dict[str, Any]:
+        load = super().load()
+        if self.sinks.sent or self.sinks.dropped:  # TOKENS pushed to clients' sinks, and those dropped
+            load["counters"].update(tokens_direct=self.sinks.sent, tokens_direct_dropped=self.sinks.dropped)
+        return load
 
     def cancel(self, rid: str) -> None:
         self._forget(rid)
@@ -48,7 +68,7 @@ class SteppingWorker(Worker):
         self.attempts.pop(rid, None)
 
     def _forget(self, rid: str) -> None:
-        for table in (self.fetch_s, self.seqs):
+        for table in (self.fetch_s, self.seqs, self.routes):
             table.pop(rid, None)
         self.fresh.discard(rid)
 
@@ -89,11 +109,19 @@ class SteppingWorker(Worker):
             if attempt is None:
                 continue
             self.count_tokens(len(out.new_token_ids))
-            item = TokenItem(request_id=rid, attempt=attempt, token_ids=out.new_token_ids, finished=out.finished,
+            tokens = out.new_token_ids
+            route = self.routes.get(rid)
+            if route is not None:
+                self.sinks.push(route, tokens)
+                tokens = route.take(tokens, must_report=out.finished or rid in self.fresh)
+                if tokens is None:
+                    continue
+            item = TokenItem(request_id=rid, attempt=attempt, token_ids=tokens, finished=out.finished,
                              finish_reason=out.finish_reason, first=rid in self.fresh, fetch_s=self.fetch_s.pop(rid, None))
             self.fresh.discard(rid)
             if out.finished:
                 self.attempts.pop(rid, None)
+                self.routes.pop(rid, None)
                 item.worker_s = self.worker_s(rid)
                 item.cached_tokens = self.cached_tokens(rid)
                 self.finishing(rid, attempt, item)

@@ -1,0 +1,133 @@
+"""Sharded coordinators (docs/scaling.md) as real processes: shards announce themselves in Redis, workers
+connect to every shard they find there, clients spread requests by request id, a shard that joins
+later is served by the same pools, and a shard that dies loses none of its requests: its clients
+send them to another shard and the workers cancel what it left behind. Tokens equal HF generate's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from mserve.common.redis_store import RedisStore
+from mserve.common.shards import ShardRegistry, client_addresses_from_redis, pick_shard
+from mserve.common.sockets import free_port
+from mserve.coordinator.client import Client
+from mserve.coordinator.launcher import LocalCluster
+from tests.coordinator.test_cluster import expected
+from tests.helpers import chat, request_mix
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+
+
+def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)
+
+
+def generate_each(address: str, requests, ids, max_tokens: int = MAX_TOKENS, **kw):
+    """One sync Client per request, all at once (each picks its shard by request id)."""
+    def one(req, rid):
+        with Client(address, timeout_s=120, probe_after_s=0.5) as c:
+            return c.generate(chat(*req), request_id=rid, max_tokens=max_tokens, **kw)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests, ids))
+
+
+def shard_status(address: str) -> dict:
+    with Client(address, timeout_s=10) as c:
+        return c.status()
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_model_dirs):
+    """Two coordinator shards over one encode, prefill and decode worker, with the cluster's own Redis."""
+    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=1, coordinators=2) as c:
+        yield c
+
+
+def test_requests_spread_over_the_shards_match_hf(sharded, tiny_model_dirs):
+    store = RedisStore(sharded.redis_url)
+    try:
+        live = ShardRegistry(store).live()
+    finally:
+        store.close()
+    assert sorted(live) == ["shard-0", "shard-1"]
+    assert [live[s]["client"] for s in sorted(live)] == sharded.shard_addresses
+    assert client_addresses_from_redis(sharded.redis_url) == sharded.shard_addresses
+
+    requests = request_mix(10, seed=21)
+    ids = [f"spread-{i}" for i in range(len(requests))]
+    results = generate_each(sharded.address, requests, ids)
+    assert [r.token_ids for r in results] == expected(str(tiny_model_dirs["llava"]), requests)
+    # Each request was admitted by the shard its id hashes to, and by no other.
+    admitted = [shard_status(a)["stats"]["admitted"] for a in sharded.shard_addresses]
+    owners = [pick_shard(rid, sharded.shard_addresses) for rid in ids]
+    assert admitted == [owners.count(a) for a in sharded.shard_addresses]
+    assert all(admitted), "rendezvous hashing put every request on one shard"
+    # Both shards see the same pools (every worker connected to both).
+    for address in sharded.shard_addresses:
+        workers = shard_status(address)["workers"]
+        assert sorted(w for w, info in workers.items() if info["alive"]) == sorted(sharded.worker_names())
+
+
+def test_a_shard_that_joins_later_is_found_by_the_workers(sharded, tiny_model_dirs):
+    client_port, worker_port = free_port(), free_port()
+    address = f"tcp://127.0.0.1:{client_port}"
+    log = open(f"{sharded.log_dir}/coordinator-late.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "mserve.cli", "coordinator", "--model", sharded.model,
+                             "--bind", address, "--worker-bind", f"tcp://127.0.0.1:{worker_port}",
+                             "--redis", sharded.redis_url, "--shard-id", "shard-late"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: {w for w, i in shard_status(address)["workers"].items() if i["alive"]}
+                 >= set(sharded.worker_names()), 60, "the workers to join the new shard")
+        requests = request_mix(3, seed=22)
+        results = generate_each(address, requests, [f"late-{i}" for i in range(3)])
+        assert [r.token_ids for r in results] == expected(str(tiny_model_dirs["llava"]), requests)
+        assert shard_status(address)["stats"]["admitted"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    # A clean stop leaves the registry at once.
+    assert client_addresses_from_redis(sharded.redis_url) == sharded.shard_addresses
+
+
+def test_a_dead_shards_requests_finish_on_another_shard(sharded, tiny_model_dirs):
+    """SIGKILL shard 1 while it runs long requests: each ends once, with HF's tokens, via shard 0."""
+    a0, a1 = sharded.shard_addresses
+    ids = [rid for rid in (f"doomed-{i}" for i in range(200)) if pick_shard(rid, [a0, a1]) == a1][:4]
+    requests = request_mix(4, seed=23)
+    max_tokens = 160
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate_each, sharded.address, requests, ids, max_tokens, ignore_eos=True)
+        wait_for(lambda: running.done() or shard_status(a1)["requests_in_flight"] >= 1, 60,
+                 "shard 1 to hold a request")
+        assert not running.done(), "the requests finished before the shard could be killed"
+        sharded.kill_worker("coordinator-1")
+        results = running.result(timeout=180)
+    assert [r.token_ids for r in results] == expected(str(tiny_model_dirs["llava"]), requests, max_tokens,
+                                                      ignore_eos=True)
+    status = shard_status(a0)
+    assert status["stats"]["admitted"] >= 1  # the re-sent ones (and, before, the spread test's)
+    # The workers dropped the dead shard's link and cancelled what it had left there.
+    for name in sharded.worker_names():
+        wait_for(lambda: "left the registry" in sharded.log_tail(name, 400), 30, f"{name} to drop shard 1")
+    decode = sharded.worker_names("decode")[0]
+    wait_for(lambda: shard_status(a0)["workers"][decode]["load"]["running"] == 0, 30, "decode to be idle")
+    # Its entry expired: clients reading the registry send everything to the live shard.
+    wait_for(lambda: client_addresses_from_redis(sharded.redis_url) == [a0], 10, "shard 1 to leave the registry")
+    later = request_mix(2, seed=24)
+    results = generate_each(sharded.redis_url, later, ids[:2])
+    assert [r.token_ids for r in results] == expected(str(tiny_model_dirs["llava"]), later)
