@@ -58,12 +58,10 @@ class AsyncClient:
     def __init__(self, address: str, *, timeout_s: float = 120.0, poll_interval_s: float = 0.05,
                  probe_after_s: float = PROBE_AFTER_S, api_key: str | None = None, direct_tokens: bool = False,
                  tokens_host: str = "127.0.0.1") -> None:
-        from mserve.common.shards import resolve_client_addresses
-
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.address = address
-        self._shards = ShardChooser(resolve_client_addresses(address))
+        self._shards = ShardChooser(address)
         self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
         self.probe_after_s = probe_after_s  # a request this silent is checked with its coordinator
@@ -123,9 +121,7 @@ class AsyncClient:
     async def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """The STATUS_REPLY body of the first shard not taken for dead (the only one, unsharded)."""
         now = time.monotonic()
-        down = self._shards._down_until  # no public view of it in ShardChooser
-        link = self._link(next((a for a in self._shards.addresses if down.get(a, 0.0) <= now),
-                               self._shards.addresses[0]))
+        link = self._link(self._shards.up(now)[0])
         link.ensure_reader()
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._status_waiters.append(waiter)

@@ -61,10 +61,8 @@ class Client:
 
     def __init__(self, address: str, *, timeout_s: float = 120.0, probe_after_s: float = PROBE_AFTER_S,
                  api_key: str | None = None, direct_tokens: bool = False, tokens_host: str = "127.0.0.1") -> None:
-        from mserve.common.shards import resolve_client_addresses
-
         self.address = address
-        self._shards = ShardChooser(resolve_client_addresses(address))
+        self._shards = ShardChooser(address)
         self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
         self.probe_after_s = probe_after_s  # a request this silent is checked with the coordinator
@@ -143,20 +141,36 @@ class Client:
                                "(or use AsyncClient for concurrent requests)")
 
     def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """The coordinator's STATUS_REPLY body: workers, roles, model, redis_healthy."""
+        """The coordinator's STATUS_REPLY body: workers, roles, model, redis_healthy. With shards, the
+        first shard not taken for dead answers; one that does not within its share of the timeout is
+        taken for dead and the next is asked."""
         self._check_idle()
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        self._send(MsgType.STATUS, protocol.body(), deadline, None)
-        while (reply := self._recv(deadline)) is not None:
-            if reply[0] == MsgType.STATUS_REPLY and "unknown_requests" not in reply[1]:  # not a late probe answer
-                return reply[1]
-            if reply[0] == MsgType.ERROR and reply[1].get("request_id") is None:  # e.g. unauthorized
-                raise error_from_reply(reply[1])
+        shards = self._shards.up(time.monotonic())
+        for i, address in enumerate(shards):
+            self._current = address
+            until = deadline if i == len(shards) - 1 else time.monotonic() + (deadline - time.monotonic()) / 2
+            try:
+                self._send(MsgType.STATUS, protocol.body(), until, None)
+            except RequestTimeout:
+                if i < len(shards) - 1:
+                    self._shards.mark_down(address, time.monotonic())
+                continue
+            while (reply := self._recv(until)) is not None:
+                if reply[0] == MsgType.STATUS_REPLY and "unknown_requests" not in reply[1]:  # not a late probe answer
+                    return reply[1]
+                if reply[0] == MsgType.ERROR and reply[1].get("request_id") is None:  # e.g. unauthorized
+                    raise error_from_reply(reply[1])
+            if i < len(shards) - 1:
+                self._shards.mark_down(address, time.monotonic())
         raise RequestTimeout(f"no STATUS reply from {self.address} within the deadline")
 
     def abort(self, request_id: str) -> None:
-        """Ask the coordinator to drop a request (best effort, no reply is awaited)."""
+        """Ask the coordinator (the request's shard) to drop a request (best effort, no reply is awaited)."""
         if not self._closed:
+            active = self._active() if self._active is not None else None
+            if active is None or active.request_id != request_id:
+                self._current = self._shards.pick(request_id, time.monotonic())
             send_abort(self._sock, request_id, self._api_key)
 
     def close(self) -> None:

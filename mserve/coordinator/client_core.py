@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -119,23 +120,52 @@ def shard_gone_reply(request_id: str, address: str) -> tuple[MsgType, dict[str, 
                                   "shard takes it)")
 
 
+SHARD_LIST_REFRESH_S = 10.0  # a client given redis://... re-reads the shard registry this often
+
+
 class ShardChooser:
     """Which coordinator shard a request goes to: rendezvous hashing of its id over the shards not taken
-    for dead (mserve/common/shards.py); with one address, always that one."""
+    for dead (mserve/common/shards.py); with one address, always that one.
 
-    def __init__(self, addresses: list[str]) -> None:
-        self.addresses = addresses
+    ``address`` as a client was given it: one address, a comma list, or ``redis://...``, whose registry
+    is read now (waiting up to 5 s for a shard) and again every SHARD_LIST_REFRESH_S when a request is
+    sent, so shards that join or move (new pod IPs) are followed. A failed re-read keeps the list."""
+
+    def __init__(self, address: str) -> None:
+        from mserve.common.shards import is_redis_url, resolve_client_addresses
+
+        self.addresses = resolve_client_addresses(address)
+        self._registry = address if is_redis_url(address) else None
+        self._next_refresh = time.monotonic() + SHARD_LIST_REFRESH_S
         self._down_until: dict[str, float] = {}
 
     @property
     def sharded(self) -> bool:
-        return len(self.addresses) > 1
+        return len(self.addresses) > 1 or self._registry is not None
+
+    def up(self, now: float) -> list[str]:
+        """The shards not taken for dead (all of them, if every one is)."""
+        if self._registry is not None and now >= self._next_refresh:
+            self._refresh(now)
+        return [a for a in self.addresses if self._down_until.get(a, 0.0) <= now] or self.addresses
 
     def pick(self, request_id: str, now: float) -> str:
         from mserve.common.shards import pick_shard
 
-        up = [a for a in self.addresses if self._down_until.get(a, 0.0) <= now]
-        return pick_shard(request_id, up or self.addresses)
+        return pick_shard(request_id, self.up(now))
+
+    def _refresh(self, now: float) -> None:
+        from mserve.common.shards import client_addresses_from_redis
+
+        self._next_refresh = now + SHARD_LIST_REFRESH_S
+        try:
+            addresses = client_addresses_from_redis(self._registry)
+        except ValueError as exc:  # none registered, or Redis down: keep what we have
+            logger.warning("coordinator shard list not refreshed: %s", exc)
+            return
+        if addresses != self.addresses:
+            logger.info("coordinator shards now: %s", ", ".join(addresses))
+            self.addresses = addresses
 
     def mark_down(self, address: str, now: float) -> None:
         logger.warning("coordinator shard at %s does not answer: new requests skip it for %.0fs", address,

@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from mserve.common import protocol
 from mserve.common.protocol import MsgType
 from mserve.common.sockets import make_socket, send
 
@@ -67,7 +68,7 @@ class TokenSinks:
         if route.index == 0:  # a client that stops early still learns its prompt's size
             body["prompt_tokens"] = route.prompt_tokens
         try:
-            send(self._sock(route.sink), MsgType.TOKENS, body, flags=zmq.NOBLOCK)
+            send(self._sock(route.sink), MsgType.TOKENS, protocol.body(**body), flags=zmq.NOBLOCK)
             self.sent += 1
         except zmq.ZMQError as exc:  # its queue is full (a client gone or stalled): RESULT still has them all
             self.dropped += 1

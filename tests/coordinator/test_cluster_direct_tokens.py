@@ -24,10 +24,10 @@ async def stream_all(address: str, requests) -> tuple[list[list[int]], list]:
     async with AsyncClient(address, timeout_s=120, direct_tokens=True, poll_interval_s=0.01) as client:
         async def one(text, images):
             async with client.stream(chat(text, images), max_tokens=MAX_TOKENS, ignore_eos=True) as s:
-                tokens = [t async for t in s]
-            return tokens, s.result
+                chunks = [ids async for ids in s.chunks()]
+            return chunks, s.result
         done = await asyncio.gather(*[one(text, images) for text, images in requests])
-    return [t for t, _ in done], [r for _, r in done]
+    return [c for c, _ in done], [r for _, r in done]
 
 
 @pytest.mark.parametrize("arch, pools", [
@@ -38,7 +38,8 @@ def test_tokens_reach_the_client_from_the_worker(tiny_model_dirs, arch, pools):
     model = str(tiny_model_dirs[arch])
     requests = request_mix(6, seed=31)
     with LocalCluster(model, **pools, extra_coordinator_args=["--token-report-every", str(EVERY)]) as cluster:
-        concurrent, concurrent_results = asyncio.run(stream_all(cluster.address, requests))
+        chunks, concurrent_results = asyncio.run(stream_all(cluster.address, requests))
+        concurrent = [[t for chunk in c for t in chunk] for c in chunks]
         streamed, results = [], []
         with Client(cluster.address, timeout_s=120, direct_tokens=True) as c:
             for text, images in requests:
@@ -56,6 +57,9 @@ def test_tokens_reach_the_client_from_the_worker(tiny_model_dirs, arch, pools):
     want = expected(model, requests, MAX_TOKENS, ignore_eos=True)
     assert streamed == want and [r.token_ids for r in results] == want
     assert concurrent == want and [r.token_ids for r in concurrent_results] == want
+    # Each step's tokens arrived by themselves, not all at once with RESULT: the sink delivered them
+    # (the coordinator relays none of them past the first).
+    assert all(len(c) >= MAX_TOKENS // 2 for c in chunks), [len(c) for c in chunks]
     # The worker pushed the streams itself, a message per step: about one per token past the first.
     assert direct >= 2 * len(requests) * (MAX_TOKENS - 1) * 0.5
     # The coordinator heard each request's tokens only every EVERY of them (plus the first and last).
