@@ -2,12 +2,16 @@
 every manifest and compose file against the real `mserve` CLI and settings classes. No cluster, no Docker.
 
 Checked: each object validates strictly (unknown fields fail) for the oldest and newest Kubernetes
-versions named below, the MIG overlay too (its JSON 6902 patches applied here); every MServe
-container's args parse with `mserve`'s own argparse parser and every MSERVE_* variable (env, envFrom
-ConfigMaps) is a field of that command's settings class with a value it accepts; probes exist and
-their `python -m mserve.healthcheck` commands parse; GPU / MIG resources sit where expected; Services
-select Deployments and name ports that exist; the compose files keep scale-able pools with health
-checks and the model volume. Not checked: that the images build or that a cluster runs them.
+versions named below, the MIG and sharded overlays too (their patches applied here: JSON 6902, and
+strategic-merge `$patch: delete`); every MServe container's args parse with `mserve`'s own argparse
+parser (after the $(VAR) expansion Kubernetes does, from the container's env) and every MSERVE_*
+variable (env, envFrom ConfigMaps) is a field of that command's settings class with a value it
+accepts; probes exist and their `python -m mserve.healthcheck` commands parse; GPU / MIG resources sit
+where expected; Services select Deployments and name ports that exist; the sharded overlay runs its
+coordinator as one StatefulSet of shards that workers and the gateway find in Redis; the compose
+files keep scale-able pools with health checks and the model volume. Where `kubectl` (or `kustomize`)
+is installed, it renders each folder too and must agree with this file's rendering. Not checked: that
+the images build or that a cluster runs them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import copy
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,6 +43,11 @@ POOLS = ("encode", "prefill", "decode")
 SETTINGS = {"worker": WorkerSettings, "coordinator": CoordinatorSettings, "gateway": GatewaySettings}
 NOT_MSERVE_ENV = {"HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "PYTHONUNBUFFERED"}
 MIG_RESOURCES = {p.resource for profiles in MIG_PROFILES.values() for p in profiles}
+OVERLAYS = ("base", "mig", "sharded")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+# What the downward API gives a pod, for expanding $(VAR) in args: a plausible value per fieldPath.
+DOWNWARD_API = {"metadata.name": "{workload}-0", "metadata.namespace": "mserve", "status.podIP": "10.42.0.7",
+                "spec.nodeName": "gpu-node-1"}
 
 
 # --------------------------------------------------------------------------- rendering (kustomize's part we use)
@@ -55,11 +66,13 @@ def _pointer(doc: Any, path: str) -> tuple[Any, str | int]:
 
 
 def json6902(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
-    """RFC 6902 add / replace / remove, the ops our overlays use; a path that does not exist fails."""
+    """RFC 6902 add / replace / remove / test, the ops our overlays use; a path that does not exist fails."""
     doc = copy.deepcopy(doc)
     for op in ops:
         parent, key = _pointer(doc, op["path"])
-        if op["op"] == "replace":
+        if op["op"] == "test":
+            assert parent[key] == op["value"], f"test {op['path']}: {parent[key]!r} != {op['value']!r}"
+        elif op["op"] == "replace":
             parent[key]  # KeyError / IndexError: replace needs the target to exist
             parent[key] = op["value"]
         elif op["op"] == "add":
@@ -74,8 +87,15 @@ def json6902(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
     return doc
 
 
+def _matches(docs: list[dict[str, Any]], kind: str, name: str) -> int:
+    hits = [i for i, d in enumerate(docs) if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(hits) == 1, f"patch target {kind}/{name} matches {len(hits)} objects"
+    return hits[0]
+
+
 def render(folder: Path) -> list[dict[str, Any]]:
-    """The objects `kubectl kustomize folder` yields, for what our kustomizations use (resources, patches)."""
+    """The objects `kubectl kustomize folder` yields, for what our kustomizations use: resources, JSON 6902
+    patches (a file, with a target) and strategic-merge patches that delete an object (`$patch: delete`)."""
     kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
     assert kust["kind"] == "Kustomization" and kust["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
     assert set(kust) <= {"apiVersion", "kind", "resources", "patches", "labels", "images"}, set(kust)
@@ -84,12 +104,17 @@ def render(folder: Path) -> list[dict[str, Any]]:
         path = folder / res
         docs += render(path) if path.is_dir() else _load(path)
     for patch in kust.get("patches", []):
-        target, ops = patch["target"], yaml.safe_load((folder / patch["path"]).read_text())
-        assert isinstance(ops, list), "only JSON 6902 patches are applied here"
-        hits = [i for i, d in enumerate(docs)
-                if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
-        assert len(hits) == 1, f"patch target {target} matches {len(hits)} objects"
-        docs[hits[0]] = json6902(docs[hits[0]], ops)
+        body = yaml.safe_load(patch["patch"] if "patch" in patch else (folder / patch["path"]).read_text())
+        if isinstance(body, list):  # JSON 6902: needs its target
+            target = patch["target"]
+            i = _matches(docs, target["kind"], target["name"])
+            docs[i] = json6902(docs[i], body)
+        else:  # strategic merge: only deletion is applied here
+            assert body.get("$patch") == "delete", f"strategic-merge patch not handled by this test: {body}"
+            assert set(body) == {"$patch", "apiVersion", "kind", "metadata"}, body
+            i = _matches(docs, body["kind"], body["metadata"]["name"])
+            assert docs[i]["apiVersion"] == body["apiVersion"], body
+            del docs[i]
     return docs
 
 
@@ -97,11 +122,22 @@ def deployments(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
 
 
+def workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Deployments and StatefulSets (the sharded overlay's coordinator)."""
+    return [d for d in docs if d["kind"] in WORKLOAD_KINDS]
+
+
 def mserve_containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    for dep in deployments(docs).values():
+    for dep in workloads(docs):
         for c in dep["spec"]["template"]["spec"]["containers"]:
             if c["image"].split(":")[0] == "mserve":
                 yield dep, c
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value after `name` in an argv."""
+    assert name in args, f"{name} not in {args}"
+    return args[args.index(name) + 1]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +148,11 @@ def base() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def mig() -> list[dict[str, Any]]:
     return render(K8S / "mig")
+
+
+@pytest.fixture(scope="module")
+def sharded() -> list[dict[str, Any]]:
+    return render(K8S / "sharded")
 
 
 # --------------------------------------------------------------------------- checks, usable on bad input too
@@ -134,12 +175,13 @@ def cli_errors(argv: list[str]) -> str | None:
     return None
 
 
-def env_errors(command: str, env: dict[str, str]) -> list[str]:
-    """Each MSERVE_* name must be a field of the command's settings class, and its value one the class takes."""
+def env_errors(command: str, env: dict[str, str], helpers: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Each MSERVE_* name must be a field of the command's settings class, and its value one the class takes.
+    `helpers`: other names allowed, the variables the args expand ($(POD_IP))."""
     cls, errors, given = SETTINGS[command], [], {}
     for name, value in env.items():
         if not name.startswith("MSERVE_"):
-            if name not in NOT_MSERVE_ENV:
+            if name not in NOT_MSERVE_ENV | set(helpers):
                 errors.append(f"{name}: not an MServe setting")
             continue
         field = name.removeprefix("MSERVE_").lower()
@@ -175,6 +217,33 @@ def container_env(c: dict[str, Any], docs: list[dict[str, Any]]) -> dict[str, st
     return env
 
 
+_VAR_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")  # $(NAME), not the escaped $$(NAME)
+
+
+def arg_vars(c: dict[str, Any]) -> set[str]:
+    """The variables a container's args reference as $(NAME)."""
+    return {m for a in c.get("args", []) for m in _VAR_REF.findall(a)}
+
+
+def expand_args(c: dict[str, Any], workload: dict[str, Any], docs: list[dict[str, Any]]) -> list[str]:
+    """The args as the kubelet passes them: each $(NAME) replaced by the container's variable, downward API
+    fields by a plausible value (DOWNWARD_API). A reference to no variable fails: Kubernetes would leave
+    it in the argument as it is."""
+    plain = container_env(c, docs)
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c.get("env", [])
+              if "fieldRef" in e.get("valueFrom", {})}
+
+    def value(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name in fields:
+            assert fields[name] in DOWNWARD_API, f"$({name}): no example value for {fields[name]}"
+            return DOWNWARD_API[fields[name]].format(workload=workload["metadata"]["name"])
+        assert plain.get(name) is not None, f"{workload['metadata']['name']}: $({name}) is not in the container's env"
+        return str(plain[name])
+
+    return [_VAR_REF.sub(value, a).replace("$$(", "$(") for a in c.get("args", [])]
+
+
 def probe_errors(probe: dict[str, Any]) -> str | None:
     cmd = probe.get("exec", {}).get("command")
     if cmd and cmd[:3] == ["python", "-m", "mserve.healthcheck"]:
@@ -189,11 +258,52 @@ def probe_errors(probe: dict[str, Any]) -> str | None:
 
 
 def test_every_file_is_in_its_kustomization():
-    for folder in (K8S / "base", K8S / "mig"):
+    assert {p.name for p in K8S.iterdir() if p.is_dir()} == set(OVERLAYS)  # a new folder: add it to the tests
+    for folder in (K8S / name for name in OVERLAYS):
         kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
-        listed = set(kust.get("resources", [])) | {p["path"] for p in kust.get("patches", [])}
+        listed = set(kust.get("resources", [])) | {p["path"] for p in kust.get("patches", []) if "path" in p}
         on_disk = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
         assert on_disk == {r for r in listed if not r.startswith("..")}, folder
+        for path in on_disk:  # each file says what it is for
+            assert (folder / path).read_text().startswith("# "), f"{folder.name}/{path}: no comment at the top"
+
+
+def _kustomize() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+def _comparable(doc: dict[str, Any]) -> dict[str, Any]:
+    """An object without what this file's rendering skips: the `labels` and `images` transformers' work."""
+    doc = copy.deepcopy(doc)
+    doc["metadata"].get("labels", {}).pop("app.kubernetes.io/part-of", None)
+    for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+        c["image"] = c["image"].split(":")[0]
+    return doc
+
+
+@pytest.mark.skipif(_kustomize() is None, reason="neither kustomize nor kubectl is installed")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_renders_what_this_test_renders(overlay):
+    out = subprocess.run([*_kustomize(), str(K8S / overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    for d in theirs:  # the transformers ran there
+        assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "mserve", d["metadata"]["name"]
+        for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            assert c["image"] != "mserve", f"{d['metadata']['name']}: the images transformer missed it"
+
+    def key(d: dict[str, Any]) -> tuple[str, str]:
+        return d["kind"], d["metadata"]["name"]
+
+    ours = render(K8S / overlay)
+    assert sorted(map(key, theirs)) == sorted(map(key, ours))
+    by_key = {key(d): _comparable(d) for d in theirs}
+    for d in ours:
+        assert _comparable(d) == by_key[key(d)], key(d)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -206,6 +316,25 @@ def test_base_validates_against_the_kubernetes_schemas(base, version):
 def test_mig_overlay_validates_against_the_kubernetes_schemas(mig):
     errors = [e for d in mig if (e := schema_errors(d, K8S_VERSIONS[-1]))]
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_sharded_overlay_validates_against_the_kubernetes_schemas(sharded, version):
+    assert any(d["kind"] == "StatefulSet" for d in sharded)
+    errors = [e for d in sharded if (e := schema_errors(d, version))]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_rendering_can_fail(base, tmp_path):
+    dep = deployments(base)["mserve-decode"]
+    with pytest.raises(AssertionError):  # a JSON 6902 test op that does not hold stops the patch
+        json6902(dep, [{"op": "test", "path": "/spec/template/spec/containers/0/args/0", "value": "gateway"}])
+    assert json6902(dep, [{"op": "test", "path": "/spec/template/spec/containers/0/args/0", "value": "worker"}]) == dep
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [str(K8S / "base")],
+        "patches": [{"patch": "$patch: delete\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: mserve-nope}"}]}))
+    with pytest.raises(AssertionError, match="matches 0 objects"):
+        render(tmp_path)
 
 
 def test_the_validator_catches_mistakes(base):
@@ -229,17 +358,33 @@ def test_a_deployment_per_pool_with_its_labels(base):
     assert deps["mserve-coordinator"]["spec"]["replicas"] == 1  # one router of requests
 
 
-@pytest.mark.parametrize("overlay", ["base", "mig"])
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_args_and_env_are_real_flags_and_settings(overlay, request):
     docs = request.getfixturevalue(overlay)
     seen = set()
     for dep, c in mserve_containers(docs):
         command = c["args"][0]
         seen.add(command)
-        assert (err := cli_errors(c["args"])) is None, f"{dep['metadata']['name']}: {err}"
-        errs = env_errors(command, container_env(c, docs))
+        args = expand_args(c, dep, docs)  # $(POD_IP) -> 10.42.0.7, as the kubelet would
+        assert not any("$(" in a for a in args), args
+        assert (err := cli_errors(args)) is None, f"{dep['metadata']['name']}: {err}"
+        errs = env_errors(command, container_env(c, docs), helpers=arg_vars(c))
         assert not errs, f"{dep['metadata']['name']}: {errs}"
     assert seen == {"worker", "coordinator", "gateway"}
+
+
+def test_arg_expansion():
+    workload = {"metadata": {"name": "mserve-coordinator"}}
+    c = {"args": ["--shard-id", "$(POD_NAME)", "--advertise", "tcp://$(POD_IP):5555", "--x", "$$(POD_IP)", "$(B)"],
+         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                 {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                 {"name": "B", "value": "b"}]}
+    assert expand_args(c, workload, []) == ["--shard-id", "mserve-coordinator-0", "--advertise", "tcp://10.42.0.7:5555",
+                                            "--x", "$(POD_IP)", "b"]
+    assert arg_vars(c) == {"POD_NAME", "POD_IP", "B"}
+    with pytest.raises(AssertionError, match="not in the container's env"):
+        expand_args({"args": ["$(POD_IP)"]}, workload, [])
+    assert env_errors("gateway", {"POD_IP": None}) and not env_errors("gateway", {"POD_IP": None}, helpers={"POD_IP"})
 
 
 def test_the_flag_and_setting_checks_can_fail():
@@ -253,14 +398,17 @@ def test_the_flag_and_setting_checks_can_fail():
     assert not env_errors("worker", {"MSERVE_GPU_MEMORY_FRACTION": "0.9", "MSERVE_TRANSFER": "auto"})
 
 
-def test_probes_everywhere(base):
-    for name, dep in deployments(base).items():
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_everywhere(overlay, request):
+    docs = request.getfixturevalue(overlay)
+    for dep in workloads(docs):
+        name = dep["metadata"]["name"]
         for c in dep["spec"]["template"]["spec"]["containers"]:
             for kind in ("readinessProbe", "livenessProbe"):
                 assert kind in c, f"{name}/{c['name']} has no {kind}"
                 assert probe_errors(c[kind]) is None, f"{name}: {probe_errors(c[kind])}"
     for role in POOLS:
-        c = deployments(base)[f"mserve-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        c = deployments(docs)[f"mserve-{role}"]["spec"]["template"]["spec"]["containers"][0]
         assert "--ready" in c["startupProbe"]["exec"]["command"] and "--ready" in c["readinessProbe"]["exec"]["command"]
         assert "--ready" not in c["livenessProbe"]["exec"]["command"]  # liveness must not hang on the coordinator
     assert probe_errors({"exec": {"command": ["python", "-m", "mserve.healthcheck", "worker", "--redy"]}})
@@ -333,6 +481,51 @@ def test_services_select_deployments_and_ports(base):
             addr = c["args"][c["args"].index("--coordinator") + 1]
             port = 5556 if c["args"][0] == "worker" else 5555  # workers' socket, clients' socket
             assert addr == f"tcp://mserve-coordinator:{port}"
+
+
+def test_sharded_overlay_runs_the_coordinator_as_shards_found_in_redis(sharded):
+    from mserve.common.shards import advertised, is_redis_url
+
+    redis_url = next(d for d in sharded if d["kind"] == "ConfigMap")["data"]["MSERVE_REDIS"]
+    coordinators = [(w, c) for w, c in mserve_containers(sharded) if c["args"][0] == "coordinator"]
+    assert len(coordinators) == 1, [w["metadata"]["name"] for w, _ in coordinators]  # the base's Deployment went
+    sts, c = coordinators[0]
+    assert sts["kind"] == "StatefulSet" and sts["spec"]["replicas"] >= 2
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    args = expand_args(c, sts, sharded)
+    assert flag(args, "--redis") == redis_url
+    # Each shard is named after its pod and announces its pod IP (it binds a wildcard).
+    assert flag(args, "--shard-id") == f"{sts['metadata']['name']}-0"
+    assert advertised(flag(args, "--bind"), flag(args, "--advertise"), "client") == "tcp://10.42.0.7:5555"
+    assert advertised(flag(args, "--worker-bind"), flag(args, "--worker-advertise"), "workers") == "tcp://10.42.0.7:5556"
+    assert int(flag(args, "--route-choices")) >= 2 and float(flag(args, "--load-poll-s")) == 0
+    report_every = int(flag(args, "--token-report-every"))
+    # Its probes ask its own shard, not one the registry picks.
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert flag(c[kind]["exec"]["command"], "--coordinator") == "tcp://127.0.0.1:5555", kind
+    # The StatefulSet's governing Service: headless, selecting the shards.
+    svc = next(d for d in sharded if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+
+    roles = set()
+    for dep, c in mserve_containers(sharded):
+        args = expand_args(c, dep, sharded)
+        if args[0] == "worker":
+            roles.add(flag(args, "--role"))
+            assert is_redis_url(flag(args, "--coordinator")) and flag(args, "--coordinator") == redis_url
+            assert float(flag(args, "--heartbeat-s")) >= 1
+            ready = [c[k]["exec"]["command"] for k in ("startupProbe", "readinessProbe")]
+            assert all(flag(cmd, "--coordinator") == redis_url for cmd in ready), ready
+        elif args[0] == "gateway":
+            assert flag(args, "--coordinator") == redis_url
+            assert "--direct-tokens" in args and report_every > 1  # direct tokens only pay with sparse reports
+            assert flag(args, "--tokens-host") == "10.42.0.7"  # the pod IP: workers dial it
+    assert roles == set(POOLS)
+    # Nothing dials the single coordinator's Service any more.
+    text = yaml.safe_dump_all(sharded)
+    assert "mserve-coordinator:" not in text and not any(
+        d["kind"] == "Service" and d["metadata"]["name"] == "mserve-coordinator" for d in sharded)
 
 
 # --------------------------------------------------------------------------- compose
