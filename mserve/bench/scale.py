@@ -6,11 +6,13 @@
 A node is one GPU worker. Pools are split by the ratio of each stage's GPU time per request on
 the trace (`stage_seconds`), at least one worker each. For every size the offered load is
 `--load` (0.8) of what the same pools serve with an ideal coordinator (one that costs nothing,
-measured by a closed-loop run of the 8-node unit, times N/8), Poisson, on the mixed trace. Four
-coordinators are simulated: ideal (the workers' own limit), one coordinator as built, K sharded
-coordinators as built (requests partitioned, every worker heartbeating every shard), and K
-"lean" shards (decode workers stream tokens to the client themselves, heartbeats go at 1 Hz,
-admission runs in stateless front ends: docs/scaling.md). Throughput and goodput are counted over the steady part of the run (requests
+measured by a closed-loop run of the 8-node unit, times N/8), Poisson, on the mixed trace. Five
+coordinators are simulated: ideal (the workers' own limit), one coordinator, K shards with
+sharding alone (requests partitioned, every worker heartbeating every shard at 4 Hz, least-busy
+routing), K "lean" shards as designed (decode workers stream tokens to the client themselves,
+heartbeats at 1 Hz, admission in stateless front ends, power of two choices: docs/scaling.md), and
+K shards as mserve builds them (`BUILT`: the lean design less front-end admission, with a token
+report to the shard every 16 tokens). Throughput and goodput are counted over the steady part of the run (requests
 sent after the first quarter of the arrivals), so a backlog shows as lost goodput, not as a tail.
 Writes OUT.json, OUT.md and OUT.png.
 """
@@ -31,6 +33,11 @@ SLO_MS = {"ttft": 500.0, "tpot": 50.0}
 MAX_SIMULATED_SHARDS = 64  # beyond, the as-built sharding is reported in closed form only (too many events)
 LEAN = {"stream_via_coordinator": False, "heartbeat_cost_scale": 0.25, "admission_offload": True,
         "routing": "p2c"}
+# What mserve implements (docs/scaling.md, "As built"): tokens to the client from the workers with a
+# report every 16 tokens (--token-report-every 16), heartbeats at 1 Hz without Redis load reads
+# (--heartbeat-s 1, --load-poll-s 0), power of two choices (--route-choices 2); admission stays in the shards.
+BUILT = {"stream_via_coordinator": False, "token_report_every": 16, "heartbeat_cost_scale": 0.25,
+         "admission_offload": False, "routing": "p2c"}
 
 
 def mean_megapixels() -> float:
@@ -69,12 +76,14 @@ def split_pools(nodes: int, seconds: dict[str, float]) -> dict[str, int]:
 
 
 def coordinator_ceiling(costs: Costs, workers: int, image_share: float, max_tokens: int, batch: float,
-                        lean: bool = False, shards: int = 1) -> float:
+                        lean: bool = False, shards: int = 1, report_every: int = 0) -> float:
     """Requests/s one coordinator (one of `shards`) takes: (1 - housekeeping share) / CPU per request.
 
     With K shards a decode step of `batch` requests sends one STEP_TOKENS to each shard present in
-    it (min(K, batch)), so each request carries min(K, batch) times the step-message share."""
-    if lean:
+    it (min(K, batch)), so each request carries min(K, batch) times the step-message share.
+    `report_every` (with `lean`): the built design, admission still in the shard, and a token report
+    every N tokens, each counted as a message of its own (an upper bound)."""
+    if lean and not report_every:
         from mserve.bench.sim.cluster import without_admission
 
         costs = without_admission(costs)
@@ -87,16 +96,18 @@ def coordinator_ceiling(costs: Costs, workers: int, image_share: float, max_toke
         per_req -= c["per_token_item_s"] * (max_tokens - 2)
         per_req -= c["per_step_msg_s"] * (max_tokens - 1) / batch * min(shards, batch) - c["per_step_msg_s"]
         hk *= LEAN["heartbeat_cost_scale"]
+        if report_every:
+            per_req += (max_tokens - 1) // report_every * (c["per_token_item_s"] + c["per_step_msg_s"])
     return max(0.0, 1 - hk) / per_req
 
 
 def shards_needed(costs: Costs, workers: int, rate: float, trace_kw: dict[str, Any], lean: bool,
-                  target: float = 0.7, limit: int = 512) -> int | None:
+                  target: float = 0.7, limit: int = 512, report_every: int = 0) -> int | None:
     """Fewest shards that keep each below `target` utilisation (None: no count does)."""
     batch = costs.max_num_seqs * 0.5
     for k in range(1, limit + 1):
         ceiling = coordinator_ceiling(costs, workers, trace_kw["image_share"], trace_kw["max_tokens"], batch,
-                                      lean=lean, shards=k)
+                                      lean=lean, shards=k, report_every=report_every)
         if ceiling > 0 and rate / k <= target * ceiling:
             return k
     return None
@@ -167,13 +178,15 @@ def sweep(costs: Costs, nodes: list[int], seconds: float, load: float, seed: int
                                         costs.max_num_seqs * 0.5, lean=True)
         k = shards_needed(costs, workers, rate, trace_kw, lean=False)
         k_lean = shards_needed(costs, workers, rate, trace_kw, lean=True)
+        k_built = shards_needed(costs, workers, rate, trace_kw, lean=True, report_every=BUILT["token_report_every"])
         row = {"nodes": n, "pools": pools, "offered": rate, "ceiling_1": ceil_1, "ceiling_lean": ceil_lean,
-               "shards": k, "shards_lean": k_lean}
+               "shards": k, "shards_lean": k_lean, "shards_built": k_built}
         row["ideal"] = run_one(costs, pools, rate, seconds, seed, trace_kw, coordinator_cost_scale=0.0)
         row["single"] = run_one(costs, pools, rate, seconds, seed, trace_kw)
         if k is not None and k <= MAX_SIMULATED_SHARDS:
             row["sharded"] = run_one(costs, pools, rate, seconds, seed, trace_kw, coordinators=k)
         row["lean"] = run_one(costs, pools, rate, seconds, seed, trace_kw, coordinators=k_lean, **LEAN)
+        row["built"] = run_one(costs, pools, rate, seconds, seed, trace_kw, coordinators=k_built, **BUILT)
         rows.append(row)
         print(f"{n} nodes done: single {row['single']['goodput']:.0f} req/s good of {rate:.0f}", flush=True)
     return {"costs": costs.name, "unit_pools": unit, "stage_seconds": shares, "capacity_8": cap8, "load": load,
@@ -187,9 +200,9 @@ def markdown(res: dict[str, Any]) -> str:
              f"({res['capacity_8']:.0f} req/s per 8 nodes); SLO TTFT <= {SLO_MS['ttft']:.0f} ms, TPOT <= "
              f"{SLO_MS['tpot']:.0f} ms; goodput in req/s.", "",
              "| nodes | pools E/P/D | offered req/s | goodput, ideal coordinator | 1 coordinator: throughput / "
-             "goodput | 1 coordinator: ceiling req/s (closed form), utilisation | goodput, K shards as built (K) | "
-             "goodput, K lean shards (K) |",
-             "|---:|---|---:|---:|---:|---|---:|---:|"]
+             "goodput | 1 coordinator: ceiling req/s (closed form), utilisation | goodput, K shards, sharding alone (K) | "
+             "goodput, K lean shards (K) | goodput, K shards as mserve builds them (K) |",
+             "|---:|---|---:|---:|---:|---|---:|---:|---:|"]
     for r in res["rows"]:
         p = r["pools"]
         sh = (f"{r['sharded']['goodput']:,.0f} ({r['shards']})" if "sharded" in r
@@ -198,7 +211,8 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{r['ideal']['goodput']:,.0f} | {r['single']['throughput']:,.0f} / {r['single']['goodput']:,.0f} | "
                      f"{r['ceiling_1']:,.0f}, "
                      f"{r['single']['coordinator_utilisation']:.0%} | {sh} | "
-                     f"{r['lean']['goodput']:,.0f} ({r['shards_lean']}) |")
+                     f"{r['lean']['goodput']:,.0f} ({r['shards_lean']}) | "
+                     + (f"{r['built']['goodput']:,.0f} ({r['shards_built']}) |" if "built" in r else "- |"))
     return "\n".join(lines)
 
 
@@ -218,9 +232,12 @@ def plot(res: dict[str, Any], path: Path) -> None:
             label="1 coordinator: throughput (SLOs missed)")
     ax.plot(x, [r["ceiling_1"] for r in rows], "--", color="C1", alpha=0.4, label="1 coordinator: closed-form ceiling")
     ax.plot([r["nodes"] for r in rows if "sharded" in r], [r["sharded"]["goodput"] for r in rows if "sharded" in r],
-            "^-", color="C3", label="K shards, as built")
+            "^-", color="C3", label="K shards, sharding alone")
     ax.plot(x, [r["lean"]["goodput"] for r in rows], "v-", color="C2",
             label="K lean shards (tokens direct, 1 Hz, front-end admission, p2c)")
+    if all("built" in r for r in rows):
+        ax.plot(x, [r["built"]["goodput"] for r in rows], "D--", color="C4",
+                label="K shards as built (tokens direct, report every 16, 1 Hz, p2c)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(x, [str(n) for n in x])

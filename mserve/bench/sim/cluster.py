@@ -145,7 +145,8 @@ class Coordinator:
             for q, finished in msg[1]:
                 if finished:
                     self._uncharge(q)
-                self.cl.client.deliver(q, 1, finished)
+                if finished or self.cl.stream_via_coordinator:  # a progress report: the client has them
+                    self.cl.client.deliver(q, 1, finished)
         elif kind == "housekeeping":
             for v in self.views.values():
                 v.queue_len, v.running, v.free_blocks, v.total_blocks = v.worker.report()
@@ -237,6 +238,7 @@ class Cluster:
     # Design options of docs/scaling.md (today: True and 1.0): decode workers stream tokens to the
     # client themselves (the coordinator hears first token and end only); heartbeat/Redis cost scale.
     stream_via_coordinator: bool = True
+    token_report_every: int = 0  # with stream_via_coordinator False: the coordinator also hears every Nth token
     heartbeat_cost_scale: float = 1.0
     admission_offload: bool = False  # admission (validate, hash, tokenize) done by stateless front ends
     max_waiting_requests: int = 256  # the coordinator's shedding bound (coordinator/settings.py)

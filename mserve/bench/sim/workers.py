@@ -200,17 +200,23 @@ class DecodeWorker(Worker):
 
         def finish() -> None:
             by_coord: dict[int, list[tuple[Req, bool]]] = {}
+            every = self.cl.token_report_every
+            reported: set[int] = set()  # requests whose tokens the coordinator hears this step
             for s in batch:
                 s.ctx += 1
                 s.left -= 1
                 by_coord.setdefault(s.q.coord.idx, []).append((s.q, s.left <= 0))
+                if s.left <= 0 or (every and (s.q.r.max_tokens - 1 - s.left) % every == 0):
+                    reported.add(id(s.q))
             self.running = [s for s in self.running if s.left > 0]
             for idx, items in by_coord.items():
-                if not self.cl.stream_via_coordinator:  # tokens go to the client; the coordinator hears the end
+                if not self.cl.stream_via_coordinator:
+                    # Tokens go to the client; the coordinator hears the end (and, with token_report_every
+                    # N, every Nth token: mserve's --token-report-every).
                     for q, finished in items:
                         if not finished:
                             self.cl.client.deliver(q, 1, False)
-                    items = [(q, f) for q, f in items if f]
+                    items = [(q, f) for q, f in items if id(q) in reported]
                     if not items:
                         continue
                 coord = self.cl.coords[idx]
