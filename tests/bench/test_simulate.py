@@ -77,6 +77,22 @@ def test_conserves_requests_and_tokens():
     assert all(v.inflight == 0 and v.inflight_tokens == 0 for c in cluster.coords for v in c.views.values())
 
 
+@pytest.mark.parametrize("opts, messages", [
+    ({}, "every step"),
+    ({"stream_via_coordinator": False, "token_report_every": 16}, "every 16th token and the last"),
+    ({"stream_via_coordinator": False}, "the last only"),
+])
+def test_tokens_reach_the_client_whichever_way_the_coordinator_hears_them(opts, messages):
+    costs = make_costs(cpu__cores=None)
+    reqs = trace(costs, "text", 20, rate=5.0, max_tokens=33)
+    cluster = Cluster(costs, encode=1, prefill=1, decode=1, **opts)
+    out = cluster.run(reqs)
+    assert all(q.tokens == 33 and q.first_s <= q.end_s for q in out)
+    # The first token comes with PREFILLED; the decode worker's 32 steps report as `messages` says.
+    per_request = {"every step": 32, "every 16th token and the last": 2, "the last only": 1}[messages]
+    assert cluster.coords[0].step_items == 20 * per_request
+
+
 def test_deterministic_per_seed():
     costs = make_costs(cpu__cores=2.0, coordinator__per_text_request_s=0.001)
     runs = [simulate(costs, trace(costs, "mixed", 80, seed=s, rate=30.0, max_tokens=8), encode=1, prefill=2,

@@ -75,6 +75,7 @@ class Coordinator:
         for v in self.views.values():
             self.by_role.setdefault(v.worker.role, []).append(v)
         self.messages = 0
+        self.step_items = 0  # token reports heard (one per request in a STEP_TOKENS)
         self.max_queue = 0
         self.window = (0.0, math.inf)  # busy_in: CPU of the messages started inside this span
         self.busy_in = 0.0
@@ -142,6 +143,7 @@ class Coordinator:
             if q.r.max_tokens > 1:
                 self._dispatch(q, "decode")
         elif kind == "step":
+            self.step_items += len(msg[1])
             for q, finished in msg[1]:
                 if finished:
                     self._uncharge(q)
