@@ -13,6 +13,10 @@ every message to and from it is counted. Runs:
 * closed-loop requests (image or text, 2 or 33 output tokens, 1 or 8 in flight): a least-squares
   fit gives CPU per request (admission + the 6 stage messages + RESULT), per STEP_TOKENS message,
   and per token item (the item in, TOKENS out to a streaming client).
+
+Sharded coordinators (docs/scaling.md), K shards side by side with one:
+``python -m mserve.bench.coord_calibrate --model models/small-llava --shards 2 [--json-out FILE]``,
+the same as ``python -m mserve.bench.coord_shards`` (see there); FakeCluster below serves both.
 """
 
 from __future__ import annotations
@@ -38,35 +42,74 @@ def _cpu_s(pid: int) -> float:
 
 
 class FakeCluster:
-    """A client DEALER plus fake workers, all polled from this one thread."""
+    """A client plus fake workers, all polled from this one thread.
 
-    def __init__(self, client_addr: str, worker_addr: str, redis_url: str) -> None:
+    With several coordinator shards (lists of addresses, shard i at index i of both), the client keeps
+    one DEALER per shard and sends each request to ``pick_shard(request id, client addresses)``; each
+    fake worker keeps one DEALER per shard under one identity (as mserve/workers/links.py does), sends
+    READY and heartbeats to every shard, answers a stage message on the socket it came in on, and
+    splits a decode step's tokens into one STEP_TOKENS per shard.
+    """
+
+    def __init__(self, client_addr: str | list[str], worker_addr: str | list[str], redis_url: str) -> None:
         from mserve.common.redis_store import RedisStore
 
         self.ctx = zmq.Context.instance()
-        self.worker_addr = worker_addr
-        self.client = self.ctx.socket(zmq.DEALER)
-        self.client.connect(client_addr)
-        self.store = RedisStore(redis_url)
-        self.workers: dict[str, tuple[str, zmq.Socket]] = {}
+        self.client_addrs = [client_addr] if isinstance(client_addr, str) else list(client_addr)
+        self.worker_addrs = [worker_addr] if isinstance(worker_addr, str) else list(worker_addr)
+        if len(self.client_addrs) != len(self.worker_addrs):
+            raise ValueError("one client address and one worker address per shard")
         self.poller = zmq.Poller()
-        self.poller.register(self.client, zmq.POLLIN)
-        self.decoding: dict[str, dict[str, Any]] = {}  # rid -> attempt, left, first
+        self.clients: list[zmq.Socket] = []
+        self._shard_of: dict[int, int] = {}  # id(socket) -> shard index
+        for i, address in enumerate(self.client_addrs):
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.connect(address)
+            self.clients.append(sock)
+            self._shard_of[id(sock)] = i
+            self.poller.register(sock, zmq.POLLIN)
+        self.store = RedisStore(redis_url)
+        self.workers: dict[str, tuple[str, list[zmq.Socket]]] = {}
+        self.decoding: dict[str, dict[str, Any]] = {}  # rid -> attempt, left, first, socket
         self.msgs = {"to_coordinator": 0, "from_coordinator": 0, "step_msgs": 0, "token_items": 0}
+        # Per shard: requests sent to it, RESULT/ERROR from it, messages either way.
+        self.by_shard = [{"requests": 0, "results": 0, "messages": 0} for _ in self.client_addrs]
         self.results = 0
         self._next_beat = 0.0
+
+    def submit(self, body: dict[str, Any]) -> int:
+        """Send a GENERATE to the shard that owns its request id; returns that shard's index."""
+        from mserve.common.protocol import MsgType
+        from mserve.common.shards import pick_shard
+        from mserve.common.sockets import send
+
+        shard = self.client_addrs.index(pick_shard(body["request_id"], self.client_addrs))
+        send(self.clients[shard], MsgType.GENERATE, body)
+        self.msgs["to_coordinator"] += 1
+        self.by_shard[shard]["requests"] += 1
+        self.by_shard[shard]["messages"] += 1
+        return shard
+
+    def _count(self, sock: zmq.Socket, direction: str, n: int = 1) -> None:
+        self.msgs[direction] += n
+        self.by_shard[self._shard_of[id(sock)]]["messages"] += n
 
     def add_worker(self, wid: str, role: str) -> None:
         from mserve.common.protocol import MsgType
         from mserve.common.sockets import send
 
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, wid.encode())
-        sock.connect(self.worker_addr)
-        self.workers[wid] = (role, sock)
-        self.poller.register(sock, zmq.POLLIN)
+        socks = []
+        for i, address in enumerate(self.worker_addrs):
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, wid.encode())
+            sock.connect(address)
+            self._shard_of[id(sock)] = i
+            self.poller.register(sock, zmq.POLLIN)
+            socks.append(sock)
+        self.workers[wid] = (role, socks)
         self.store.register_worker(wid, {"worker_id": wid, "role": role}, ttl_s=3.0)
-        send(sock, MsgType.READY, self._info(wid, role).to_body())
+        for sock in socks:
+            send(sock, MsgType.READY, self._info(wid, role).to_body())
 
     def _info(self, wid: str, role: str) -> Any:
         from mserve.common.protocol.to_coordinator import WorkerInfo
@@ -87,42 +130,49 @@ class FakeCluster:
         if now < self._next_beat:
             return
         self._next_beat = now + HEARTBEAT_S
-        for wid, (role, sock) in self.workers.items():
+        for wid, (role, socks) in self.workers.items():
             info = self._info(wid, role)
-            send(sock, MsgType.HEARTBEAT, info.to_body())
-            self.msgs["to_coordinator"] += 1
+            body = info.to_body()
+            for sock in socks:
+                send(sock, MsgType.HEARTBEAT, body)
+                self._count(sock, "to_coordinator")
             self.store.heartbeat(wid, ttl_s=3.0)
             self.store.publish_load(wid, redis_load(info.load), ttl_s=3.0)
 
     def close(self) -> None:
-        for _, sock in self.workers.values():
+        for _, socks in self.workers.values():
+            for sock in socks:
+                sock.close(0)
+        for sock in self.clients:
             sock.close(0)
-        self.client.close(0)
         self.store.close()
 
     # -- one turn of the event loop ---------------------------------------------------------------
     def turn(self, timeout_ms: int) -> None:
         self.heartbeat()
         events = dict(self.poller.poll(timeout_ms))
-        if self.client in events:
-            self._drain_client()
-        for wid, (role, sock) in self.workers.items():
+        for sock in self.clients:
             if sock in events:
-                self._drain_worker(wid, role, sock)
+                self._drain_client(sock)
+        for wid, (role, socks) in self.workers.items():
+            for sock in socks:
+                if sock in events:
+                    self._drain_worker(wid, role, sock)
         self._decode_step()
 
-    def _drain_client(self) -> None:
+    def _drain_client(self, sock: zmq.Socket) -> None:
         from mserve.common.protocol import MsgType
         from mserve.common.sockets import recv
 
         while True:
             try:
-                _, kind, body = recv(self.client, flags=zmq.NOBLOCK)
+                _, kind, body = recv(sock, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.msgs["from_coordinator"] += 1
+            self._count(sock, "from_coordinator")
             if kind in (MsgType.RESULT, MsgType.ERROR):
                 self.results += 1
+                self.by_shard[self._shard_of[id(sock)]]["results"] += 1
                 if kind == MsgType.ERROR:
                     raise RuntimeError(f"coordinator answered ERROR: {body}")
 
@@ -136,7 +186,7 @@ class FakeCluster:
                 _, kind, b = recv(sock, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.msgs["from_coordinator"] += 1
+            self._count(sock, "from_coordinator")
             kind = MsgType(kind)
             rid, attempt = b.get("request_id"), b.get("attempt")
             if kind == MsgType.ENCODE:
@@ -155,19 +205,20 @@ class FakeCluster:
                                                         worker_s=0.001).to_body())
             elif kind == MsgType.DECODE:
                 left = int(b["state"]["sampling"]["max_tokens"]) - 1
-                self.decoding[rid] = {"attempt": attempt, "left": left, "first": True, "wid": wid}
+                self.decoding[rid] = {"attempt": attempt, "left": left, "first": True, "sock": sock}
                 continue
             else:
                 continue
-            self.msgs["to_coordinator"] += 1
+            self._count(sock, "to_coordinator")
 
     def _decode_step(self) -> None:
-        """One 'engine step' per decode worker: one token for every request it holds, one STEP_TOKENS."""
+        """One 'engine step' per decode worker: one token for every request it holds, one STEP_TOKENS
+        per shard that owns some of them (its socket to that shard)."""
         from mserve.common.protocol import MsgType
         from mserve.common.protocol.to_coordinator import StepTokens, TokenItem
         from mserve.common.sockets import send
 
-        by_worker: dict[str, list[Any]] = {}
+        by_sock: dict[int, tuple[zmq.Socket, list[Any]]] = {}
         for rid, d in list(self.decoding.items()):
             d["left"] -= 1
             done = d["left"] <= 0
@@ -176,37 +227,33 @@ class FakeCluster:
                              fetch_s=0.001 if d["first"] else None, worker_s=0.01 if done else None,
                              cached_tokens=0 if done else None)
             d["first"] = False
-            by_worker.setdefault(d["wid"], []).append(item)
+            by_sock.setdefault(id(d["sock"]), (d["sock"], []))[1].append(item)
             if done:
                 del self.decoding[rid]
-        for wid, items in by_worker.items():
-            send(self.workers[wid][1], MsgType.STEP_TOKENS, StepTokens(items=items).to_body())
-            self.msgs["to_coordinator"] += 1
+        for sock, items in by_sock.values():
+            send(sock, MsgType.STEP_TOKENS, StepTokens(items=items).to_body())
+            self._count(sock, "to_coordinator")
             self.msgs["step_msgs"] += 1
             self.msgs["token_items"] += len(items)
 
 
-def _bodies(model: str, modality: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
+def _bodies(model: str, modality: str, n: int, max_tokens: int, prefix: str = "c") -> list[dict[str, Any]]:
     from mserve.bench.traces import make_trace
     from mserve.coordinator.client_core import generate_body
 
     trace = make_trace(modality, n, seed=3, photos=False)
-    return [generate_body(f"c{i}", r.messages, True, max_tokens=max_tokens, ignore_eos=True)
+    return [generate_body(f"{prefix}{i}", r.messages, True, max_tokens=max_tokens, ignore_eos=True)
             for i, r in enumerate(trace)]
 
 
 def run_requests(fake: FakeCluster, bodies: list[dict[str, Any]], concurrency: int, pid: int) -> dict[str, Any]:
-    from mserve.common.protocol import MsgType
-    from mserve.common.sockets import send
-
     before = dict(fake.msgs)
     fake.results = 0
     sent = 0
     cpu0, t0 = _cpu_s(pid), time.perf_counter()
     while fake.results < len(bodies):
         while sent < len(bodies) and sent - fake.results < concurrency:
-            send(fake.client, MsgType.GENERATE, bodies[sent])
-            fake.msgs["to_coordinator"] += 1
+            fake.submit(bodies[sent])
             sent += 1
         fake.turn(5)
         if time.perf_counter() - t0 > 300:
@@ -264,11 +311,8 @@ def measure_coordinator(model: str, scale: float = 1.0) -> dict[str, Any]:
                 fake.add_worker(wid, role)
             deadline = time.monotonic() + 120
             warm = _bodies(model, "image", 4, 2)
-            from mserve.common.protocol import MsgType
-            from mserve.common.sockets import send
-
             # Wait until the coordinator is up and serving (its first answer), then warm it.
-            send(fake.client, MsgType.GENERATE, warm[0])
+            fake.submit(warm[0])
             while fake.results < 1:
                 fake.turn(50)
                 if time.monotonic() > deadline or proc.poll() is not None:
@@ -326,7 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--shards", type=int, default=None,
+                   help="instead: 1 and this many coordinator shards side by side (mserve.bench.coord_shards)")
     args = p.parse_args(argv)
+    if args.shards is not None:
+        from mserve.bench.coord_shards import main as shards_main
+
+        return shards_main(["--model", args.model, "--shards", str(args.shards), "--scale", str(args.scale)]
+                           + (["--json-out", args.json_out] if args.json_out else []))
     out = measure_coordinator(args.model, args.scale)
     text = json.dumps(out, indent=1)
     print(text)
