@@ -173,3 +173,17 @@ def request_mix(n: int, seed: int = 0) -> list[tuple[str, list[bytes]]]:
                   for j in range(k)]
         mix.append((PROMPTS[i % len(PROMPTS)], images))
     return mix
+
+
+def wait_for(condition, timeout_s: float = 10.0, what: str = "a condition", every_s: float = 0.05):
+    """Poll `condition` until it returns something truthy (returned) or `timeout_s` passes (AssertionError)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)

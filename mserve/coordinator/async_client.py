@@ -87,15 +87,13 @@ class AsyncClient:
         answering is sent to another shard (same id, same overall deadline); with one, ``Lost`` is raised."""
         rid = new_request_id(request_id)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        for tries_left in range(len(self._shards.addresses) - 1, -1, -1):
+        for tries_left in self._shards.tries():
             try:
                 async with self._stream(messages, False, deadline - time.monotonic(), rid, sampling) as s:
                     async for _ in s:
                         pass
             except Lost as exc:
-                if not (self._shards.sharded and tries_left):
-                    raise
-                logger.warning("%s: %s; sending it to another shard", rid, exc.message)
+                self._shards.resend_or_raise(rid, exc, tries_left)
                 continue
             assert s.result is not None
             return s.result

@@ -99,15 +99,13 @@ class Client:
         (nothing of it was handed out yet); with one coordinator, ``Lost`` is raised."""
         rid = new_request_id(request_id)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        for tries_left in range(len(self._shards.addresses) - 1, -1, -1):
+        for tries_left in self._shards.tries():
             try:
                 with self._start(messages, False, deadline - time.monotonic(), rid, sampling) as s:
                     for _ in s:
                         pass
             except Lost as exc:
-                if not (self._shards.sharded and tries_left):
-                    raise
-                logger.warning("%s: %s; sending it to another shard", rid, exc.message)
+                self._shards.resend_or_raise(rid, exc, tries_left)
                 continue
             assert s.result is not None
             return s.result

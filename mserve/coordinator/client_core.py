@@ -167,6 +167,16 @@ class ShardChooser:
             logger.info("coordinator shards now: %s", ", ".join(addresses))
             self.addresses = addresses
 
+    def tries(self) -> range:
+        """For generate(): the tries left after each one, one try per shard."""
+        return range(len(self.addresses) - 1, -1, -1)
+
+    def resend_or_raise(self, request_id: str, exc: MServeError, tries_left: int) -> None:
+        """generate()'s request was lost with its shard: raise, unless another shard may take it."""
+        if not (self.sharded and tries_left):
+            raise exc
+        logger.warning("%s: %s; sending it to another shard", request_id, exc.message)
+
     def mark_down(self, address: str, now: float) -> None:
         logger.warning("coordinator shard at %s does not answer: new requests skip it for %.0fs", address,
                        SHARD_DOWN_S)

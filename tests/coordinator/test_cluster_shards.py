@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,21 +17,10 @@ from mserve.common.sockets import free_port
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected
-from tests.helpers import chat, request_mix
+from tests.helpers import chat, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
-
-
-def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(every_s)
 
 
 def generate_each(address: str, requests, ids, max_tokens: int = MAX_TOKENS, **kw):

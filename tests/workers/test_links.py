@@ -15,15 +15,7 @@ from mserve.common.redis_store import RedisStore
 from mserve.common.shards import ShardRegistry
 from mserve.common.sockets import make_socket, recv, send
 from mserve.workers.links import CoordinatorLinks
-
-
-def wait_for(condition, timeout_s: float = 10.0, what: str = "a condition"):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-    return value
+from tests.helpers import wait_for
 
 
 @pytest.fixture
