@@ -63,8 +63,9 @@ def read_coordinator(address: str, timeout_s: float) -> tuple[dict[str, Any] | N
 
 
 def read_redis(url: str, timeout_s: float) -> tuple[dict[str, Any] | None, str | None]:
-    """({"workers", "loads", "census"}, None), or (None, why Redis was not read)."""
+    """({"workers", "loads", "census", "shards"}, None), or (None, why Redis was not read)."""
     from mserve.common.redis_store import RedisStore
+    from mserve.common.shards import ShardRegistry
 
     # The store warns once when Redis is down; here the report says so instead.
     store_log = logging.getLogger("mserve.common.redis_store")
@@ -81,9 +82,10 @@ def read_redis(url: str, timeout_s: float) -> tuple[dict[str, Any] | None, str |
         workers = store.list_workers()
         loads = store.get_loads(sorted(workers))
         census = store.census()
+        shards = ShardRegistry(store).live()
         if census is None or not store.healthy:
             return None, "connection lost while reading"
-        return {"workers": workers, "loads": loads, "census": census}, None
+        return {"workers": workers, "loads": loads, "census": census, "shards": shards}, None
     finally:
         store.close()
         store_log.setLevel(level)
@@ -198,6 +200,8 @@ def build_report(coordinator: str, coord: dict[str, Any] | None, coord_error: st
         },
         "redis": {"url": redis_url, "read": redis_data is not None,
                   "error": None if redis_data is not None else redis_error},
+        # coordinator shards registered in Redis (docs/scaling.md); {} for a cluster of one coordinator
+        "shards": dict((redis_data or {}).get("shards") or {}),
         "pools": _pools(rows, coord["roles"] if coord and isinstance(coord.get("roles"), dict) else {}),
         "workers": rows,
         "caches": {
@@ -259,6 +263,9 @@ def format_report(report: dict[str, Any]) -> str:
                      if r["read"] else "  (and Redis was not read either: nothing more to show)")
     lines.append(f"redis read from {r['url']}" if r["read"]
                  else f"redis not read: {r['error']}" + (f" ({r['url']})" if r["url"] else ""))
+    if report.get("shards"):  # the request counts above are this one shard's
+        lines.append(f"coordinator shards ({len(report['shards'])}): " + ", ".join(
+            f"{sid} {info.get('client', '?')}" for sid, info in sorted(report["shards"].items())))
     if not c["reachable"] and not r["read"]:
         return "\n".join(lines)
 

@@ -70,7 +70,7 @@ def report(coord=True, redis=True) -> dict:
 def test_both_sources_merge_into_pools_workers_caches_and_stats():
     r = report()
     assert json.loads(json.dumps(r)) == r  # JSON-able as is
-    assert set(r) == {"coordinator", "redis", "pools", "workers", "caches", "stats"}
+    assert set(r) == {"coordinator", "redis", "shards", "pools", "workers", "caches", "stats"}
     assert r["coordinator"] == {"address": "tcp://10.0.0.1:5555", "reachable": True, "error": None, "model": MODEL,
                                 "redis_healthy": True, "requests_in_flight": 4}
     assert r["redis"] == {"url": "redis://10.0.0.2:6379/0", "read": True, "error": None}
@@ -315,3 +315,21 @@ def test_status_of_a_real_cluster(tiny_model_dirs, redis_url):
     assert proc.returncode == 1
     assert proc.stdout.startswith(f"coordinator {address} UNREACHABLE: no STATUS reply within 1s")
     assert "redis read from" in proc.stdout
+
+
+def test_coordinator_shards_in_redis_are_listed(redis_url):
+    import time as _time
+
+    from mserve.common.shards import ShardRegistry
+    from mserve.status import build_report, format_report, read_redis
+
+    store = RedisStore(redis_url)
+    try:
+        ShardRegistry(store).announce("shard-1", "tcp://10.0.0.2:5555", "tcp://10.0.0.2:5556", _time.time())
+        ShardRegistry(store).announce("shard-0", "tcp://10.0.0.1:5555", "tcp://10.0.0.1:5556", _time.time())
+    finally:
+        store.close()
+    data, error = read_redis(redis_url, 2.0)
+    assert error is None and sorted(data["shards"]) == ["shard-0", "shard-1"]
+    rep = build_report("tcp://10.0.0.1:5555", None, "no reply", redis_url, data, None, now=_time.time())
+    assert "coordinator shards (2): shard-0 tcp://10.0.0.1:5555, shard-1 tcp://10.0.0.2:5555" in format_report(rep)
