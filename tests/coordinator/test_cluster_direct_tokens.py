@@ -1,6 +1,7 @@
 """Tokens off the coordinator (docs/scaling.md): with --token-report-every N, decode and unified workers
 stream tokens straight to a client's token sink and report to the coordinator only every N tokens.
-Real processes; the streamed tokens and the RESULT both equal HF generate's."""
+Real processes; the streamed tokens and the RESULT both equal HF generate's. `check_direct_tokens`
+also runs on the sharded cluster of test_cluster_shards.py (llava, encode / prefill / decode)."""
 
 from __future__ import annotations
 
@@ -30,30 +31,35 @@ async def stream_all(address: str, requests) -> tuple[list[list[int]], list]:
     return [c for c, _ in done], [r for _, r in done]
 
 
-@pytest.mark.parametrize("arch, pools", [
-    ("llava", {"encode": 1, "prefill": 1, "decode": 1}),
-    ("qwen2_vl", {"encode": 0, "prefill": 0, "decode": 0, "unified": 1}),
-], ids=["llava-1e1p1d", "qwen-unified"])
-def test_tokens_reach_the_client_from_the_worker(tiny_model_dirs, arch, pools):
-    model = str(tiny_model_dirs[arch])
+def check_direct_tokens(model: str, address: str, shard_addresses: list[str], worker: str) -> None:
+    """Six requests streamed through AsyncClient (all at once) and then Client, both with a token sink:
+    tokens arrive a step at a time from the worker, equal HF's and RESULT's, and the coordinators
+    (summed over `shard_addresses`) hear only every EVERY-th of them."""
+    def heard() -> int:  # token reports the coordinators took so far, summed over the shards
+        total = 0
+        for shard in shard_addresses:
+            with Client(shard, timeout_s=30) as c:
+                total += c.status()["stats"]["token_items"]
+        return total
+
     requests = request_mix(6, seed=31)
-    with LocalCluster(model, **pools, extra_coordinator_args=["--token-report-every", str(EVERY)]) as cluster:
-        chunks, concurrent_results = asyncio.run(stream_all(cluster.address, requests))
-        concurrent = [[t for chunk in c for t in chunk] for c in chunks]
-        streamed, results = [], []
-        with Client(cluster.address, timeout_s=120, direct_tokens=True) as c:
-            for text, images in requests:
-                with c.stream(chat(text, images), max_tokens=MAX_TOKENS, ignore_eos=True) as s:
-                    streamed.append(list(s))
-                results.append(s.result)
-            worker = (cluster.worker_names("decode") or cluster.worker_names("unified"))[0]
-            deadline = time.monotonic() + 30
-            while True:  # the worker's counters arrive with its heartbeats
-                status = c.status()
-                direct = status["workers"][worker]["counters"].get("tokens_direct", 0)
-                if direct >= 2 * len(requests) * (MAX_TOKENS - 1) * 0.5 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
+    heard_before = heard()
+    chunks, concurrent_results = asyncio.run(stream_all(address, requests))
+    concurrent = [[t for chunk in c for t in chunk] for c in chunks]
+    streamed, results = [], []
+    with Client(address, timeout_s=120, direct_tokens=True) as c:
+        for text, images in requests:
+            with c.stream(chat(text, images), max_tokens=MAX_TOKENS, ignore_eos=True) as s:
+                streamed.append(list(s))
+            results.append(s.result)
+    with Client(shard_addresses[0], timeout_s=30) as c:
+        deadline = time.monotonic() + 30
+        while True:  # the worker's counters arrive with its heartbeats
+            direct = c.status()["workers"][worker]["counters"].get("tokens_direct", 0)
+            if direct >= 2 * len(requests) * (MAX_TOKENS - 1) * 0.5 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    token_items = heard() - heard_before
     want = expected(model, requests, MAX_TOKENS, ignore_eos=True)
     assert streamed == want and [r.token_ids for r in results] == want
     assert concurrent == want and [r.token_ids for r in concurrent_results] == want
@@ -62,5 +68,14 @@ def test_tokens_reach_the_client_from_the_worker(tiny_model_dirs, arch, pools):
     assert all(len(c) >= MAX_TOKENS // 2 for c in chunks), [len(c) for c in chunks]
     # The worker pushed the streams itself, a message per step: about one per token past the first.
     assert direct >= 2 * len(requests) * (MAX_TOKENS - 1) * 0.5
-    # The coordinator heard each request's tokens only every EVERY of them (plus the first and last).
-    assert status["stats"]["token_items"] <= 2 * len(requests) * (MAX_TOKENS // EVERY + 2)
+    # The coordinators heard each request's tokens only every EVERY of them (plus the first and last).
+    assert token_items <= 2 * len(requests) * (MAX_TOKENS // EVERY + 2)
+
+
+def test_tokens_reach_the_client_from_a_unified_worker(tiny_model_dirs):
+    """Qwen2-VL on a unified worker; the disaggregated path (llava, two coordinator shards) is checked
+    in test_cluster_shards.py on its cluster."""
+    model = str(tiny_model_dirs["qwen2_vl"])
+    with LocalCluster(model, encode=0, prefill=0, decode=0, unified=1,
+                      extra_coordinator_args=["--token-report-every", str(EVERY)]) as cluster:
+        check_direct_tokens(model, cluster.address, cluster.shard_addresses, cluster.worker_names("unified")[0])

@@ -1,7 +1,9 @@
 """Sharded coordinators (docs/scaling.md) as real processes: shards announce themselves in Redis, workers
 connect to every shard they find there, clients spread requests by request id, a shard that joins
 later is served by the same pools, and a shard that dies loses none of its requests: its clients
-send them to another shard and the workers cancel what it left behind. Tokens equal HF generate's."""
+send them to another shard and the workers cancel what it left behind. The shards run the
+many-shard option --token-report-every (tokens straight from the decode worker to the clients).
+Tokens equal HF generate's."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from mserve.common.sockets import free_port
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected
+from tests.coordinator.test_cluster_direct_tokens import EVERY, check_direct_tokens
 from tests.helpers import chat, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
@@ -40,7 +43,8 @@ def shard_status(address: str) -> dict:
 @pytest.fixture(scope="module")
 def sharded(tiny_model_dirs):
     """Two coordinator shards over one encode, prefill and decode worker, with the cluster's own Redis."""
-    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=1, coordinators=2) as c:
+    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=1, coordinators=2,
+                      extra_coordinator_args=["--token-report-every", str(EVERY)]) as c:
         yield c
 
 
@@ -67,6 +71,12 @@ def test_requests_spread_over_the_shards_match_hf(sharded, tiny_model_dirs):
     for address in sharded.shard_addresses:
         workers = shard_status(address)["workers"]
         assert sorted(w for w, info in workers.items() if info["alive"]) == sorted(sharded.worker_names())
+
+
+def test_tokens_reach_clients_from_the_decode_worker_whichever_shard_runs_them(sharded, tiny_model_dirs):
+    """--token-report-every: one token sink per client gets tokens of requests on both shards."""
+    check_direct_tokens(str(tiny_model_dirs["llava"]), sharded.address, sharded.shard_addresses,
+                        sharded.worker_names("decode")[0])
 
 
 def test_a_shard_that_joins_later_is_found_by_the_workers(sharded, tiny_model_dirs):

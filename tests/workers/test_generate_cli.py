@@ -33,14 +33,18 @@ def test_generate_json_matches_hf(tiny_model_dirs, tmp_path, arch):
 
 
 def test_generate_errors_are_clear(tiny_model_dirs, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
     model = str(tiny_model_dirs["llava"])
-    res = run_cli("generate", "--model", model, "--prompt", "hi", "--image", str(tmp_path / "missing.png"))
-    assert res.returncode != 0 and "missing.png: no such file" in res.stderr
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"not an image")
-    res = run_cli("generate", "--model", model, "--prompt", "hi", "--image", str(bad))
-    assert res.returncode != 0 and "cannot read image header" in res.stderr
-    res = run_cli("generate", "--model", model, "--prompt", "")
-    assert res.returncode != 0 and "prompt is empty" in res.stderr
-    res = run_cli("generate", "--model", str(tmp_path), "--prompt", "hi")
-    assert res.returncode != 0 and "no config.json" in res.stderr
+    cases = [  # (arguments, what stderr must say); independent processes, run side by side
+        (["--model", model, "--prompt", "hi", "--image", str(tmp_path / "missing.png")], "missing.png: no such file"),
+        (["--model", model, "--prompt", "hi", "--image", str(bad)], "cannot read image header"),
+        (["--model", model, "--prompt", ""], "prompt is empty"),
+        (["--model", str(tmp_path), "--prompt", "hi"], "no config.json"),
+    ]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: run_cli("generate", *case[0]), cases))
+    for (args, says), res in zip(cases, results):
+        assert res.returncode != 0 and says in res.stderr, (args, res.stderr[-2000:])
