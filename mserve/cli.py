@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_autoscale_parser(sub)
 
-    p = sub.add_parser("bench", help="benchmarks (see mserve/bench/README.md)")
+    p = sub.add_parser("bench", help="benchmarks (see bench/README.md)")
     bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
     from mserve.bench.engine_bench import add_arguments as add_engine_bench
 
@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench(bsub.add_parser(
         "serve", help="replay a trace against a cluster (zmq://) or an OpenAI-compatible server (http://)",
         description="Replay a seeded trace (Poisson/gamma arrivals or all at once) and write results.json, "
-                    "report.md and PNG plots. See mserve/bench/README.md."))
+                    "report.md and PNG plots. See bench/README.md."))
     add_compare_bench(bsub.add_parser(
         "compare", help="launch each configuration in turn, run the same trace, print one comparison table",
         description="Configurations: disagg:XeYpZd, unified:N, hf-sequential, openai:http://HOST:PORT/v1, "

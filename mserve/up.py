@@ -1,6 +1,6 @@
 """`mserve up`: a whole local cluster (Redis, coordinator, worker pools, optionally the HTTP gateway) in
 one command, kept up until Ctrl-C or SIGTERM. The processes are started by LocalCluster
-(mserve/coordinator/launcher.py); this module is only the command around it.
+(coordinator/launcher.py); this module is only the command around it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,11 +10,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# The repo root first on sys.path: the `mserve` package in this checkout is the one under test,
-# with or without the editable install.
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+# The package under test is the installed one (`make test` installs this checkout editable):
+# common/, coordinator/, workers/ and bench/ import as mserve.* only through the install's
+# package-dir mapping, so the repository root is deliberately not put on sys.path.
 
 import pytest  # noqa: E402
 import redis  # noqa: E402

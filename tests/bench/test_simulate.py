@@ -1,4 +1,4 @@
-"""The scale model (mserve/bench/simulate.py, mserve/bench/sim/): pure, fast, no processes."""
+"""The scale model (bench/simulate.py, bench/sim/): pure, fast, no processes."""
 
 from __future__ import annotations
 

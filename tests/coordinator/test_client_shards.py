@@ -125,7 +125,7 @@ def run_generates(flavour: str, address: str, rids: list[str], **client_kw) -> d
     return asyncio.run(go())
 
 
-# ---- which shard: rendezvous hashing (mserve/common/shards.py)
+# ---- which shard: rendezvous hashing (common/shards.py)
 
 
 def test_pick_shard_is_deterministic_order_free_and_balanced():

@@ -1,4 +1,4 @@
-"""A worker's links to coordinator shards (mserve/workers/links.py) against real ROUTER sockets and a real Redis:
+"""A worker's links to coordinator shards (workers/links.py) against real ROUTER sockets and a real Redis:
 replies go to the shard a request came from, a decode step's tokens are split per shard, shards announced
 in Redis are joined, and one that leaves the registry is dropped with its requests handed back to cancel."""
 

@@ -1,4 +1,4 @@
-"""Opt-in visual-token pruning (FasterVLM, mserve/common/pruning.py): counts, order, placeholders, refusals,
+"""Opt-in visual-token pruning (FasterVLM, common/pruning.py): counts, order, placeholders, refusals,
 and the pruned engine against an independent Hugging Face computation on the same pruned inputs."""
 
 from __future__ import annotations

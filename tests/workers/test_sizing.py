@@ -1,4 +1,4 @@
-"""GPU partitioning: KV pool sizing from a memory fraction or a MIG profile (mserve/workers/sizing.py), on CPU."""
+"""GPU partitioning: KV pool sizing from a memory fraction or a MIG profile (workers/sizing.py), on CPU."""
 
 from __future__ import annotations
 

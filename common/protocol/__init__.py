@@ -5,7 +5,7 @@
 * `to_coordinator`: typed bodies workers send the coordinator (READY, HEARTBEAT, ENCODED,
   PREFILLED, STEP_TOKENS, FAILED, BYE).
 * The client link (GENERATE / ABORT / STATUS and their replies) is checked by pydantic at the
-  edge (mserve/coordinator/admission.py) and assembled by mserve/coordinator/client_core.py.
+  edge (coordinator/admission.py) and assembled by coordinator/client_core.py.
 """
 
 from mserve.common.protocol.core import (CLIENT_TO_COORDINATOR, COORDINATOR_TO_CLIENT, COORDINATOR_TO_WORKER, REQUIRED,

@@ -53,7 +53,7 @@ class WorkerSettings(BaseSettings):
     curve_secret_key: str | None = None  # this worker's .key_secret file (`mserve keygen`)
     curve_server_key: str | None = None  # the coordinator's public .key file
     curve_authorized_keys: str | None = None  # folder of the public keys that may fetch from this worker
-    # GPU partitioning (docs/gpu-partitioning.md, mserve/workers/sizing.py); unset: nothing changes.
+    # GPU partitioning (docs/gpu-partitioning.md, workers/sizing.py); unset: nothing changes.
     # This worker's share of its device: the KV pool (num_blocks) is sized to fit it beside the weights
     # and a reserve, and on CUDA torch's allocator is capped at it. Several workers may share a GPU.
     gpu_memory_fraction: float | None = None
@@ -61,7 +61,7 @@ class WorkerSettings(BaseSettings):
     device_memory_gb: float | None = None
     # A MIG instance's UUID (MIG-..., `nvidia-smi -L`): set as CUDA_VISIBLE_DEVICES before CUDA starts.
     mig_device: str | None = None
-    # Opt-in FasterVLM visual-token pruning (mserve/common/pruning.py): the share of each image's visual
+    # Opt-in FasterVLM visual-token pruning (common/pruning.py): the share of each image's visual
     # tokens an encoding worker (encode, unified) keeps; None = off. Must equal the coordinator's.
     visual_token_pruning: float | None = None
 

@@ -1,4 +1,4 @@
-"""Requests for the simulator: the shapes of mserve/bench/traces.py without building any image bytes.
+"""Requests for the simulator: the shapes of bench/traces.py without building any image bytes.
 
 `sim_trace` draws from the same seeded random streams, in the same order, as `make_trace` does
 for the `text`, `image` and `mixed` traces, so arrival times, image sizes, priorities and latency

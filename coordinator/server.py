@@ -72,7 +72,7 @@ class Coordinator:
         self.worker_sock = make_socket(self.ctx, zmq.ROUTER, bind=settings.worker_bind,
                                        curve=self._gate.apply if self._gate else None)
         self.store = RedisStore(settings.redis) if settings.redis else None
-        # A shard announces itself where workers and clients look for every shard (mserve/common/shards.py).
+        # A shard announces itself where workers and clients look for every shard (common/shards.py).
         self.shard_id = settings.shard_id
         self.registry = ShardRegistry(self.store) if self.store is not None and self.shard_id else None
         self._announced = (advertised(settings.bind, settings.advertise, "--bind"),

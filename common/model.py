@@ -117,7 +117,7 @@ class ModelFamily:
     processor_source: str = ""
     video_token_id: int | None = None
     video_config: dict[str, Any] | None = None
-    # Opt-in visual-token pruning (mserve/common/pruning.py): the share of each image's visual tokens
+    # Opt-in visual-token pruning (common/pruning.py): the share of each image's visual tokens
     # kept; None = off. Set only through pruning.apply, which refuses families that cannot prune.
     visual_keep_ratio: float | None = None
 

@@ -1,6 +1,6 @@
 """A GPU-class cost file for the scale model, derived from stated assumptions: a model, not a measurement.
 
-    python -m mserve.bench.sim.gpu_costs --cpu-costs cpu-small-llava --out mserve/bench/costs/gpu-h100-llava7b.json
+    python -m mserve.bench.sim.gpu_costs --cpu-costs cpu-small-llava --out bench/costs/gpu-h100-llava7b.json
 
 Cluster: one worker per NVIDIA H100 SXM5 80 GB, serving LLaVA-1.5-7B (CLIP ViT-L/14-336 + MLP
 projector + Vicuna-7B, i.e. the Llama-2-7B architecture) in bf16. Nothing here ran on a GPU; each

@@ -1,4 +1,4 @@
-"""Per-stage costs the simulator runs on: a JSON cost file (mserve/bench/costs/*.json) behind small formulas.
+"""Per-stage costs the simulator runs on: a JSON cost file (bench/costs/*.json) behind small formulas.
 
 Every formula is linear in what the stage does, with the coefficients the calibration fitted
 (`mserve.bench.calibrate`) or the GPU-class file states (`mserve.bench.sim.gpu_costs`):

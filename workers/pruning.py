@@ -1,4 +1,4 @@
-"""FasterVLM visual-token pruning on the encode path (the rules and the citation: mserve/common/pruning.py).
+"""FasterVLM visual-token pruning on the encode path (the rules and the citation: common/pruning.py).
 
 The vision forward is the checkpoint's own (`get_image_features`); a forward pre-hook on the one
 CLIP attention module of the feature layer reads that module's input and computes the [CLS] query's

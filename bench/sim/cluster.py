@@ -2,7 +2,7 @@
 
 Mirrors the real processes closely enough for capacity and latency:
 
-* a worker is one process running its loop (mserve/workers/worker.py): take every queued control
+* a worker is one process running its loop (workers/worker.py): take every queued control
   message (a prefill worker fetches the embeddings, a decode worker fetches and imports the KV, both
   inside this drain), then run one batch of work, and again; messages that arrive during a step wait;
 * encode: one vision forward per batch of at most `max_encode_images` images, requests ordered by
@@ -13,7 +13,7 @@ Mirrors the real processes closely enough for capacity and latency:
 * decode: one step over every running request (continuous batching), one STEP_TOKENS per
   coordinator per step;
 * coordinator: one thread, a FIFO of messages, each paid with the calibrated CPU; its routing is
-  mserve/coordinator/routing.py: encode and decode to the least `busy` (inflight + queue_len +
+  coordinator/routing.py: encode and decode to the least `busy` (inflight + queue_len +
   0.5 running), prefill to the least pending prompt tokens (+64 per queued request), decode only
   where the KV fits; `inflight` is the coordinator's own count, `queue_len` / `running` /
   `free_blocks` are the workers' reports, refreshed every heartbeat period (0.25 s);
@@ -154,7 +154,7 @@ class Coordinator:
                 v.queue_len, v.running, v.free_blocks, v.total_blocks = v.worker.report()
         self._next()
 
-    # -- routing (mserve/coordinator/routing.py) ---------------------------------------------------------
+    # -- routing (coordinator/routing.py) ---------------------------------------------------------
     def _dispatch(self, q: Req, role: str) -> None:
         views = self.by_role[role]
         if self.cl.routing == "p2c" and len(views) > 2:  # two random candidates, then the usual rule

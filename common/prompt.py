@@ -118,7 +118,7 @@ class PromptBuilder:
     """Tokenizer + chat template + family rules for one checkpoint."""
 
     def __init__(self, model_dir: str | os.PathLike, visual_token_pruning: float | str | None = None) -> None:
-        """`visual_token_pruning`: the keep ratio the encoders prune to (mserve/common/pruning.py); each
+        """`visual_token_pruning`: the keep ratio the encoders prune to (common/pruning.py); each
         image then expands to that many placeholders. Raises PruningError for a family that cannot prune."""
         from transformers import AutoTokenizer
 

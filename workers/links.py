@@ -2,7 +2,7 @@
 
 With one coordinator this is one socket. With sharded coordinators the worker keeps a socket to
 every shard: the ones named by ``--coordinator`` (a comma-separated list) and the ones announced in
-Redis (mserve/common/shards.py), which come and go. Every shard hears the worker's READY and
+Redis (common/shards.py), which come and go. Every shard hears the worker's READY and
 heartbeats; a stage message is answered on the link it came in on (the worker remembers each
 request's shard), and a decode step's tokens are split into one STEP_TOKENS per shard.
 

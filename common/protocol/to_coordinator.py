@@ -26,7 +26,7 @@ class WorkerInfo(Message):
     load: dict[str, Any] = wire(as_map, {})  # queue_len, running, free_blocks, total_blocks, tokens_per_s
     data_key: str | None = wire(optional(as_str), None)  # the data plane's CURVE public key (Z85), when it has one
     # The FasterVLM keep ratio this worker prunes images to (None: off); the coordinator refuses an
-    # encode or unified worker whose ratio differs from its own (mserve/common/pruning.py).
+    # encode or unified worker whose ratio differs from its own (common/pruning.py).
     visual_token_pruning: float | None = wire(optional(as_float), None)
 
 

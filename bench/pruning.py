@@ -2,7 +2,7 @@
 
     python -m mserve.bench.pruning --model models/small-llava --requests 24 --max-tokens 32
 
-Over a seeded trace of single-image prompts (mserve/bench/traces.py, the `image` trace), every request
+Over a seeded trace of single-image prompts (bench/traces.py, the `image` trace), every request
 runs through one engine per keep ratio (and an unpruned one), one request at a time, in the same
 process, sharing one copy of the weights; the configurations take turns request by request, so drift
 on a shared host hits them alike. Greedy decoding with EOS ignored: every request yields exactly

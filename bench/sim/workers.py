@@ -1,4 +1,4 @@
-"""The simulated worker processes: encode, prefill and decode roles (see mserve/bench/sim/cluster.py)."""
+"""The simulated worker processes: encode, prefill and decode roles (see bench/sim/cluster.py)."""
 
 from __future__ import annotations
 

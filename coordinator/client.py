@@ -1,6 +1,6 @@
 """Client API: speaks GENERATE / ABORT / STATUS to the coordinator's client ROUTER and assembles replies.
 
-Two flavours over one wire protocol (mserve/common/protocol/), sharing client_core.py:
+Two flavours over one wire protocol (common/protocol/), sharing client_core.py:
 
 * ``Client`` is synchronous: one request in flight at a time over one DEALER socket (one per
   coordinator shard) that every call reuses. It is NOT thread-safe; give each thread its own ``Client``.

@@ -4,11 +4,11 @@
         --trace image --num-requests 100 --rate 0.8 --max-tokens 64 --seed 0 --slo ttft=2000,tpot=100
 
 Same trace flags as `mserve bench serve` (the same seeded arrivals, image sizes and classes; see
-mserve/bench/sim/workload.py); the costs come from a cost file (mserve/bench/costs/: `cpu-*.json`
+bench/sim/workload.py); the costs come from a cost file (bench/costs/: `cpu-*.json`
 measured by `python -m mserve.bench.calibrate`, `gpu-*.json` derived from stated assumptions by
 `python -m mserve.bench.sim.gpu_costs`). Prints throughput, goodput, TTFT / TPOT percentiles and
 the coordinator's utilisation per configuration. Deterministic for a seed. The model is described
-in mserve/bench/sim/cluster.py; the scale sweep is `python -m mserve.bench.scale`.
+in bench/sim/cluster.py; the scale sweep is `python -m mserve.bench.scale`.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--costs", default="cpu-small-llava", help="cost file, or a name in mserve/bench/costs/")
+    p.add_argument("--costs", default="cpu-small-llava", help="cost file, or a name in bench/costs/")
     p.add_argument("--configs", default="disagg:1e1p1d", help="comma-separated disagg:XeYpZd[@Kc]")
     add_trace_arguments(p)
     p.add_argument("--json-out", default=None)

@@ -35,7 +35,7 @@ class AsyncClient:
     ``address`` takes the same forms as ``Client``'s: the coordinator's client address, a
     comma-separated list of sharded coordinators, or ``redis://...`` to read the live shards from their
     registry (once, here; it blocks up to 5 s for one to appear). Each request goes to the shard its id
-    picks (rendezvous hashing, mserve/common/shards.py). With several shards, a request whose shard
+    picks (rendezvous hashing, common/shards.py). With several shards, a request whose shard
     leaves SHARD_PROBES_UNANSWERED probes in a row unanswered (nothing at all heard from it since), or
     cannot be reached to send it, ends as ``Lost``, the shard is skipped for a while, and ``generate()``
     sends the request to another one. With one coordinator, a silent request waits for its timeout.

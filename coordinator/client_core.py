@@ -125,7 +125,7 @@ SHARD_LIST_REFRESH_S = 10.0  # a client given redis://... re-reads the shard reg
 
 class ShardChooser:
     """Which coordinator shard a request goes to: rendezvous hashing of its id over the shards not taken
-    for dead (mserve/common/shards.py); with one address, always that one.
+    for dead (common/shards.py); with one address, always that one.
 
     ``address`` as a client was given it: one address, a comma list, or ``redis://...``, whose registry
     is read now (waiting up to 5 s for a shard) and again every SHARD_LIST_REFRESH_S when a request is

@@ -71,7 +71,7 @@ class CoordinatorSettings(BaseSettings):
     # public keys (both or neither); a worker whose key is not there is refused at the handshake.
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
-    # Opt-in FasterVLM visual-token pruning (mserve/common/pruning.py): admission counts each image's
+    # Opt-in FasterVLM visual-token pruning (common/pruning.py): admission counts each image's
     # placeholders at this keep ratio; encode and unified workers must run the same one (checked at READY).
     visual_token_pruning: float | None = None
 

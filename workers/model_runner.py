@@ -95,7 +95,7 @@ class ModelRunner:
                               dtype=self.dtype, device=self.device)
         self._image_processor = None
         self.model_dir = str(model_dir)
-        self.pruner = None  # FasterVLM on the encode path (mserve/workers/pruning.py), when asked for
+        self.pruner = None  # FasterVLM on the encode path (workers/pruning.py), when asked for
         if ratio is not None and getattr(self.model.model, "vision_tower", None) is not None:
             from mserve.workers.pruning import ClsAttentionPruner
 

@@ -1,8 +1,8 @@
 """The worker process around one role: sockets, registration, heartbeats, and the loop that drives the role.
 
 The loop is: take every queued control message, run one batch of the role's work, report.
-Heartbeats and load reports come from their own thread (mserve/workers/liveness.py), so a long
-engine step never makes a busy worker look dead. A role (mserve/workers/roles/) is a subclass that says which stage messages it accepts
+Heartbeats and load reports come from their own thread (workers/liveness.py), so a long
+engine step never makes a busy worker look dead. A role (workers/roles/) is a subclass that says which stage messages it accepts
 and how it runs them; a message meant for another role is refused, never run. Tensors leave
 through the transfer engine (the coordinator only ever sees their descriptors); Redis gets this
 worker's registration, load and cache indexes.

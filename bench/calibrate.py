@@ -1,6 +1,6 @@
 """Per-stage costs of this machine, measured with the real engine and transfer code, for the scale model.
 
-Usage: python -m mserve.bench.calibrate --model models/small-llava --out mserve/bench/costs/cpu-small-llava.json
+Usage: python -m mserve.bench.calibrate --model models/small-llava --out bench/costs/cpu-small-llava.json
        [--threads 1] [--skip-transfer] [--skip-coordinator] [--cores 2]
 
 What is measured (every figure a median of repeated runs, one torch thread as the workers run;

@@ -46,7 +46,7 @@ class FakeCluster:
 
     With several coordinator shards (lists of addresses, shard i at index i of both), the client keeps
     one DEALER per shard and sends each request to ``pick_shard(request id, client addresses)``; each
-    fake worker keeps one DEALER per shard under one identity (as mserve/workers/links.py does), sends
+    fake worker keeps one DEALER per shard under one identity (as workers/links.py does), sends
     READY and heartbeats to every shard, answers a stage message on the socket it came in on, and
     splits a decode step's tokens into one STEP_TOKENS per shard.
     """
