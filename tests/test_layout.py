@@ -7,6 +7,7 @@ check that a built wheel holds the same modules under the same names, and no gen
 from __future__ import annotations
 
 import importlib
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -66,8 +67,14 @@ def test_no_generic_top_level_name(tmp_path):
 @pytest.mark.slow
 def test_wheel_holds_the_same_modules(tmp_path):
     """`pip wheel .` packs every mapped folder as mserve/<folder>/ and nothing else at the top."""
+    source = tmp_path / "src"  # a copy: an in-tree build would leave build/ and *.egg-info behind
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for top in ("mserve", *MAPPED):
+        shutil.copytree(ROOT / top, source / top, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, timeout=300)
+                    "-w", str(tmp_path), str(source)], check=True, timeout=300)
     (wheel,) = tmp_path.glob("mserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
