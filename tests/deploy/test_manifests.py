@@ -588,10 +588,14 @@ def test_dockerfiles():
     for name in ("Dockerfile", "Dockerfile.cuda"):
         text = (DEPLOY / name).read_text()
         assert 'ENTRYPOINT ["mserve"]' in text
+        args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))  # a COPY source may be an ARG's default
         for line in text.splitlines():
-            if line.startswith("COPY "):
+            if line.startswith("COPY ") and "--from=" not in line:  # --from: a path in an earlier stage
                 for src in line.split()[1:-1]:
+                    src = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], src)
                     assert (DEPLOY.parent / src).exists(), f"{name}: COPY {src}: no such path"
+    offline = (DEPLOY / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim" in offline and "--no-index --find-links" in offline
     cuda = (DEPLOY / "Dockerfile.cuda").read_text()
     assert "whl/cu" in cuda and "torch.version.cuda" in cuda
     env = dict(re.findall(r"\b(MSERVE_\w+)=(\S+)", cuda))
