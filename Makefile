@@ -5,7 +5,7 @@ MSERVE := $(VENV)/bin/mserve
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: install demo test test-quick bench-engine clean
+.PHONY: install demo test test-quick bench-engine clean image image-offline test-deploy
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,23 @@ test-quick: install
 
 bench-engine: install models/small-llava/config.json
 	$(MSERVE) bench engine --model models/small-llava --json-out bench/results/engine.json
+
+# Images (deploy/README.md). `image`: the user's default, from python:3.11-slim and PyPI (needs registry
+# access). `image-offline`: nothing pulled from a registry: a Debian base from mmdebstrap, every wheel from
+# deploy/wheelhouse (filled by pip download first), the Redis image from Debian's redis-server.
+MSERVE_IMAGE ?= mserve:cpu
+BASE_IMAGE   ?= python:3.11-slim
+
+image:
+	docker build -f deploy/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(MSERVE_IMAGE) .
+
+image-offline:
+	MSERVE_IMAGE=mserve:offline deploy/offline.sh tools images
+
+# Real containers: starts a Docker engine when none answers (and stops it after), builds the offline
+# images, runs tests/deploy/test_compose.py (never collected by `make test`).
+test-deploy: install
+	PYTHON=$(PY) MSERVE_IMAGE=mserve:offline deploy/offline.sh test
 
 clean:
 	rm -rf $(VENV) models
