@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CACHE=${MSERVE_DEPLOY_CACHE:-$PWD/.deploy-cache}
+CACHE=${MSERVE_DEPLOY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mserve-deploy}  # outside the build context
 WHEELHOUSE=deploy/wheelhouse               # inside the build context; only its README.md is committed
 TORCH_WHEEL_DIR=${TORCH_WHEEL_DIR:-/opt/wheels}
 TORCH_PIN=${TORCH_PIN:-torch==2.13.0+cpu}  # a local label: never PyPI's CUDA build of the same version
@@ -118,6 +118,7 @@ cmd_engine_start() {
   command -v dockerd >/dev/null || die "no dockerd (run: deploy/offline.sh tools)"
   [ "$(id -u)" = 0 ] || die "starting dockerd needs root"
   mkdir -p "$ENGINE_DIR/root"
+  ip link show docker0 >/dev/null 2>&1 || touch "$ENGINE_DIR/made-docker0"  # engine-stop removes the bridge it made
   local sock="unix://$ENGINE_DIR/docker.sock"
   # vfs: overlayfs is not available inside every VM/container this runs in; it copies layers, so images
   # are kept to few layers. Its own socket, data root, bridge and pid file: nothing of an existing setup
@@ -146,6 +147,7 @@ cmd_engine_stop() {
   fi
   # vfs layers can hold read-only files and mounts; remove what is left of the data root.
   umount -R "$ENGINE_DIR/exec" 2>/dev/null || true
+  [ -f "$ENGINE_DIR/made-docker0" ] && { ip link delete docker0 2>/dev/null || true; }
   rm -rf "$ENGINE_DIR"
   say "stopped dockerd ($pid) and removed $ENGINE_DIR"
 }
