@@ -5,7 +5,8 @@ it needs a Docker engine and the offline images (`make image-offline`: MSERVE_IM
 Checked: greedy token ids through the gateway equal Hugging Face generate(do_sample=False) on the same
 checkpoint; `--scale decode=2` under running streams adds a replica that registers and takes work;
 `docker kill` of a decode container mid-stream ends every accepted request exactly once, tokens intact;
-`docker-compose down -v` leaves no container, network or volume of the project.
+`mserve autoscale --backend compose` grows decode under a load step and shrinks it through a drain, nothing
+lost or re-run; `docker-compose down -v` leaves no container, network or volume of the project.
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def _stream(client: openai.OpenAI, model: str, messages: list[dict], max_tokens:
 class Load:
     """`streams` clients each streaming the TEXTS prompts back to back until stopped; every result kept."""
 
-    def __init__(self, client: openai.OpenAI, model: str, streams: int = 4) -> None:
-        self.client, self.model, self.streams = client, model, streams
+    def __init__(self, client: openai.OpenAI, model: str, streams: int = 4, max_tokens: int = LONG) -> None:
+        self.client, self.model, self.streams, self.max_tokens = client, model, streams, max_tokens
         self.results: list[tuple[int, list[int], list[str], str | None]] = []
         self.stop, self.flowing = threading.Event(), threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(streams)]
@@ -183,8 +184,8 @@ class Load:
             idx = k % len(TEXTS)
             k += self.streams
             try:
-                ids, finals = _stream(self.client, self.model, [{"role": "user", "content": TEXTS[idx]}], LONG,
-                                      self.flowing.set)
+                ids, finals = _stream(self.client, self.model, [{"role": "user", "content": TEXTS[idx]}],
+                                      self.max_tokens, self.flowing.set)
                 self.results.append((idx, ids, finals, None))
             except Exception as e:  # an accepted request that failed: recorded, and the test fails on it
                 self.results.append((idx, [], [], repr(e)))
@@ -202,7 +203,7 @@ class Load:
 
     def check(self, model_dir: Path) -> int:
         """Every request ended once (one finish reason, no error) with HF's tokens; returns how many ran."""
-        want = {i: _oracle(model_dir, [{"role": "user", "content": t}], LONG) for i, t in enumerate(TEXTS)}
+        want = {i: _oracle(model_dir, [{"role": "user", "content": t}], self.max_tokens) for i, t in enumerate(TEXTS)}
         errors = [(TEXTS[i], err) for i, _, _, err in self.results if err]
         assert not errors, f"requests failed: {errors[:3]}"
         for idx, ids, finals, _ in self.results:
@@ -260,6 +261,59 @@ def test_docker_kill_of_a_decode_container_mid_stream_loses_nothing(deployment, 
     n = load.check(deployment.models_dir)
     reruns = deployment.status()["stats"]["reruns"] - reruns_before
     _log(f"kill step: {n} streams, all HF-exact, {reruns} re-run after the kill")
+
+
+def _docker_with_compose(tmp: Path) -> dict[str, str]:
+    """PATH for `mserve autoscale --backend compose`, which runs `docker compose ...`: where the compose plugin
+    is missing (Debian ships only docker-compose 1.29), a `docker` in front that hands `compose` to it."""
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return {}
+    shim = tmp / "docker"
+    shim.write_text(f'#!/bin/sh\nif [ "$1" = compose ]; then shift; exec docker-compose "$@"; fi\n'
+                    f'exec {shutil.which("docker")} "$@"\n')
+    shim.chmod(0o755)
+    return {"PATH": f"{tmp}:{os.environ['PATH']}"}
+
+
+def test_autoscale_compose_grows_decode_under_a_load_step_and_drains_it(deployment, client, model_id, tmp_path):
+    deployment.up(decode=1)  # the tests above left two replicas
+    _wait(lambda: len(deployment.alive("decode")) == 1 and len(deployment.containers("decode")) == 1, 120,
+          "one decode replica")
+    (before,) = deployment.alive("decode")
+    reruns_before = deployment.status()["stats"]["reruns"]
+    log = tmp_path / "autoscale.log"
+    cmd = [sys.executable, "-m", "mserve.cli", "autoscale", "--backend", "compose",
+           "--compose-file", str(DEPLOY / "docker-compose.yml"), "--compose-project", deployment.project,
+           "--coordinator", f"tcp://127.0.0.1:{deployment.coordinator_port}", "--interval", "0.5",
+           "--min", "1", "--max", "1", "--max", "decode=2",  # only decode moves
+           "--scale-up-at", "decode=5.5", "--scale-down-at", "decode=4.5",
+           "--up-cooldown", "0", "--down-cooldown", "1", "--down-stable", "1.5"]
+    with open(log, "w") as out:
+        scaler = subprocess.Popen(cmd, env={**deployment.env, **_docker_with_compose(tmp_path)}, stdout=out,
+                                  stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        with Load(client, model_id, streams=7, max_tokens=128) as step:
+            new = _wait(lambda: [w for w, s in deployment.alive("decode").items()
+                                 if w != before and s["counters"].get("decode_tokens", 0) > 0], 600,
+                        "the autoscaler to grow decode and the new replica to serve")
+            _log(f"autoscale: decode grew to 2 after {time.monotonic() - t0:.0f} s ({new[0]} serving)")
+            low = Load(client, model_id, streams=4, max_tokens=192).__enter__()
+        try:
+            t1 = time.monotonic()
+            _wait(lambda: len(deployment.containers("decode")) == 1 and len(deployment.alive("decode")) == 1, 600,
+                  "the autoscaler to shrink decode back to one replica")
+            _log(f"autoscale: decode drained back to 1 after {time.monotonic() - t1:.0f} s")
+        finally:
+            low.__exit__(None, None, None)
+        assert scaler.poll() is None, f"the autoscaler exited:\n{log.read_text()[-3000:]}"
+    finally:
+        scaler.terminate()
+        scaler.wait(timeout=60)
+    n = step.check(deployment.models_dir) + low.check(deployment.models_dir)
+    _log(f"autoscale step: {n} streams, all HF-exact")
+    # The drained replica finished what it held: nothing lost, nothing re-run elsewhere.
+    assert deployment.status()["stats"]["reruns"] == reruns_before
 
 
 def test_down_removes_every_container_network_and_volume(deployment):
