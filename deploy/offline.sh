@@ -155,7 +155,7 @@ cmd_engine_stop() {
 cmd_test() {  # the compose test with real containers: an engine (started if none answers), the images, pytest
   local py=${PYTHON:-.venv/bin/python} t0=$SECONDS sock rc=0
   cmd_tools
-  sock=$(cmd_engine_start) || exit 1
+  sock=$(cmd_engine_start) || { cmd_engine_stop; exit 1; }  # its reason is printed already
   if [ -n "$sock" ]; then
     export DOCKER_HOST=$sock
     trap cmd_engine_stop EXIT
