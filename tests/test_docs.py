@@ -194,3 +194,38 @@ def test_every_path_the_docs_cite_exists():
     wrong = [f"{_rel(doc)}: `{cited}`" for doc in DOCS for cited in _cited_paths(doc.read_text())
              if not _exists(cited, doc)]
     assert not wrong, "docs cite paths that do not exist:\n" + "\n".join(sorted(set(wrong)))
+
+
+# ---- settings ----------------------------------------------------------------------------------------
+
+
+def _settings_rows(heading: str) -> dict[str, tuple[str, str]]:
+    """{field: (env cell, flag cell)} of the settings table under `heading` in docs/operations.md."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    rows = {}
+    for line in text[text.index(heading):].split("\n\n", 2)[1].splitlines()[2:]:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        for name in cells[0].split(","):
+            rows[name.strip()] = (cells[1], cells[2])
+    return rows
+
+
+@pytest.mark.parametrize("heading, settings, command", [
+    ("### Coordinator (`mserve coordinator`)", "mserve.coordinator.settings:CoordinatorSettings", "coordinator"),
+    ("### Worker (`mserve worker`)", "mserve.workers.settings:WorkerSettings", "worker"),
+])
+def test_settings_tables_list_every_field(heading, settings, command, commands):
+    """Every field of a process's settings is in its table, under its MSERVE_* name, and a field the
+    table calls "(env only)" has no flag."""
+    import importlib
+
+    module, name = settings.split(":")
+    fields = set(getattr(importlib.import_module(module), name).model_fields)
+    rows = _settings_rows(heading)
+    assert set(rows) == fields, (f"docs/operations.md, {heading}: missing {sorted(fields - set(rows))}, "
+                                 f"not settings {sorted(set(rows) - fields)}")
+    flags = _flags_of(commands[command])
+    for field, (env, flag) in rows.items():
+        assert f"MSERVE_{field.upper()}" in env or "..." in env, f"{heading}: {field}'s variable is not {env}"
+        if "env only" in flag:
+            assert "--" + field.replace("_", "-") not in flags, f"{heading}: {field} is said env only, has a flag"
