@@ -5,6 +5,8 @@
 * the message tables of docs/protocol.md list exactly `MsgType`, with its numbers, and its data-plane
   table exactly the transfer channel's `Msg`;
 * every repository path, and every `*.md` file, a doc cites in backticks exists.
+* the settings tables of docs/operations.md list every field of the coordinator's and the worker's
+  settings, under its MSERVE_* name, and "(env only)" only for fields without a flag.
 
 The checks read text and build the CLI parser in-process: no processes, no model.
 """
