@@ -179,7 +179,7 @@ def test_aborting_a_spread_encode_cancels_it_on_every_encoder():
 
 def test_spread_encode_off_keeps_a_request_on_one_encoder():
     h = Harness(*DISAGG)
-    h.m.spread_encode = False
+    h.m.settings.spread_encode = False
     out = h.submit(make_admitted(images=2))
     assert kinds(out) == [("ENCODE", "e0")] and len(out[0].body["images"]) == 2
 
@@ -709,7 +709,7 @@ def test_a_waiting_request_fails_a_stage_timeout_after_the_last_worker_of_its_ro
     only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")
     assert h.submit(make_admitted("b")) == []
     for _ in range(2):  # long past the stage timeout behind busy p0, which heartbeats and reports "a" queued
-        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [h.m.by_client[(CLIENT, "a")]]})
+        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [h.m.requests.find(CLIENT, "a").rid]})
         assert h.advance(TIMEOUT * 0.9, beating=("p0", "d0")) == []
     assert h.worker("p0", MsgType.BYE, worker_id="p0") == []  # "a" re-runs: both wait, no prefill pool left
     assert h.advance(TIMEOUT - 0.1, beating=("d0",)) == []  # a full stage timeout from then on
