@@ -115,7 +115,9 @@ class StageReplies:
         self.staging.advance(st)
 
     def on_step_tokens(self, worker_id: str, item: TokenItem) -> None:
-        stage = Stage.RUN if self.members.workers[worker_id].role == "unified" else Stage.DECODE
+        worker = self.members.get(worker_id)
+        assert worker is not None  # the machine hands on replies of registered workers only
+        stage = Stage.RUN if worker.role == "unified" else Stage.DECODE
         st = self._current(worker_id, item, stage)
         if st is None:
             if item.request_id not in self.requests and not item.finished:

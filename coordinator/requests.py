@@ -220,8 +220,7 @@ class RequestMachine:
                 else:
                     self.dispatch.uncharge(st)
                     self.life.restart(st, reason=f"{st.stage} stage timed out on {st.worker_id}")
-        if self.members.draining:
-            self._release_drained()
+        self._release_drained()
 
     def apply_loads(self, loads: dict[str, dict[str, Any]]) -> None:
         """Loads the workers published elsewhere (Redis), fresher than their last heartbeat. Only the
@@ -246,9 +245,9 @@ class RequestMachine:
 
     def _release_drained(self) -> None:
         """SHUTDOWN to each draining worker nothing depends on any more (coordinator/drain.py), once."""
-        for worker_id in sorted(self.members.draining - self.members.shutdown_sent):
-            if self.members.is_alive(worker_id) and not holds_work(self.requests, worker_id):
-                self.members.shutdown_sent.add(worker_id)
+        for worker_id in self.members.draining_to_release():
+            if not holds_work(self.requests, worker_id):
+                self.members.mark_shutdown_sent(worker_id)
                 log.info("worker %s drained: no work of this coordinator left on it; SHUTDOWN sent", worker_id)
                 self.outbox.to_worker(worker_id, MsgType.SHUTDOWN, {})
 
