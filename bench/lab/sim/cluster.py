@@ -33,10 +33,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from mserve.bench.sim.core import CpuPool, Loop
-from mserve.bench.sim.costs import Costs
-from mserve.bench.sim.workers import DecodeWorker, EncodeWorker, PrefillWorker, Req, Worker
-from mserve.bench.sim.workload import SimRequest
+from lab.sim.core import CpuPool, Loop
+from lab.sim.costs import Costs
+from lab.sim.workers import DecodeWorker, EncodeWorker, PrefillWorker, Req, Worker
+from lab.sim.workload import SimRequest
 
 # How the per-request coordinator CPU is spread over the messages that carry it (stated assumption:
 # admission, which tokenizes and hashes the images, dominates GENERATE).

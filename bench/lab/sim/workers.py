@@ -1,4 +1,4 @@
-"""The simulated worker processes: encode, prefill and decode roles (see bench/sim/cluster.py)."""
+"""The simulated worker processes: encode, prefill and decode roles (see bench/lab/sim/cluster.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mserve.bench.sim.workload import SimRequest
+from lab.sim.workload import SimRequest
 
 if TYPE_CHECKING:
-    from mserve.bench.sim.cluster import Cluster
+    from lab.sim.cluster import Cluster
 
 LATENCY = ("interactive", "batch")
 AGING_TOKENS_PER_S = 1000.0
