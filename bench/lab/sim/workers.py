@@ -7,12 +7,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lab.sim.workload import SimRequest
+from mserve.coordinator.records import Stage
+from mserve.coordinator.stage_queues import Waiting
+from mserve.workers.block_pool import BlockPool
+from mserve.workers.scheduler import Scheduler
+from mserve.workers.sequence import SamplingParams, Sequence
+from mserve.workers.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from lab.sim.cluster import Cluster
 
-LATENCY = ("interactive", "batch")
-AGING_TOKENS_PER_S = 1000.0
+# The engine's step budget besides the chunk cap: the worker's own default (workers/settings.py).
+MAX_NUM_BATCHED_TOKENS = WorkerSettings.model_fields["max_num_batched_tokens"].default
 
 
 @dataclass
@@ -97,7 +103,9 @@ class EncodeWorker(Worker):
     def next_job(self) -> tuple[float, Any] | None:
         if not self.queue:
             return None
-        order = sorted(self.queue, key=lambda q: (-q.r.priority, LATENCY.index(q.r.latency_class), q.sent_s))
+        # The class order (coordinator/stage_queues.py; roles/encode.py serves its queue the same way, and
+        # never ages it): priority, interactive before batch, then the earliest sent.
+        order = sorted(self.queue, key=lambda q: _waiting(q, Stage.ENCODE).rank(self.cl.loop.now, math.inf))
         take, n = [], 0
         for q in order:
             k = len(q.r.image_sizes)
@@ -114,20 +122,42 @@ class EncodeWorker(Worker):
         return len(self.queue), 0, 0, 0
 
 
-@dataclass
-class Prompt:
-    q: Req
-    left: int
-    added_s: float
-    started: bool = False
+def _waiting(q: Req, stage: Stage) -> Waiting:
+    """A request as the class order sees it (its rank only: no StageQueues behind it)."""
+    return Waiting(str(q.r.rid), stage, q.r.priority, q.r.latency_class, since=q.sent_s, seq=q.r.rid)
+
+
+def _sequence(q: Req, prefill_only: bool) -> Sequence:
+    """A request as the engine's scheduler sees it: only the token counts and the class matter here."""
+    return Sequence(str(q.r.rid), [0] * q.r.prompt_tokens, SamplingParams(max_tokens=q.r.max_tokens),
+                    priority=q.r.priority, latency_class=q.r.latency_class, prefill_only=prefill_only)
+
+
+def _scheduler(cl: Cluster) -> Scheduler:
+    """The worker's own scheduler (workers/scheduler.py) and KV pool on the simulated clock. No prefix
+    caching: the sim's prompts are placeholders, all alike, so every block would hit."""
+    num_blocks, block_size = cl.costs.kv_blocks
+    return Scheduler(BlockPool(num_blocks, block_size), max_num_seqs=cl.costs.max_num_seqs,
+                     max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, cl.costs.chunk_tokens),
+                     max_prefill_tokens=cl.costs.chunk_tokens, enable_prefix_caching=False,
+                     clock=lambda: cl.loop.now)
 
 
 class PrefillWorker(Worker):
+    """Engine steps as workers/scheduler.py schedules them: prompts in its policy order, at most one
+    chunk of prompt tokens a step, admitted only while the KV pool holds them."""
+
     role = "prefill"
 
     def __init__(self, cl: Cluster, wid: str) -> None:
         super().__init__(cl, wid)
-        self.prompts: list[Prompt] = []
+        self.sched = _scheduler(cl)
+        self.reqs: dict[str, Req] = {}
+
+    @property
+    def prompts(self) -> list[Sequence]:
+        """Every prompt not yet prefilled (waiting or half done)."""
+        return self.sched.waiting + self.sched.running
 
     def accept_cost(self, q: Req) -> float:
         if not q.r.has_images:
@@ -135,40 +165,37 @@ class PrefillWorker(Worker):
         return self.cl.costs.transfer_s(self.cl.costs.embedding_bytes(len(q.r.image_sizes)))
 
     def accept(self, q: Req) -> None:
-        self.prompts.append(Prompt(q, q.r.prompt_tokens, self.cl.loop.now))
+        self.reqs[str(q.r.rid)] = q
+        self.sched.add(_sequence(q, prefill_only=True))
 
     def next_job(self) -> tuple[float, Any] | None:
-        if not self.prompts:
+        chunks = self.sched.schedule()
+        if not chunks:
             return None
-        now, costs = self.cl.loop.now, self.cl.costs
-        order = sorted(self.prompts, key=lambda p: (-p.q.r.priority, LATENCY.index(p.q.r.latency_class),
-                                                    p.left - AGING_TOKENS_PER_S * (now - p.added_s), p.added_s))
-        budget, chunks = costs.chunk_tokens, []
-        for p in order[: costs.max_num_seqs]:
-            if budget <= 0:
-                break
-            n = min(p.left, budget)
-            chunks.append((p, n))
-            budget -= n
-        tokens = sum(n for _, n in chunks)
-        visual = sum(n * p.q.r.visual_tokens / p.q.r.prompt_tokens for p, n in chunks)
-        done = [p for p, n in chunks if n == p.left]
+        costs = self.cl.costs
+        tokens = sum(c.num_tokens for c in chunks)
+        visual = sum(c.num_tokens * self._req(c.seq).r.visual_tokens / c.seq.num_tokens for c in chunks)
+        done = [c.seq for c in chunks if c.completes_sequence]
         cost = costs.prefill_step_s(tokens, len(chunks), visual)
-        cost += sum(costs.kv_handoff_s(p.q.r.prompt_tokens)[0] for p in done if p.q.r.max_tokens > 1)
+        cost += sum(costs.kv_handoff_s(s.num_tokens)[0] for s in done if s.sampling.max_tokens > 1)
 
         def finish() -> None:
-            for p, n in chunks:
-                p.left -= n
-                p.started = True
-            for p in done:
-                self.prompts.remove(p)
-                self.cl.to_coord(p.q, ("prefilled", p.q, self))
+            for c in chunks:  # what the engine does after the forward (workers/engine.py)
+                c.seq.num_computed_tokens = c.end
+            for seq in done:
+                seq.append_token(0)
+                self.sched.finish(seq, seq.finish_reason or "prefilled")
+                self.sched.release_blocks(seq)  # exported with the step: the decode worker has them now
+                q = self.reqs.pop(seq.request_id)
+                self.cl.to_coord(q, ("prefilled", q, self))
 
         return cost, finish
 
+    def _req(self, seq: Sequence) -> Req:
+        return self.reqs[seq.request_id]
+
     def report(self) -> tuple[int, int, int, int]:
-        waiting = sum(1 for p in self.prompts if not p.started)
-        return waiting, len(self.prompts) - waiting, 0, 0
+        return len(self.sched.waiting), len(self.sched.running), 0, 0
 
 
 @dataclass
