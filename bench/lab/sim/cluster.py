@@ -11,8 +11,9 @@ Mirrors the real processes closely enough for capacity and latency:
 * prefill: the worker's own Scheduler and BlockPool (workers/scheduler.py, workers/block_pool.py)
   decide every engine step: at most `chunk_tokens` prompt tokens, prompts in its policy order,
   admitted while the KV pool holds them; a finished prompt's KV is exported inside the step;
-* decode: one step over every running request (continuous batching), one STEP_TOKENS per
-  coordinator per step;
+* decode: the same Scheduler and BlockPool run the continuous batch on the adopted KV (every
+  running request one token a step; the pool's preemption and recompute when it runs dry), one
+  STEP_TOKENS per coordinator per step; both pools are `kv_blocks` of the cost file;
 * coordinator: one thread, a FIFO of messages, each paid with the calibrated CPU; it routes with
   coordinator/routing.py's own route_encode / route_prefill / route_decode over routing.WorkerView
   (no embedding cache or prefix hits here); `inflight` is the coordinator's own count,

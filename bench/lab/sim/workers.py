@@ -198,59 +198,92 @@ class PrefillWorker(Worker):
         return len(self.sched.waiting), len(self.sched.running), 0, 0
 
 
-@dataclass
-class Stream:
-    q: Req
-    ctx: int
-    left: int
-
-
 class DecodeWorker(Worker):
+    """The continuous batch as workers/scheduler.py runs it on an adopted request's KV: every running
+    request one token a step, its blocks grown from the pool, the latest preempted (and recomputed
+    later) when the pool runs dry. An import the pool cannot hold waits here for blocks to free; the
+    real worker fails it (retryable) and the coordinator sends it again."""
+
     role = "decode"
 
     def __init__(self, cl: Cluster, wid: str) -> None:
         super().__init__(cl, wid)
-        self.running: list[Stream] = []
-        self.total_blocks, self.block_size = cl.costs.kv_blocks
+        self.sched = _scheduler(cl)
+        self.reqs: dict[str, Req] = {}
+        self.imports: list[Req] = []  # KV that did not fit yet
+
+    @property
+    def running(self) -> list[Any]:
+        """Every request this worker still holds, adopted or not."""
+        return self.sched.running + self.sched.waiting + self.imports
 
     def accept_cost(self, q: Req) -> float:
         return self.cl.costs.kv_handoff_s(q.r.prompt_tokens)[1]
 
     def accept(self, q: Req) -> None:
-        self.running.append(Stream(q, q.r.prompt_tokens + 1, q.r.max_tokens - 1))
+        self.imports.append(q)
+
+    def _adopt(self) -> None:
+        """Engine.import_kv: the prompt's blocks and its first token, one token left to compute."""
+        pool = self.sched.pool
+        while self.imports:
+            seq = _sequence(self.imports[0], prefill_only=False)
+            seq.output_ids = [0]
+            if not pool.can_allocate(pool.blocks_needed(seq.num_tokens)):
+                return
+            pool.allocate(seq.block_table, seq.num_tokens)
+            seq.num_computed_tokens = len(seq.prompt_ids)
+            self.reqs[seq.request_id] = self.imports.pop(0)
+            self.sched.add_running(seq)
 
     def next_job(self) -> tuple[float, Any] | None:
-        if not self.running:
+        self._adopt()
+        chunks = self.sched.schedule()
+        if not chunks:
             return None
-        batch = self.running[: self.cl.costs.max_num_seqs]
-        cost = self.cl.costs.decode_step_s(len(batch), sum(s.ctx for s in batch))
+        costs = self.cl.costs
+        steps, recompute = [], []  # a decode token, or a prompt recomputed after a preemption
+        for c in chunks:
+            (steps if c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids) else recompute).append(c)
+        cost = costs.decode_step_s(len(steps), sum(c.seq.num_tokens for c in steps)) if steps else 0.0
+        if recompute:
+            visual = sum(c.num_tokens * self.reqs[c.seq.request_id].r.visual_tokens / c.seq.num_tokens
+                         for c in recompute)
+            cost += costs.prefill_step_s(sum(c.num_tokens for c in recompute), len(recompute), visual)
+        return cost, lambda: self._stepped(chunks)
 
-        def finish() -> None:
-            by_coord: dict[int, list[tuple[Req, bool]]] = {}
-            every = self.cl.token_report_every
-            reported: set[int] = set()  # requests whose tokens the coordinator hears this step
-            for s in batch:
-                s.ctx += 1
-                s.left -= 1
-                by_coord.setdefault(s.q.coord.idx, []).append((s.q, s.left <= 0))
-                if s.left <= 0 or (every and (s.q.r.max_tokens - 1 - s.left) % every == 0):
-                    reported.add(id(s.q))
-            self.running = [s for s in self.running if s.left > 0]
-            for idx, items in by_coord.items():
-                if not self.cl.stream_via_coordinator:
-                    # Tokens go to the client; the coordinator hears the end (and, with token_report_every
-                    # N, every Nth token: mserve's --token-report-every).
-                    for q, finished in items:
-                        if not finished:
-                            self.cl.client.deliver(q, 1, False)
-                    items = [(q, f) for q, f in items if id(q) in reported]
-                    if not items:
-                        continue
-                coord = self.cl.coords[idx]
-                self.cl.loop.after(self.cl.hop, coord.receive, ("step", items, self))
-
-        return cost, finish
+    def _stepped(self, chunks: list[Any]) -> None:
+        by_coord: dict[int, list[tuple[Req, bool]]] = {}
+        every = self.cl.token_report_every
+        reported: set[int] = set()  # requests whose tokens the coordinator hears this step
+        for c in chunks:  # what the engine does after the forward (workers/engine.py)
+            seq = c.seq
+            seq.num_computed_tokens = c.end
+            if not c.completes_sequence:
+                continue
+            seq.append_token(0)
+            q = self.reqs[seq.request_id]
+            finished = seq.finish_reason is not None
+            if finished:
+                self.sched.finish(seq, seq.finish_reason)
+                self.sched.release_blocks(seq)
+                del self.reqs[seq.request_id]
+            by_coord.setdefault(q.coord.idx, []).append((q, finished))
+            if finished or (every and (len(seq.output_ids) - 1) % every == 0):
+                reported.add(id(q))
+        for idx, items in by_coord.items():
+            if not self.cl.stream_via_coordinator:
+                # Tokens go to the client; the coordinator hears the end (and, with token_report_every
+                # N, every Nth token: mserve's --token-report-every).
+                for q, finished in items:
+                    if not finished:
+                        self.cl.client.deliver(q, 1, False)
+                items = [(q, f) for q, f in items if id(q) in reported]
+                if not items:
+                    continue
+            coord = self.cl.coords[idx]
+            self.cl.loop.after(self.cl.hop, coord.receive, ("step", items, self))
 
     def report(self) -> tuple[int, int, int, int]:
-        used = sum(-(-s.ctx // self.block_size) for s in self.running)
-        return 0, len(self.running), self.total_blocks - used, self.total_blocks
+        pool = self.sched.pool
+        return len(self.sched.waiting) + len(self.imports), len(self.sched.running), pool.num_free_blocks, pool.num_blocks
