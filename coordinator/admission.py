@@ -14,6 +14,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_from_header
+from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.prompt import PromptBuilder, normalize_messages
 from mserve.common.video import DEFAULT_MAX_VIDEO_FRAMES, DEFAULT_VIDEO_FPS, VideoPart, describe_video, video_hash
 from mserve.common.protocol import ErrorCode
@@ -65,7 +66,7 @@ class GenerateIn(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     sampling: SamplingIn = Field(default_factory=SamplingIn)
     priority: int = Field(0, ge=-100, le=100)
-    latency_class: Literal["interactive", "batch"] = "interactive"
+    latency_class: Literal[LATENCY_CLASSES] = "interactive"  # type: ignore[valid-type]
     stream: bool = False
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
     # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.

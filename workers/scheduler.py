@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mserve.common.protocol.to_worker import LATENCY_CLASSES  # in serving order
+from mserve.common.policy import class_rank
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
 from mserve.workers.sequence import Sequence, SeqStatus
 
@@ -98,7 +98,7 @@ class Scheduler:
     def prefill_key(self, seq: Sequence, now: float) -> tuple[int, int, float, int]:
         """Serving order of prompts: priority, latency class, then remaining tokens less what waiting earned."""
         aged = seq.num_uncomputed_tokens - self.aging_tokens_per_s * max(0.0, now - seq.queued_at)
-        return (-seq.priority, LATENCY_CLASSES.index(seq.latency_class), aged, seq.arrival)
+        return (*class_rank(seq.priority, seq.latency_class), aged, seq.arrival)
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
