@@ -16,6 +16,7 @@ Several coordinator shards routing on the same load reports would otherwise all 
 from __future__ import annotations
 
 from mserve.common.hashing import host_member
+from mserve.common.policy import request_blocks
 from mserve.coordinator.records import STAGE_ROLE, EncodePart, RequestState, Stage, ToWorker, stage_message
 from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
                                         route_unified, spread_encode)
@@ -83,7 +84,7 @@ class Dispatch:
             hits = self.lookups.prefix_hits(a, block_size)
             return route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
         if st.next_stage == Stage.DECODE:
-            need = -(-(len(a.prompt_ids) + a.request.sampling.max_tokens) // block_size)
+            need = request_blocks(len(a.prompt_ids), a.request.sampling.max_tokens, block_size)
             return route_decode(self._draw(ws), need)
         raise AssertionError(st.next_stage)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from mserve.common.hashing import ImageSpan, block_extra_keys, block_hash
+from mserve.common.policy import blocks_for
 
 
 class OutOfBlocks(RuntimeError):
@@ -82,7 +83,7 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mserve.common.policy import class_rank
+from mserve.common.policy import class_rank, fits_kv
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
 from mserve.workers.sequence import Sequence, SeqStatus
 
@@ -64,8 +64,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         capacity = self.pool.num_blocks * self.pool.block_size
         # A prefill-only request needs room for its prompt and first token; others for every token.
-        needed = seq.num_tokens + (1 if seq.prefill_only else seq.sampling.max_tokens - len(seq.output_ids))
-        if needed > capacity:
+        new_tokens = 1 if seq.prefill_only else seq.sampling.max_tokens - len(seq.output_ids)
+        if not fits_kv(seq.num_tokens, new_tokens, self.pool.num_blocks, self.pool.block_size):
             raise ValueError(
                 f"request {seq.request_id}: prompt ({seq.num_tokens} tokens) + "
                 f"{'1' if seq.prefill_only else f'max_tokens ({seq.sampling.max_tokens})'} "
