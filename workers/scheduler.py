@@ -183,18 +183,17 @@ class Scheduler:
         """Start prefilling `seq` (cached prefix blocks first); None when its prompt does not fit."""
         bs = self.pool.block_size
         hashes = seq.prompt_hashes(bs) if self.enable_prefix_caching else []
-        usable = (seq.num_tokens - 1) // bs
-        hit_ids = self.pool.match_prefix(hashes[:usable], seq.token_ids) if hashes else []
-        hits = len(hit_ids)
+        hit_ids = self.pool.reusable_prefix(hashes, seq.token_ids, seq.num_tokens) if hashes else None
+        hits = len(hit_ids or ())
         # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
         # must be preempted wastes the work already done. Cached hits that sit in the free
         # list are taken out of it too, so they count against the free blocks.
         needed = self.pool.blocks_needed(seq.num_tokens + self._lookahead(seq)) - hits
-        free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_count == 0)
+        free_hits = self.pool.num_idle(hit_ids or ())
         if not self.pool.can_allocate(needed + free_hits + self._reserved_for_running()):
             return None
         n = max(0, min(seq.ready_tokens(hits * bs) - hits * bs, budget))
-        cached = self.pool.allocate(seq.block_table, hits * bs + n, hashes, seq.token_ids)
+        cached = self.pool.allocate(seq.block_table, hits * bs + n, hit_ids)
         assert cached == hits * bs
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
