@@ -228,7 +228,8 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
 
     Image parts may hold bytes, a file path (str or Path), a data URL, or be OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}``. The server refuses paths (they name files on
-    the client's disk), so they are read here. The input is not modified.
+    the client's disk), so they are read here. The input is not modified. Roles and text are left to
+    the server's normalize_messages (common/prompt.py says why the two walks stay apart).
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 
 from mserve.common.hashing import host_member
+from mserve.common.policy import request_blocks
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
                                         RequestTable, Stage, stage_message)
@@ -105,7 +106,7 @@ class Dispatcher:
             hits = self.lookups.prefix_hits(a, block_size)
             return route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
         if st.next_stage == Stage.DECODE:
-            need = -(-(len(a.prompt_ids) + a.request.sampling.max_tokens) // block_size)
+            need = request_blocks(len(a.prompt_ids), a.request.sampling.max_tokens, block_size)
             return route_decode(self._draw(ws), need)
         raise AssertionError(st.next_stage)
 

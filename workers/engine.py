@@ -15,6 +15,7 @@ import torch
 
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
+from mserve.common.policy import DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers.block_pool import BlockPool
 from mserve.workers.hand_back import adopt_blocks, reply_blocks
@@ -38,8 +39,8 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # prompt tokens per step (the chunk cap); None: the whole budget
     reserve_tokens: int = 256  # admission keeps room for this many next tokens of each running request
     enable_prefix_caching: bool = True
-    max_image_pixels: int = 4096 * 4096
-    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
+    max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
     threads: int | None = None
     parts: str = "all"  # "vision" (encode), "text" (prefill/decode) or "all": which weights stay loaded
     visual_token_pruning: float | None = None  # FasterVLM keep ratio on the encode path; None = off (common/pruning.py)

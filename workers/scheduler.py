@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mserve.common.protocol.to_worker import LATENCY_CLASSES  # in serving order
+from mserve.common.policy import class_rank, fits_kv
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
 from mserve.workers.sequence import Sequence, SeqStatus
 
@@ -64,8 +64,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         capacity = self.pool.num_blocks * self.pool.block_size
         # A prefill-only request needs room for its prompt and first token; others for every token.
-        needed = seq.num_tokens + (1 if seq.prefill_only else seq.sampling.max_tokens - len(seq.output_ids))
-        if needed > capacity:
+        new_tokens = 1 if seq.prefill_only else seq.sampling.max_tokens - len(seq.output_ids)
+        if not fits_kv(seq.num_tokens, new_tokens, self.pool.num_blocks, self.pool.block_size):
             raise ValueError(
                 f"request {seq.request_id}: prompt ({seq.num_tokens} tokens) + "
                 f"{'1' if seq.prefill_only else f'max_tokens ({seq.sampling.max_tokens})'} "
@@ -98,7 +98,7 @@ class Scheduler:
     def prefill_key(self, seq: Sequence, now: float) -> tuple[int, int, float, int]:
         """Serving order of prompts: priority, latency class, then remaining tokens less what waiting earned."""
         aged = seq.num_uncomputed_tokens - self.aging_tokens_per_s * max(0.0, now - seq.queued_at)
-        return (-seq.priority, LATENCY_CLASSES.index(seq.latency_class), aged, seq.arrival)
+        return (*class_rank(seq.priority, seq.latency_class), aged, seq.arrival)
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
@@ -183,18 +183,17 @@ class Scheduler:
         """Start prefilling `seq` (cached prefix blocks first); None when its prompt does not fit."""
         bs = self.pool.block_size
         hashes = seq.prompt_hashes(bs) if self.enable_prefix_caching else []
-        usable = (seq.num_tokens - 1) // bs
-        hit_ids = self.pool.match_prefix(hashes[:usable], seq.token_ids) if hashes else []
-        hits = len(hit_ids)
+        hit_ids = self.pool.reusable_prefix(hashes, seq.token_ids, seq.num_tokens) if hashes else None
+        hits = len(hit_ids or ())
         # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
         # must be preempted wastes the work already done. Cached hits that sit in the free
         # list are taken out of it too, so they count against the free blocks.
         needed = self.pool.blocks_needed(seq.num_tokens + self._lookahead(seq)) - hits
-        free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_count == 0)
+        free_hits = self.pool.num_idle(hit_ids or ())
         if not self.pool.can_allocate(needed + free_hits + self._reserved_for_running()):
             return None
         n = max(0, min(seq.ready_tokens(hits * bs) - hits * bs, budget))
-        cached = self.pool.allocate(seq.block_table, hits * bs + n, hashes, seq.token_ids)
+        cached = self.pool.allocate(seq.block_table, hits * bs + n, hit_ids)
         assert cached == hits * bs
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached

@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mserve.common.policy import DEFAULT_LIMITS
+
 
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
@@ -46,8 +48,8 @@ class WorkerSettings(BaseSettings):
     # (workers/draining.py); past this many seconds it exits anyway. Keep it below the platform's kill
     # grace (Kubernetes terminationGracePeriodSeconds, compose stop_grace_period).
     drain_timeout_s: float = 25.0
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes  # checked again before an image is decoded
+    max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
     # CURVE on the coordinator link and the data plane (docs/operations.md, "Security"): all three or
     # none. None: unauthenticated plaintext links, fit only for one trusted host (the local demo).
     curve_secret_key: str | None = None  # this worker's .key_secret file (`mserve keygen`)

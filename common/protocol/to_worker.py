@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.protocol.core import MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_int, as_list, as_map, as_str, list_of,
                                           nested, one_of, optional, wire)
-
-LATENCY_CLASSES = ("interactive", "batch")
 
 
 @dataclass

@@ -11,7 +11,8 @@ from typing import Any
 from mserve.common.model import ImageError
 from mserve.common.pruning import cache_namespace
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
-from mserve.common.protocol.to_worker import LATENCY_CLASSES, EncodeTask, ImageRef
+from mserve.common.policy import serving_order
+from mserve.common.protocol.to_worker import EncodeTask, ImageRef
 from mserve.common.transfer.host_store import HostEmbeddingStore, default_root, host_member
 from mserve.common.video import VideoPart
 from mserve.workers.engine import EngineConfig
@@ -70,8 +71,7 @@ def next_encode_batch(queue: list[EncodeTask], max_images: int) -> tuple[list[En
     batch, then arrival, up to `max_images` images, a video counting its frames (a request's images
     go together; a request with more images than that goes alone), so an interactive image waits for
     one bounded batch."""
-    order = sorted(range(len(queue)), key=lambda i: (-queue[i].priority,
-                                                     LATENCY_CLASSES.index(queue[i].latency_class), i))
+    order = sorted(range(len(queue)), key=lambda i: serving_order(queue[i].priority, queue[i].latency_class, i))
     take, images = [], 0
     for i in order:
         n = sum(im.num_frames for im in queue[i].images)  # a video weighs its frames
