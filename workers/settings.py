@@ -32,7 +32,7 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # Prompt tokens per engine step: one long prompt delays a short one (and a running stream) by
-    # at most one chunk of this size. Chosen by measurement (bench/README.md, chunk cap).
+    # at most one chunk of this size. Chosen by measurement (bench/lab/NOTEBOOK.md, "Prefill chunk cap").
     max_prefill_tokens: int = 512
     enable_prefix_caching: bool = True
     embedding_cache_mb: float = 512  # L1: this encode worker's own memory

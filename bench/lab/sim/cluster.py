@@ -39,6 +39,7 @@ from lab.sim.core import CpuPool, Loop
 from lab.sim.costs import Costs
 from lab.sim.workers import DecodeWorker, EncodeWorker, PrefillWorker, Req, Worker
 from lab.sim.workload import SimRequest
+from mserve.common.policy import request_blocks
 from mserve.coordinator.routing import WorkerView, route_decode, route_encode, route_prefill
 
 # How the per-request coordinator CPU is spread over the messages that carry it (stated assumption:
@@ -154,7 +155,7 @@ class Coordinator:
             tokens = q.r.prompt_tokens
             v = route_prefill(views, tokens)
         else:  # the blocks the whole reply needs, as coordinator/dispatch.py asks route_decode
-            v = route_decode(views, -(-(q.r.prompt_tokens + q.r.max_tokens) // self.cl.costs.kv_blocks[1]))
+            v = route_decode(views, request_blocks(q.r.prompt_tokens, q.r.max_tokens, self.cl.costs.kv_blocks[1]))
         v.inflight += 1
         v.inflight_tokens += tokens
         q.charged = (v, tokens)
