@@ -8,6 +8,7 @@ import time
 from mserve.common.protocol.to_coordinator import TokenItem
 from mserve.common.protocol.to_worker import DecodeTask
 from mserve.common.transfer import TransferError
+from mserve.workers.engine import StepOutput
 from mserve.workers.roles.stepping import SteppingWorker
 from mserve.workers.worker import FETCH_TIMEOUT_S
 
@@ -38,9 +39,9 @@ class DecodeWorker(SteppingWorker):
             seq = self.engine.import_kv(payload, request_id=rid)
         seq.hand_back = task.hand_back
 
-    def finishing(self, rid: str, attempt: int, item: TokenItem) -> None:
+    def finishing(self, rid: str, attempt: int, item: TokenItem, out: StepOutput) -> None:
         """With --kv-hand-back: publish the reply's full KV blocks for the prefill worker (workers/hand_back.py)."""
-        blocks = self.engine.hand_backs.pop(rid, None)
+        blocks = out.hand_back
         if blocks is None:
             return
         try:
@@ -49,9 +50,3 @@ class DecodeWorker(SteppingWorker):
             log.warning("%s: KV hand-back not published: %s", rid, exc)
             return
         item.hand_back = {**blocks, "descriptor": desc.to_wire()}
-
-    def report(self, outputs: list) -> None:
-        super().report(outputs)
-        for out in outputs:  # finished, but no longer ours (cancelled): nobody takes its blocks
-            if out.finished:
-                self.engine.hand_backs.pop(out.request_id, None)

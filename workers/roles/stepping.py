@@ -47,7 +47,7 @@ class SteppingWorker(Worker):
         self.attempts[rid] = attempt
         self.fresh.add(rid)
         every = getattr(task, "report_every", 1)
-        seq = self.engine.requests.get(rid)
+        seq = self.engine.scheduler.get(rid)
         if every > 1 and seq is not None:
             self.routes[rid] = TokenRoute(every, task.tokens_to, task.client_rid, len(seq.output_ids),
                                           len(seq.prompt_ids))
@@ -88,7 +88,7 @@ class SteppingWorker(Worker):
             outputs = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed; failing its requests")
-            for rid in list(self.engine.requests):
+            for rid in [seq.request_id for seq in self.engine.scheduler.sequences()]:
                 attempt = self.attempts.pop(rid, None)
                 self.engine.abort(rid)
                 if attempt is not None:
@@ -97,7 +97,7 @@ class SteppingWorker(Worker):
             return
         self.report(outputs)
 
-    def finishing(self, rid: str, attempt: int, item: TokenItem) -> None:
+    def finishing(self, rid: str, attempt: int, item: TokenItem, out: StepOutput) -> None:
         """A request's last tokens are about to go out: a role may add to them."""
 
     def report(self, outputs: list[StepOutput]) -> None:
@@ -124,7 +124,7 @@ class SteppingWorker(Worker):
                 self.routes.pop(rid, None)
                 item.worker_s = self.worker_s(rid)
                 item.cached_tokens = self.cached_tokens(rid)
-                self.finishing(rid, attempt, item)
+                self.finishing(rid, attempt, item, out)
             items.append(item)
         if items:
             self.send(StepTokens(items=items))
