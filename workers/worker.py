@@ -36,6 +36,7 @@ from mserve.workers.cache_index import PrefixIndexPublisher
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.links import CoordinatorLinks, Link
 from mserve.workers.liveness import Pulse
+from mserve.workers.requests import WorkerRequest, WorkerRequests
 from mserve.workers.settings import WorkerSettings
 
 log = logging.getLogger("mserve.worker")
@@ -91,7 +92,7 @@ class Worker:
         self.prefix_index = (PrefixIndexPublisher(self.store, self.model_name, self.worker_id, self.engine.pool,
                                                   every_s=settings.heartbeat_s)
                              if self.store is not None and settings.enable_prefix_caching else None)
-        self.received: dict[str, float] = {}  # when each request's stage arrived: its worker_s
+        self.requests = WorkerRequests()  # every request this worker holds, one record each (workers/requests.py)
         self.running = True
         self.drain = Drain(settings.drain_timeout_s)  # SIGTERM: finish what it has, then exit (workers/draining.py)
         self._seen_state_losses = 0
@@ -126,9 +127,16 @@ class Worker:
         raise NotImplementedError
 
     def cancel(self, rid: str) -> None:
-        self.received.pop(rid, None)
-        if self.engine.abort(rid):
+        if self.end(rid) is not None:
             log.info("%s cancelled", rid)
+
+    def end(self, rid: str, attempt: int | None = None) -> WorkerRequest | None:
+        """The one way a request leaves this worker (reported, failed, cancelled): its record goes, and
+        whatever the engine still holds of it. With `attempt`, only that attempt's (a newer one stays)."""
+        rec = self.requests.end(rid, attempt)
+        if rec is not None or attempt is None:
+            self.engine.abort(rid)
+        return rec
 
     def queued_ids(self) -> list[str]:
         """Requests this worker holds but has not started: a stage timeout does not re-run them."""
@@ -313,20 +321,24 @@ class Worker:
             elif isinstance(msg, Cancel):
                 self.cancel(msg.request_id)
             else:
-                if msg.STARTS_STAGE:
-                    self.received[msg.request_id] = time.perf_counter()
+                if msg.STARTS_STAGE:  # a newer attempt's record replaces the older one's
+                    self.requests.arrive(msg.request_id, msg.attempt)
                 self.start(msg)
 
     def _refuse(self, payload: Any, why: str) -> None:
         """A stage message this worker cannot run (another role's, or malformed) still ends its
         attempt at once: FAILED, retryable, so the coordinator routes it elsewhere without a timeout."""
         if isinstance(payload, dict) and isinstance(payload.get("request_id"), str) \
-                and type(payload.get("attempt")) is int:
-            self.failed(payload["request_id"], payload["attempt"], f"{self.role} worker refused it: {why}",
-                        retryable=True)
+                and type(payload.get("attempt")) is int:  # it never became a request here: no record to end
+            self._send_failed(payload["request_id"], payload["attempt"], f"{self.role} worker refused it: {why}",
+                              retryable=True)
 
     def failed(self, rid: str, attempt: int, message: str, retryable: bool) -> None:
-        self.received.pop(rid, None)
+        """The attempt failed here: it ends, and the coordinator hears so."""
+        self.end(rid, attempt)
+        self._send_failed(rid, attempt, message, retryable)
+
+    def _send_failed(self, rid: str, attempt: int, message: str, retryable: bool) -> None:
         log.warning("%s failed (attempt %d, %s): %s", rid, attempt, "retryable" if retryable else "final", message)
         self.send(Failed(request_id=rid, attempt=attempt, message=message, retryable=retryable))
 
@@ -346,11 +358,6 @@ class Worker:
             log.exception("%s: failed", rid)
             self.failed(rid, attempt, f"{exc.__class__.__name__}: {exc}", retryable=True)
         return False
-
-    def worker_s(self, rid: str) -> float:
-        """Time this request's stage spent in this worker (queueing included), for overhead accounting."""
-        t0 = self.received.pop(rid, None)
-        return round(time.perf_counter() - t0, 6) if t0 is not None else 0.0
 
 
 # Cache counters that Redis load stats carry too (hit rates per tier, for `mserve status` and autoscalers).
