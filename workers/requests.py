@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class WorkerRequest:
     request_id: str
     attempt: int  # the coordinator's attempt, echoed in every reply
+    origin: str | None = None  # the link (coordinator shard) it came from: every reply goes there
     arrived: float = field(default_factory=time.perf_counter)  # its worker_s counts from here
     # Transfer time (embeddings, KV) not reported yet; None when it fetched nothing.
     fetch_s: float | None = None
@@ -56,8 +57,8 @@ class WorkerRequests:
     def __init__(self) -> None:
         self._by_id: dict[str, WorkerRequest] = {}
 
-    def arrive(self, request_id: str, attempt: int) -> WorkerRequest:
-        rec = self._by_id[request_id] = WorkerRequest(request_id, attempt)
+    def arrive(self, request_id: str, attempt: int, origin: str | None = None) -> WorkerRequest:
+        rec = self._by_id[request_id] = WorkerRequest(request_id, attempt, origin)
         return rec
 
     def get(self, request_id: str, attempt: int | None = None) -> WorkerRequest | None:
@@ -71,6 +72,14 @@ class WorkerRequests:
         if rec is not None:
             del self._by_id[request_id]
         return rec
+
+    def origin_of(self, request_id: str) -> str | None:
+        rec = self._by_id.get(request_id)
+        return rec.origin if rec is not None else None
+
+    def from_origin(self, origin: str) -> list[str]:
+        """The requests that came from `origin` (a coordinator shard's link)."""
+        return [rid for rid, rec in self._by_id.items() if rec.origin == origin]
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -1,5 +1,5 @@
 """One record per request on a worker (workers/requests.py): made on arrival, replaced by a newer attempt,
-ended once, and the one place a request's transfer time, freshness and cached prefix are read from."""
+ended once, and the one place a request's shard, transfer time, freshness and cached prefix are read from."""
 
 from __future__ import annotations
 
@@ -26,3 +26,14 @@ def test_fetch_time_is_reported_once_and_the_prefix_hit_read_from_the_sequence()
     rec.seq = Sequence(request_id="r1", prompt_ids=[1, 2, 3])
     rec.seq.num_cached_tokens = 16  # known only once the scheduler first took the prompt
     assert rec.cached_tokens == 16 and rec.worker_s() >= 0.0
+
+
+def test_replies_find_the_shard_a_request_came_from_while_it_is_here():
+    table = WorkerRequests()
+    table.arrive("a1", 0, origin="tcp://shard-a")
+    table.arrive("b1", 0, origin="tcp://shard-b")
+    table.arrive("a2", 3, origin="tcp://shard-a")
+    assert table.origin_of("b1") == "tcp://shard-b" and table.origin_of("zz") is None
+    assert table.from_origin("tcp://shard-a") == ["a1", "a2"]  # what a shard that left leaves to cancel
+    table.end("a1")
+    assert table.origin_of("a1") is None and table.from_origin("tcp://shard-a") == ["a2"]

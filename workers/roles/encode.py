@@ -242,6 +242,7 @@ class EncodeWorker(Worker):
         self.published[rid] = tid
         while len(self.published) > 4096:
             self.published.popitem(last=False)
-        rec = self.end(rid, attempt)  # an older attempt's task, still queued, reports no time of the newer one's
+        rec = self.requests.get(rid, attempt)  # an older attempt's task, still queued, has none
         self.send(Encoded(request_id=rid, attempt=attempt, descriptor=desc.to_wire(), images=images, cache_hits=hits,
                           worker_s=rec.worker_s() if rec is not None else 0.0))
+        self.end(rid, attempt)

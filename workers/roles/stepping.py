@@ -81,7 +81,7 @@ class SteppingWorker(Worker):
 
     def report(self, outputs: list[StepOutput]) -> None:
         """Stream every request's new tokens in one STEP_TOKENS message."""
-        items = []
+        items, finished = [], []
         for out in outputs:
             rec = self.requests.get(out.request_id)
             if rec is None:  # cancelled (or failed) meanwhile
@@ -97,10 +97,12 @@ class SteppingWorker(Worker):
                              finish_reason=out.finish_reason, first=rec.fresh, fetch_s=rec.take_fetch_s())
             rec.fresh = False
             if out.finished:
-                self.end(rec.request_id)
+                finished.append(rec)
                 item.worker_s = rec.worker_s()
                 item.cached_tokens = rec.cached_tokens
                 self.finishing(rec, item, out)
             items.append(item)
         if items:
             self.send(StepTokens(items=items))
+        for rec in finished:  # after the send: each item goes to the shard its record came from
+            self.end(rec.request_id)
