@@ -58,6 +58,9 @@ class Scheduler:
         self.clock = clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        # Finished, but their KV blocks are still to be copied out (a prefill's to its decode worker,
+        # a reply's hand-back): kept until `free`.
+        self.handing_off: list[Sequence] = []
         self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------
@@ -91,9 +94,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-    def release_blocks(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
 
     def prefill_key(self, seq: Sequence, now: float) -> tuple[int, int, float, int]:
         """Serving order of prompts: priority, latency class, then remaining tokens less what waiting earned."""
@@ -201,3 +201,46 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return n
+
+    # -- after the model ran -----------------------------------------------------------------------
+    def postprocess(self, chunks: list[ScheduledChunk], token_ids: list[int]) -> list[Sequence]:
+        """Record a step's progress: `token_ids` are the tokens sampled for the chunks that complete
+        their sequence, in order. Each is appended; a sequence that meets a stop condition finishes
+        and its blocks are freed, unless its KV still leaves this pool (`handing_off`). Returns the
+        sequences that got a token, in the order of `token_ids`."""
+        for c in chunks:
+            c.seq.num_computed_tokens = c.end
+            if self.enable_prefix_caching:  # full prompt blocks become findable by later requests
+                self.pool.commit_full_blocks(c.seq.block_table, c.seq.prompt_ids,
+                                             min(c.end, len(c.seq.prompt_ids)), c.seq.images)
+        sampled = [c.seq for c in chunks if c.completes_sequence]
+        assert len(sampled) == len(token_ids), (len(sampled), len(token_ids))
+        for seq, token in zip(sampled, token_ids):
+            seq.append_token(token)
+            if seq.finish_reason is None:
+                continue
+            self.finish(seq, seq.finish_reason)
+            if seq.finish_reason == "prefilled" or seq.hand_back:
+                self.handing_off.append(seq)
+            else:
+                self.free(seq)
+        return sampled
+
+    # -- which sequences are here --------------------------------------------------------------------
+    def sequences(self) -> list[Sequence]:
+        """Every sequence holding or awaiting blocks here: waiting, running, or finished and handing off."""
+        return self.waiting + self.running + self.handing_off
+
+    def get(self, request_id: str) -> Sequence | None:
+        return next((s for s in self.sequences() if s.request_id == request_id), None)
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.finish(seq, "abort")
+        self.free(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """`seq` leaves this scheduler (its KV copied out, or finished, or aborted): its blocks go back."""
+        if seq in self.handing_off:
+            self.handing_off.remove(seq)
+        self.pool.free(seq.block_table)

@@ -96,7 +96,8 @@ class EncodeWorker(Worker):
         self.queue: list[EncodeTask] = []
         self.encode_s_per_image = 0.0  # measured (EWMA): the coordinator weighs re-encoding against it
         # Each request's latest embeddings publication, so a CANCEL frees it before its expiry (bounded:
-        # older entries only wait for the expiry).
+        # older entries only wait for the expiry). Not in the request's record: it outlives the stage
+        # here, whose record ends when ENCODED goes out, while the prefill worker has yet to fetch.
         self.published: OrderedDict[str, str] = OrderedDict()
 
     def load(self) -> dict[str, Any]:
@@ -241,5 +242,7 @@ class EncodeWorker(Worker):
         self.published[rid] = tid
         while len(self.published) > 4096:
             self.published.popitem(last=False)
+        rec = self.requests.get(rid, attempt)  # an older attempt's task, still queued, has none
         self.send(Encoded(request_id=rid, attempt=attempt, descriptor=desc.to_wire(), images=images, cache_hits=hits,
-                          worker_s=self.worker_s(rid)))
+                          worker_s=rec.worker_s() if rec is not None else 0.0))
+        self.end(rid, attempt)
