@@ -48,6 +48,26 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+@dataclass(frozen=True)
+class EngineBudget:
+    """A worker engine's KV pool and per-step budget, by default. The worker's settings, the engine's
+    config, the scheduler, the GPU-share sizing and the coordinator's routing unit take theirs from
+    DEFAULT_ENGINE."""
+
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 2048  # KV pool blocks
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 2048  # tokens per engine step
+    # Prompt tokens per engine step on a worker: one long prompt delays a short one (and a running
+    # stream) by at most one chunk of this size. Chosen by measurement (bench/lab/NOTEBOOK.md,
+    # "Prefill chunk cap").
+    max_prefill_tokens: int = 512
+    reserve_tokens: int = 256  # admission keeps room for this many next tokens of each running request
+
+
+DEFAULT_ENGINE = EngineBudget()
+
+
 # -- the KV budget --------------------------------------------------------------------------------
 
 

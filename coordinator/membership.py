@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mserve.common.policy import DEFAULT_ENGINE
 from mserve.coordinator.routing import WorkerView
 
 LOAD_INTS = ("queue_len", "running", "free_blocks", "total_blocks")
@@ -33,7 +34,7 @@ class WorkerRecord:
 
 
 class Membership:
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = DEFAULT_ENGINE.block_size) -> None:
         self._records: dict[str, WorkerRecord] = {}
         self.block_size = block_size  # KV block size the workers announce: the coordinator's routing unit
         # image hash -> workers known (from their ENCODED replies) to hold its embeddings

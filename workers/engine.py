@@ -16,7 +16,7 @@ import torch
 
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
-from mserve.common.policy import DEFAULT_LIMITS
+from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers.block_pool import BlockPool
 from mserve.workers.hand_back import adopt_blocks, reply_blocks
@@ -33,12 +33,12 @@ class EngineConfig:
     model_dir: str
     device: str = "cpu"
     dtype: str | None = None
-    block_size: int = 16
-    num_blocks: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = DEFAULT_ENGINE.block_size
+    num_blocks: int = DEFAULT_ENGINE.num_blocks
+    max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs
+    max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens
     max_prefill_tokens: int | None = None  # prompt tokens per step (the chunk cap); None: the whole budget
-    reserve_tokens: int = 256  # admission keeps room for this many next tokens of each running request
+    reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens
     enable_prefix_caching: bool = True
     max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
     max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mserve.common.policy import class_rank, fits_kv
+from mserve.common.policy import DEFAULT_ENGINE, class_rank, fits_kv
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
 from mserve.workers.sequence import Sequence, SeqStatus
 
@@ -42,9 +42,10 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs,
+                 max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens,
                  max_prefill_tokens: int | None = None, aging_tokens_per_s: float = 1000.0,
-                 reserve_tokens: int = 256, enable_prefix_caching: bool = True,
+                 reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens, enable_prefix_caching: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
         self.pool = pool

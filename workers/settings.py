@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from mserve.common.policy import DEFAULT_LIMITS
+from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
 
 
 class WorkerSettings(BaseSettings):
@@ -27,13 +27,11 @@ class WorkerSettings(BaseSettings):
     transfer: Literal["auto", "shm", "tcp", "torch"] = "auto"
     transfer_pool_mb: int = 1024  # bound on the shared-memory segments a sender keeps for reuse
     host: str = "127.0.0.1"  # address peers use for this worker's data plane
-    num_blocks: int = 2048
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # Prompt tokens per engine step: one long prompt delays a short one (and a running stream) by
-    # at most one chunk of this size. Chosen by measurement (bench/lab/NOTEBOOK.md, "Prefill chunk cap").
-    max_prefill_tokens: int = 512
+    num_blocks: int = DEFAULT_ENGINE.num_blocks
+    block_size: int = DEFAULT_ENGINE.block_size
+    max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs
+    max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens
+    max_prefill_tokens: int = DEFAULT_ENGINE.max_prefill_tokens  # the chunk cap (common/policy.py says why)
     enable_prefix_caching: bool = True
     embedding_cache_mb: float = 512  # L1: this encode worker's own memory
     # L2: encoded images shared by every encode worker on this host (tmpfs files, outliving a

@@ -111,3 +111,30 @@ def test_every_process_takes_its_limit_defaults_from_the_policy(monkeypatch: pyt
     for name in ("max_image_bytes", "max_image_pixels"):
         assert getattr(worker, name) == getattr(engine, name) == getattr(DEFAULT_LIMITS, name)
     assert DEFAULT_LIMITS.max_image_bytes == 20 * 1024 * 1024 and DEFAULT_LIMITS.max_prompt_tokens == 16384
+
+
+def test_every_engine_takes_its_budget_defaults_from_the_policy(monkeypatch: pytest.MonkeyPatch):
+    import inspect
+
+    from mserve.common.policy import DEFAULT_ENGINE, EngineBudget
+    from mserve.coordinator.membership import Membership
+    from mserve.workers.block_pool import BlockPool
+    from mserve.workers.engine import EngineConfig
+    from mserve.workers.scheduler import Scheduler
+    from mserve.workers.settings import WorkerSettings
+    from mserve.workers.sizing import plan_for_model
+
+    for f in dataclasses.fields(EngineBudget):
+        monkeypatch.delenv(f"MSERVE_{f.name.upper()}", raising=False)
+    worker = WorkerSettings(role="decode", model="m")
+    engine = EngineConfig(model_dir="m")
+    scheduler = Scheduler(BlockPool(num_blocks=8, block_size=4))
+    sizing = inspect.signature(plan_for_model).parameters
+    for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        assert getattr(worker, name) == getattr(engine, name) == getattr(DEFAULT_ENGINE, name), name
+    assert worker.max_prefill_tokens == DEFAULT_ENGINE.max_prefill_tokens
+    assert scheduler.max_num_seqs == DEFAULT_ENGINE.max_num_seqs
+    assert engine.reserve_tokens == DEFAULT_ENGINE.reserve_tokens
+    assert sizing["block_size"].default == DEFAULT_ENGINE.block_size
+    assert Membership().block_size == DEFAULT_ENGINE.block_size
+    assert (DEFAULT_ENGINE.block_size, DEFAULT_ENGINE.num_blocks) == (16, 2048)
