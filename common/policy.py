@@ -7,7 +7,11 @@ drift apart (STYLE.md, "A rule lives once").
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # -- the class order ------------------------------------------------------------------------------
 
@@ -25,6 +29,25 @@ def serving_order(priority: int, latency_class: str, arrival: float) -> tuple[in
     """The key every class-ordered queue sorts by, smaller served first: class_rank, then the earlier
     arrival. The largest key is the one shed first when a bounded queue is full."""
     return (*class_rank(priority, latency_class), arrival)
+
+
+def encode_batch(queue: Sequence[T], *, priority: Callable[[T], int], latency_class: Callable[[T], str],
+                 images: Callable[[T], int], max_images: int) -> tuple[list[T], list[T]]:
+    """(the requests for one vision forward, the rest), from an encode queue in arrival order: in the
+    serving order, up to `max_images` images (a video weighs its frames); a request's images go
+    together, and one with more images than that goes alone. So an interactive image waits for at most
+    one bounded batch."""
+    order = sorted(range(len(queue)), key=lambda i: serving_order(priority(queue[i]), latency_class(queue[i]), i))
+    take: list[int] = []
+    taken_images = 0
+    for i in order:
+        n = images(queue[i])
+        if take and taken_images + n > max_images:
+            break
+        take.append(i)
+        taken_images += n
+    chosen = set(take)
+    return [queue[i] for i in take], [item for i, item in enumerate(queue) if i not in chosen]
 
 
 # -- limits ---------------------------------------------------------------------------------------

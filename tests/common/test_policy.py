@@ -138,3 +138,18 @@ def test_every_engine_takes_its_budget_defaults_from_the_policy(monkeypatch: pyt
     assert sizing["block_size"].default == DEFAULT_ENGINE.block_size
     assert Membership().block_size == DEFAULT_ENGINE.block_size
     assert (DEFAULT_ENGINE.block_size, DEFAULT_ENGINE.num_blocks) == (16, 2048)
+
+
+def test_an_encode_batch_takes_the_best_classes_up_to_its_images_and_keeps_a_request_whole():
+    from mserve.common.policy import encode_batch
+
+    # (name, priority, class, images) in arrival order
+    queue = [("b1", 0, "batch", 3), ("i1", 0, "interactive", 2), ("p1", 1, "batch", 4), ("i2", 0, "interactive", 1)]
+    pick = dict(priority=lambda q: q[1], latency_class=lambda q: q[2], images=lambda q: q[3])
+    take, rest = encode_batch(queue, max_images=7, **pick)
+    assert [q[0] for q in take] == ["p1", "i1", "i2"]  # 4 + 2 + 1: the batch request waits
+    assert [q[0] for q in rest] == ["b1"]
+    take, rest = encode_batch(queue, max_images=5, **pick)
+    assert [q[0] for q in take] == ["p1"]  # i1 would make 6: stop, never split a request
+    take, _ = encode_batch([("big", 0, "batch", 9)], max_images=2, **pick)
+    assert [q[0] for q in take] == ["big"]  # more images than the cap: alone, never starved

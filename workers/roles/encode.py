@@ -11,7 +11,7 @@ from typing import Any
 from mserve.common.model import ImageError
 from mserve.common.pruning import cache_namespace
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
-from mserve.common.policy import serving_order
+from mserve.common.policy import encode_batch
 from mserve.common.protocol.to_worker import EncodeTask, ImageRef
 from mserve.common.transfer.host_store import HostEmbeddingStore, default_root, host_member
 from mserve.common.video import VideoPart
@@ -67,20 +67,9 @@ def visual_input(ref: ImageRef) -> bytes | VideoPart:
 
 
 def next_encode_batch(queue: list[EncodeTask], max_images: int) -> tuple[list[EncodeTask], list[EncodeTask]]:
-    """(the requests for one vision forward, the rest). Priority first, then interactive before
-    batch, then arrival, up to `max_images` images, a video counting its frames (a request's images
-    go together; a request with more images than that goes alone), so an interactive image waits for
-    one bounded batch."""
-    order = sorted(range(len(queue)), key=lambda i: serving_order(queue[i].priority, queue[i].latency_class, i))
-    take, images = [], 0
-    for i in order:
-        n = sum(im.num_frames for im in queue[i].images)  # a video weighs its frames
-        if take and images + n > max_images:
-            break
-        take.append(i)
-        images += n
-    chosen = set(take)
-    return [queue[i] for i in take], [t for i, t in enumerate(queue) if i not in chosen]
+    """(the requests for one vision forward, the rest), by the policy's encode-batch rule."""
+    return encode_batch(queue, priority=lambda t: t.priority, latency_class=lambda t: t.latency_class,
+                        images=lambda t: sum(im.num_frames for im in t.images), max_images=max_images)
 
 
 class EncodeWorker(Worker):

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lab.sim.workload import SimRequest
-from mserve.coordinator.records import Stage
-from mserve.coordinator.stage_queues import Waiting
+from mserve.common.policy import encode_batch
 from mserve.workers.block_pool import BlockPool
 from mserve.workers.scheduler import Scheduler
 from mserve.workers.sequence import SamplingParams, Sequence
@@ -103,28 +102,16 @@ class EncodeWorker(Worker):
     def next_job(self) -> tuple[float, Any] | None:
         if not self.queue:
             return None
-        # The class order (coordinator/stage_queues.py; roles/encode.py serves its queue the same way, and
-        # never ages it): priority, interactive before batch, then the earliest sent.
-        order = sorted(self.queue, key=lambda q: _waiting(q, Stage.ENCODE).rank(self.cl.loop.now, math.inf))
-        take, n = [], 0
-        for q in order:
-            k = len(q.r.image_sizes)
-            if take and n + k > self.cl.costs.max_encode_images:
-                break
-            take.append(q)
-            n += k
-        chosen = set(map(id, take))
-        self.queue = [q for q in self.queue if id(q) not in chosen]
+        # The encode worker's own rule (common/policy.py), over the queue in the order requests came.
+        take, self.queue = encode_batch(self.queue, priority=lambda q: q.r.priority,
+                                        latency_class=lambda q: q.r.latency_class,
+                                        images=lambda q: len(q.r.image_sizes),
+                                        max_images=self.cl.costs.max_encode_images)
         cost = self.cl.costs.encode_s([s for q in take for s in q.r.image_sizes])
         return cost, lambda: [self.cl.to_coord(q, ("encoded", q, self)) for q in take]
 
     def report(self) -> tuple[int, int, int, int]:
         return len(self.queue), 0, 0, 0
-
-
-def _waiting(q: Req, stage: Stage) -> Waiting:
-    """A request as the class order sees it (its rank only: no StageQueues behind it)."""
-    return Waiting(str(q.r.rid), stage, q.r.priority, q.r.latency_class, since=q.sent_s, seq=q.r.rid)
 
 
 def _sequence(q: Req, prefill_only: bool) -> Sequence:
@@ -180,12 +167,9 @@ class PrefillWorker(Worker):
         cost += sum(costs.kv_handoff_s(s.num_tokens)[0] for s in done if s.sampling.max_tokens > 1)
 
         def finish() -> None:
-            for c in chunks:  # what the engine does after the forward (workers/engine.py)
-                c.seq.num_computed_tokens = c.end
-            for seq in done:
-                seq.append_token(0)
-                self.sched.finish(seq, seq.finish_reason or "prefilled")
-                self.sched.release_blocks(seq)  # exported with the step: the decode worker has them now
+            for seq in self.sched.postprocess(chunks, [0] * len(done)):  # the engine's own bookkeeping
+                if seq in self.sched.handing_off:  # exported with the step: the decode worker has them now
+                    self.sched.free(seq)
                 q = self.reqs.pop(seq.request_id)
                 self.cl.to_coord(q, ("prefilled", q, self))
 
@@ -256,17 +240,11 @@ class DecodeWorker(Worker):
         by_coord: dict[int, list[tuple[Req, bool]]] = {}
         every = self.cl.token_report_every
         reported: set[int] = set()  # requests whose tokens the coordinator hears this step
-        for c in chunks:  # what the engine does after the forward (workers/engine.py)
-            seq = c.seq
-            seq.num_computed_tokens = c.end
-            if not c.completes_sequence:
-                continue
-            seq.append_token(0)
+        sampled = sum(c.completes_sequence for c in chunks)
+        for seq in self.sched.postprocess(chunks, [0] * sampled):  # the engine's own bookkeeping
             q = self.reqs[seq.request_id]
             finished = seq.finish_reason is not None
-            if finished:
-                self.sched.finish(seq, seq.finish_reason)
-                self.sched.release_blocks(seq)
+            if finished:  # postprocess freed its blocks
                 del self.reqs[seq.request_id]
             by_coord.setdefault(q.coord.idx, []).append((q, finished))
             if finished or (every and (len(seq.output_ids) - 1) % every == 0):
