@@ -1,0 +1,37 @@
+"""A model type the generic path cannot serve exactly is refused at load, with one line naming what it lacks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mserve.common.model import load_family
+from mserve.common.processor import UnsupportedModelError
+
+
+def config_only(root: Path, model_type: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"model_type": model_type, "image_token_id": 3}))
+    return root
+
+
+@pytest.mark.parametrize("model_type, match", [
+    ("gemma3", r"'gemma3' needs attention that is bidirectional among one image's tokens and sliding-window"),
+    ("idefics", r"'idefics': IdeficsProcessor has no _get_num_multimodal_tokens, so the visual-token count"),
+    ("not_a_vlm", r"'not_a_vlm': transformers has no processor class for it"),
+    ("paligemma", r"'paligemma' is not verified token-exact in mserve \(served: llava, qwen2_vl"),
+], ids=["known-gap", "no-count-hook", "unknown", "unverified"])
+def test_unservable_model_type_is_refused_at_load_in_one_line(tmp_path, model_type, match):
+    with pytest.raises(UnsupportedModelError, match=match) as info:
+        load_family(config_only(tmp_path, model_type))
+    assert "\n" not in str(info.value)
+
+
+def test_engine_refuses_before_loading_weights(tmp_path):
+    """The worker's runner loads the family first: no weights are read for a refused model type."""
+    from mserve.workers.model_runner import ModelRunner
+
+    with pytest.raises(UnsupportedModelError, match="gemma3"):
+        ModelRunner(config_only(tmp_path, "gemma3"))
