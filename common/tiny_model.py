@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-TINY_MODEL_ARCHS = ("llava", "qwen2_vl")
+TINY_MODEL_ARCHS = ("llava", "qwen2_vl", "llava_next", "qwen2_5_vl")
 SIZES = ("tiny", "small")
 
 # Final vocabulary size, special tokens included.
@@ -34,6 +34,10 @@ INIT_STD = {
     ("llava", "small"): 0.15,
     ("qwen2_vl", "tiny"): 0.3,
     ("qwen2_vl", "small"): 0.15,
+    ("llava_next", "tiny"): 0.3,
+    ("llava_next", "small"): 0.15,
+    ("qwen2_5_vl", "tiny"): 0.3,
+    ("qwen2_5_vl", "small"): 0.15,
 }
 
 # Layer shapes.  "small" llava must stay exactly as is: it is the benchmark model (~31.2M).
@@ -42,6 +46,14 @@ DIMS = {
                             hidden=64, inter=128, layers=2, heads=4, kv_heads=2),
     ("llava", "small"): dict(v_hidden=256, v_inter=1024, v_layers=4, v_heads=4, image_size=336,
                              hidden=512, inter=1376, layers=8, heads=8, kv_heads=4),
+    ("llava_next", "tiny"): dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, image_size=56,
+                                 hidden=64, inter=128, layers=2, heads=4, kv_heads=2),
+    ("llava_next", "small"): dict(v_hidden=256, v_inter=1024, v_layers=4, v_heads=4, image_size=336,
+                                  hidden=512, inter=1376, layers=8, heads=8, kv_heads=4),
+    ("qwen2_5_vl", "tiny"): dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, max_pixels=224 * 224,
+                                 hidden=64, inter=128, layers=2, heads=4, kv_heads=2),
+    ("qwen2_5_vl", "small"): dict(v_hidden=256, v_inter=1024, v_layers=4, v_heads=4, max_pixels=448 * 448,
+                                  hidden=512, inter=1376, layers=8, heads=8, kv_heads=4),
     ("qwen2_vl", "tiny"): dict(v_hidden=32, v_layers=2, v_heads=2, v_mlp_ratio=2, max_pixels=224 * 224,
                                hidden=64, inter=128, layers=2, heads=4, kv_heads=2),
     ("qwen2_vl", "small"): dict(v_hidden=256, v_layers=4, v_heads=4, v_mlp_ratio=4, max_pixels=448 * 448,
@@ -202,9 +214,59 @@ def _llava_config(dims: dict, tok, std: float):
     )
 
 
+def _grid_pinpoints(side: int) -> list[list[int]]:
+    """LLaVA-NeXT's any-res canvases (height, width), in tiles of the vision tower's side: 1x2, 2x1, 2x2,
+    1x3, 3x1 as llava-hf's v1.6 checkpoints (whose side is 336)."""
+    return [[side * h, side * w] for h, w in ((1, 2), (2, 1), (2, 2), (1, 3), (3, 1))]
+
+
+def _llava_next_config(dims: dict, tok, std: float):
+    from transformers import LlavaNextConfig
+
+    base = _llava_config(dims, tok, std)
+    return LlavaNextConfig(
+        vision_config=base.vision_config, text_config=base.text_config,
+        image_token_index=base.image_token_index, image_grid_pinpoints=_grid_pinpoints(dims["image_size"]),
+        image_seq_length=base.image_seq_length, projector_hidden_act="gelu",
+        vision_feature_select_strategy="default", vision_feature_layer=-2, tie_word_embeddings=False,
+    )
+
+
 def _qwen2_vl_config(dims: dict, tok, std: float):
     from transformers import Qwen2VLConfig
 
+    vision = dict(
+        depth=dims["v_layers"], embed_dim=dims["v_hidden"], hidden_size=dims["hidden"],
+        num_heads=dims["v_heads"], mlp_ratio=dims["v_mlp_ratio"], patch_size=PATCH_SIZE,
+        spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="quick_gelu",
+        initializer_range=std,
+    )
+    return Qwen2VLConfig(text_config=_qwen_text(dims, tok, std), vision_config=vision, tie_word_embeddings=False,
+                         **_qwen_token_ids(tok))
+
+
+def _qwen2_5_vl_config(dims: dict, tok, std: float):
+    from transformers import Qwen2_5_VLConfig
+
+    # Qwen2.5-VL's tower: SwiGLU MLP, window attention (112 px windows = 4x4 merged patches here) with
+    # the last block attending over the whole image, as the real checkpoints' fullatt_block_indexes do.
+    vision = dict(
+        depth=dims["v_layers"], hidden_size=dims["v_hidden"], intermediate_size=dims["v_inter"],
+        num_heads=dims["v_heads"], out_hidden_size=dims["hidden"], patch_size=PATCH_SIZE,
+        spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="silu", window_size=112,
+        fullatt_block_indexes=[dims["v_layers"] - 1], tokens_per_second=2, initializer_range=std,
+    )
+    return Qwen2_5_VLConfig(text_config=_qwen_text(dims, tok, std), vision_config=vision,
+                            tie_word_embeddings=False, **_qwen_token_ids(tok))
+
+
+def _qwen_token_ids(tok) -> dict[str, int]:
+    ids = tok.convert_tokens_to_ids
+    return dict(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+
+
+def _qwen_text(dims: dict, tok, std: float) -> dict:
     head_dim = dims["hidden"] // dims["heads"]
     # M-RoPE splits the head_dim/2 rotary frequencies over (temporal, height, width);
     # keep Qwen's 2:3:3 proportion (the real 128-dim heads use [16, 24, 24]).
@@ -212,13 +274,7 @@ def _qwen2_vl_config(dims: dict, tok, std: float):
     t_dim = half // 4
     h_dim = (half - t_dim) // 2
     mrope_section = [t_dim, h_dim, half - t_dim - h_dim]
-    vision = dict(
-        depth=dims["v_layers"], embed_dim=dims["v_hidden"], hidden_size=dims["hidden"],
-        num_heads=dims["v_heads"], mlp_ratio=dims["v_mlp_ratio"], patch_size=PATCH_SIZE,
-        spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="quick_gelu",
-        initializer_range=std,
-    )
-    text = dict(
+    return dict(
         vocab_size=len(tok), hidden_size=dims["hidden"], intermediate_size=dims["inter"],
         num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
         num_key_value_heads=dims["kv_heads"], max_position_embeddings=32768, rms_norm_eps=1e-6,
@@ -226,12 +282,6 @@ def _qwen2_vl_config(dims: dict, tok, std: float):
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section},
         bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, tie_word_embeddings=False, initializer_range=std,
-    )
-    ids = tok.convert_tokens_to_ids
-    return Qwen2VLConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False,
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
     )
 
 
@@ -269,6 +319,26 @@ def _save_llava_processor(out: Path, dims: dict, tok, layout: str) -> None:
         _drop_nested_image_processor(out)
 
 
+def _save_llava_next_processor(out: Path, dims: dict, tok, layout: str) -> None:
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    side = dims["image_size"]
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+        image_grid_pinpoints=_grid_pinpoints(side),
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    if layout != "processor":
+        image_processor.save_pretrained(out)
+    if layout == "preprocessor":
+        _drop_nested_image_processor(out)
+
+
 class _VideoProcessorConfig(dict):
     """Stands in for Qwen2VLVideoProcessor, which needs torchvision: ProcessorMixin.save_pretrained
     writes a sub-processor that is a plain dict as it is (and skips custom-code saving: no auto class)."""
@@ -276,14 +346,15 @@ class _VideoProcessorConfig(dict):
     _auto_class = None
 
 
-def _qwen2_vl_processor(image_processor, tok, video_config: dict):
-    """A real Qwen2VLProcessor whose video processor is the `_VideoProcessorConfig` stand-in.
+def _qwen2_vl_processor(image_processor, tok, video_config: dict, processor_class: str = "Qwen2VLProcessor"):
+    """A real Qwen2VLProcessor (or Qwen2_5_VLProcessor) whose video processor is the `_VideoProcessorConfig` stand-in.
 
     ProcessorMixin.__init__ type-checks every sub-processor, and without torchvision the video
     processor check cannot even run, so that one check is skipped for this one instance."""
-    from transformers import Qwen2VLProcessor
+    import transformers
 
-    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+    cls = getattr(transformers, processor_class)
+    processor = cls.__new__(cls)
     check = processor.check_argument_for_proper_class
     processor.check_argument_for_proper_class = (
         lambda name, arg: dict if name == "video_processor" else check(name, arg))
@@ -293,8 +364,8 @@ def _qwen2_vl_processor(image_processor, tok, video_config: dict):
     return processor
 
 
-def _save_qwen2_vl_processor(out: Path, dims: dict, tok, layout: str) -> None:
-    """Write the processor files of a Qwen2-VL folder.
+def _save_qwen2_vl_processor(out: Path, dims: dict, tok, layout: str, processor_class: str = "Qwen2VLProcessor") -> None:
+    """Write the processor files of a Qwen2-VL (or Qwen2.5-VL: the same image and video processors) folder.
 
     processor_config.json (image and video processors nested), the tokenizer and the chat template
     come from ``Qwen2VLProcessor.save_pretrained``; the video processor's settings are written by
@@ -307,16 +378,16 @@ def _save_qwen2_vl_processor(out: Path, dims: dict, tok, layout: str) -> None:
         min_pixels=56 * 56, max_pixels=dims["max_pixels"], patch_size=PATCH_SIZE,
         merge_size=2, temporal_patch_size=2,
     )
-    image_config = {**image_processor.to_dict(), "processor_class": "Qwen2VLProcessor"}
+    image_config = {**image_processor.to_dict(), "processor_class": processor_class}
     video_config = {
-        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor",
+        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": processor_class,
         "size": {"shortest_edge": 56 * 56, "longest_edge": dims["max_pixels"]},
         "patch_size": PATCH_SIZE, "temporal_patch_size": 2, "merge_size": 2,
         "image_mean": image_config["image_mean"], "image_std": image_config["image_std"],
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
         "resample": 3, "rescale_factor": 1 / 255,
     }
-    _qwen2_vl_processor(image_processor, tok, video_config).save_pretrained(out)
+    _qwen2_vl_processor(image_processor, tok, video_config, processor_class).save_pretrained(out)
     if layout != "processor":
         for name, config in [("preprocessor_config.json", image_config),
                              ("video_preprocessor_config.json", video_config)]:
@@ -335,7 +406,7 @@ def _drop_nested_image_processor(out: Path) -> None:
 def _generation_config(tok, arch: str):
     from transformers import GenerationConfig
 
-    if arch == "llava":
+    if arch in ("llava", "llava_next"):
         return GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id)
     # Qwen2-VL stops on <|im_end|> as well as <|endoftext|>, and has no real BOS.
@@ -363,6 +434,14 @@ def make_tiny_model(out_dir: str | Path, arch: str, size: str = "tiny", seed: in
         tok = _llava_tokenizer(VOCAB_SIZES[size])
         config = _llava_config(dims, tok, std)
         _save_llava_processor(out, dims, tok, layout)
+    elif arch == "llava_next":
+        tok = _llava_tokenizer(VOCAB_SIZES[size])
+        config = _llava_next_config(dims, tok, std)
+        _save_llava_next_processor(out, dims, tok, layout)
+    elif arch == "qwen2_5_vl":
+        tok = _qwen2_vl_tokenizer(VOCAB_SIZES[size])
+        config = _qwen2_5_vl_config(dims, tok, std)
+        _save_qwen2_vl_processor(out, dims, tok, layout, "Qwen2_5_VLProcessor")
     else:
         tok = _qwen2_vl_tokenizer(VOCAB_SIZES[size])
         config = _qwen2_vl_config(dims, tok, std)

@@ -40,9 +40,10 @@ def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
 
 # The parts a stage needs: an encoder runs the vision tower + projector only; prefill and decode the
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
-# multi_modal_projector; Qwen2-VL: visual).
+# multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
+# Qwen2-VL: visual).
 PARTS = ("all", "vision", "text")
-_VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual")
+_VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual")
 
 
 def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | None = None, parts: str = "all"):

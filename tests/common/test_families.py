@@ -35,3 +35,15 @@ def test_engine_refuses_before_loading_weights(tmp_path):
 
     with pytest.raises(UnsupportedModelError, match="gemma3"):
         ModelRunner(config_only(tmp_path, "gemma3"))
+
+
+def test_video_to_a_family_without_video_support_is_refused_naming_it(tiny_model_dirs):
+    """Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts): refused at admission, not guessed."""
+    from mserve.common.prompt import PromptBuilder
+    from tests.helpers import make_frames
+
+    builder = PromptBuilder(tiny_model_dirs["qwen2_5_vl"])
+    video = [{"role": "user", "content": [{"type": "video", "video": make_frames(56, 56, 2)},
+                                          {"type": "text", "text": "What happens?"}]}]
+    with pytest.raises(ValueError, match="video input is not supported for model_type qwen2_5_vl"):
+        builder.prepare(video)
