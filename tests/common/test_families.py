@@ -47,3 +47,12 @@ def test_video_to_a_family_without_video_support_is_refused_naming_it(tiny_model
                                           {"type": "text", "text": "What happens?"}]}]
     with pytest.raises(ValueError, match="video input is not supported for model_type qwen2_5_vl"):
         builder.prepare(video)
+
+
+def test_mserve_up_refuses_before_starting_anything(tmp_path, caplog):
+    from mserve.up import _main
+
+    assert _main(["--model", str(config_only(tmp_path, "gemma3"))]) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["mserve up failed: model_type 'gemma3' needs attention that is bidirectional among one "
+                      "image's tokens and sliding-window layers (the paged attention is causal and global)"]
