@@ -1,5 +1,8 @@
 """Admission: validate a client's request at the edge and turn it into prompt ids, before any pixel is decoded.
 
+A GENERATE is the outside world's input: pydantic checks it here (one parse, with messages that
+name the field and the limit) and it leaves as the wire's typed `Generate` (common/protocol/client.py).
+
 Each image is hashed and only its header is read (for its size); the exact visual token count
 comes from the model family's processor rules, so the full prompt length is known here and every
 limit is enforced with a message that names it.
@@ -17,6 +20,7 @@ from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_fr
 from mserve.common.prompt import PromptBuilder, normalize_messages
 from mserve.common.video import DEFAULT_MAX_VIDEO_FRAMES, DEFAULT_VIDEO_FPS, VideoPart, describe_video, video_hash
 from mserve.common.protocol import ErrorCode
+from mserve.common.protocol.client import Generate, Sampling
 
 
 class AdmissionError(ValueError):
@@ -71,6 +75,15 @@ class GenerateIn(BaseModel):
     # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.
     tokens_to: str | None = Field(None, max_length=256, pattern=r"^tcp://[^\s/]+:\d+$")
 
+    def to_wire(self) -> Generate:
+        s = self.sampling
+        return Generate(request_id=self.request_id, messages=self.messages,
+                        sampling=Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
+                                          top_p=s.top_p, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
+                                          ignore_eos=s.ignore_eos),
+                        priority=self.priority, latency_class=self.latency_class, stream=self.stream,
+                        tokens_to=self.tokens_to)
+
 
 @dataclass
 class AdmittedImage:
@@ -91,7 +104,7 @@ class AdmittedImage:
 
 @dataclass
 class Admitted:
-    request: GenerateIn
+    request: Generate
     prompt_ids: list[int]
     images: list[AdmittedImage]
 
@@ -152,7 +165,7 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
         raise AdmissionError(f"prompt is {len(prompt.prompt_ids)} tokens ({sum(i.num_tokens for i in admitted_images)} "
                              f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}",
                              ErrorCode.TOO_LARGE)
-    return Admitted(req, prompt.prompt_ids, admitted_images)
+    return Admitted(req.to_wire(), prompt.prompt_ids, admitted_images)
 
 
 def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart) -> tuple[AdmittedImage, VideoInfo]:

@@ -151,7 +151,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
     if stage == Stage.ENCODE:
         msg = EncodeTask(**ids, images=[images[i] for i in part] if part is not None else images, **classes)
     elif stage == Stage.PREFILL:
-        msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
+        msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
                           **embedding_parts(st), **classes)
         tokens = len(a.prompt_ids)
@@ -159,7 +159,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
         msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back,
                          **token_route(st, report_every))
     else:
-        msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
+        msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                       images=images, **classes, **token_route(st, report_every))
         tokens = len(a.prompt_ids)
     return msg.KIND, msg.fields(), tokens

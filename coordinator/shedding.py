@@ -12,16 +12,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from mserve.coordinator.admission import GenerateIn
+from mserve.common.protocol.client import Generate
 from mserve.coordinator.records import RequestState
 
 
-def shed_rank(request: GenerateIn, arrived: float) -> tuple[int, int, float]:
+def shed_rank(request: Generate, arrived: float) -> tuple[int, int, float]:
     """Smaller is shed first."""
     return (request.priority, 1 if request.latency_class == "interactive" else 0, -arrived)
 
 
-def choose_shed(waiting: Iterable[RequestState], incoming: GenerateIn, now: float) -> RequestState | None:
+def choose_shed(waiting: Iterable[RequestState], incoming: Generate, now: float) -> RequestState | None:
     """The waiting request to shed so `incoming` can enter, or None when `incoming` itself is shed."""
     victim = min(waiting, key=lambda st: shed_rank(st.admitted.request, st.arrived), default=None)
     if victim is None or shed_rank(victim.admitted.request, victim.arrived) >= shed_rank(incoming, now):

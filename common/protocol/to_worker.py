@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mserve.common.protocol.core import MsgType
+from mserve.common.protocol.client import Sampling
+from mserve.common.protocol.core import LATENCY_CLASSES, MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_int, as_list, as_map, as_str, list_of,
                                           nested, one_of, optional, wire)
-
-LATENCY_CLASSES = ("interactive", "batch")
 
 
 @dataclass
@@ -59,7 +58,7 @@ class PrefillTask(Message):
     request_id: str = wire(as_str)
     attempt: int = wire(as_int)
     prompt_ids: list[int] = wire(list_of(as_int))
-    sampling: dict[str, Any] = wire(as_map)
+    sampling: Sampling = wire(nested(Sampling))
     output_ids: list[int] = wire(list_of(as_int), [])  # tokens an earlier attempt already streamed
     image_hashes: list[str] = wire(list_of(as_str), [])
     embeddings: dict[str, Any] | None = wire(optional(as_map), None)  # transfer descriptor (on an encode worker)
@@ -98,7 +97,7 @@ class RunTask(Message):
     request_id: str = wire(as_str)
     attempt: int = wire(as_int)
     prompt_ids: list[int] = wire(list_of(as_int))
-    sampling: dict[str, Any] = wire(as_map)
+    sampling: Sampling = wire(nested(Sampling))
     output_ids: list[int] = wire(list_of(as_int), [])
     images: list[ImageRef] = wire(list_of(nested(ImageRef)), [])
     priority: int = wire(as_int, 0)

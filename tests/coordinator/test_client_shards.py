@@ -14,6 +14,7 @@ import zmq
 
 from mserve.common import protocol
 from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.protocol.client import StatusReply, Tokens
 from mserve.common.shards import ShardRegistry, advertised, pick_shard, resolve_client_addresses, split_addresses
 from mserve.common.sockets import bound_address, make_socket, recv, send
 from mserve.coordinator.client import AsyncClient, Client, Lost, RequestTimeout
@@ -302,9 +303,9 @@ def test_async_replies_count_only_from_the_requests_own_shard():
         try:
             queue: asyncio.Queue = asyncio.Queue()
             c._pending["r"], c._routes["r"] = queue, "tcp://127.0.0.1:1"
-            tokens = protocol.body(request_id="r", index=0, token_ids=[7])
+            tokens = Tokens(request_id="r", index=0, token_ids=[7])
             c._dispatch(MsgType.TOKENS, tokens, "tcp://127.0.0.1:2")  # a late reply of an earlier attempt
-            c._dispatch(MsgType.STATUS_REPLY, protocol.body(workers={}, unknown_requests=["r"]), "tcp://127.0.0.1:2")
+            c._dispatch(MsgType.STATUS_REPLY, StatusReply(workers={}, unknown_requests=["r"]), "tcp://127.0.0.1:2")
             assert queue.empty()
             c._dispatch(MsgType.TOKENS, tokens, "tcp://127.0.0.1:1")
             assert queue.get_nowait() == (MsgType.TOKENS, tokens)

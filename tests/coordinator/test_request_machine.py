@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from mserve.common.protocol import ErrorCode, MsgType
-from mserve.coordinator.admission import Admitted, AdmittedImage, GenerateIn, SamplingIn
+from mserve.common.protocol.client import Generate, Sampling
+from mserve.coordinator.admission import Admitted, AdmittedImage
 from mserve.coordinator.requests import RequestMachine, Stage, ToClient, ToWorker
 
 CLIENT = b"client-1"
@@ -21,9 +22,9 @@ DEAD_AFTER = 2.0
 
 def make_admitted(rid: str = "r1", *, images: int = 0, prompt_len: int = 20, max_tokens: int = 8,
                   stream: bool = False, priority: int = 0, latency_class: str = "interactive") -> Admitted:
-    req = GenerateIn(request_id=rid, messages=[{"role": "user", "content": "hi"}],
-                     sampling=SamplingIn(max_tokens=max_tokens), stream=stream, priority=priority,
-                     latency_class=latency_class)
+    req = Generate(request_id=rid, messages=[{"role": "user", "content": "hi"}],
+                   sampling=Sampling(max_tokens=max_tokens), stream=stream, priority=priority,
+                   latency_class=latency_class)
     ims = [AdmittedImage(hash=f"img-{rid}-{i}", data=b"png", size=(28, 28), num_tokens=4) for i in range(images)]
     return Admitted(req, list(range(100, 100 + prompt_len)), ims)
 
