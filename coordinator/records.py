@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any, Protocol, Union
 
 from mserve.common.protocol import MsgType
+from mserve.common.protocol.client import Result
 from mserve.common.protocol.to_worker import DecodeTask, EmbeddingPart, EncodeTask, ImageRef, PrefillTask, RunTask
 from mserve.coordinator.admission import Admitted
 
@@ -198,6 +199,6 @@ def part_message(p: EncodePart) -> EmbeddingPart:
 def result_body(st: RequestState, finish_reason: str, text: str, now: float) -> dict[str, Any]:
     """The RESULT a finished request ends with."""
     timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(now - st.arrived, 6)}
-    return {"request_id": st.client_rid, "token_ids": st.output_ids, "text": text, "finish_reason": finish_reason,
-            "prompt_tokens": len(st.admitted.prompt_ids), "visual_tokens": st.admitted.visual_tokens,
-            "timings": timings, "cache_hits": st.cache_hits, "attempts": st.attempt + 1}
+    return Result(request_id=st.client_rid, token_ids=st.output_ids, text=text, finish_reason=finish_reason,
+                  prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
+                  timings=timings, cache_hits=st.cache_hits, attempts=st.attempt + 1).fields()

@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Callable
 
 from mserve.common.protocol import ROLES, ErrorCode, Message, MsgType, ProtocolError
+from mserve.common.protocol.client import Error, Tokens
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
                                                    WorkerInfo)
 from mserve.common.pruning import mismatch as pruning_mismatch
@@ -322,8 +323,8 @@ class RequestMachine(StageReplies, Dispatch):
 
     # -- results ----------------------------------------------------------------------------------------
     def _error(self, client: bytes, request_id: str | None, code: str, message: str, **extra: Any) -> None:
-        self._out.append(ToClient(client, MsgType.ERROR, {"request_id": request_id, "code": code, "message": message,
-                                                          **extra}))
+        self._out.append(ToClient(client, MsgType.ERROR, Error(request_id=request_id, code=code, message=message,
+                                                               **extra).fields()))
 
     def _emit(self, st: RequestState, tokens: list[int], relay: bool = True) -> None:
         index = len(st.output_ids)
@@ -332,10 +333,10 @@ class RequestMachine(StageReplies, Dispatch):
             st.first_token_at = self._now
         st.output_ids.extend(tokens)
         if st.admitted.request.stream and relay:
-            body: dict[str, Any] = {"request_id": st.client_rid, "index": index, "token_ids": tokens}
-            if index == 0:  # a client that stops early (a stop string) still learns its prompt's size
-                body["prompt_tokens"] = len(st.admitted.prompt_ids)
-            self._out.append(ToClient(st.client, MsgType.TOKENS, body))
+            # At index 0 the prompt's size too: a client that stops early (a stop string) still learns it.
+            msg = Tokens(request_id=st.client_rid, index=index, token_ids=tokens,
+                         prompt_tokens=len(st.admitted.prompt_ids) if index == 0 else None)
+            self._out.append(ToClient(st.client, MsgType.TOKENS, msg.fields()))
 
     def _end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
              **error_extra: Any) -> None:

@@ -195,7 +195,8 @@ class Coordinator:
                 unknown = self.machine.unknown(client, msg.request_ids)
                 self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers={}, unknown_requests=unknown))
             else:
-                self._reply(client, MsgType.STATUS_REPLY, self.status())
+                report = self.status()
+                self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers=report.pop("workers"), report=report))
 
     def _refuse(self, client: bytes, kind: MsgType, payload: dict[str, Any], why: str) -> None:
         """ERROR unauthorized; the request is not admitted, counted or logged with its content."""

@@ -1,4 +1,9 @@
-"""KV hand-back: a decode worker's finished reply goes back to the prefill worker for the next turn.
+"""KV leaving one engine for another: the prefill -> decode hand-off (`KVExport`), and the hand-back.
+
+Hand-off: a prefilled request leaves its prefill engine as `KVExport`, the wire's `KVState` (which
+PREFILLED and DECODE carry) plus the tensors the data plane moves; the decode engine adopts it.
+
+Hand-back: a decode worker's finished reply goes back to the prefill worker for the next turn.
 
 A multi-turn conversation resends its whole history: turn N+1's prompt starts with turn N's prompt
 and then turn N's reply. The prefill worker that ran turn N still holds the prompt's blocks (freed,
@@ -14,16 +19,29 @@ cache at the first differing block, which is always safe: block hashes chain tok
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
+from mserve.common.protocol.to_worker import KVState
 from mserve.workers.block_pool import BlockPool, BlockTable, OutOfBlocks
 
 if TYPE_CHECKING:
     from mserve.workers.paged_attention import KVCache
     from mserve.workers.sequence import Sequence as Seq
+
+
+@dataclass
+class KVExport:
+    """A prefilled request between two engines: its state (on the wire) and its tensors (on the data
+    plane). The prompt inputs ride along so the receiver can recompute the prompt if it must preempt it."""
+
+    state: KVState
+    kv: torch.Tensor  # [layers, 2, n_blocks, block_size, kv_heads, head_dim]
+    mrope_positions: torch.Tensor | None = None  # Qwen2-VL
+    image_embeds: list[torch.Tensor] = field(default_factory=list)  # one per image run of the prompt
 
 
 def reply_blocks(pool: BlockPool, kv: KVCache, seq: Seq) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mserve.common.protocol.core import MsgType
+from mserve.common.protocol.to_worker import KVState
 from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as_map, as_str, list_of, nested,
                                           optional, wire)
 
@@ -80,7 +81,7 @@ class Prefilled(Message):
     fetch_s: float = wire(as_float, 0.0)
     cached_tokens: int = wire(as_int, 0)
     descriptor: dict[str, Any] | None = wire(optional(as_map), None)  # the KV, when "prefilled"
-    state: dict[str, Any] | None = wire(optional(as_map), None)
+    state: KVState | None = wire(optional(nested(KVState)), None)  # the request, when "prefilled"
     worker_s: float = wire(as_float, 0.0)
 
 

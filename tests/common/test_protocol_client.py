@@ -116,3 +116,22 @@ def test_sampling_has_one_wire_shape_from_client_to_engine():
     assert params == SamplingParams(max_tokens=7, temperature=0.8, top_k=5, top_p=0.9, seed=11, stop_token_ids=(2,),
                                     ignore_eos=True)
     assert params.to_wire() == wire
+
+
+def test_the_prefill_to_decode_state_is_typed_end_to_end():
+    """PREFILLED carries the engine's KVState to the coordinator, DECODE carries it on unchanged."""
+    from mserve.common.protocol.to_coordinator import Prefilled
+    from mserve.common.protocol.to_worker import DecodeTask, KVState
+
+    state = KVState(request_id="p-1", prompt_ids=[1, 2, 3], output_ids=[9], num_computed_tokens=3, block_size=16,
+                    images=[[1, 4, "h"]], sampling=Sampling(max_tokens=4, seed=5), rope_delta=-2, priority=1,
+                    latency_class="batch")
+    prefilled = Prefilled.from_body(Prefilled(request_id="c1", attempt=0, token_id=9, finish_reason="prefilled",
+                                              descriptor={"d": 1}, state=state).to_body())
+    assert prefilled.state == state
+    decode = DecodeTask.from_body(DecodeTask(request_id="c1", attempt=0, descriptor={"d": 1},
+                                             state=prefilled.state).to_body())
+    assert decode.state == state
+    with pytest.raises(ProtocolError, match="DECODE.state: missing field block_size"):
+        DecodeTask.from_body({**decode.to_body(), "state": {k: v for k, v in state.fields().items()
+                                                            if k != "block_size"}})

@@ -29,6 +29,14 @@ def make_admitted(rid: str = "r1", *, images: int = 0, prompt_len: int = 20, max
     return Admitted(req, list(range(100, 100 + prompt_len)), ims)
 
 
+def kv_state(rid: str) -> dict[str, Any]:
+    """A prefill worker's hand-off state (KVState), which the coordinator relays to decode as it came."""
+    return {"request_id": rid, "prompt_ids": [1, 2], "output_ids": [], "num_computed_tokens": 2, "block_size": 16,
+            "images": [], "sampling": {"max_tokens": 8, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                                       "stop_token_ids": [], "ignore_eos": False},
+            "rope_delta": 0, "priority": 0, "latency_class": "interactive"}
+
+
 class Harness:
     """A RequestMachine, a fake clock, and helpers that speak for workers."""
 
@@ -75,7 +83,7 @@ class Harness:
     def prefilled(self, wid: str, stage_msg: ToWorker, token: int, finish: str = "prefilled", **kw: Any) -> list:
         b = stage_msg.body
         return self.worker(wid, MsgType.PREFILLED, request_id=b["request_id"], attempt=b["attempt"], token_id=token,
-                           finish_reason=finish, descriptor={"kv_on": wid}, state={"pos": 1}, **kw)
+                           finish_reason=finish, descriptor={"kv_on": wid}, state=kv_state(b["request_id"]), **kw)
 
     def step(self, wid: str, stage_msg: ToWorker, tokens: list[int], finished: bool = False, **kw: Any) -> list:
         b = stage_msg.body
@@ -205,7 +213,7 @@ def test_disaggregated_happy_path_streams_and_ends_with_all_tokens():
     # the first TOKENS also says how long the prompt was (a client stopping early still knows its usage)
     assert out[0].body == {"request_id": "r1", "index": 0, "token_ids": [7], "prompt_tokens": 20}
     dec = out[1]
-    assert dec.body["descriptor"] == {"kv_on": "p0"} and dec.body["state"] == {"pos": 1}
+    assert dec.body["descriptor"] == {"kv_on": "p0"} and dec.body["state"] == kv_state(pre.body["request_id"])
 
     out = h.step("d0", dec, [8, 9])
     assert kinds(out) == [("TOKENS", CLIENT)] and out[0].body["index"] == 1

@@ -8,6 +8,7 @@ import time
 from mserve.common.protocol.to_coordinator import TokenItem
 from mserve.common.protocol.to_worker import DecodeTask
 from mserve.common.transfer import TransferError
+from mserve.workers.hand_back import KVExport
 from mserve.workers.roles.stepping import SteppingWorker
 from mserve.workers.worker import FETCH_TIMEOUT_S
 
@@ -30,12 +31,10 @@ class DecodeWorker(SteppingWorker):
             # The request keeps its prompt inputs for its lifetime (recompute after preemption),
             # so those must not stay views; they are small next to the KV.
             keep = (lambda t: t.clone()) if view.zero_copy else (lambda t: t)
-            state = dict(task.state)
-            n_images = len(state["images"])
             mrope = tensors.get("mrope")
-            payload = {**state, "kv": tensors["kv"], "mrope_positions": keep(mrope) if mrope is not None else None,
-                       "image_embeds": [keep(tensors[f"emb{i}"]) for i in range(n_images) if f"emb{i}" in tensors]}
-            seq = self.engine.import_kv(payload, request_id=rid)
+            export = KVExport(task.state, tensors["kv"], keep(mrope) if mrope is not None else None,
+                              [keep(tensors[f"emb{i}"]) for i in range(len(task.state.images)) if f"emb{i}" in tensors])
+            seq = self.engine.import_kv(export, request_id=rid)
         seq.hand_back = task.hand_back
 
     def finishing(self, rid: str, attempt: int, item: TokenItem) -> None:

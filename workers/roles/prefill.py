@@ -105,12 +105,10 @@ class PrefillWorker(SteppingWorker):
                 return allocs[-1].tensors
 
             try:
-                payload = self.engine.export_kv(rid, alloc=alloc)
+                export = self.engine.export_kv(rid, alloc=alloc)
                 msg.descriptor = self.transfer.publish_allocated(f"{rid}:{attempt}:kv", allocs[0]).to_wire()
             finally:
                 for a in allocs:
                     a.free()  # a no-op once published
-            for key in ("kv", "mrope_positions", "image_embeds"):
-                payload.pop(key)
-            msg.state = payload
+            msg.state = export.state
         self.send(msg)
