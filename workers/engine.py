@@ -18,7 +18,7 @@ from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers.block_pool import BlockPool
 from mserve.common.protocol.to_worker import KVState
-from mserve.workers.hand_back import KVExport, adopt_blocks, reply_blocks
+from mserve.workers.hand_back import KVExport, ReplyBlocks, adopt_blocks, reply_blocks
 from mserve.workers.model_runner import EncodedImage, ModelRunner
 from mserve.workers.sampler import sample
 from mserve.workers.scheduler import Scheduler
@@ -88,7 +88,7 @@ class Engine:
                          "embedding_l1_hits": 0, "embedding_l2_hits": 0, "prefill_tokens": 0,
                          "decode_tokens": 0, "steps": 0}
         self.last_batch_size = 0  # sequences in the latest step
-        self.hand_backs: dict[str, dict[str, Any]] = {}  # finished requests' reply blocks, for the worker to send
+        self.hand_backs: dict[str, ReplyBlocks] = {}  # finished requests' reply blocks, for the worker to send
 
     # -- encode ---------------------------------------------------------------------------------
     def encode(self, images: Sequence[bytes | VideoPart]) -> list[EncodedImage]:

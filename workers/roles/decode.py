@@ -43,11 +43,11 @@ class DecodeWorker(SteppingWorker):
         if blocks is None:
             return
         try:
-            desc = self.transfer.publish(f"{rid}:{attempt}:handback", {"kv": blocks.pop("kv")})
+            desc = self.transfer.publish(f"{rid}:{attempt}:handback", {"kv": blocks.kv})
         except TransferError as exc:  # the reply is delivered either way; only the next turn's hit is lost
             log.warning("%s: KV hand-back not published: %s", rid, exc)
             return
-        item.hand_back = {**blocks, "descriptor": desc.to_wire()}
+        item.hand_back = blocks.to_wire(desc.to_wire())
 
     def report(self, outputs: list) -> None:
         super().report(outputs)
