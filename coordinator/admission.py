@@ -51,13 +51,14 @@ class SamplingIn(BaseModel):
     # parameter the client relies on (a typo, or one this server lacks) would change its results.
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    # The defaults are the wire's (common/protocol/client.py: Sampling); the bounds are the edge's.
+    max_tokens: int = Field(Sampling.max_tokens, ge=1)
+    temperature: float = Field(Sampling.temperature, ge=0.0)
+    top_k: int = Field(Sampling.top_k, ge=0)
+    top_p: float = Field(Sampling.top_p, gt=0.0, le=1.0)
+    seed: int | None = Sampling.seed
     stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
+    ignore_eos: bool = Sampling.ignore_eos
 
 
 class GenerateIn(BaseModel):

@@ -271,9 +271,10 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
     return out
 
 
-def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: bool, *, max_tokens: int = 64,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, priority: int = 0,
+def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: bool, *,
+                  max_tokens: int = Sampling.max_tokens, temperature: float = Sampling.temperature,
+                  top_k: int = Sampling.top_k, top_p: float = Sampling.top_p, seed: int | None = Sampling.seed,
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = Sampling.ignore_eos, priority: int = 0,
                   latency_class: str = "interactive") -> dict[str, Any]:
     """The GENERATE body; the keyword arguments are the ``**sampling`` options of generate()/stream()."""
     sampling = Sampling(max_tokens=int(max_tokens), temperature=float(temperature), top_k=int(top_k),

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mserve.common.protocol import ErrorCode
+from mserve.common.protocol import LATENCY_CLASSES, ErrorCode
 
 __all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of",
            "error_body", "status_for_code"]
 
-LATENCY_CLASSES = ("interactive", "batch")
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 
 # Fields OpenAI defines that this server cannot honour, with the value that means "not used".
