@@ -11,8 +11,7 @@ incoming body: type, endpoint, schema version and fields, in one pass.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from mserve.common.protocol.core import MsgType, ProtocolError, body
@@ -39,10 +38,6 @@ def rest() -> Any:
     """The fields of an open message (a report, e.g. STATUS_REPLY) that its class does not declare:
     kept as they came, and sent back out as they are, so the report can grow without a schema change."""
     return dataclasses.field(default_factory=dict, metadata={"rest": True})
-
-
-def anything(v: Any, where: str) -> Any:
-    return v
 
 
 def _typed(kind: type | tuple[type, ...], name: str) -> Check:
