@@ -17,8 +17,9 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_from_header
+from mserve.common.policy import LATENCY_CLASSES, Limits
 from mserve.common.prompt import PromptBuilder, normalize_messages
-from mserve.common.video import DEFAULT_MAX_VIDEO_FRAMES, DEFAULT_VIDEO_FPS, VideoPart, describe_video, video_hash
+from mserve.common.video import VideoPart, describe_video, video_hash
 from mserve.common.protocol import ErrorCode
 from mserve.common.protocol.client import Generate, Sampling
 
@@ -32,18 +33,6 @@ class AdmissionError(ValueError):
     def __init__(self, message: str, code: str = ErrorCode.BAD_REQUEST) -> None:
         super().__init__(message)
         self.code = code
-
-
-class Limits(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
-    max_images_per_request: int = 8
-    max_prompt_tokens: int = 16384
-    max_tokens: int = 4096
-    max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES  # frames of one video (a file is sampled down to it)
-    video_fps: float = DEFAULT_VIDEO_FPS  # frames sampled per second of a video file
 
 
 class SamplingIn(BaseModel):
@@ -70,7 +59,7 @@ class GenerateIn(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     sampling: SamplingIn = Field(default_factory=SamplingIn)
     priority: int = Field(0, ge=-100, le=100)
-    latency_class: Literal["interactive", "batch"] = "interactive"
+    latency_class: Literal[LATENCY_CLASSES] = "interactive"  # type: ignore[valid-type]
     stream: bool = False
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
     # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from mserve.common.protocol.client import (TO_CLIENT, Abort, Error, Generate, Re
                                           Tokens)
 from mserve.common.serde import WireError
 from mserve.common.sockets import recv, send
-from mserve.coordinator.client_shards import SHARD_LIST_REFRESH_S, SHARD_PROBES_UNANSWERED, ShardChooser
+from mserve.coordinator.client_shards import SHARD_PROBES_UNANSWERED, ShardChooser
 
 # One logger for both flavours: what a client logs reads the same whichever was used.
 logger = logging.getLogger("mserve.coordinator.client")
@@ -165,7 +164,8 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
 
     Image parts may hold bytes, a file path (str or Path), a data URL, or be OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}``. The server refuses paths (they name files on
-    the client's disk), so they are read here. The input is not modified.
+    the client's disk), so they are read here. The input is not modified. Roles and text are left to
+    the server's normalize_messages (common/prompt.py says why the two walks stay apart).
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")

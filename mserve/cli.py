@@ -1,4 +1,4 @@
-"""The `mserve` command: one entry point, one subcommand per role (names are a contract, see DESIGN.md).
+"""The `mserve` command: one entry point, one subcommand per role (names are a contract: manifests call them).
 
 Heavy imports (torch, transformers) happen inside each handler so `mserve --help` stays instant.
 """

@@ -90,7 +90,8 @@ def adopt_blocks(pool: BlockPool, kv: KVCache, token_ids: Sequence[int], images:
     table = BlockTable()
     try:
         # Reuses the held prefix (up to n_blocks - 1 blocks) and takes fresh blocks for the rest.
-        cached = pool.allocate(table, n_blocks * bs, hashes, token_ids) // bs
+        prefix = pool.reusable_prefix(hashes, token_ids, n_blocks * bs)
+        cached = pool.allocate(table, n_blocks * bs, prefix) // bs
     except OutOfBlocks:
         return 0
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
+from mserve.common.policy import LATENCY_CLASSES  # noqa: F401  (re-exported: the wire's classes are the policy's)
 from mserve.common.serde import SCHEMA_VERSION
 
 
@@ -43,7 +44,6 @@ class MsgType(IntEnum):
     EMBEDDINGS = 37  # more of a running prefill's images, encoded elsewhere after its PREFILL was sent
 
 
-LATENCY_CLASSES = ("interactive", "batch")  # in serving order
 
 ROLES = ("encode", "prefill", "decode", "unified")
 

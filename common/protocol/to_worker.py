@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.protocol.client import Sampling
-from mserve.common.protocol.core import LATENCY_CLASSES, MsgType
+from mserve.common.protocol.core import MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_int, as_list, as_map, as_str, list_of,
                                           nested, one_of, optional, wire)
 

@@ -325,19 +325,19 @@ def test_sync_status_moves_past_a_shard_that_does_not_answer(shards, mode):
 
 def test_a_registry_client_follows_shards_that_join(redis_url, monkeypatch):
     from mserve.common.redis_store import RedisStore
-    from mserve.coordinator import client_core
+    from mserve.coordinator import client_shards
 
     store = RedisStore(redis_url)
     try:
         registry = ShardRegistry(store)
         registry.announce("a", "tcp://127.0.0.1:1", "tcp://127.0.0.1:11", time.time())
-        chooser = client_core.ShardChooser(redis_url)
+        chooser = client_shards.ShardChooser(redis_url)
         assert chooser.addresses == ["tcp://127.0.0.1:1"] and chooser.sharded
         registry.announce("b", "tcp://127.0.0.1:2", "tcp://127.0.0.1:12", time.time())
         assert chooser.up(time.monotonic()) == ["tcp://127.0.0.1:1"]  # not re-read before its time
-        later = time.monotonic() + client_core.SHARD_LIST_REFRESH_S
+        later = time.monotonic() + client_shards.SHARD_LIST_REFRESH_S
         assert chooser.up(later) == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
         store._r.flushall()  # nothing registered (or Redis lost): the list is kept
-        assert chooser.up(later + client_core.SHARD_LIST_REFRESH_S) == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+        assert chooser.up(later + client_shards.SHARD_LIST_REFRESH_S) == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
     finally:
         store.close()

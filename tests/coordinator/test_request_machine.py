@@ -188,7 +188,7 @@ def test_aborting_a_spread_encode_cancels_it_on_every_encoder():
 
 def test_spread_encode_off_keeps_a_request_on_one_encoder():
     h = Harness(*DISAGG)
-    h.m.spread_encode = False
+    h.m.settings.spread_encode = False
     out = h.submit(make_admitted(images=2))
     assert kinds(out) == [("ENCODE", "e0")] and len(out[0].body["images"]) == 2
 
@@ -631,6 +631,21 @@ def test_a_draining_flag_read_from_redis_does_not_stop_routing():
     assert kinds(h.submit(make_admitted())) == [("RUN", "u0")]
 
 
+def test_a_draining_worker_gets_nothing_new_and_one_shutdown_once_its_work_is_done():
+    h = Harness(("u0", "unified"), ("u1", "unified"))
+    run = only(h.submit(make_admitted("a")), MsgType.RUN, "u0")
+    h.worker("u0", MsgType.HEARTBEAT, worker_id="u0", load={"draining": True})
+    assert h.m.status()["workers"]["u0"]["draining"] is True
+    assert kinds(h.submit(make_admitted("b"))) == [("RUN", "u1")]  # u0 is busy with "a" and drains
+    assert h.advance(0.1, beating=("u0", "u1")) == []  # "a" still runs on u0: no SHUTDOWN yet
+    assert kinds(h.step("u0", run, [5], finished=True)) == [("RESULT", CLIENT)]
+    assert kinds(h.advance(0.1, beating=("u0", "u1"))) == [("SHUTDOWN", "u0")]
+    assert h.advance(1.0, beating=("u0", "u1")) == []  # sent once
+    h.join("u0", "unified")  # a new process under the same id: routable, and drains only when it says so
+    assert h.m.status()["workers"]["u0"]["draining"] is False
+    assert kinds(h.submit(make_admitted("c"))) == [("RUN", "u0")]
+
+
 # -- late binding: stages wait at the coordinator, in class order, beyond max_stages_per_worker ---------------
 
 def test_with_a_cap_a_later_interactive_request_overtakes_a_waiting_batch_one():
@@ -718,7 +733,7 @@ def test_a_waiting_request_fails_a_stage_timeout_after_the_last_worker_of_its_ro
     only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")
     assert h.submit(make_admitted("b")) == []
     for _ in range(2):  # long past the stage timeout behind busy p0, which heartbeats and reports "a" queued
-        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [h.m.by_client[(CLIENT, "a")]]})
+        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [h.m.requests.find(CLIENT, "a").rid]})
         assert h.advance(TIMEOUT * 0.9, beating=("p0", "d0")) == []
     assert h.worker("p0", MsgType.BYE, worker_id="p0") == []  # "a" re-runs: both wait, no prefill pool left
     assert h.advance(TIMEOUT - 0.1, beating=("d0",)) == []  # a full stage timeout from then on

@@ -24,8 +24,11 @@ def test_handed_back_reply_blocks_are_a_prefix_hit_for_the_next_turn(tiny_model_
     first = prefill.run_until_done()["t1"]
     seq = decode.import_kv(prefill.export_kv("t1"))
     seq.hand_back = True
-    reply = first + decode.run_until_done()["t1"]
-    blocks = decode.hand_backs.pop("t1")
+    reply, blocks = list(first), None
+    while decode.has_unfinished():  # the finishing step's output carries the reply's blocks
+        for out in decode.step():
+            reply += out.new_token_ids
+            blocks = out.hand_back if out.finished else blocks
     assert decode.pool.num_used_blocks == 0 and blocks.first_block == len(pp.prompt_ids) // BS
 
     adopted = prefill.adopt_blocks(blocks.token_ids, blocks.images, blocks.first_block, blocks.kv)

@@ -1,6 +1,6 @@
 """The coordinator's CPU per message: the real coordinator process, driven by fake workers that answer at once.
 
-Usage: python -m mserve.bench.coord_calibrate --model models/small-llava [--json-out FILE]
+Usage: python -m lab.coord_calibrate --model models/small-llava [--json-out FILE]
 
 One `mserve coordinator` process (with a private Redis, as `mserve up` runs it) serves a client
 and fake encode / prefill / decode workers living in this process: they speak the real protocol
@@ -15,8 +15,8 @@ every message to and from it is counted. Runs:
   and per token item (the item in, TOKENS out to a streaming client).
 
 Sharded coordinators (docs/scaling.md), K shards side by side with one:
-``python -m mserve.bench.coord_calibrate --model models/small-llava --shards 2 [--json-out FILE]``,
-the same as ``python -m mserve.bench.coord_shards`` (see there); FakeCluster below serves both.
+``python -m lab.coord_calibrate --model models/small-llava --shards 2 [--json-out FILE]``,
+the same as ``python -m lab.coord_shards`` (see there); FakeCluster below serves both.
 """
 
 from __future__ import annotations
@@ -371,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
     p.add_argument("--json-out", default=None)
     p.add_argument("--shards", type=int, default=None,
-                   help="instead: 1 and this many coordinator shards side by side (mserve.bench.coord_shards)")
+                   help="instead: 1 and this many coordinator shards side by side (lab.coord_shards)")
     args = p.parse_args(argv)
     if args.shards is not None:
-        from mserve.bench.coord_shards import main as shards_main
+        from lab.coord_shards import main as shards_main
 
         return shards_main(["--model", args.model, "--shards", str(args.shards), "--scale", str(args.scale)]
                            + (["--json-out", args.json_out] if args.json_out else []))

@@ -6,7 +6,7 @@ with the ZeroMQ target), and reports the dispatch lag (actual send time - schedu
 send rate and what the cluster completed. The same schedule is also driven against a null target
 (nothing sent) to separate the generator's own cost from CPU contention with the cluster on this host.
 
-Usage: python -m mserve.bench.loadgen_check [--model DIR] [--rate 500] [--requests 2500] [--max-tokens 1]
+Usage: python -m lab.loadgen_check [--model DIR] [--rate 500] [--requests 2500] [--max-tokens 1]
 (without --model a tiny llava checkpoint is built in a temp folder).
 """
 
@@ -52,7 +52,7 @@ def _row(name: str, lg: dict[str, Any], records: list[Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mserve.bench.loadgen_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m lab.loadgen_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="tiny checkpoint folder (default: build one in a temp dir)")
     p.add_argument("--rate", type=float, default=500.0, help="offered requests/s (default 500)")

@@ -1,6 +1,6 @@
 """What tokens that bypass the coordinator save it: its CPU per request, relayed vs direct, one run.
 
-Usage: python -m mserve.bench.coord_tokens --model models/tiny-llava [--requests 24] [--max-tokens 64]
+Usage: python -m lab.coord_tokens --model models/tiny-llava [--requests 24] [--max-tokens 64]
        [--every 16] [--json-out FILE]
 
 Starts one real 1E1P1D cluster per setting (`LocalCluster`, private Redis) and streams the same
@@ -64,7 +64,7 @@ def run(model: str, every: int, requests: list[list[dict[str, Any]]], max_tokens
 def main(argv: list[str] | None = None) -> int:
     from mserve.bench.traces import make_trace
 
-    p = argparse.ArgumentParser(prog="python -m mserve.bench.coord_tokens", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m lab.coord_tokens", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--requests", type=int, default=24)

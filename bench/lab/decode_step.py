@@ -1,6 +1,6 @@
 """What one engine decode step costs beside its own matmuls (issue 7 item 5), and the floor on this host.
 
-`python -m mserve.bench.decode_step --model models/small-llava` prefills a batch of text prompts,
+`python -m lab.decode_step --model models/small-llava` prefills a batch of text prompts,
 then times decode steps of the whole batch. Parts are timed by wall clock around the calls that do
 them (torch.profiler inflates many-small-op indexing several times over, so it misleads here):
 
@@ -142,7 +142,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mserve.bench.decode_step", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m lab.decode_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)

@@ -5,18 +5,20 @@ Mirrors the real processes closely enough for capacity and latency:
 * a worker is one process running its loop (workers/worker.py): take every queued control
   message (a prefill worker fetches the embeddings, a decode worker fetches and imports the KV, both
   inside this drain), then run one batch of work, and again; messages that arrive during a step wait;
-* encode: one vision forward per batch of at most `max_encode_images` images, requests ordered by
-  priority, latency class, arrival (roles/encode.py `next_encode_batch`);
-* prefill: engine steps of at most `chunk_tokens` prompt tokens, prompts ordered by priority,
-  class, then fewest remaining tokens less 1000 tokens per second waited (workers/scheduler.py);
-  a finished prompt's KV is exported inside the step;
-* decode: one step over every running request (continuous batching), one STEP_TOKENS per
-  coordinator per step;
-* coordinator: one thread, a FIFO of messages, each paid with the calibrated CPU; its routing is
-  coordinator/routing.py: encode and decode to the least `busy` (inflight + queue_len +
-  0.5 running), prefill to the least pending prompt tokens (+64 per queued request), decode only
-  where the KV fits; `inflight` is the coordinator's own count, `queue_len` / `running` /
-  `free_blocks` are the workers' reports, refreshed every heartbeat period (0.25 s);
+* encode: one vision forward per batch of at most `max_encode_images` images, requests in the class
+  order of coordinator/stage_queues.py (priority, latency class, arrival: what roles/encode.py
+  `next_encode_batch` does);
+* prefill: the worker's own Scheduler and BlockPool (workers/scheduler.py, workers/block_pool.py)
+  decide every engine step: at most `chunk_tokens` prompt tokens, prompts in its policy order,
+  admitted while the KV pool holds them; a finished prompt's KV is exported inside the step;
+* decode: the same Scheduler and BlockPool run the continuous batch on the adopted KV (every
+  running request one token a step; the pool's preemption and recompute when it runs dry), one
+  STEP_TOKENS per coordinator per step; both pools are `kv_blocks` of the cost file;
+* coordinator: one thread, a FIFO of messages, each paid with the calibrated CPU; it routes with
+  coordinator/routing.py's own route_encode / route_prefill / route_decode over routing.WorkerView
+  (no embedding cache or prefix hits here); `inflight` is the coordinator's own count,
+  `queue_len` / `running` / `free_blocks` are the workers' reports, refreshed every heartbeat
+  period (0.25 s);
 * load shedding: a GENERATE arriving while `max_waiting_requests` admitted requests wait for
   their first token is answered `overloaded` (the real policy sheds the lowest class, which may
   be an older request; here always the newcomer);
@@ -33,32 +35,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from mserve.bench.sim.core import CpuPool, Loop
-from mserve.bench.sim.costs import Costs
-from mserve.bench.sim.workers import DecodeWorker, EncodeWorker, PrefillWorker, Req, Worker
-from mserve.bench.sim.workload import SimRequest
+from lab.sim.core import CpuPool, Loop
+from lab.sim.costs import Costs
+from lab.sim.workers import DecodeWorker, EncodeWorker, PrefillWorker, Req, Worker
+from lab.sim.workload import SimRequest
+from mserve.common.policy import request_blocks
+from mserve.coordinator.routing import WorkerView, route_decode, route_encode, route_prefill
 
 # How the per-request coordinator CPU is spread over the messages that carry it (stated assumption:
 # admission, which tokenizes and hashes the images, dominates GENERATE).
 SPLIT_IMAGE = {"generate": 0.6, "encoded": 0.15, "prefilled": 0.25}
 SPLIT_TEXT = {"generate": 0.6, "prefilled": 0.4}
-
-
-@dataclass
-class View:
-    """The coordinator's view of one worker (routing.WorkerView)."""
-
-    worker: Any
-    inflight: int = 0
-    inflight_tokens: int = 0
-    queue_len: int = 0
-    running: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-
-    @property
-    def busy(self) -> float:
-        return self.inflight + self.queue_len + 0.5 * self.running
 
 
 class Coordinator:
@@ -70,10 +57,11 @@ class Coordinator:
         self.queues: dict[str, deque[Any]] = {"worker": deque(), "client": deque()}
         self.phase, self.burst = "worker", 0
         self.busy = False
-        self.views = {w.wid: View(w) for w in cl.workers}
-        self.by_role: dict[str, list[View]] = {}
+        # The coordinator's view of each worker, as routing.py weighs it.
+        self.views = {w.wid: WorkerView(w.wid, w.role) for w in cl.workers}
+        self.by_role: dict[str, list[WorkerView]] = {}
         for v in self.views.values():
-            self.by_role.setdefault(v.worker.role, []).append(v)
+            self.by_role.setdefault(v.role, []).append(v)
         self.messages = 0
         self.step_items = 0  # token reports heard (one per request in a STEP_TOKENS)
         self.max_queue = 0
@@ -150,32 +138,28 @@ class Coordinator:
                 if finished or self.cl.stream_via_coordinator:  # a progress report: the client has them
                     self.cl.client.deliver(q, 1, finished)
         elif kind == "housekeeping":
-            for v in self.views.values():
-                v.queue_len, v.running, v.free_blocks, v.total_blocks = v.worker.report()
+            for w in self.cl.workers:
+                v = self.views[w.wid]
+                v.queue_len, v.running, v.free_blocks, v.total_blocks = w.report()
         self._next()
 
-    # -- routing (coordinator/routing.py) ---------------------------------------------------------
+    # -- routing: coordinator/routing.py itself ---------------------------------------------------
     def _dispatch(self, q: Req, role: str) -> None:
         views = self.by_role[role]
         if self.cl.routing == "p2c" and len(views) > 2:  # two random candidates, then the usual rule
             views = self.rng.sample(views, 2)
         tokens = 0
-        if role == "encode":
-            v = min(views, key=lambda v: (v.busy, v.worker.wid))
+        if role == "encode":  # no embedding cache here: every image is a miss wherever it goes
+            v = route_encode(views, [f"{q.r.rid}/{i}" for i in range(len(q.r.image_sizes))], {})
         elif role == "prefill":
             tokens = q.r.prompt_tokens
-            v = min(views, key=lambda v: (v.inflight_tokens + tokens + 64 * v.queue_len, v.worker.wid))
-        else:
-            need = -(-(q.r.prompt_tokens + q.r.max_tokens) // self.cl.costs.kv_blocks[1])
-            fitting = [v for v in views if v.total_blocks == 0 or v.free_blocks >= need]
-            if fitting:
-                v = min(fitting, key=lambda v: (v.busy, -v.free_blocks, v.worker.wid))
-            else:
-                v = max(views, key=lambda v: (v.free_blocks, -v.busy, v.worker.wid))
+            v = route_prefill(views, tokens)
+        else:  # the blocks the whole reply needs, as coordinator/dispatch.py asks route_decode
+            v = route_decode(views, request_blocks(q.r.prompt_tokens, q.r.max_tokens, self.cl.costs.kv_blocks[1]))
         v.inflight += 1
         v.inflight_tokens += tokens
         q.charged = (v, tokens)
-        self.cl.loop.after(self.cl.hop, v.worker.receive, q)
+        self.cl.loop.after(self.cl.hop, self.cl.worker[v.worker_id].receive, q)
 
     def _uncharge(self, q: Req) -> None:
         if q.charged:
@@ -264,6 +248,7 @@ class Cluster:
         for role, cls, n in (("encode", EncodeWorker, self.encode), ("prefill", PrefillWorker, self.prefill),
                              ("decode", DecodeWorker, self.decode)):
             self.workers += [cls(self, f"{role}-{i}") for i in range(n)]
+        self.worker = {w.wid: w for w in self.workers}
         self.coords = [Coordinator(self, i) for i in range(self.coordinators)]
         self.client: Client | None = None
 

@@ -5,7 +5,7 @@ text, one output token). For each request, overhead = client-observed latency mi
 worker reports having held it (`timings.worker_s`, its queueing included): what remains is the
 coordinator's admission, routing and bookkeeping plus the two extra ZeroMQ hops it adds.
 
-Usage: python -m mserve.bench.coordinator_bench --model DIR [--rates 20,200] [--requests 1000]
+Usage: python -m lab.coordinator_bench --model DIR [--rates 20,200] [--requests 1000]
 """
 
 from __future__ import annotations

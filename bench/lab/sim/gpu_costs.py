@@ -1,6 +1,6 @@
 """A GPU-class cost file for the scale model, derived from stated assumptions: a model, not a measurement.
 
-    python -m mserve.bench.sim.gpu_costs --cpu-costs cpu-small-llava --out bench/costs/gpu-h100-llava7b.json
+    python -m lab.sim.gpu_costs --cpu-costs cpu-small-llava --out bench/lab/costs/gpu-h100-llava7b.json
 
 Cluster: one worker per NVIDIA H100 SXM5 80 GB, serving LLaVA-1.5-7B (CLIP ViT-L/14-336 + MLP
 projector + Vicuna-7B, i.e. the Llama-2-7B architecture) in bf16. Nothing here ran on a GPU; each
@@ -62,7 +62,7 @@ def gpu_costs(cpu: dict[str, Any], interconnect: str = "ib") -> dict[str, Any]:
     return {
         "name": f"gpu-h100-llava7b-{interconnect}",
         "kind": "derived (a model: nothing here was measured on a GPU)",
-        "source": "python -m mserve.bench.sim.gpu_costs; every figure's derivation is under 'derivations'",
+        "source": "python -m lab.sim.gpu_costs; every figure's derivation is under 'derivations'",
         "cpu": {"cores": None, "note": "every worker has its own GPU (and host cores); the coordinator one core"},
         "network": {"hop_s": 5e-5, "backend": interconnect},
         "prompts": dict(cpu["prompts"]) | {"visual_tokens_per_image": 576.0},
@@ -103,7 +103,7 @@ def gpu_costs(cpu: dict[str, Any], interconnect: str = "ib") -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mserve.bench.sim.costs import Costs
+    from lab.sim.costs import Costs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-costs", default="cpu-small-llava", help="the measured file to take the coordinator from")

@@ -1,6 +1,6 @@
 """KV hand-off bandwidth per transfer backend, beside an in-process copy of the same bytes.
 
-Usage: python -m mserve.bench.transfer_bench [--iters 25] [--warmup 2] [--passes 5] [--threads 1]
+Usage: python -m lab.transfer_bench [--iters 25] [--warmup 2] [--passes 5] [--threads 1]
 
 One run, two spawned processes (sender and receiver, both with ``tune_malloc`` and ``--threads``
 torch threads, as workers run with 1), every figure the median of ``--iters`` timed runs after
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mserve.bench import transfer_bench_procs as procs
+from lab import transfer_bench_procs as procs
 
 
 def _hot_copy_s(shape: tuple[int, ...], iters: int) -> float:

@@ -1,14 +1,14 @@
-"""`python -m mserve.bench.simulate`: the scale model, a discrete-event simulation of an MServe cluster.
+"""`python -m lab.simulate`: the scale model, a discrete-event simulation of an MServe cluster.
 
-    python -m mserve.bench.simulate --costs cpu-small-llava --configs disagg:1e1p1d,disagg:2e2p2d \\
+    python -m lab.simulate --costs cpu-small-llava --configs disagg:1e1p1d,disagg:2e2p2d \\
         --trace image --num-requests 100 --rate 0.8 --max-tokens 64 --seed 0 --slo ttft=2000,tpot=100
 
 Same trace flags as `mserve bench serve` (the same seeded arrivals, image sizes and classes; see
-bench/sim/workload.py); the costs come from a cost file (bench/costs/: `cpu-*.json`
-measured by `python -m mserve.bench.calibrate`, `gpu-*.json` derived from stated assumptions by
-`python -m mserve.bench.sim.gpu_costs`). Prints throughput, goodput, TTFT / TPOT percentiles and
+bench/lab/sim/workload.py); the costs come from a cost file (bench/lab/costs/: `cpu-*.json`
+measured by `python -m lab.calibrate`, `gpu-*.json` derived from stated assumptions by
+`python -m lab.sim.gpu_costs`). Prints throughput, goodput, TTFT / TPOT percentiles and
 the coordinator's utilisation per configuration. Deterministic for a seed. The model is described
-in bench/sim/cluster.py; the scale sweep is `python -m mserve.bench.scale`.
+in bench/lab/sim/cluster.py; the scale sweep is `python -m lab.scale`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 from mserve.bench.metrics import latency_stats
-from mserve.bench.sim.cluster import Cluster, Req
-from mserve.bench.sim.costs import Costs
-from mserve.bench.sim.workload import SimRequest, from_costs
+from lab.sim.cluster import Cluster, Req
+from lab.sim.costs import Costs
+from lab.sim.workload import SimRequest, from_costs
 
 _CONFIG = re.compile(r"^disagg:(\d+)e(\d+)p(\d+)d(?:@(\d+)c)?$")
 
@@ -132,7 +132,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--costs", default="cpu-small-llava", help="cost file, or a name in bench/costs/")
+    p.add_argument("--costs", default="cpu-small-llava", help="cost file, or a name in bench/lab/costs/")
     p.add_argument("--configs", default="disagg:1e1p1d", help="comma-separated disagg:XeYpZd[@Kc]")
     add_trace_arguments(p)
     p.add_argument("--json-out", default=None)

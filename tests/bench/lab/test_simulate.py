@@ -1,4 +1,4 @@
-"""The scale model (bench/simulate.py, bench/sim/): pure, fast, no processes."""
+"""The scale model (bench/lab/simulate.py, bench/lab/sim/): pure, fast, no processes."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from mserve.bench.sim.cluster import Cluster
-from mserve.bench.sim.core import CpuPool, Loop
-from mserve.bench.sim.costs import COSTS_DIR, Costs
-from mserve.bench.sim.workload import sim_trace
-from mserve.bench.simulate import parse_config, simulate
+from lab.sim.cluster import Cluster
+from lab.sim.core import CpuPool, Loop
+from lab.sim.costs import COSTS_DIR, Costs
+from lab.sim.workload import sim_trace
+from lab.simulate import parse_config, simulate
 
 
 def make_costs(**over) -> Costs:

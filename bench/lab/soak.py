@@ -1,7 +1,7 @@
 """Soak: a mixed trace past saturation for a set time, then checks that nothing leaked.
 
-    python -m mserve.bench.soak --model models/small-llava --rate 2.4 --duration 600 --out soak/
-    python -m mserve.bench.soak --model models/tiny-llava --rate 30 --duration 20      # the CI-sized one
+    python -m lab.soak --model models/small-llava --rate 2.4 --duration 600 --out soak/
+    python -m lab.soak --model models/tiny-llava --rate 30 --duration 20      # the CI-sized one
 
 Pick `--rate` as 2x the rate that saturates the configuration (`mserve bench compare` shows it).
 While the load runs it samples, once a second, the resident memory of every process of the
@@ -158,7 +158,7 @@ def parse_pools(spec: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mserve.bench.soak", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lab.soak", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--rate", type=float, required=True, help="requests/s: 2x the configuration's saturation rate")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals (default 600)")

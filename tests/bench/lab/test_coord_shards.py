@@ -1,4 +1,4 @@
-"""The sharded coordinator calibration (python -m mserve.bench.coord_shards), CI-sized: K = 1 and K = 2 real
+"""The sharded coordinator calibration (python -m lab.coord_shards), CI-sized: K = 1 and K = 2 real
 coordinator shards driven by fake workers; every request answered by the shard its id hashes to."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mserve.bench import coord_calibrate, coord_shards
+from lab import coord_calibrate, coord_shards
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """What visual-token pruning (--visual-token-pruning, FasterVLM) costs and buys, measured at the engine.
 
-    python -m mserve.bench.pruning --model models/small-llava --requests 24 --max-tokens 32
+    python -m lab.pruning --model models/small-llava --requests 24 --max-tokens 32
 
 Over a seeded trace of single-image prompts (bench/traces.py, the `image` trace), every request
 runs through one engine per keep ratio (and an unpruned one), one request at a time, in the same
@@ -29,11 +29,11 @@ import sys
 import time
 from typing import Any
 
-log = logging.getLogger("mserve.bench.pruning")
+log = logging.getLogger("lab.pruning")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mserve.bench.pruning", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lab.pruning", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="local llava checkpoint folder (e.g. models/small-llava)")
     p.add_argument("--ratios", default="1.0,0.75,0.5,0.25", help="keep ratios to compare (default 1.0,0.75,0.5,0.25)")
     p.add_argument("--requests", type=int, default=24, help="image prompts in the trace (default 24)")

@@ -1,4 +1,4 @@
-"""The two processes of mserve.bench.transfer_bench: a sender that times every path, and a receiver.
+"""The two processes of lab.transfer_bench: a sender that times every path, and a receiver.
 
 Every remote path is timed from the sender starting its side (publish, export, send) to the
 receiver holding usable tensors, both ends read from ``time.perf_counter`` (CLOCK_MONOTONIC,

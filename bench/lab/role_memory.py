@@ -1,6 +1,6 @@
 """Resident memory of each worker role beside the whole-model (unified) worker, from a live cluster.
 
-    python -m mserve.bench.role_memory --model DIR [--json-out FILE]
+    python -m lab.role_memory --model DIR [--json-out FILE]
 
 Starts one worker of every role (encode, prefill, decode, unified) on a private Redis, waits for
 their load reports, and prints each one's resident memory as it reports it (Linux /proc).
@@ -36,7 +36,7 @@ def measure(model: str, settle_s: float = 3.0) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mserve.bench.role_memory", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lab.role_memory", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--json-out", default=None, help="also write the figures here")
     a = p.parse_args(argv)

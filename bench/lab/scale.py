@@ -1,6 +1,6 @@
 """The 8-512 node prediction: goodput and the coordinator's ceiling with GPU-class stage costs.
 
-    python -m mserve.bench.scale [--costs gpu-h100-llava7b-ib] [--nodes 8,16,32,64,128,256,512] \\
+    python -m lab.scale [--costs gpu-h100-llava7b-ib] [--nodes 8,16,32,64,128,256,512] \\
         [--seconds 6] [--out docs/scale-prediction]
 
 A node is one GPU worker. Pools are split by the ratio of each stage's GPU time per request on
@@ -25,9 +25,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mserve.bench.sim.cluster import Cluster
-from mserve.bench.sim.costs import Costs
-from mserve.bench.sim.workload import from_costs
+from lab.sim.cluster import Cluster
+from lab.sim.costs import Costs
+from lab.sim.workload import from_costs
 
 SLO_MS = {"ttft": 500.0, "tpot": 50.0}
 MAX_SIMULATED_SHARDS = 64  # beyond, the as-built sharding is reported in closed form only (too many events)
@@ -84,7 +84,7 @@ def coordinator_ceiling(costs: Costs, workers: int, image_share: float, max_toke
     `report_every` (with `lean`): the built design, admission still in the shard, and a token report
     every N tokens, each counted as a message of its own (an upper bound)."""
     if lean and not report_every:
-        from mserve.bench.sim.cluster import without_admission
+        from lab.sim.cluster import without_admission
 
         costs = without_admission(costs)
     c = costs.coord

@@ -1,7 +1,7 @@
 """Sharded coordinators' CPU (docs/scaling.md): K real coordinator shards, side by side with one.
 
-Usage: python -m mserve.bench.coord_shards --model models/small-llava [--shards 2] [--scale 1] [--json-out FILE]
-   or: python -m mserve.bench.coord_calibrate --model models/small-llava --shards 2 [--json-out FILE]
+Usage: python -m lab.coord_shards --model models/small-llava [--shards 2] [--scale 1] [--json-out FILE]
+   or: python -m lab.coord_calibrate --model models/small-llava --shards 2 [--json-out FILE]
 
 For K = 1 and K = --shards, in one invocation and on one private Redis: K `mserve coordinator
 --shard-id shard-i --redis URL` processes, the fake workers and client of coord_calibrate.FakeCluster
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mserve.bench.coord_calibrate import FakeCluster, _bodies, _cpu_s
+from lab.coord_calibrate import FakeCluster, _bodies, _cpu_s
 
 IDLE_WORKERS = (3, 48)
 WORKLOADS = (("image", 1600, 33), ("text", 1600, 33))  # modality, requests at scale 1, output tokens

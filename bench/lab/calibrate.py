@@ -1,6 +1,6 @@
 """Per-stage costs of this machine, measured with the real engine and transfer code, for the scale model.
 
-Usage: python -m mserve.bench.calibrate --model models/small-llava --out bench/costs/cpu-small-llava.json
+Usage: python -m lab.calibrate --model models/small-llava --out bench/lab/costs/cpu-small-llava.json
        [--threads 1] [--skip-transfer] [--skip-coordinator] [--cores 2]
 
 What is measured (every figure a median of repeated runs, one torch thread as the workers run;
@@ -15,12 +15,12 @@ engine figures in CPU seconds of the process, so other tenants of a shared host 
   against a whole image prompt (two chunks of at most 512 tokens).
 * decode: engine steps over batches of 1..32 requests adopted through ``import_kv`` at contexts
   of ~100 and ~700 tokens; fitted as ``step_s + per_seq_s * batch + per_ctx_token_s * sum(ctx)``.
-* transfer: ``mserve.bench.transfer_bench_procs`` (two processes, the real TransferEngine) at
+* transfer: ``lab.transfer_bench_procs`` (two processes, the real TransferEngine) at
   9.5 MiB and 64 MiB; fitted as ``fixed_s + per_byte_s * bytes`` per path.
-* coordinator: ``mserve.bench.coord_calibrate`` (the real coordinator process, fake workers).
+* coordinator: ``lab.coord_calibrate`` (the real coordinator process, fake workers).
 * prompt sizes: the trace's prompts through the checkpoint's own chat template and tokenizer.
 
-The cost file is what ``python -m mserve.bench.simulate --costs FILE`` reads.
+The cost file is what ``python -m lab.simulate --costs FILE`` reads.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-log = logging.getLogger("mserve.bench.calibrate")
+log = logging.getLogger("lab.calibrate")
 
 
 # The engine figures are CPU seconds of this (single-threaded) process, not wall time: on a shared,
@@ -228,7 +228,7 @@ def measure_transfer(threads: int, iters: int) -> dict[str, Any]:
     """The real transfer engine between two processes (transfer_bench_procs), fitted per path."""
     import multiprocessing as mp
 
-    from mserve.bench import transfer_bench_procs as procs
+    from lab import transfer_bench_procs as procs
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -296,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     costs: dict[str, Any] = {
         "name": f"cpu-{Path(args.model).name}",
         "kind": "measured",
-        "source": f"python -m mserve.bench.calibrate --model {args.model} ({args.threads} torch thread(s))",
+        "source": f"python -m lab.calibrate --model {args.model} ({args.threads} torch thread(s))",
         "measured_at": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": {"cores": args.cores, "background_cores": 0.1,
                 "note": "workers are single-threaded processes sharing `cores` (processor sharing); background_cores: "
                         "what the rest of the host takes when no cpu.jsonl of the run says (load generator ~0.07 + "
                         "coordinator idle); worker_overhead_cores: per worker, beyond its stage work "
-                        "(mserve.bench.sim_validate --fit-overhead); contention_factor: mserve.bench.cpu_monitor "
+                        "(lab.sim_validate --fit-overhead); contention_factor: lab.cpu_monitor "
                         "--contention"},
         "network": {"hop_s": 1e-4, "backend": "shm"},
     }
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         costs["transfer"] = measure_transfer(args.threads, args.transfer_iters)
         load.append(os.getloadavg()[0])
     if not args.skip_coordinator:
-        from mserve.bench.coord_calibrate import measure_coordinator
+        from lab.coord_calibrate import measure_coordinator
 
         log.info("coordinator")
         costs["coordinator"] = measure_coordinator(args.model)

@@ -1,7 +1,7 @@
 """CPU use of a benchmark's own processes vs everything else on the host, sampled from /proc.
 
-    python -m mserve.bench.cpu_monitor --match models/small-llava --out FILE.jsonl &   # then kill it
-    python -m mserve.bench.cpu_monitor --summarize FILE.jsonl
+    python -m lab.cpu_monitor --match models/small-llava --out FILE.jsonl &   # then kill it
+    python -m lab.cpu_monitor --summarize FILE.jsonl
 
 Every `--interval` seconds one line: the time, the host's busy CPU jiffies (/proc/stat) and the
 CPU jiffies of every process whose command line contains `--match`, with its role (coordinator,
@@ -9,9 +9,9 @@ encode/prefill/decode/unified worker, or other: the load generator). `--summariz
 samples into one window per coordinator process (one per `mserve bench compare` configuration)
 and reports, per window, the cores used by the cluster (workers + coordinator) and the rest of
 the host ("background": the load generator and every other tenant). The scale model takes that
-background as CPU the cluster did not have (`mserve.bench.sim_validate`).
+background as CPU the cluster did not have (`lab.sim_validate`).
 
-    python -m mserve.bench.cpu_monitor --idle-cluster models/small-llava --cost-file COSTS.json
+    python -m lab.cpu_monitor --idle-cluster models/small-llava --cost-file COSTS.json
 
 measures what each worker process of an idle 1e1p1d cluster uses (`cpu.worker_overhead_cores`);
 `--contention MODEL` what an oversubscribed host adds to a decode step's CPU time

@@ -1,10 +1,10 @@
-"""The CI-sized soak (python -m mserve.bench.soak): past saturation, then nothing may have leaked."""
+"""The CI-sized soak (python -m lab.soak): past saturation, then nothing may have leaked."""
 
 from __future__ import annotations
 
 import pytest
 
-from mserve.bench.soak import markdown, parse_pools, run_soak
+from lab.soak import markdown, parse_pools, run_soak
 
 pytestmark = pytest.mark.slow
 

@@ -1,13 +1,13 @@
 """Simulator vs measured: replay the load of `mserve bench compare` runs in the scale model, side by side.
 
-    python -m mserve.bench.sim_validate --costs cpu-small-llava out/sim-validate/poisson out/sim-validate/closed
+    python -m lab.sim_validate --costs cpu-small-llava out/sim-validate/poisson out/sim-validate/closed
 
 Each argument is a `mserve bench compare --out` folder. For every `disagg:XeYpZd` configuration
 in it the simulator gets the same trace parameters (trace name, request count, rate, burstiness,
 seed, max concurrency from the run's results.json; max_tokens from its trace.jsonl; SLOs from
 the run) and the same pools, and the table puts predicted next to measured throughput, goodput,
 TTFT and TPOT, with the error of the prediction in percent. A `cpu.jsonl` in the folder (written by
-`python -m mserve.bench.cpu_monitor` during the run) gives, per configuration, the CPU the rest of
+`python -m lab.cpu_monitor` during the run) gives, per configuration, the CPU the rest of
 the host used (load generator, other tenants): the simulator's CPU pool gets that much less.
 """
 
@@ -19,9 +19,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mserve.bench.sim.costs import Costs
-from mserve.bench.sim.workload import from_costs
-from mserve.bench.simulate import parse_config, simulate
+from lab.sim.costs import Costs
+from lab.sim.workload import from_costs
+from lab.simulate import parse_config, simulate
 
 FIGURES = (("req/s", ("request_throughput",)), ("goodput req/s", ("goodput",)),
            ("TTFT p50 ms", ("ttft_ms", "p50")), ("TTFT p99 ms", ("ttft_ms", "p99")),
@@ -44,9 +44,9 @@ def with_background(costs: Costs, cores: float) -> Costs:
 
 
 def validate_run(costs: Costs, run_dir: Path) -> list[dict[str, Any]]:
-    """Every disagg configuration of one compare folder; with its cpu.jsonl (mserve.bench.cpu_monitor, one
+    """Every disagg configuration of one compare folder; with its cpu.jsonl (lab.cpu_monitor, one
     window per configuration, in order) the CPU the rest of the host used is taken from the cluster."""
-    from mserve.bench.cpu_monitor import summarize as cpu_windows
+    from lab.cpu_monitor import summarize as cpu_windows
 
     rows = []
     max_tokens = _max_tokens(run_dir / "trace.jsonl")

@@ -1,7 +1,7 @@
-"""Per-stage costs the simulator runs on: a JSON cost file (bench/costs/*.json) behind small formulas.
+"""Per-stage costs the simulator runs on: a JSON cost file (bench/lab/costs/*.json) behind small formulas.
 
 Every formula is linear in what the stage does, with the coefficients the calibration fitted
-(`mserve.bench.calibrate`) or the GPU-class file states (`mserve.bench.sim.gpu_costs`):
+(`lab.calibrate`) or the GPU-class file states (`lab.sim.gpu_costs`):
 
 * encode batch of k images = batch_s + sum(image_s + per_mpx_s * megapixels)
 * prefill step = step_s + per_token_s * tokens + per_seq_s * sequences + per_visual_token_s * image

@@ -1,6 +1,6 @@
 """Class-flood trace: `batch` requests far past saturation plus a trickle of `interactive` ones.
 
-    python -m mserve.bench.flood --out flood.jsonl [--trace image] [--batch-rate 3] [--interactive-rate 0.2]
+    python -m lab.flood --out flood.jsonl [--trace image] [--batch-rate 3] [--interactive-rate 0.2]
                                  [--duration 120] [--seed 0]
 
 Writes a replayable trace (one JSON object a line) for `mserve bench serve|compare --trace-file`.
@@ -30,7 +30,7 @@ def flood_trace(trace: str, batch_rate: float, interactive_rate: float, duration
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mserve.bench.flood", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lab.flood", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="trace file to write (JSON lines)")
     p.add_argument("--trace", default="image", choices=[t for t in TRACE_NAMES if t != "multiturn"],
                    help="request shape of both classes (default image)")
