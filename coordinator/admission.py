@@ -1,5 +1,8 @@
 """Admission: validate a client's request at the edge and turn it into prompt ids, before any pixel is decoded.
 
+A GENERATE is the outside world's input: pydantic checks it here (one parse, with messages that
+name the field and the limit) and it leaves as the wire's typed `Generate` (common/protocol/client.py).
+
 Each image is hashed and only its header is read (for its size); the exact visual token count
 comes from the model family's processor rules, so the full prompt length is known here and every
 limit is enforced with a message that names it.
@@ -18,6 +21,7 @@ from mserve.common.policy import LATENCY_CLASSES, Limits
 from mserve.common.prompt import PromptBuilder, normalize_messages
 from mserve.common.video import VideoPart, describe_video, video_hash
 from mserve.common.protocol import ErrorCode
+from mserve.common.protocol.client import Generate, Sampling
 
 
 class AdmissionError(ValueError):
@@ -36,13 +40,14 @@ class SamplingIn(BaseModel):
     # parameter the client relies on (a typo, or one this server lacks) would change its results.
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    # The defaults are the wire's (common/protocol/client.py: Sampling); the bounds are the edge's.
+    max_tokens: int = Field(Sampling.max_tokens, ge=1)
+    temperature: float = Field(Sampling.temperature, ge=0.0)
+    top_k: int = Field(Sampling.top_k, ge=0)
+    top_p: float = Field(Sampling.top_p, gt=0.0, le=1.0)
+    seed: int | None = Sampling.seed
     stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
+    ignore_eos: bool = Sampling.ignore_eos
 
 
 class GenerateIn(BaseModel):
@@ -59,6 +64,15 @@ class GenerateIn(BaseModel):
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
     # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.
     tokens_to: str | None = Field(None, max_length=256, pattern=r"^tcp://[^\s/]+:\d+$")
+
+    def to_wire(self) -> Generate:
+        s = self.sampling
+        return Generate(request_id=self.request_id, messages=self.messages,
+                        sampling=Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
+                                          top_p=s.top_p, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
+                                          ignore_eos=s.ignore_eos),
+                        priority=self.priority, latency_class=self.latency_class, stream=self.stream,
+                        tokens_to=self.tokens_to)
 
 
 @dataclass
@@ -80,7 +94,7 @@ class AdmittedImage:
 
 @dataclass
 class Admitted:
-    request: GenerateIn
+    request: Generate
     prompt_ids: list[int]
     images: list[AdmittedImage]
 
@@ -141,7 +155,7 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
         raise AdmissionError(f"prompt is {len(prompt.prompt_ids)} tokens ({sum(i.num_tokens for i in admitted_images)} "
                              f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}",
                              ErrorCode.TOO_LARGE)
-    return Admitted(req, prompt.prompt_ids, admitted_images)
+    return Admitted(req.to_wire(), prompt.prompt_ids, admitted_images)
 
 
 def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart) -> tuple[AdmittedImage, VideoInfo]:

@@ -11,6 +11,7 @@ import logging
 from typing import Any, Callable
 
 from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.protocol.client import Tokens
 from mserve.coordinator.dispatch import Dispatcher
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import MachineSettings, Outbox, RequestState, RequestTable, Stage, result_body
@@ -59,10 +60,10 @@ class Lifecycle:
             st.first_token_at = now
         st.output_ids.extend(tokens)
         if st.admitted.request.stream and relay:
-            body: dict[str, Any] = {"request_id": st.client_rid, "index": index, "token_ids": tokens}
-            if index == 0:  # a client that stops early (a stop string) still learns its prompt's size
-                body["prompt_tokens"] = len(st.admitted.prompt_ids)
-            self.outbox.to_client(st.client, MsgType.TOKENS, body)
+            # At index 0 the prompt's size too: a client that stops early (a stop string) still learns it.
+            msg = Tokens(request_id=st.client_rid, index=index, token_ids=tokens,
+                         prompt_tokens=len(st.admitted.prompt_ids) if index == 0 else None)
+            self.outbox.to_client(st.client, MsgType.TOKENS, msg.fields())
 
     def end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
             **error_extra: Any) -> None:

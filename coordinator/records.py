@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any, Iterator, Protocol, Union
 
 from mserve.common.protocol import MsgType
+from mserve.common.protocol.client import Error, Result
 from mserve.common.protocol.to_worker import DecodeTask, EmbeddingPart, EncodeTask, ImageRef, PrefillTask, RunTask
 from mserve.coordinator.admission import Admitted
 
@@ -75,7 +76,7 @@ class Outbox:
         self._messages.append(ToClient(client, kind, body))
 
     def error(self, client: bytes, request_id: str | None, code: str, message: str, **extra: Any) -> None:
-        self.to_client(client, MsgType.ERROR, {"request_id": request_id, "code": code, "message": message, **extra})
+        self.to_client(client, MsgType.ERROR, Error(request_id=request_id, code=code, message=message, **extra).fields())
 
 
 @dataclass
@@ -244,7 +245,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
     if stage == Stage.ENCODE:
         msg = EncodeTask(**ids, images=[images[i] for i in part] if part is not None else images, **classes)
     elif stage == Stage.PREFILL:
-        msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
+        msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
                           **embedding_parts(st), **classes)
         tokens = len(a.prompt_ids)
@@ -252,7 +253,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
         msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back,
                          **token_route(st, report_every))
     else:
-        msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
+        msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                       images=images, **classes, **token_route(st, report_every))
         tokens = len(a.prompt_ids)
     return msg.KIND, msg.fields(), tokens
@@ -291,6 +292,6 @@ def part_message(p: EncodePart) -> EmbeddingPart:
 def result_body(st: RequestState, finish_reason: str, text: str, now: float) -> dict[str, Any]:
     """The RESULT a finished request ends with."""
     timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(now - st.arrived, 6)}
-    return {"request_id": st.client_rid, "token_ids": st.output_ids, "text": text, "finish_reason": finish_reason,
-            "prompt_tokens": len(st.admitted.prompt_ids), "visual_tokens": st.admitted.visual_tokens,
-            "timings": timings, "cache_hits": st.cache_hits, "attempts": st.attempt + 1}
+    return Result(request_id=st.client_rid, token_ids=st.output_ids, text=text, finish_reason=finish_reason,
+                  prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
+                  timings=timings, cache_hits=st.cache_hits, attempts=st.attempt + 1).fields()

@@ -139,7 +139,7 @@ class StageReplies:
             st.cache_hits["prefix_tokens"] += item.cached_tokens or 0
             if item.hand_back and st.kv_from and self.members.is_alive(st.kv_from):
                 # The reply's KV blocks go to the prefill worker holding the prompt's, for the next turn.
-                self.outbox.to_worker(st.kv_from, MsgType.ADOPT, {"request_id": st.rid, **item.hand_back})
+                self.outbox.to_worker(st.kv_from, MsgType.ADOPT, {"request_id": st.rid, **item.hand_back.fields()})
             self.life.end(st, finish_reason=item.finish_reason or "stop")
 
     def on_failed(self, worker_id: str, msg: Failed) -> None:

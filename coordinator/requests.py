@@ -26,7 +26,7 @@ import random
 import uuid
 from typing import Any, Callable
 
-from mserve.common.protocol import ROLES, ErrorCode, MsgType, ProtocolError
+from mserve.common.protocol import ROLES, ErrorCode, Message, MsgType, ProtocolError
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
                                                    WorkerInfo)
 from mserve.common.pruning import mismatch as pruning_mismatch
@@ -159,10 +159,10 @@ class RequestMachine:
 
     # -- entry points: workers and time -----------------------------------------------------------------
     @_entry
-    def on_worker(self, worker_id: str, kind: MsgType, payload: dict[str, Any]) -> None:
-        """A message from a worker (WORKER_TO_COORDINATOR), checked field by field here."""
+    def on_worker(self, worker_id: str, kind: MsgType, payload: Message | dict[str, Any]) -> None:
+        """A message from a worker (TO_COORDINATOR): as the socket parsed it, or a body checked here."""
         try:
-            msg = TO_COORDINATOR[kind].from_body(payload)
+            msg = payload if isinstance(payload, Message) else TO_COORDINATOR[kind].from_body(payload)
         except ProtocolError as exc:
             log.error("dropped a bad %s from worker %s: %s", kind.name, worker_id, exc)
             return

@@ -14,15 +14,15 @@ from collections import deque
 from collections.abc import Iterable
 
 from mserve.common.policy import serving_order
-from mserve.coordinator.admission import GenerateIn
+from mserve.common.protocol.client import Generate
 from mserve.coordinator.records import RequestState
 
 
-def _serving_order(request: GenerateIn, arrived: float) -> tuple[int, int, float]:
+def _serving_order(request: Generate, arrived: float) -> tuple[int, int, float]:
     return serving_order(request.priority, request.latency_class, arrived)
 
 
-def choose_shed(waiting: Iterable[RequestState], incoming: GenerateIn, now: float) -> RequestState | None:
+def choose_shed(waiting: Iterable[RequestState], incoming: Generate, now: float) -> RequestState | None:
     """The waiting request to shed so `incoming` can enter, or None when `incoming` itself is shed:
     whichever the class order (common/policy.py) would serve last goes."""
     victim = max(waiting, key=lambda st: _serving_order(st.admitted.request, st.arrived), default=None)

@@ -19,7 +19,8 @@ from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers.block_pool import BlockPool
-from mserve.workers.hand_back import adopt_blocks, reply_blocks
+from mserve.common.protocol.to_worker import KVState
+from mserve.workers.hand_back import KVExport, ReplyBlocks, adopt_blocks, reply_blocks
 from mserve.workers.model_runner import EncodedImage, ModelRunner
 from mserve.workers.sampler import sample
 from mserve.workers.scheduler import Scheduler
@@ -55,7 +56,7 @@ class StepOutput:
     finish_reason: str | None = None
     # Decode with hand-back: the finished reply's full KV blocks, copied out for a prefill worker
     # (workers/hand_back.py); None when there are none.
-    hand_back: dict[str, Any] | None = None
+    hand_back: ReplyBlocks | None = None
 
 
 @dataclass
@@ -232,8 +233,8 @@ class Engine:
     # -- KV hand-off (prefill -> decode) ------------------------------------------------------------
     def export_kv(self, request_id: str, *, release: bool = True,
                   alloc: Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, torch.Tensor]] | None = None
-                  ) -> dict[str, Any]:
-        """A prefilled request as a msgpack-able dict: metadata plus its KV blocks and prompt inputs.
+                  ) -> KVExport:
+        """A prefilled request ready to leave: its wire state plus its KV blocks and prompt inputs.
 
         `alloc` ({name: (shape, dtype)} -> {name: tensor}, e.g. a transfer engine's shared-memory
         allocation) provides the buffers the tensors are written to, so they are copied once, straight
@@ -257,45 +258,34 @@ class Engine:
             if mrope is not None:
                 mrope = out["mrope"].copy_(mrope)
             embeds = [out[f"emb{i}"].copy_(e) for i, e in enumerate(embeds)]
-        payload = {
-            "request_id": seq.request_id,
-            "prompt_ids": seq.prompt_ids,
-            "output_ids": seq.output_ids,
-            "num_computed_tokens": seq.num_computed_tokens,
-            "block_size": self.pool.block_size,
-            "kv": kv if kv is not None else kv_cache.export_blocks(block_ids),
-            "images": [[s.start, s.length, s.image_hash] for s in seq.images],
-            # Carried so the receiver can recompute the prompt if it must preempt the request.
-            "image_embeds": embeds,
-            "mrope_positions": mrope,
-            "rope_delta": seq.rope_delta,
-            "sampling": sampling_to_dict(seq.sampling),
-            "priority": seq.priority,
-            "latency_class": seq.latency_class,
-        }
+        state = KVState(request_id=seq.request_id, prompt_ids=seq.prompt_ids, output_ids=seq.output_ids,
+                        num_computed_tokens=seq.num_computed_tokens, block_size=self.pool.block_size,
+                        images=[[s.start, s.length, s.image_hash] for s in seq.images],
+                        sampling=seq.sampling.to_wire(), rope_delta=seq.rope_delta, priority=seq.priority,
+                        latency_class=seq.latency_class)
+        export = KVExport(state, kv if kv is not None else kv_cache.export_blocks(block_ids), mrope, list(embeds))
         if release:
             self.scheduler.free(seq)
-        return payload
+        return export
 
-    def import_kv(self, payload: dict[str, Any], *, request_id: str | None = None) -> Seq:
+    def import_kv(self, export: KVExport, *, request_id: str | None = None) -> Seq:
         """Adopt a request prefilled elsewhere: copy its blocks into this pool and decode it here.
 
-        "kv" may be a view of someone else's memory (it is copied here); "image_embeds" and
-        "mrope_positions" are kept for the request's lifetime, so they must not be."""
-        if payload["block_size"] != self.pool.block_size:
-            raise ValueError(f"block size mismatch: sender {payload['block_size']}, receiver {self.pool.block_size}")
-        rid = request_id or payload["request_id"]
-        seq = Seq(request_id=rid, prompt_ids=list(payload["prompt_ids"]),
-                  sampling=sampling_from_dict(payload["sampling"]),
-                  images=[ImageSpan(int(s), int(n), str(h)) for s, n, h in payload["images"]],
-                  image_embeds=list(payload.get("image_embeds") or []),
-                  mrope_positions=payload.get("mrope_positions"), rope_delta=int(payload.get("rope_delta", 0)),
-                  priority=int(payload.get("priority", 0)), eos_token_ids=self.eos_token_ids,
-                  latency_class=str(payload.get("latency_class", "interactive")))
-        seq.output_ids = list(payload["output_ids"])
-        n_computed = int(payload["num_computed_tokens"])
+        `kv` may be a view of someone else's memory (it is copied here); `image_embeds` and
+        `mrope_positions` are kept for the request's lifetime, so they must not be."""
+        state = export.state
+        if state.block_size != self.pool.block_size:
+            raise ValueError(f"block size mismatch: sender {state.block_size}, receiver {self.pool.block_size}")
+        rid = request_id or state.request_id
+        seq = Seq(request_id=rid, prompt_ids=list(state.prompt_ids), sampling=SamplingParams.from_wire(state.sampling),
+                  images=[ImageSpan(int(s), int(n), str(h)) for s, n, h in state.images],
+                  image_embeds=list(export.image_embeds), mrope_positions=export.mrope_positions,
+                  rope_delta=state.rope_delta, priority=state.priority, eos_token_ids=self.eos_token_ids,
+                  latency_class=state.latency_class)
+        seq.output_ids = list(state.output_ids)
+        n_computed = state.num_computed_tokens
         self.pool.allocate(seq.block_table, max(n_computed, seq.num_tokens))
-        kv = payload["kv"]
+        kv = export.kv
         self.runner.kv.import_blocks(seq.block_table.block_ids[: kv.shape[2]], kv)
         seq.num_computed_tokens = n_computed
         if self.config.enable_prefix_caching:
@@ -333,12 +323,3 @@ def _run_embeds(spans: Sequence[Any], encoded: Sequence[EncodedImage | None],
                 out.append(enc.embeds[offset : offset + span.length])
             offset += span.length
     return out, awaiting
-
-
-def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
-    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-            "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos}
-
-
-def sampling_from_dict(d: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})

@@ -21,7 +21,7 @@ import zmq
 
 from mserve.common.model import ImageError
 from mserve.common.perf import freeze_startup_heap, resident_mib
-from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, validate
+from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, parse_message
 from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
 from mserve.common.protocol.to_worker import TO_WORKER, Cancel
 from mserve.common.protocol.typed import Message
@@ -58,7 +58,7 @@ class Worker:
         self.s = settings
         self.worker_id = settings.resolved_id()
         self.role = settings.role
-        self.accepts = ROLE_ACCEPTS[self.role]
+        self.accepts = {kind: TO_WORKER[kind] for kind in ROLE_ACCEPTS[self.role]}
         self.model_name = settings.model_name or settings.model
         keys = None  # read before the model loads: a bad key file fails at once
         if check_curve_settings("worker", curve_secret_key=settings.curve_secret_key,
@@ -312,8 +312,8 @@ class Worker:
             try:
                 with self.sock_lock:
                     msg_type, payload = self.links.recv(link)
-                kind = validate(msg_type, payload, self.accepts)
-                msg = TO_WORKER[kind].from_body(payload)
+                msg = parse_message(msg_type, payload, self.accepts)
+                kind = msg.KIND
             except zmq.Again:
                 return
             except (WireError, ProtocolError) as exc:

@@ -191,11 +191,12 @@ def pseudo_text(words: int) -> str:
 def measure_decode(engine: Any, builder: Any, steps: int) -> dict[str, Any]:
     import torch
 
-    from mserve.workers.engine import sampling_to_dict
-    from mserve.workers.sequence import SamplingParams
+    from mserve.common.protocol.client import Sampling
+    from mserve.common.protocol.to_worker import KVState
+    from mserve.workers.hand_back import KVExport
 
     kv = engine.runner.kv
-    sampling = sampling_to_dict(SamplingParams(max_tokens=100000, ignore_eos=True))
+    sampling = Sampling(max_tokens=100000, ignore_eos=True)
     rows, ys, table = [], [], {}
     n = 0
     for ctx in (100, 700):
@@ -208,11 +209,10 @@ def measure_decode(engine: Any, builder: Any, steps: int) -> dict[str, Any]:
                 n += 1
                 rid = f"d{n}"
                 rids.append(rid)
-                engine.import_kv({"request_id": rid, "prompt_ids": _text_ids(builder, ctx, n), "output_ids": [],
-                                  "num_computed_tokens": ctx - 1, "block_size": engine.pool.block_size,
-                                  "kv": kv_tensor, "images": [], "image_embeds": [], "mrope_positions": None,
-                                  "rope_delta": 0, "sampling": sampling, "priority": 0,
-                                  "latency_class": "interactive"}, request_id=rid)
+                state = KVState(request_id=rid, prompt_ids=_text_ids(builder, ctx, n), output_ids=[],
+                                num_computed_tokens=ctx - 1, block_size=engine.pool.block_size, images=[],
+                                sampling=sampling)
+                engine.import_kv(KVExport(state, kv_tensor), request_id=rid)
             t = _median_time(engine.step, steps, warmup=2)
             for rid in rids:
                 engine.abort(rid)

@@ -129,19 +129,20 @@ def _decode_engine(model: str) -> Any:
     """An engine holding 8 requests of ~700 tokens of context, ready to decode (one torch thread)."""
     import torch
 
-    from mserve.workers.engine import Engine, EngineConfig, sampling_to_dict
-    from mserve.workers.sequence import SamplingParams
+    from mserve.common.protocol.client import Sampling
+    from mserve.common.protocol.to_worker import KVState
+    from mserve.workers.engine import Engine, EngineConfig
+    from mserve.workers.hand_back import KVExport
 
     torch.set_num_threads(1)
     engine = Engine(EngineConfig(model, num_blocks=2048, max_num_seqs=64))
     kv = engine.runner.kv
-    sampling = sampling_to_dict(SamplingParams(max_tokens=10**6, ignore_eos=True))
+    sampling = Sampling(max_tokens=10**6, ignore_eos=True)
     blocks = torch.randn(kv.export_shape(44), dtype=kv.dtype)
     for i in range(8):
-        engine.import_kv({"request_id": f"d{i}", "prompt_ids": [5 + (i * 7 + j) % 3000 for j in range(700)],
-                          "output_ids": [], "num_computed_tokens": 699, "block_size": 16, "kv": blocks,
-                          "images": [], "image_embeds": [], "mrope_positions": None, "rope_delta": 0,
-                          "sampling": sampling, "priority": 0, "latency_class": "interactive"}, request_id=f"d{i}")
+        state = KVState(request_id=f"d{i}", prompt_ids=[5 + (i * 7 + j) % 3000 for j in range(700)], output_ids=[],
+                        num_computed_tokens=699, block_size=16, images=[], sampling=sampling)
+        engine.import_kv(KVExport(state, blocks), request_id=f"d{i}")
     return engine
 
 

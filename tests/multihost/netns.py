@@ -154,6 +154,14 @@ class Host:
     def pids(self) -> list[int]:
         return netns_pids(self.ns)
 
+    def signal_all(self, signum: int) -> None:
+        """Send `signum` to every process in the host's namespace (SIGSTOP freezes the host, SIGCONT thaws it)."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
     def kill(self) -> None:
         """The host dies: SIGKILL every process in its namespace (anchor included) and reap ours."""
         _kill_all(self.ns)

@@ -113,7 +113,7 @@ def test_video_encoded_elsewhere_then_kv_handed_off(tiny_model_dirs, arch):
     while prefill.has_unfinished():
         first += [o.new_token_ids[0] for o in prefill.step()]
     payload = prefill.export_kv("r")
-    assert len(payload["images"]) == (1 if arch == "qwen2_vl" else 4)  # one placeholder run per frame on LLaVA
+    assert len(payload.state.images) == (1 if arch == "qwen2_vl" else 4)  # one placeholder run per frame on LLaVA
     decode.import_kv(payload)
     out = first + decode.run_until_done()["r"]
     assert out == hf_generate_visual(model_dir, pp.prompt_ids, [frames], MAX_NEW)

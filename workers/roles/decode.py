@@ -9,6 +9,7 @@ from mserve.common.protocol.to_coordinator import TokenItem
 from mserve.common.protocol.to_worker import DecodeTask
 from mserve.common.transfer import TransferError
 from mserve.workers.engine import StepOutput
+from mserve.workers.hand_back import KVExport
 from mserve.workers.requests import WorkerRequest
 from mserve.workers.roles.stepping import SteppingWorker
 from mserve.workers.sequence import Sequence
@@ -33,12 +34,10 @@ class DecodeWorker(SteppingWorker):
             # The request keeps its prompt inputs for its lifetime (recompute after preemption),
             # so those must not stay views; they are small next to the KV.
             keep = (lambda t: t.clone()) if view.zero_copy else (lambda t: t)
-            state = dict(task.state)
-            n_images = len(state["images"])
             mrope = tensors.get("mrope")
-            payload = {**state, "kv": tensors["kv"], "mrope_positions": keep(mrope) if mrope is not None else None,
-                       "image_embeds": [keep(tensors[f"emb{i}"]) for i in range(n_images) if f"emb{i}" in tensors]}
-            seq = self.engine.import_kv(payload, request_id=rid)
+            export = KVExport(task.state, tensors["kv"], keep(mrope) if mrope is not None else None,
+                              [keep(tensors[f"emb{i}"]) for i in range(len(task.state.images)) if f"emb{i}" in tensors])
+            seq = self.engine.import_kv(export, request_id=rid)
         seq.hand_back = task.hand_back
         return seq
 
@@ -48,8 +47,8 @@ class DecodeWorker(SteppingWorker):
         if blocks is None:
             return
         try:
-            desc = self.transfer.publish(f"{rid}:{rec.attempt}:handback", {"kv": blocks.pop("kv")})
+            desc = self.transfer.publish(f"{rid}:{rec.attempt}:handback", {"kv": blocks.kv})
         except TransferError as exc:  # the reply is delivered either way; only the next turn's hit is lost
             log.warning("%s: KV hand-back not published: %s", rid, exc)
             return
-        item.hand_back = {**blocks, "descriptor": desc.to_wire()}
+        item.hand_back = blocks.to_wire(desc.to_wire())

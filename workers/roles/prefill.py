@@ -9,11 +9,11 @@ import torch
 
 from mserve.common.protocol.to_coordinator import Prefilled
 from mserve.common.protocol.to_worker import AdoptBlocks, EmbeddingPart, Embeddings, PrefillTask
-from mserve.workers.engine import StepOutput, sampling_from_dict
+from mserve.workers.engine import StepOutput
 from mserve.workers.model_runner import EncodedImage
 from mserve.workers.requests import WorkerRequest
 from mserve.workers.roles.stepping import SteppingWorker
-from mserve.workers.sequence import Sequence
+from mserve.workers.sequence import SamplingParams, Sequence
 from mserve.workers.worker import FETCH_TIMEOUT_S
 
 log = logging.getLogger("mserve.worker")
@@ -77,7 +77,7 @@ class PrefillWorker(SteppingWorker):
             got = self._fetch_parts(rec, task.embedding_parts or [], task.grids)
             encoded = [got.get(i) for i in range(len(task.image_hashes))]
         return self.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
-                                         sampling=sampling_from_dict(task.sampling), priority=task.priority,
+                                         sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
                                          prefill_only=True, output_ids=task.output_ids,
                                          latency_class=task.latency_class, item_tokens=task.image_tokens or None)
 
@@ -104,12 +104,10 @@ class PrefillWorker(SteppingWorker):
                 return allocs[-1].tensors
 
             try:
-                payload = self.engine.export_kv(rid, alloc=alloc)
+                export = self.engine.export_kv(rid, alloc=alloc)
                 msg.descriptor = self.transfer.publish_allocated(f"{rid}:{attempt}:kv", allocs[0]).to_wire()
             finally:
                 for a in allocs:
                     a.free()  # a no-op once published
-            for key in ("kv", "mrope_positions", "image_embeds"):
-                payload.pop(key)
-            msg.state = payload
+            msg.state = export.state
         self.send(msg)
