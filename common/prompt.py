@@ -131,14 +131,12 @@ class PromptBuilder:
     def __init__(self, model_dir: str | os.PathLike, visual_token_pruning: float | str | None = None) -> None:
         """`visual_token_pruning`: the keep ratio the encoders prune to (common/pruning.py); each
         image then expands to that many placeholders. Raises PruningError for a family that cannot prune."""
-        from transformers import AutoTokenizer
-
         from mserve.common import pruning
 
         self.model_dir = str(model_dir)
         self.family: ModelFamily = load_family(model_dir)
         self.visual_token_pruning = pruning.apply(self.family, visual_token_pruning)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = self.family.processor.tokenizer  # the processor's own: one load, one vocabulary
         self.chat_template = load_chat_template(model_dir, self.tokenizer)
         self.bos_token_id = self._implicit_bos()
 
