@@ -116,7 +116,7 @@ def _image_prefill_and_kv(args, engine_factory, image_prompt) -> dict[str, float
     t0 = time.perf_counter()
     dec.import_kv(payload)
     import_s = time.perf_counter() - t0
-    kv_bytes = payload["kv"].numel() * payload["kv"].element_size()
+    kv_bytes = payload.kv.numel() * payload.kv.element_size()
     return {"prompt_tokens": len(ids), "encode_s": encode_s, "prefill_s": prefill_s,
             "prefill_tokens_per_s": len(ids) / prefill_s, "kv_export_s": export_s, "kv_import_s": import_s,
             "kv_bytes": kv_bytes, "kv_transfer_vs_prefill": (export_s + import_s) / prefill_s}

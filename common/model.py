@@ -1,8 +1,8 @@
-"""Loads a local VLM checkpoint and knows each family's rules: visual token counts, placeholders, positions.
+"""Loads a local VLM checkpoint's rules: visual token counts, placeholders, positions.
 
 Everything model-specific that the coordinator (no tensors) and the workers (tensors) both need
-lives in one `ModelFamily` per architecture, so admission and the engine can never disagree on
-how many placeholder tokens an image becomes.
+lives in one `ModelFamily`, built on the checkpoint's own processor (common/processor.py), so
+admission and the engine can never disagree on how many placeholder tokens an image becomes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from typing import Any, Sequence
 
 from PIL import Image
 
-SUPPORTED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl")
+# Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
+# refused at load, naming what it lacks: serving it untested could give wrong tokens.
+SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next")
+# What the engine lacks for families whose processor and model do have the generic hooks.
+KNOWN_GAPS = {
+    "gemma3": "attention that is bidirectional among one image's tokens and sliding-window layers "
+              "(the paged attention is causal and global)",
+}
 
 
 class ImageError(ValueError):
@@ -101,19 +108,20 @@ def read_model_config(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 @dataclass
 class ModelFamily:
-    """The per-architecture rules, built from a checkpoint's config files alone (no weights).
+    """The per-checkpoint rules, built from its config files and processor (no weights).
 
-    `processor_config` holds the image processor's settings as `load_family` resolved them (LLaVA:
-    `crop_size` as {height, width}; Qwen2-VL: patch_size, merge_size, min_pixels, max_pixels) plus
-    `vision_feature_select_strategy`; `processor_source` says which file they came from. `video_config`
-    holds Qwen2-VL's video processor settings (resolved as transformers' Qwen2VLVideoProcessor resolves
-    them; None when the checkpoint has none); LLaVA takes a video as its frames, each one an image."""
+    `processor` is the checkpoint's own transformers processor (common/processor.py): image token
+    counts are its `_get_num_multimodal_tokens`. `processor_config` holds the image processor's saved
+    settings and `processor_source` the file they came from. `video_config` holds Qwen2-VL's video
+    processor settings (resolved as transformers' Qwen2VLVideoProcessor resolves them; None when the
+    checkpoint has none); a family without a video token takes a video as its frames, each one an image."""
 
     model_type: str
     image_token_id: int
     text_config: dict[str, Any]
     processor_config: dict[str, Any]
     vision_config: dict[str, Any]
+    processor: Any = None
     processor_source: str = ""
     video_token_id: int | None = None
     video_config: dict[str, Any] | None = None
@@ -123,12 +131,14 @@ class ModelFamily:
 
     @property
     def uses_mrope(self) -> bool:
-        return self.model_type in ("qwen2_vl", "qwen2_5_vl")
+        """3-D rotary positions (Qwen2/2.5-VL): the text config's rope carries an mrope_section."""
+        rope = self.text_config.get("rope_parameters") or self.text_config.get("rope_scaling") or {}
+        return "mrope_section" in rope
 
     @property
     def video_as_frames(self) -> bool:
-        """A video becomes one image per frame (LLaVA); otherwise it has its own placeholder and tower path."""
-        return not self.uses_mrope
+        """A video becomes one image per frame (no video token); otherwise it has its own placeholder and tower path."""
+        return self.video_token_id is None
 
     @property
     def placeholder_ids(self) -> tuple[int, ...]:
@@ -140,8 +150,8 @@ class ModelFamily:
             return None
         if self.model_type != "qwen2_vl":  # Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts)
             return f"video input is not supported for model_type {self.model_type} (only qwen2_vl and llava)"
-        if self.video_token_id is None or self.video_config is None:
-            return "this checkpoint has no video_token_id or no video processor settings"
+        if self.video_config is None:
+            return "this checkpoint has no video processor settings"
         return None
 
     def video_grid(self, video: VideoInfo) -> tuple[int, int, int]:
@@ -167,7 +177,7 @@ class ModelFamily:
         return max_pixels
 
     def video_token_count(self, video: VideoInfo) -> int:
-        """Exact number of placeholder tokens one video becomes (LLaVA: one image's count per frame)."""
+        """Exact number of placeholder tokens one video becomes (as frames: one image's count per frame)."""
         if self.video_as_frames:
             return video.num_frames * self.visual_token_count((video.width, video.height))
         t, h, w = self.video_grid(video)
@@ -177,54 +187,22 @@ class ModelFamily:
         """Exact number of placeholder tokens one image of (width, height), or one video, becomes."""
         if isinstance(image_size, VideoInfo):
             return self.video_token_count(image_size)
+        from mserve.common.processor import image_token_count
+
         width, height = image_size
-        if self.uses_mrope:
-            grid_h, grid_w = self.qwen_grid(width, height)
-            merge = self.processor_config["merge_size"]
-            return grid_h * grid_w // (merge * merge)
+        if self.uses_mrope:  # Qwen's smart_resize refuses extreme shapes with a bare ValueError
+            if max(height, width) / max(min(height, width), 1) > 200:
+                raise ImageError(f"image aspect ratio {width}x{height} is over 200:1")
+        count = image_token_count(self.processor, width, height)
         if self.visual_keep_ratio is not None:
             from mserve.common.pruning import kept_tokens
 
-            return kept_tokens(self.llava_tokens_per_image, self.visual_keep_ratio)
-        return self.llava_tokens_per_image
-
-    @property
-    def llava_tokens_per_image(self) -> int:
-        crop = self.processor_config["crop_size"]
-        patch = self.vision_config.get("patch_size", 14)
-        n = (crop["height"] // patch) * (crop["width"] // patch)
-        # CLIP adds a CLS token; the "default" strategy drops it again.
-        return n + 1 - 1 if self.vision_feature_select_strategy == "default" else n + 1
+            return kept_tokens(count, self.visual_keep_ratio)
+        return count
 
     @property
     def vision_feature_select_strategy(self) -> str:
-        return self.processor_config.get("vision_feature_select_strategy", "default")
-
-    def qwen_grid(self, width: int, height: int) -> tuple[int, int]:
-        """Patch grid (h, w) after Qwen2-VL's smart_resize."""
-        cfg = self.processor_config
-        patch = cfg["patch_size"]
-        h_bar, w_bar = smart_resize(height, width, patch * cfg["merge_size"], cfg["min_pixels"], cfg["max_pixels"])
-        return h_bar // patch, w_bar // patch
-
-    def check_image_processor(self, image_processor: Any) -> None:
-        """Raise if transformers' loaded image processor would size images other than these rules count them."""
-        cfg, get = self.processor_config, getattr
-        if self.uses_mrope:
-            size = get(image_processor, "size", None)
-            ours = (cfg["patch_size"], cfg["merge_size"], cfg["min_pixels"], cfg["max_pixels"])
-            theirs = (get(image_processor, "patch_size", None), get(image_processor, "merge_size", None),
-                      get(size, "shortest_edge", None), get(size, "longest_edge", None))
-            names = "patch_size, merge_size, min_pixels, max_pixels"
-        else:
-            crop = get(image_processor, "do_center_crop", False)
-            out = get(image_processor, "crop_size" if crop else "size", None)
-            ours = (cfg["crop_size"]["height"], cfg["crop_size"]["width"])
-            theirs = (get(out, "height", None), get(out, "width", None))
-            names = "output height, width"
-        if tuple(ours) != tuple(theirs):
-            raise CheckpointError(f"{type(image_processor).__name__} loaded from the checkpoint has ({names}) = "
-                                  f"{theirs}, but the settings read from {self.processor_source} give {ours}")
+        return getattr(self.processor, "vision_feature_select_strategy", None) or "default"
 
     def placeholder_sizes(self, items: Sequence[tuple[int, int] | VideoInfo]) -> list[tuple[int, int] | VideoInfo]:
         """One entry per placeholder the chat template renders: a video stays one (Qwen2-VL) or becomes
@@ -285,8 +263,6 @@ class ModelFamily:
 # without that entry, preprocessor_config.json (ImageProcessingMixin.save_pretrained, the hub layout).
 PROCESSOR_FILE = "processor_config.json"
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
-# Qwen2VLImageProcessor's class defaults, used by transformers for keys a checkpoint leaves out.
-QWEN_DEFAULTS = {"patch_size": 14, "merge_size": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -339,58 +315,55 @@ def _positive_int(value: Any, key: str, where: str) -> int:
     return value
 
 
-def _llava_square(proc: dict[str, Any], where: str) -> dict[str, int]:
-    """The (height, width) CLIPImageProcessor hands the vision tower: crop_size after a center crop (the
-    default), else a fixed size. A missing crop_size would silently be the class default in transformers."""
-    center_crop = proc.get("do_center_crop", True)
-    key = "crop_size" if center_crop else "size"
-    value = proc.get(key)
-    if isinstance(value, int) and key == "crop_size":  # get_size_dict: an int crop is a square
-        value = {"height": value, "width": value}
-    if not isinstance(value, dict) or "height" not in value or "width" not in value:
-        raise CheckpointError(f"{where}: {key} must give height and width (do_center_crop is {center_crop}), "
-                              f"got {value!r}; LLaVA needs the image side the vision tower sees")
-    return {"height": _positive_int(value["height"], f"{key} height", where),
-            "width": _positive_int(value["width"], f"{key} width", where)}
+def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: Any, where: str) -> Any:
+    """The family's processor, refused at load (naming the settings file) when it cannot count one
+    image's tokens: transformers would fail on the first image, or place no token for it."""
+    from mserve.common.processor import UnsupportedModelError, build_processor, image_token_count
+
+    try:
+        processor = build_processor(model_dir, model_type, tokenizer)
+        probe = image_token_count(processor, 224, 224)
+    except (UnsupportedModelError, OSError):
+        raise
+    except Exception as exc:  # transformers raises many types on bad settings
+        raise CheckpointError(f"{where}: the {model_type} processor built from these settings cannot count an "
+                              f"image's tokens ({type(exc).__name__}: {exc})") from exc
+    if probe < 1:
+        raise CheckpointError(f"{where}: the {model_type} processor built from these settings gives a 224x224 "
+                              f"image {probe} tokens")
+    return processor
 
 
-def _resolve_image_settings(model_type: str, proc: dict[str, Any], where: str) -> dict[str, Any]:
-    """Check the settings the visual token count needs and resolve them as transformers does."""
-    if model_type == "llava":
-        proc["crop_size"] = _llava_square(proc, where)
-        return proc
-    for key in ("patch_size", "merge_size"):
-        proc[key] = _positive_int(proc.get(key, QWEN_DEFAULTS[key]), key, where)
-    # Qwen2VLImageProcessor.__init__: size (or the class default), then min_pixels / max_pixels override it.
-    _pixel_bounds(proc, QWEN_DEFAULTS["size"], where)
-    return proc
+def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFamily:
+    """The rules of the checkpoint in `model_dir`; a family the engine cannot serve exactly is refused
+    here with one line naming what is missing (UnsupportedModelError)."""
+    from mserve.common.processor import UnsupportedModelError, processor_class
 
-
-def load_family(model_dir: str | os.PathLike) -> ModelFamily:
     cfg = read_model_config(model_dir)
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    proc, where = read_image_processor_config(model_dir)
-    # llava-hf keeps the select strategy in processor_config.json / config.json, not the image processor.
-    processor = _read_json(Path(model_dir) / PROCESSOR_FILE) or {}
-    strategy = proc.get("vision_feature_select_strategy", processor.get("vision_feature_select_strategy"))
-    proc["vision_feature_select_strategy"] = strategy or cfg.get("vision_feature_select_strategy", "default")
-    proc = _resolve_image_settings("llava" if model_type == "llava" else "qwen", proc, where)
+    if model_type in KNOWN_GAPS:
+        raise UnsupportedModelError(f"model_type {model_type!r} needs {KNOWN_GAPS[model_type]}")
+    processor_class(model_type)  # names a processor without the token-count hook
+    if model_type not in SERVED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not verified token-exact in mserve "
+                                    f"(served: {', '.join(SERVED_MODEL_TYPES)})")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
     if image_token_id is None:
-        raise ValueError(f"{model_dir}/config.json has no image_token_id")
-    video_token_id, video_config = None, None
-    if model_type != "llava":  # LLaVA takes a video as its frames, through the image path
+        raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
+    proc, where = read_image_processor_config(model_dir)
+    processor = _checked_processor(model_dir, model_type, tokenizer, where)
+    video_token_id, video_config = cfg.get("video_token_id"), None
+    if video_token_id is not None:
         from mserve.common.video import read_video_settings  # video.py builds on this module
 
-        video_token_id, video_config = cfg.get("video_token_id"), read_video_settings(model_dir)
+        video_config = read_video_settings(model_dir)
     return ModelFamily(
         model_type=model_type,
         image_token_id=int(image_token_id),
         text_config=cfg.get("text_config", {}),
         processor_config=proc,
         vision_config=cfg.get("vision_config", {}),
+        processor=processor,
         processor_source=where,
         video_token_id=None if video_token_id is None else int(video_token_id),
         video_config=video_config,

@@ -57,11 +57,22 @@ def image_bytes_from_part(part: dict[str, Any], allow_paths: bool = True) -> byt
     return payload_bytes(value, "image", allow_paths)
 
 
+CHAT_ROLES = ("system", "user", "assistant")  # the turns a chat template is given
+
+
 def normalize_messages(messages: Sequence[dict[str, Any]],
                        allow_paths: bool = True) -> tuple[list[dict[str, Any]], list[bytes | VideoPart]]:
     """Split images and videos out of the messages; the template only needs to know where they were.
 
-    The second list holds image bytes and `VideoPart`s, in content order."""
+    The second list holds image bytes and `VideoPart`s, in content order.
+
+    Two other walks over a request's messages look alike but sit at other edges and stay apart on
+    purpose: the client's (coordinator/client_core.py `normalize_client_messages`) reads the paths
+    on the caller's own disk into bytes and keeps each message's shape for the wire; the gateway's
+    (mserve/gateway/openai_api.py `convert_messages`) takes OpenAI's HTTP shapes, reads files only
+    under its media root and answers OpenAI errors naming the field. This one runs on the server,
+    refuses paths, and shapes the turns for the chat template. All three read a part's bytes through
+    the same helpers (image_bytes_from_part, video_part_from_value) where their inputs allow it."""
     if not messages:
         raise ValueError("messages is empty")
     out, images = [], []
@@ -69,7 +80,7 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
         if not isinstance(msg, dict):
             raise ValueError(f"messages[{i}] must be a map with role and content")
         role = msg.get("role")
-        if role not in ("system", "user", "assistant"):
+        if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role must be system, user or assistant (got {role!r})")
         content = msg.get("content")
         if isinstance(content, str):
@@ -120,14 +131,12 @@ class PromptBuilder:
     def __init__(self, model_dir: str | os.PathLike, visual_token_pruning: float | str | None = None) -> None:
         """`visual_token_pruning`: the keep ratio the encoders prune to (common/pruning.py); each
         image then expands to that many placeholders. Raises PruningError for a family that cannot prune."""
-        from transformers import AutoTokenizer
-
         from mserve.common import pruning
 
         self.model_dir = str(model_dir)
         self.family: ModelFamily = load_family(model_dir)
         self.visual_token_pruning = pruning.apply(self.family, visual_token_pruning)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = self.family.processor.tokenizer  # the processor's own: one load, one vocabulary
         self.chat_template = load_chat_template(model_dir, self.tokenizer)
         self.bos_token_id = self._implicit_bos()
 
@@ -182,4 +191,10 @@ class PromptBuilder:
         return self.prepare([{"role": "user", "content": content}])
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return detokenize(self.tokenizer, token_ids)
+
+
+def detokenize(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """Token ids -> the text a reply shows (special tokens dropped): the coordinator's final text and the
+    gateway's streamed deltas (mserve/gateway/textstream.py) both come from here, so they always agree."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)

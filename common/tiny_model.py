@@ -4,7 +4,8 @@
 Hugging Face checkpoint (config, safetensors weights, tokenizer, image processor, chat
 template, generation config) so that serving code can be exercised end to end without
 network access or real weights.  Only the weights and the vocabulary are synthetic; the
-architectures, processors and chat templates are the real ones.
+architectures, processors and chat templates are the real ones (each family's parts:
+`common/tiny_families.py`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import json
 import warnings
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-TINY_MODEL_ARCHS = ("llava", "qwen2_vl")
+TINY_MODEL_ARCHS = ("llava", "qwen2_vl", "llava_next", "qwen2_5_vl")
 SIZES = ("tiny", "small")
 
 # Final vocabulary size, special tokens included.
@@ -34,6 +34,10 @@ INIT_STD = {
     ("llava", "small"): 0.15,
     ("qwen2_vl", "tiny"): 0.3,
     ("qwen2_vl", "small"): 0.15,
+    ("llava_next", "tiny"): 0.3,
+    ("llava_next", "small"): 0.15,
+    ("qwen2_5_vl", "tiny"): 0.3,
+    ("qwen2_5_vl", "small"): 0.15,
 }
 
 # Layer shapes.  "small" llava must stay exactly as is: it is the benchmark model (~31.2M).
@@ -42,6 +46,14 @@ DIMS = {
                             hidden=64, inter=128, layers=2, heads=4, kv_heads=2),
     ("llava", "small"): dict(v_hidden=256, v_inter=1024, v_layers=4, v_heads=4, image_size=336,
                              hidden=512, inter=1376, layers=8, heads=8, kv_heads=4),
+    ("llava_next", "tiny"): dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, image_size=56,
+                                 hidden=64, inter=128, layers=2, heads=4, kv_heads=2),
+    ("llava_next", "small"): dict(v_hidden=256, v_inter=1024, v_layers=4, v_heads=4, image_size=336,
+                                  hidden=512, inter=1376, layers=8, heads=8, kv_heads=4),
+    ("qwen2_5_vl", "tiny"): dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, max_pixels=224 * 224,
+                                 hidden=64, inter=128, layers=2, heads=4, kv_heads=2),
+    ("qwen2_5_vl", "small"): dict(v_hidden=256, v_inter=1024, v_layers=4, v_heads=4, max_pixels=448 * 448,
+                                  hidden=512, inter=1376, layers=8, heads=8, kv_heads=4),
     ("qwen2_vl", "tiny"): dict(v_hidden=32, v_layers=2, v_heads=2, v_mlp_ratio=2, max_pixels=224 * 224,
                                hidden=64, inter=128, layers=2, heads=4, kv_heads=2),
     ("qwen2_vl", "small"): dict(v_hidden=256, v_layers=4, v_heads=4, v_mlp_ratio=4, max_pixels=448 * 448,
@@ -177,64 +189,6 @@ def _qwen2_vl_tokenizer(vocab_size: int):
     )
 
 
-def _llava_config(dims: dict, tok, std: float):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-    vision = CLIPVisionConfig(
-        hidden_size=dims["v_hidden"], intermediate_size=dims["v_inter"],
-        num_hidden_layers=dims["v_layers"], num_attention_heads=dims["v_heads"],
-        image_size=dims["image_size"], patch_size=PATCH_SIZE, projection_dim=dims["v_hidden"],
-        hidden_act="quick_gelu", initializer_range=std,
-    )
-    text = LlamaConfig(
-        vocab_size=len(tok), hidden_size=dims["hidden"], intermediate_size=dims["inter"],
-        num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
-        num_key_value_heads=dims["kv_heads"], max_position_embeddings=4096, rms_norm_eps=1e-5,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False, initializer_range=std,
-    )
-    return LlavaConfig(
-        vision_config=vision, text_config=text,
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
-        image_seq_length=(dims["image_size"] // PATCH_SIZE) ** 2,
-        projector_hidden_act="gelu", vision_feature_select_strategy="default",
-        vision_feature_layer=-2, tie_word_embeddings=False,
-    )
-
-
-def _qwen2_vl_config(dims: dict, tok, std: float):
-    from transformers import Qwen2VLConfig
-
-    head_dim = dims["hidden"] // dims["heads"]
-    # M-RoPE splits the head_dim/2 rotary frequencies over (temporal, height, width);
-    # keep Qwen's 2:3:3 proportion (the real 128-dim heads use [16, 24, 24]).
-    half = head_dim // 2
-    t_dim = half // 4
-    h_dim = (half - t_dim) // 2
-    mrope_section = [t_dim, h_dim, half - t_dim - h_dim]
-    vision = dict(
-        depth=dims["v_layers"], embed_dim=dims["v_hidden"], hidden_size=dims["hidden"],
-        num_heads=dims["v_heads"], mlp_ratio=dims["v_mlp_ratio"], patch_size=PATCH_SIZE,
-        spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="quick_gelu",
-        initializer_range=std,
-    )
-    text = dict(
-        vocab_size=len(tok), hidden_size=dims["hidden"], intermediate_size=dims["inter"],
-        num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
-        num_key_value_heads=dims["kv_heads"], max_position_embeddings=32768, rms_norm_eps=1e-6,
-        max_window_layers=dims["layers"],
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section},
-        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, initializer_range=std,
-    )
-    ids = tok.convert_tokens_to_ids
-    return Qwen2VLConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False,
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-    )
-
-
 def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
     """Weights N(0, std), biases 0, norm scales 1.  A private generator keeps the result a
     function of ``seed`` alone and leaves the caller's global RNG untouched."""
@@ -249,93 +203,10 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-def _save_llava_processor(out: Path, dims: dict, tok, layout: str) -> None:
-    # The PIL backend: CLIPImageProcessor proper is the torchvision one in transformers 5.
-    from transformers import CLIPImageProcessorPil, LlavaProcessor
-
-    side = dims["image_size"]
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-    )
-    processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=LLAVA_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)  # processor_config.json (nested), tokenizer, chat template
-    if layout != "processor":
-        image_processor.save_pretrained(out)  # legacy preprocessor_config.json, as on the hub
-    if layout == "preprocessor":  # llava-hf's processor_config.json: the processor's own keys only
-        _drop_nested_image_processor(out)
-
-
-class _VideoProcessorConfig(dict):
-    """Stands in for Qwen2VLVideoProcessor, which needs torchvision: ProcessorMixin.save_pretrained
-    writes a sub-processor that is a plain dict as it is (and skips custom-code saving: no auto class)."""
-
-    _auto_class = None
-
-
-def _qwen2_vl_processor(image_processor, tok, video_config: dict):
-    """A real Qwen2VLProcessor whose video processor is the `_VideoProcessorConfig` stand-in.
-
-    ProcessorMixin.__init__ type-checks every sub-processor, and without torchvision the video
-    processor check cannot even run, so that one check is skipped for this one instance."""
-    from transformers import Qwen2VLProcessor
-
-    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
-    check = processor.check_argument_for_proper_class
-    processor.check_argument_for_proper_class = (
-        lambda name, arg: dict if name == "video_processor" else check(name, arg))
-    processor.__init__(image_processor=image_processor, tokenizer=tok, chat_template=QWEN2_VL_CHAT_TEMPLATE,
-                       video_processor=_VideoProcessorConfig(video_config))
-    del processor.check_argument_for_proper_class
-    return processor
-
-
-def _save_qwen2_vl_processor(out: Path, dims: dict, tok, layout: str) -> None:
-    """Write the processor files of a Qwen2-VL folder.
-
-    processor_config.json (image and video processors nested), the tokenizer and the chat template
-    come from ``Qwen2VLProcessor.save_pretrained``; the video processor's settings are written by
-    hand (its class needs torchvision). The legacy preprocessor_config.json /
-    video_preprocessor_config.json are those of the hub checkpoints.
-    """
-    from transformers import Qwen2VLImageProcessorPil
-
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=56 * 56, max_pixels=dims["max_pixels"], patch_size=PATCH_SIZE,
-        merge_size=2, temporal_patch_size=2,
-    )
-    image_config = {**image_processor.to_dict(), "processor_class": "Qwen2VLProcessor"}
-    video_config = {
-        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor",
-        "size": {"shortest_edge": 56 * 56, "longest_edge": dims["max_pixels"]},
-        "patch_size": PATCH_SIZE, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": image_config["image_mean"], "image_std": image_config["image_std"],
-        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-        "resample": 3, "rescale_factor": 1 / 255,
-    }
-    _qwen2_vl_processor(image_processor, tok, video_config).save_pretrained(out)
-    if layout != "processor":
-        for name, config in [("preprocessor_config.json", image_config),
-                             ("video_preprocessor_config.json", video_config)]:
-            (out / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if layout == "preprocessor":  # Qwen/Qwen2-VL-*-Instruct on the hub have no processor_config.json
-        (out / "processor_config.json").unlink()
-
-
-def _drop_nested_image_processor(out: Path) -> None:
-    path = out / "processor_config.json"
-    config = json.loads(path.read_text())
-    del config["image_processor"]
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def _generation_config(tok, arch: str):
     from transformers import GenerationConfig
 
-    if arch == "llava":
+    if arch in ("llava", "llava_next"):
         return GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id)
     # Qwen2-VL stops on <|im_end|> as well as <|endoftext|>, and has no real BOS.
@@ -350,6 +221,8 @@ def make_tiny_model(out_dir: str | Path, arch: str, size: str = "tiny", seed: in
     ``layout`` picks where the image processor's settings go (see ``LAYOUTS``)."""
     from transformers import AutoModelForImageTextToText
 
+    from mserve.common import tiny_families as fam  # it imports this module's constants
+
     _check_choice(arch, size)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {tuple(LAYOUTS)}")
@@ -361,12 +234,20 @@ def make_tiny_model(out_dir: str | Path, arch: str, size: str = "tiny", seed: in
 
     if arch == "llava":
         tok = _llava_tokenizer(VOCAB_SIZES[size])
-        config = _llava_config(dims, tok, std)
-        _save_llava_processor(out, dims, tok, layout)
+        config = fam.llava_config(dims, tok, std)
+        fam.save_llava_processor(out, dims, tok, layout)
+    elif arch == "llava_next":
+        tok = _llava_tokenizer(VOCAB_SIZES[size])
+        config = fam.llava_next_config(dims, tok, std)
+        fam.save_llava_next_processor(out, dims, tok, layout)
+    elif arch == "qwen2_5_vl":
+        tok = _qwen2_vl_tokenizer(VOCAB_SIZES[size])
+        config = fam.qwen2_5_vl_config(dims, tok, std)
+        fam.save_qwen2_vl_processor(out, dims, tok, layout, "Qwen2_5_VLProcessor")
     else:
         tok = _qwen2_vl_tokenizer(VOCAB_SIZES[size])
-        config = _qwen2_vl_config(dims, tok, std)
-        _save_qwen2_vl_processor(out, dims, tok, layout)
+        config = fam.qwen2_vl_config(dims, tok, std)
+        fam.save_qwen2_vl_processor(out, dims, tok, layout)
 
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     _randomize(model, std, seed)

@@ -21,9 +21,8 @@ from typing import Any, Sequence
 
 from mserve.common.model import (IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, CheckpointError, ImageError, VideoInfo,
                                  _pixel_bounds, _positive_int, _read_json, image_hash, image_size_from_header)
+from mserve.common.policy import DEFAULT_LIMITS
 
-DEFAULT_VIDEO_FPS = 2.0  # frames sampled per second of a video file (Qwen2-VL's own convention)
-DEFAULT_MAX_VIDEO_FRAMES = 32
 VIDEO_EXTRA = "video"  # the optional dependency group that installs PyAV
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 # Qwen2VLVideoProcessor's own class defaults (not the image processor's: 128·28² .. 768·28² pixels per frame).
@@ -183,8 +182,8 @@ def probe_video(data: bytes) -> VideoProbe:
     return VideoProbe(total, float(rate) if rate else None, int(width), int(height))
 
 
-def describe_video(video: VideoPart, target_fps: float = DEFAULT_VIDEO_FPS,
-                   max_frames: int = DEFAULT_MAX_VIDEO_FRAMES) -> tuple[VideoPart, VideoInfo]:
+def describe_video(video: VideoPart, target_fps: float = DEFAULT_LIMITS.video_fps,
+                   max_frames: int = DEFAULT_LIMITS.max_video_frames) -> tuple[VideoPart, VideoInfo]:
     """(the part with its frame choice fixed, what its token count depends on). Frames: every one must
     be the same size; a file: probed and sampled."""
     if video.frames is not None:

@@ -1,5 +1,8 @@
 """Admission: validate a client's request at the edge and turn it into prompt ids, before any pixel is decoded.
 
+A GENERATE is the outside world's input: pydantic checks it here (one parse, with messages that
+name the field and the limit) and it leaves as the wire's typed `Generate` (common/protocol/client.py).
+
 Each image is hashed and only its header is read (for its size); the exact visual token count
 comes from the model family's processor rules, so the full prompt length is known here and every
 limit is enforced with a message that names it.
@@ -14,9 +17,11 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_from_header
+from mserve.common.policy import LATENCY_CLASSES, Limits
 from mserve.common.prompt import PromptBuilder, normalize_messages
-from mserve.common.video import DEFAULT_MAX_VIDEO_FRAMES, DEFAULT_VIDEO_FPS, VideoPart, describe_video, video_hash
+from mserve.common.video import VideoPart, describe_video, video_hash
 from mserve.common.protocol import ErrorCode
+from mserve.common.protocol.client import Generate, Sampling
 
 
 class AdmissionError(ValueError):
@@ -30,30 +35,19 @@ class AdmissionError(ValueError):
         self.code = code
 
 
-class Limits(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
-    max_images_per_request: int = 8
-    max_prompt_tokens: int = 16384
-    max_tokens: int = 4096
-    max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES  # frames of one video (a file is sampled down to it)
-    video_fps: float = DEFAULT_VIDEO_FPS  # frames sampled per second of a video file
-
-
 class SamplingIn(BaseModel):
     # Unlike other bodies, unknown sampling fields are rejected, not ignored: silently dropping a
     # parameter the client relies on (a typo, or one this server lacks) would change its results.
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    # The defaults are the wire's (common/protocol/client.py: Sampling); the bounds are the edge's.
+    max_tokens: int = Field(Sampling.max_tokens, ge=1)
+    temperature: float = Field(Sampling.temperature, ge=0.0)
+    top_k: int = Field(Sampling.top_k, ge=0)
+    top_p: float = Field(Sampling.top_p, gt=0.0, le=1.0)
+    seed: int | None = Sampling.seed
     stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
+    ignore_eos: bool = Sampling.ignore_eos
 
 
 class GenerateIn(BaseModel):
@@ -65,11 +59,20 @@ class GenerateIn(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     sampling: SamplingIn = Field(default_factory=SamplingIn)
     priority: int = Field(0, ge=-100, le=100)
-    latency_class: Literal["interactive", "batch"] = "interactive"
+    latency_class: Literal[LATENCY_CLASSES] = "interactive"  # type: ignore[valid-type]
     stream: bool = False
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
     # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.
     tokens_to: str | None = Field(None, max_length=256, pattern=r"^tcp://[^\s/]+:\d+$")
+
+    def to_wire(self) -> Generate:
+        s = self.sampling
+        return Generate(request_id=self.request_id, messages=self.messages,
+                        sampling=Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
+                                          top_p=s.top_p, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
+                                          ignore_eos=s.ignore_eos),
+                        priority=self.priority, latency_class=self.latency_class, stream=self.stream,
+                        tokens_to=self.tokens_to)
 
 
 @dataclass
@@ -91,7 +94,7 @@ class AdmittedImage:
 
 @dataclass
 class Admitted:
-    request: GenerateIn
+    request: Generate
     prompt_ids: list[int]
     images: list[AdmittedImage]
 
@@ -152,7 +155,7 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
         raise AdmissionError(f"prompt is {len(prompt.prompt_ids)} tokens ({sum(i.num_tokens for i in admitted_images)} "
                              f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}",
                              ErrorCode.TOO_LARGE)
-    return Admitted(req, prompt.prompt_ids, admitted_images)
+    return Admitted(req.to_wire(), prompt.prompt_ids, admitted_images)
 
 
 def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart) -> tuple[AdmittedImage, VideoInfo]:

@@ -14,13 +14,13 @@ from typing import Any, AsyncIterator, Sequence
 
 import zmq
 
-from mserve.common import protocol
 from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.protocol.client import Error, StatusReply, Tokens
 from mserve.coordinator.client_core import (PROBE_AFTER_S, SHARD_PROBES_UNANSWERED, Aborted, Assembler,
                                             GenerateResult, Lost, MServeError, RequestTimeout, ServerError,
                                             ShardChooser, StreamState, client_api_key, error_from_reply,
                                             generate_body, logger, lost_reply, new_identity, new_request_id,
-                                            send_abort, shard_gone_reply)
+                                            Reply, send_abort, shard_gone_reply, status_body)
 from mserve.common.sockets import bound_address, make_socket
 from mserve.coordinator.client_links import ShardLink
 
@@ -125,7 +125,7 @@ class AsyncClient:
         self._status_waiters.append(waiter)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            if not await link.send(MsgType.STATUS, protocol.body(), time.monotonic() + timeout):
+            if not await link.send(MsgType.STATUS, status_body(), time.monotonic() + timeout):
                 raise RequestTimeout(f"coordinator at {link.address} is not reachable")
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
@@ -203,36 +203,36 @@ class AsyncClient:
             if self._routes.get(rid) == address:
                 queue.put_nowait((None, ServerError(f"client reader failed: {exc}", request_id=rid)))
 
-    def _dispatch_direct(self, kind: MsgType, payload: dict[str, Any], address: str) -> None:
+    def _dispatch_direct(self, kind: MsgType, payload: Reply, address: str) -> None:
         """TOKENS a worker pushed to the token sink: the request's, whichever shard runs it."""
-        queue = self._pending.get(payload.get("request_id")) if kind == MsgType.TOKENS else None
+        queue = self._pending.get(payload.request_id) if isinstance(payload, Tokens) else None
         if queue is not None:
             queue.put_nowait((kind, payload))
 
-    def _dispatch(self, kind: MsgType, payload: dict[str, Any], address: str) -> None:
+    def _dispatch(self, kind: MsgType, payload: Reply, address: str) -> None:
         """Route one reply from the shard at ``address``; a request's replies count only from its own shard."""
-        if kind == MsgType.STATUS_REPLY and "unknown_requests" in payload:  # a probe's answer
-            for rid in payload.get("unknown_requests") or ():
+        if isinstance(payload, StatusReply) and payload.unknown_requests is not None:  # a probe's answer
+            for rid in payload.unknown_requests:
                 queue = self._pending.get(rid)
                 if queue is not None and self._routes.get(rid) == address:
                     queue.put_nowait(lost_reply(rid))
             return
-        if kind == MsgType.STATUS_REPLY:
+        if isinstance(payload, StatusReply):
             while self._status_waiters:
                 waiter = self._status_waiters.popleft()
                 if not waiter.done():
-                    waiter.set_result(payload)
+                    waiter.set_result(payload.as_dict())
                     return
             return
-        rid = payload.get("request_id")
-        if rid is None and kind == MsgType.ERROR and payload.get("code") == ErrorCode.UNAUTHORIZED:
+        rid = payload.request_id
+        if rid is None and isinstance(payload, Error) and payload.code == ErrorCode.UNAUTHORIZED:
             # A refused STATUS (a refused GENERATE or ABORT names its request): fail the oldest waiter.
             while self._status_waiters:
                 waiter = self._status_waiters.popleft()
                 if not waiter.done():
                     waiter.set_exception(error_from_reply(payload))
                     return
-            logger.warning("coordinator refused a message: %s", payload.get("message", ""))
+            logger.warning("coordinator refused a message: %s", payload.message)
             return
         if rid is None and kind == MsgType.ERROR:  # undecodable-message error: if only one request it can be
             here = [r for r in self._pending if self._routes.get(r) == address]
@@ -240,7 +240,8 @@ class AsyncClient:
         queue = self._pending.get(rid) if rid is not None and self._routes.get(rid) == address else None
         if queue is None:
             level = logging.WARNING if rid is None else logging.DEBUG
-            logger.log(level, "%s dropping %s for no pending request: %s", rid, kind.name, payload.get("message", ""))
+            logger.log(level, "%s dropping %s for no pending request: %s", rid, kind.name,
+                       payload.message if isinstance(payload, Error) else "")
             return
         queue.put_nowait((kind, payload))
 

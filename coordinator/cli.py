@@ -4,9 +4,11 @@ MSERVE_* environment variables; docs/operations.md lists both). mserve/cli.py ru
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from mserve.common.policy import DEFAULT_LIMITS
     from mserve.common.pruning import add_argument as add_pruning_argument
 
     p.add_argument("--model", help="local checkpoint folder (tokenizer, chat template, processor rules)")
@@ -52,11 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--class-aging-s", type=float,
                    help="a request waiting at the coordinator longer than this goes before every class "
                         "(default 10)")
-    for limit, help_ in (("max-prompt-tokens", "16384"), ("max-tokens", "4096"), ("max-image-bytes", "20 MiB"),
-                         ("max-image-pixels", "4096*4096"), ("max-images-per-request", "8"),
-                         ("max-video-frames", "32; a video file is sampled down to it")):
+    limits = DEFAULT_LIMITS  # the defaults shown are the settings' own (common/policy.py)
+    side = math.isqrt(limits.max_image_pixels)
+    for limit, help_ in (("max-prompt-tokens", limits.max_prompt_tokens), ("max-tokens", limits.max_tokens),
+                         ("max-image-bytes", f"{limits.max_image_bytes / 2**20:g} MiB"),
+                         ("max-image-pixels", f"{side}*{side}" if side * side == limits.max_image_pixels
+                          else limits.max_image_pixels),
+                         ("max-images-per-request", limits.max_images_per_request),
+                         ("max-video-frames", f"{limits.max_video_frames}; a video file is sampled down to it")):
         p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
-    p.add_argument("--video-fps", type=float, help="frames sampled per second of a video file (default 2)")
+    p.add_argument("--video-fps", type=float,
+                   help=f"frames sampled per second of a video file (default {limits.video_fps:g})")
     p.add_argument("--client-api-key", help="require this key in every client message (default: "
                                             "$MSERVE_CLIENT_API_KEY, else none; better set the variable than put a "
                                             "key on a command line)")

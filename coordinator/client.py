@@ -28,17 +28,17 @@ from typing import Any, Sequence
 
 import zmq
 
-from mserve.common import protocol
 from mserve.common.protocol import MsgType
+from mserve.common.protocol.client import Error, StatusReply
 from mserve.common.sockets import bound_address, make_socket, send
 from mserve.coordinator.async_client import AsyncClient, AsyncTokenStream
 from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, BadRequest, GenerateResult, Lost,
                                             MServeError, NoWorkers, Overloaded, RequestTimeout, ServerError,
                                             StreamState, error_from_reply, generate_body, logger, lost_reply,
                                             new_identity, new_request_id, normalize_client_messages, probe_body,
-                                            recv_valid, send_abort)
-from mserve.coordinator.client_core import (SHARD_PROBES_UNANSWERED, ShardChooser, Unauthorized, client_api_key,
-                                            shard_gone_reply, with_api_key)
+                                            recv_valid, send_abort, status_body)
+from mserve.coordinator.client_core import (SHARD_PROBES_UNANSWERED, Reply, ShardChooser, Unauthorized,
+                                            client_api_key, shard_gone_reply, with_api_key)
 
 __all__ = [
     "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError", "Lost",
@@ -149,16 +149,17 @@ class Client:
             self._current = address
             until = deadline if i == len(shards) - 1 else time.monotonic() + (deadline - time.monotonic()) / 2
             try:
-                self._send(MsgType.STATUS, protocol.body(), until, None)
+                self._send(MsgType.STATUS, status_body(), until, None)
             except RequestTimeout:
                 if i < len(shards) - 1:
                     self._shards.mark_down(address, time.monotonic())
                 continue
             while (reply := self._recv(until)) is not None:
-                if reply[0] == MsgType.STATUS_REPLY and "unknown_requests" not in reply[1]:  # not a late probe answer
-                    return reply[1]
-                if reply[0] == MsgType.ERROR and reply[1].get("request_id") is None:  # e.g. unauthorized
-                    raise error_from_reply(reply[1])
+                answer = reply[1]
+                if isinstance(answer, StatusReply) and answer.unknown_requests is None:  # not a late probe answer
+                    return answer.as_dict()
+                if isinstance(answer, Error) and answer.request_id is None:  # e.g. unauthorized
+                    raise error_from_reply(answer)
             if i < len(shards) - 1:
                 self._shards.mark_down(address, time.monotonic())
         raise RequestTimeout(f"no STATUS reply from {self.address} within the deadline")
@@ -207,7 +208,7 @@ class Client:
                     raise RequestTimeout(f"coordinator at {self._current} is not reachable",
                                          request_id=request_id) from None
 
-    def _recv(self, deadline: float) -> tuple[MsgType, dict[str, Any]] | None:
+    def _recv(self, deadline: float) -> tuple[MsgType, Reply] | None:
         """The next valid reply (from the coordinator, or a worker through the token sink), or None once the
         deadline passes."""
         poller = zmq.Poller()
@@ -224,7 +225,7 @@ class Client:
                     return reply
         return None
 
-    def _next_reply(self, request_id: str, deadline: float) -> tuple[MsgType, dict[str, Any]] | None:
+    def _next_reply(self, request_id: str, deadline: float) -> tuple[MsgType, Reply] | None:
         unanswered = 0  # probes in a row that the shard left unanswered
         while True:
             reply = self._recv(min(deadline, time.monotonic() + self.probe_after_s))
@@ -243,9 +244,9 @@ class Client:
                 continue
             kind, payload = reply
             unanswered = 0
-            if kind == MsgType.STATUS_REPLY and request_id in (payload.get("unknown_requests") or ()):
+            if isinstance(payload, StatusReply) and request_id in (payload.unknown_requests or ()):
                 return lost_reply(request_id)
-            rid = payload.get("request_id")
+            rid = getattr(payload, "request_id", None)
             # A null-id ERROR answers a message the server could not decode: with one request in
             # flight, that is this one.
             if rid == request_id or (kind == MsgType.ERROR and rid is None):

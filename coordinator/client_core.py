@@ -1,7 +1,9 @@
 """What the sync and async clients share: errors, results, request building and reply assembly.
 
 ``client.py`` (``Client``, ``TokenStream``) and ``async_client.py`` (``AsyncClient``,
-``AsyncTokenStream``) both build on this module and on nothing of each other's. It imports no torch
+``AsyncTokenStream``) both build on this module (and on ``client_shards.py``, which picks a
+coordinator shard) and on nothing of each other's. Messages are the typed client-link classes of
+``common/protocol/client.py``; every reply is parsed once, in ``recv_valid``. It imports no torch
 (serde loads it only when a tensor is decoded, and client replies carry none).
 """
 
@@ -9,21 +11,22 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import zmq
 
-from mserve.common import protocol
 from mserve.common.prompt import image_bytes_from_part
 from mserve.common.video import video_part_from_value
-from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.protocol import ErrorCode, MsgType, ProtocolError, parse_message
+from mserve.common.protocol.client import (TO_CLIENT, Abort, Error, Generate, Result, Sampling, Status, StatusReply,
+                                          Tokens)
 from mserve.common.serde import WireError
 from mserve.common.sockets import recv, send
+from mserve.coordinator.client_shards import SHARD_PROBES_UNANSWERED, ShardChooser
 
 # One logger for both flavours: what a client logs reads the same whichever was used.
 logger = logging.getLogger("mserve.coordinator.client")
@@ -33,7 +36,7 @@ __all__ = [
     "PROBE_AFTER_S", "probe_body", "lost_reply", "shard_gone_reply", "ShardChooser", "SHARD_PROBES_UNANSWERED",
     "GenerateResult", "normalize_client_messages", "error_from_reply", "generate_body", "new_request_id",
     "new_identity", "Assembler", "StreamState", "send_abort", "recv_valid",
-    "Unauthorized", "client_api_key", "with_api_key",
+    "Unauthorized", "client_api_key", "with_api_key", "Reply", "status_body",
 ]
 
 
@@ -98,89 +101,19 @@ PROBE_AFTER_S = 5.0
 
 def probe_body(request_ids: list[str]) -> dict[str, Any]:
     """STATUS asking which of these requests the coordinator still holds (answered with unknown_requests)."""
-    return protocol.body(request_ids=list(request_ids))
+    return Status(request_ids=list(request_ids)).to_body()
 
 
-def lost_reply(request_id: str, message: str | None = None) -> tuple[MsgType, dict[str, Any]]:
+def lost_reply(request_id: str, message: str | None = None) -> tuple[MsgType, Error]:
     """The ERROR a probe's ``unknown_requests`` (or a shard that stopped answering) stands for."""
-    return MsgType.ERROR, {"request_id": request_id, "code": ErrorCode.LOST,
-                           "message": message or "the coordinator no longer holds this request (it restarted); "
-                                                 "send it again"}
+    return MsgType.ERROR, Error(request_id=request_id, code=ErrorCode.LOST,
+                                message=message or "the coordinator no longer holds this request (it restarted); "
+                                                   "send it again")
 
 
-# A coordinator shard that leaves this many probes in a row unanswered is taken for dead: its request
-# ends as Lost (and generate() sends it to another shard) instead of waiting out its timeout. Only
-# with several shards: a lone coordinator that is slow to answer is still the only one there is.
-SHARD_PROBES_UNANSWERED = 2
-SHARD_DOWN_S = 30.0  # a shard taken for dead is skipped by new requests this long
-
-
-def shard_gone_reply(request_id: str, address: str) -> tuple[MsgType, dict[str, Any]]:
+def shard_gone_reply(request_id: str, address: str) -> tuple[MsgType, Error]:
     return lost_reply(request_id, f"the coordinator shard at {address} stopped answering; send it again (another "
                                   "shard takes it)")
-
-
-SHARD_LIST_REFRESH_S = 10.0  # a client given redis://... re-reads the shard registry this often
-
-
-class ShardChooser:
-    """Which coordinator shard a request goes to: rendezvous hashing of its id over the shards not taken
-    for dead (common/shards.py); with one address, always that one.
-
-    ``address`` as a client was given it: one address, a comma list, or ``redis://...``, whose registry
-    is read now (waiting up to 5 s for a shard) and again every SHARD_LIST_REFRESH_S when a request is
-    sent, so shards that join or move (new pod IPs) are followed. A failed re-read keeps the list."""
-
-    def __init__(self, address: str) -> None:
-        from mserve.common.shards import is_redis_url, resolve_client_addresses
-
-        self.addresses = resolve_client_addresses(address)
-        self._registry = address if is_redis_url(address) else None
-        self._next_refresh = time.monotonic() + SHARD_LIST_REFRESH_S
-        self._down_until: dict[str, float] = {}
-
-    @property
-    def sharded(self) -> bool:
-        return len(self.addresses) > 1 or self._registry is not None
-
-    def up(self, now: float) -> list[str]:
-        """The shards not taken for dead (all of them, if every one is)."""
-        if self._registry is not None and now >= self._next_refresh:
-            self._refresh(now)
-        return [a for a in self.addresses if self._down_until.get(a, 0.0) <= now] or self.addresses
-
-    def pick(self, request_id: str, now: float) -> str:
-        from mserve.common.shards import pick_shard
-
-        return pick_shard(request_id, self.up(now))
-
-    def _refresh(self, now: float) -> None:
-        from mserve.common.shards import client_addresses_from_redis
-
-        self._next_refresh = now + SHARD_LIST_REFRESH_S
-        try:
-            addresses = client_addresses_from_redis(self._registry)
-        except ValueError as exc:  # none registered, or Redis down: keep what we have
-            logger.warning("coordinator shard list not refreshed: %s", exc)
-            return
-        if addresses != self.addresses:
-            logger.info("coordinator shards now: %s", ", ".join(addresses))
-            self.addresses = addresses
-
-    def tries(self) -> range:
-        """For generate(): the tries left after each one, one try per shard."""
-        return range(len(self.addresses) - 1, -1, -1)
-
-    def resend_or_raise(self, request_id: str, exc: MServeError, tries_left: int) -> None:
-        """generate()'s request was lost with its shard: raise, unless another shard may take it."""
-        if not (self.sharded and tries_left):
-            raise exc
-        logger.warning("%s: %s; sending it to another shard", request_id, exc.message)
-
-    def mark_down(self, address: str, now: float) -> None:
-        logger.warning("coordinator shard at %s does not answer: new requests skip it for %.0fs", address,
-                       SHARD_DOWN_S)
-        self._down_until[address] = now + SHARD_DOWN_S
 
 
 _ERRORS_BY_CODE: dict[str, type[MServeError]] = {
@@ -190,13 +123,13 @@ _ERRORS_BY_CODE: dict[str, type[MServeError]] = {
 }
 
 
-def error_from_reply(body: dict[str, Any]) -> MServeError:
-    """The exception for an ERROR body; unknown codes (newer servers) become ServerError, code kept."""
-    code = str(body.get("code") or ErrorCode.INTERNAL)
+def error_from_reply(error: Error | dict[str, Any]) -> MServeError:
+    """The exception for an ERROR (or its body); unknown codes (newer servers) become ServerError, code kept."""
+    if isinstance(error, dict):
+        error = Error.from_body({"request_id": None, **error})
+    code = error.code or ErrorCode.INTERNAL
     cls = _ERRORS_BY_CODE.get(code, ServerError)
-    retry = body.get("retry_after_s")
-    return cls(str(body.get("message", "")), code=code, request_id=body.get("request_id"),
-               retry_after_s=float(retry) if isinstance(retry, (int, float)) else None)
+    return cls(error.message, code=code, request_id=error.request_id, retry_after_s=error.retry_after_s)
 
 
 @dataclass
@@ -213,10 +146,13 @@ class GenerateResult:
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> GenerateResult:
-        return cls(request_id=body["request_id"], token_ids=list(body["token_ids"]), text=body["text"],
-                   finish_reason=body["finish_reason"], prompt_tokens=body.get("prompt_tokens") or 0,
-                   visual_tokens=body.get("visual_tokens") or 0, timings=dict(body.get("timings") or {}),
-                   cache_hits=dict(body.get("cache_hits") or {}), attempts=body.get("attempts") or 1)
+        return cls.from_reply(Result.from_body(body))
+
+    @classmethod
+    def from_reply(cls, r: Result) -> GenerateResult:
+        return cls(request_id=r.request_id, token_ids=r.token_ids, text=r.text, finish_reason=r.finish_reason,
+                   prompt_tokens=r.prompt_tokens, visual_tokens=r.visual_tokens, timings=r.timings,
+                   cache_hits=r.cache_hits, attempts=r.attempts)
 
 
 # --------------------------------------------------------------------------- request building
@@ -228,7 +164,8 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
 
     Image parts may hold bytes, a file path (str or Path), a data URL, or be OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}``. The server refuses paths (they name files on
-    the client's disk), so they are read here. The input is not modified.
+    the client's disk), so they are read here. The input is not modified. Roles and text are left to
+    the server's normalize_messages (common/prompt.py says why the two walks stay apart).
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -267,16 +204,22 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
     return out
 
 
-def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: bool, *, max_tokens: int = 64,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, priority: int = 0,
+def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: bool, *,
+                  max_tokens: int = Sampling.max_tokens, temperature: float = Sampling.temperature,
+                  top_k: int = Sampling.top_k, top_p: float = Sampling.top_p, seed: int | None = Sampling.seed,
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = Sampling.ignore_eos, priority: int = 0,
                   latency_class: str = "interactive") -> dict[str, Any]:
     """The GENERATE body; the keyword arguments are the ``**sampling`` options of generate()/stream()."""
-    sampling = {"max_tokens": int(max_tokens), "temperature": float(temperature), "top_k": int(top_k),
-                "top_p": float(top_p), "seed": None if seed is None else int(seed),
-                "stop_token_ids": [int(t) for t in stop_token_ids], "ignore_eos": bool(ignore_eos)}
-    return protocol.body(request_id=request_id, messages=normalize_client_messages(messages), sampling=sampling,
-                         priority=int(priority), latency_class=latency_class, stream=stream)
+    sampling = Sampling(max_tokens=int(max_tokens), temperature=float(temperature), top_k=int(top_k),
+                        top_p=float(top_p), seed=None if seed is None else int(seed),
+                        stop_token_ids=[int(t) for t in stop_token_ids], ignore_eos=bool(ignore_eos))
+    return Generate(request_id=request_id, messages=normalize_client_messages(messages), sampling=sampling,
+                    priority=int(priority), latency_class=latency_class, stream=stream).to_body()
+
+
+def status_body() -> dict[str, Any]:
+    """STATUS asking for the coordinator's status (workers, roles, model, ...)."""
+    return Status().to_body()
 
 
 def client_api_key(api_key: str | None) -> str | None:
@@ -302,6 +245,9 @@ def new_identity() -> bytes:
 
 # --------------------------------------------------------------------------- replies
 
+Reply = Union[Tokens, Result, Error, StatusReply]  # what a client receives (common/protocol/client.py)
+
+
 
 class Assembler:
     """Folds one request's TOKENS / RESULT / ERROR replies into tokens ready to hand out.
@@ -323,14 +269,17 @@ class Assembler:
         self.finished = False  # the server ended the request (RESULT or ERROR)
         self.prompt_tokens: int | None = None  # from the first TOKENS (streams) or RESULT
 
-    def feed(self, kind: int, body: dict[str, Any]) -> None:
-        if kind == MsgType.ERROR:
+    def feed(self, kind: int, reply: Reply | dict[str, Any]) -> None:
+        if isinstance(reply, dict):  # a body not parsed at a socket (tests, tools)
+            reply = TO_CLIENT[MsgType(kind)].from_body(reply)
+        if isinstance(reply, Error):
             self.finished = True
-            raise error_from_reply({**body, "request_id": body.get("request_id") or self.request_id})
-        if kind == MsgType.TOKENS:
-            index, tokens = int(body["index"]), list(body["token_ids"])
-            if isinstance(body.get("prompt_tokens"), int):
-                self.prompt_tokens = body["prompt_tokens"]
+            raise error_from_reply(Error(request_id=reply.request_id or self.request_id, code=reply.code,
+                                         message=reply.message, retry_after_s=reply.retry_after_s))
+        if isinstance(reply, Tokens):
+            index, tokens = reply.index, reply.token_ids
+            if reply.prompt_tokens is not None:
+                self.prompt_tokens = reply.prompt_tokens
             if index > self.num_received:
                 if not self.reorder:
                     # A gap means tokens were lost; the output would be silently wrong, so fail loudly.
@@ -343,8 +292,8 @@ class Assembler:
             while early := [i for i in self._early if i <= self.num_received]:
                 for i in sorted(early):
                     self._take(i, self._early.pop(i))
-        elif kind == MsgType.RESULT:
-            self.result = GenerateResult.from_body(body)
+        elif isinstance(reply, Result):
+            self.result = GenerateResult.from_reply(reply)
             self.prompt_tokens = self.result.prompt_tokens
             if self.result.token_ids[:self.num_received] != self.received:
                 self.finished = True
@@ -384,19 +333,20 @@ class StreamState:
 def send_abort(sock: zmq.Socket, request_id: str, api_key: str | None = None) -> None:
     """Send ABORT without blocking; best effort (nothing to abort when no coordinator is connected)."""
     try:
-        send(sock, MsgType.ABORT, with_api_key(protocol.body(request_id=request_id), api_key), flags=zmq.NOBLOCK)
+        send(sock, MsgType.ABORT, with_api_key(Abort(request_id=request_id).to_body(), api_key), flags=zmq.NOBLOCK)
     except zmq.ZMQError as exc:  # zmq.Again included: no coordinator connected, nothing to abort there
         logger.debug("%s ABORT not sent: %s", request_id, exc)
 
 
-def recv_valid(sock: zmq.Socket, flags: int = 0) -> tuple[MsgType, dict[str, Any]] | None:
-    """One reply, or None for a malformed one (logged and dropped: it cannot be attributed).
+def recv_valid(sock: zmq.Socket, flags: int = 0) -> tuple[MsgType, Reply] | None:
+    """One reply, parsed, or None for a malformed one (logged and dropped: it cannot be attributed).
 
     Raises ``zmq.Again`` under ``zmq.NOBLOCK`` when nothing is queued.
     """
     try:
         _, kind, payload = recv(sock, flags=flags)
-        return protocol.validate(kind, payload, protocol.COORDINATOR_TO_CLIENT), payload
-    except (WireError, protocol.ProtocolError) as exc:
+        reply = parse_message(kind, payload, TO_CLIENT)
+        return reply.KIND, reply  # type: ignore[return-value]
+    except (WireError, ProtocolError) as exc:
         logger.warning("dropping malformed reply from coordinator: %s", exc)
         return None

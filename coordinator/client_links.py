@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from mserve.common.protocol import MsgType
 from mserve.common.sockets import make_socket, send
-from mserve.coordinator.client_core import logger, probe_body, recv_valid, with_api_key
+from mserve.coordinator.client_core import Reply, logger, probe_body, recv_valid, with_api_key
 
 __all__ = ["ShardLink"]
 
@@ -30,7 +30,7 @@ class ShardLink:
     """
 
     def __init__(self, ctx: zmq.Context, address: str, *, identity: bytes, api_key: str | None,
-                 poll_interval_s: float, on_reply: Callable[[MsgType, dict[str, Any], str], None],
+                 poll_interval_s: float, on_reply: Callable[[MsgType, Reply, str], None],
                  on_reader_failed: Callable[[str, Exception], None], sock: zmq.Socket | None = None) -> None:
         self.address = address
         # `sock`: a socket of the caller's instead (the client's token sink, a bound PULL: read only).

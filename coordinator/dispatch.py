@@ -1,11 +1,12 @@
-"""The request machine's dispatch: bind waiting stages to workers, and charge each worker what it was sent.
+"""The request machine's dispatch: queue each request's next stage, bind waiting stages to workers, and
+charge each worker what it was sent.
 
-A mixin of RequestMachine (coordinator/requests.py), split out to keep each module readable. At the
-end of every entry point `_dispatch_waiting` takes the class queues (coordinator/stage_queues.py)
-stage by stage, best class first, routes each request among the workers that can take it now
-(coordinator/routing.py), and sends the stage. An ENCODE of several images that would miss the
-chosen encoder's caches is shared with idle encoders (`spread_encode`): each encodes its part at
-the same time, and the prefill worker fetches every part.
+The request machine (coordinator/requests.py) owns one Dispatcher. `advance` queues a request's next
+stage in the class queues (coordinator/stage_queues.py); at the end of every entry point the machine
+calls `dispatch_waiting`, which takes the queues stage by stage, best class first, routes each
+request among the workers that can take it now (coordinator/routing.py), and sends the stage. An
+ENCODE of several images that would miss the chosen encoder's caches is shared with idle encoders
+(`spread_encode`): each encodes its part at the same time, and the prefill worker fetches every part.
 
 With `route_choices` N (power of N choices) a stage is routed among N workers of its role drawn at
 random, plus every worker holding its cached images or prompt prefix, instead of among all of them.
@@ -15,26 +16,48 @@ Several coordinator shards routing on the same load reports would otherwise all 
 
 from __future__ import annotations
 
+import random
+
 from mserve.common.hashing import host_member
-from mserve.coordinator.records import STAGE_ROLE, EncodePart, RequestState, Stage, ToWorker, stage_message
+from mserve.common.policy import request_blocks
+from mserve.coordinator.membership import Membership
+from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
+                                        RequestTable, Stage, stage_message)
 from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
                                         route_unified, spread_encode)
-from mserve.coordinator.stage_queues import takers
+from mserve.coordinator.stage_queues import StageQueues, takers
 
 
-class Dispatch:
-    """Mixed into RequestMachine: uses its queues, requests, members, lookups and settings."""
+class Dispatcher:
+    def __init__(self, requests: RequestTable, members: Membership, queues: StageQueues, lookups: Lookups,
+                 outbox: Outbox, settings: MachineSettings, stats: dict[str, int], rng: random.Random) -> None:
+        self.requests, self.members, self.queues, self.lookups = requests, members, queues, lookups
+        self.outbox, self.settings, self.stats, self.rng = outbox, settings, stats, rng
 
-    def _dispatch_waiting(self) -> None:
+    def advance(self, st: RequestState) -> None:
+        """Queue the request's next stage; `dispatch_waiting` sends it once a worker can take it."""
+        now = self.outbox.now
+        st.stage, st.deadline = Stage.QUEUED, now + self.settings.stage_timeout_s  # a full stage timeout to find one
+        self._wait(st, st.next_stage, since=now)
+
+    def forget(self, st: RequestState) -> None:
+        """The request ended: it waits for no stage any more."""
+        self.queues.discard(st.rid)
+
+    def _wait(self, st: RequestState, stage: Stage, since: float) -> None:
+        req = st.admitted.request
+        self.queues.push(st.rid, stage, priority=req.priority, latency_class=req.latency_class, since=since)
+
+    def dispatch_waiting(self) -> None:
         """Bind waiting stages to the workers that can take them, best class first (coordinator/stage_queues.py)."""
-        now = self._now
+        now = self.outbox.now
         for w in self.queues.ordered(Stage.START, now):  # no pipeline yet: choose one once its pools are up
             st = self.requests[w.rid]
             route = pipeline_for(self.members.routable(), st.has_images)
             if route is not None:
                 st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
                 self._wait(st, st.next_stage, since=w.since)
-        cap = self.max_stages_per_worker
+        cap = self.settings.max_stages_per_worker
         for stage in reversed(STAGE_ROLE):  # later stages first: their messages go out first
             # Every request of a stage routes among the same workers: when the best cannot go, none can.
             while (ws := takers(self.members.routable(), stage, cap)) and (w := self.queues.first(stage, now)):
@@ -45,27 +68,27 @@ class Dispatch:
                 assert worker is not None, (stage, ws)
                 st.timings["queue_s"] += now - w.since
                 st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
-                st.deadline = now + self.stage_timeout_s
+                st.deadline = now + self.settings.stage_timeout_s
                 self._send_stage(st, stage, worker, ws, holders)
 
     def _send_stage(self, st: RequestState, stage: Stage, worker: WorkerView, ws: list[WorkerView],
                     holders: dict[str, set[str]]) -> None:
         shares: list[tuple[WorkerView, list[int] | None]] = [(worker, None)]
-        if stage == Stage.ENCODE and self.spread_encode and len(st.admitted.images) > 1:
+        if stage == Stage.ENCODE and self.settings.spread_encode and len(st.admitted.images) > 1:
             spread = spread_encode(worker, ws, [im.hash for im in st.admitted.images], holders)
             if len(spread) > 1:
                 st.parts = [EncodePart(w.worker_id, idx) for w, idx in spread]
                 shares = list(spread)
                 self.stats["spread_encodes"] += 1
         if stage == Stage.ENCODE:
-            st.encode_started = self._now
-        self._uncharge(st, keep={p.worker_id for p in st.parts if p.descriptor is None})  # parts still encoding
+            st.encode_started = self.outbox.now
+        self.uncharge(st, keep={p.worker_id for p in st.parts if p.descriptor is None})  # parts still encoding
         for w, part in shares:
-            kind, payload, tokens = stage_message(st, stage, hand_back=self.kv_hand_back, part=part,
-                                                  report_every=self.token_report_every)
+            kind, payload, tokens = stage_message(st, stage, hand_back=self.settings.kv_hand_back, part=part,
+                                                  report_every=self.settings.token_report_every)
             self.members.charge(w.worker_id, tokens)
             st.charged.append((w.worker_id, tokens))
-            self._out.append(ToWorker(w.worker_id, kind, payload))
+            self.outbox.to_worker(w.worker_id, kind, payload)
 
     def _holders(self, hashes: list[str]) -> dict[str, set[str]]:
         """Who holds each image's embeddings: encoders that sent them, and the Redis index (workers, hosts)."""
@@ -83,20 +106,20 @@ class Dispatch:
             hits = self.lookups.prefix_hits(a, block_size)
             return route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
         if st.next_stage == Stage.DECODE:
-            need = -(-(len(a.prompt_ids) + a.request.sampling.max_tokens) // block_size)
+            need = request_blocks(len(a.prompt_ids), a.request.sampling.max_tokens, block_size)
             return route_decode(self._draw(ws), need)
         raise AssertionError(st.next_stage)
 
     def _draw(self, ws: list[WorkerView], keep: set[str] = frozenset()) -> list[WorkerView]:
         """The workers a stage is routed among: all, or `route_choices` drawn at random plus those in `keep`
         (cache holders, by worker id or host member: cache affinity is never traded for the draw)."""
-        n = self.route_choices
+        n = self.settings.route_choices
         if n < 2 or len(ws) <= n:
             return ws
         drawn = {w.worker_id for w in self.rng.sample(ws, n)}
         return [w for w in ws if w.worker_id in drawn or w.worker_id in keep or host_member(w.host_id) in keep]
 
-    def _uncharge(self, st: RequestState, worker_id: str | None = None, keep: set[str] = frozenset()) -> None:
+    def uncharge(self, st: RequestState, worker_id: str | None = None, keep: set[str] = frozenset()) -> None:
         """Take back what the request's open stages charged their workers: only `worker_id`'s share
         when given, never that of the workers in `keep`."""
         left = []

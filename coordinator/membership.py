@@ -1,4 +1,4 @@
-"""The coordinator's worker table: who joined in which role, when each was last heard, its load, who died.
+"""The coordinator's worker table, one WorkerRecord per worker: role, when last heard, load, death, draining.
 
 Pure bookkeeping, no sockets and no clock: callers pass `now`. What a death means for the requests
 on a worker is the request machine's business (coordinator/requests.py); this table only records it.
@@ -6,85 +6,104 @@ on a worker is the request machine's business (coordinator/requests.py); this ta
 
 from __future__ import annotations
 
-from typing import Any, ValuesView
+from dataclasses import dataclass, field
+from typing import Any
 
+from mserve.common.policy import DEFAULT_ENGINE
 from mserve.coordinator.routing import WorkerView
 
 LOAD_INTS = ("queue_len", "running", "free_blocks", "total_blocks")
 
 
+@dataclass
+class WorkerRecord:
+    """One worker as the coordinator knows it: what routing reads (`view`) and the bookkeeping around it."""
+
+    view: WorkerView  # role, liveness, reported load, and the stages charged to it (routing.py)
+    info: dict[str, Any]  # its registration (READY body)
+    last_seen: float
+    load_at: float = 0.0  # when the load last applied was measured (the worker's clock; 0: none yet)
+    queued: set[str] = field(default_factory=set)  # requests it holds but has not started
+    counters: dict[str, float] = field(default_factory=dict)  # its engine counters (heartbeats)
+    # Its load says "draining" (it got SIGTERM): routed nothing new (coordinator/drain.py); and whether
+    # SHUTDOWN went out because nothing depends on it any more.
+    draining: bool = False
+    shutdown_sent: bool = False
+    # Requests moved off it when it was declared dead: cancelled there if it turns out to be alive.
+    abandoned: set[str] = field(default_factory=set)
+
+
 class Membership:
-    def __init__(self, block_size: int = 16) -> None:
-        self.workers: dict[str, WorkerView] = {}
-        self.info: dict[str, dict[str, Any]] = {}  # each worker's registration (READY body)
-        self.last_seen: dict[str, float] = {}
-        self.load_at: dict[str, float] = {}  # when the load last applied was measured (the worker's clock)
-        self.queued: dict[str, set[str]] = {}  # requests each worker holds but has not started
-        self.counters: dict[str, dict[str, float]] = {}  # each worker's engine counters (heartbeats)
+    def __init__(self, block_size: int = DEFAULT_ENGINE.block_size) -> None:
+        self._records: dict[str, WorkerRecord] = {}
         self.block_size = block_size  # KV block size the workers announce: the coordinator's routing unit
         # image hash -> workers known (from their ENCODED replies) to hold its embeddings
         self.embedding_holders: dict[str, set[str]] = {}
-        # Requests moved off a worker declared dead: cancelled there if it turns out to be alive.
-        self.abandoned: dict[str, set[str]] = {}
-        # Workers whose load says "draining" (they got SIGTERM): routed nothing new (coordinator/drain.py),
-        # and the ones already sent SHUTDOWN because nothing depends on them any more.
-        self.draining: set[str] = set()
-        self.shutdown_sent: set[str] = set()
 
     def get(self, worker_id: str) -> WorkerView | None:
-        return self.workers.get(worker_id)
+        rec = self._records.get(worker_id)
+        return None if rec is None else rec.view
 
-    def views(self) -> ValuesView[WorkerView]:
-        return self.workers.values()
+    def views(self) -> list[WorkerView]:
+        return [rec.view for rec in self._records.values()]
 
     def is_alive(self, worker_id: str) -> bool:
-        w = self.workers.get(worker_id)
+        w = self.get(worker_id)
         return w is not None and w.alive
 
     def alive_ids(self) -> list[str]:
-        return [wid for wid, w in self.workers.items() if w.alive]
+        return [wid for wid, rec in self._records.items() if rec.view.alive]
 
     def routable(self) -> list[WorkerView]:
         """The workers new work may go to: alive and not draining."""
-        return [w for wid, w in self.workers.items() if w.alive and wid not in self.draining]
+        return [rec.view for rec in self._records.values() if rec.view.alive and not rec.draining]
 
     def join(self, worker_id: str, role: str, payload: dict[str, Any], now: float) -> set[str]:
         """Register (or re-register) a live worker; returns the requests it was abandoned with, to cancel."""
-        self.workers[worker_id] = WorkerView(worker_id, role, host_id=str(payload.get("host_id") or ""))
-        abandoned = self.abandoned.pop(worker_id, set())
-        self.draining.discard(worker_id)  # until its load says so again
-        self.shutdown_sent.discard(worker_id)
-        self.info[worker_id] = dict(payload)
-        self.last_seen[worker_id] = now
-        self.load_at.pop(worker_id, None)  # a restarted process: its clock starts anew
+        old = self._records.get(worker_id)
+        # Draining, SHUTDOWN and the load's clock start anew (a restarted process); its last queue and
+        # counters stand until its next report.
+        self._records[worker_id] = WorkerRecord(
+            WorkerView(worker_id, role, host_id=str(payload.get("host_id") or "")), info=dict(payload), last_seen=now,
+            queued=old.queued if old else set(), counters=old.counters if old else {})
         self.block_size = int(payload.get("block_size") or self.block_size)
         self.apply_load(worker_id, payload.get("load") or {})
-        return abandoned
+        return old.abandoned if old else set()
+
+    def draining_to_release(self) -> list[str]:
+        """Live draining workers not yet sent SHUTDOWN, by id."""
+        return sorted(wid for wid, rec in self._records.items()
+                      if rec.draining and not rec.shutdown_sent and rec.view.alive)
+
+    def mark_shutdown_sent(self, worker_id: str) -> None:
+        self._records[worker_id].shutdown_sent = True
 
     def holds_queued(self, worker_id: str | None, rid: str) -> bool:
         """True when a live worker's latest report lists `rid` as waiting there, not yet started."""
-        return self.is_alive(worker_id or "") and rid in self.queued.get(worker_id or "", ())
+        rec = self._records.get(worker_id or "")
+        return rec is not None and rec.view.alive and rid in rec.queued
 
     def seen(self, worker_id: str, now: float) -> None:
-        self.last_seen[worker_id] = now
+        self._records[worker_id].last_seen = now
 
     def apply_load(self, worker_id: str, load: dict[str, Any]) -> None:
         """Take a worker's load report unless an earlier one: a heartbeat and a Redis read can arrive
         out of order, and a stale "idle" must never overwrite a fresh "busy"."""
-        w = self.workers.get(worker_id)
-        if w is None:
+        rec = self._records.get(worker_id)
+        if rec is None:
             return
+        w = rec.view
         at = load.get("at")
         if isinstance(at, (int, float)):
-            if at < self.load_at.get(worker_id, 0.0):
+            if at < rec.load_at:
                 return
-            self.load_at[worker_id] = float(at)
+            rec.load_at = float(at)
         if "draining" in load:
-            (self.draining.add if load["draining"] else self.draining.discard)(worker_id)
+            rec.draining = bool(load["draining"])
         if isinstance(load.get("queued"), list):
-            self.queued[worker_id] = {str(r) for r in load["queued"]}
+            rec.queued = {str(r) for r in load["queued"]}
         if isinstance(load.get("counters"), dict):
-            self.counters[worker_id] = {str(k): v for k, v in load["counters"].items() if isinstance(v, (int, float))}
+            rec.counters = {str(k): v for k, v in load["counters"].items() if isinstance(v, (int, float))}
         for key in LOAD_INTS:
             if key in load:
                 setattr(w, key, int(load[key]))
@@ -94,12 +113,12 @@ class Membership:
 
     def silent(self, now: float, dead_after_s: float) -> list[tuple[str, float]]:
         """Live workers not heard from for more than dead_after_s, with how long they have been silent."""
-        return [(wid, now - seen) for wid, seen in self.last_seen.items()
-                if self.workers[wid].alive and now - seen > dead_after_s]
+        return [(wid, now - rec.last_seen) for wid, rec in self._records.items()
+                if rec.view.alive and now - rec.last_seen > dead_after_s]
 
     def mark_dead(self, worker_id: str) -> WorkerView | None:
         """Declare a live worker dead (its cached embeddings go with it); None if unknown or already dead."""
-        w = self.workers.get(worker_id)
+        w = self.get(worker_id)
         if w is None or not w.alive:
             return None
         w.alive = False
@@ -108,18 +127,18 @@ class Membership:
         return w
 
     def abandon(self, worker_id: str, rid: str) -> None:
-        self.abandoned.setdefault(worker_id, set()).add(rid)
+        self._records[worker_id].abandoned.add(rid)
 
     def add_holder(self, image_hash: str, worker_id: str) -> None:
         self.embedding_holders.setdefault(image_hash, set()).add(worker_id)
 
     def charge(self, worker_id: str, tokens: int) -> None:
-        w = self.workers[worker_id]
+        w = self._records[worker_id].view
         w.inflight += 1
         w.inflight_tokens += tokens
 
     def uncharge(self, worker_id: str, tokens: int) -> None:
-        w = self.workers.get(worker_id)
+        w = self.get(worker_id)
         if w is not None:
             w.inflight = max(0, w.inflight - 1)
             w.inflight_tokens = max(0, w.inflight_tokens - tokens)
@@ -127,13 +146,16 @@ class Membership:
     def status(self) -> tuple[dict[str, Any], dict[str, int]]:
         """(per-worker role/liveness/load, live workers per role) as STATUS_REPLY shows them."""
         roles: dict[str, int] = {}
-        for w in self.workers.values():
+        for w in self.views():
             if w.alive:
                 roles[w.role] = roles.get(w.role, 0) + 1
-        workers = {wid: {"role": w.role, "alive": w.alive, "draining": wid in self.draining, "load": {
-            "queue_len": w.queue_len, "running": w.running, "free_blocks": w.free_blocks,
-            "total_blocks": w.total_blocks, "tokens_per_s": w.tokens_per_s, "inflight": w.inflight,
-            "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib},
-            "counters": self.counters.get(wid, {})}
-            for wid, w in self.workers.items()}
+        workers = {wid: {"role": rec.view.role, "alive": rec.view.alive, "draining": rec.draining,
+                         "load": _load_shown(rec.view), "counters": rec.counters}
+                   for wid, rec in self._records.items()}
         return workers, roles
+
+
+def _load_shown(w: WorkerView) -> dict[str, Any]:
+    return {"queue_len": w.queue_len, "running": w.running, "free_blocks": w.free_blocks,
+            "total_blocks": w.total_blocks, "tokens_per_s": w.tokens_per_s, "inflight": w.inflight,
+            "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib}

@@ -1,17 +1,20 @@
 """What a coordinator request is made of, and what the pure request machine asks of the outside.
 
-RequestState is one request's progress through its stages; `stage_message` builds the one message
-that starts a stage on a worker. ToClient / ToWorker are the messages the machine returns for the
-socket loop to send; Lookups is how Redis-backed cache hints reach it (NoLookups: none).
+RequestState is one request's progress through its stages, and RequestTable holds one per request;
+`stage_message` builds the one message that starts a stage on a worker. ToClient / ToWorker are the
+messages the machine returns for the socket loop to send, collected in the Outbox of the entry point
+being handled; MachineSettings are its limits; Lookups is how Redis-backed cache hints reach it
+(NoLookups: none).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol, Union
+from typing import Any, Iterator, Protocol, Union
 
 from mserve.common.protocol import MsgType
+from mserve.common.protocol.client import Error, Result
 from mserve.common.protocol.to_worker import DecodeTask, EmbeddingPart, EncodeTask, ImageRef, PrefillTask, RunTask
 from mserve.coordinator.admission import Admitted
 
@@ -47,6 +50,55 @@ class ToWorker:
 
 
 Out = Union[ToClient, ToWorker]
+
+
+class Outbox:
+    """What the entry point being handled answers, in send order, and the time it was called at.
+
+    The request machine opens it on entry (`begin`) and hands its messages to the socket loop on
+    exit (`take`); its collaborators (dispatch, lifecycle, replies) only append."""
+
+    def __init__(self) -> None:
+        self.now = 0.0  # the entry point's clock; status reads the last one
+        self._messages: list[Out] = []
+
+    def begin(self, now: float) -> None:
+        self.now, self._messages = now, []
+
+    def take(self) -> list[Out]:
+        out, self._messages = self._messages, []
+        return out
+
+    def to_worker(self, worker_id: str, kind: MsgType, body: dict[str, Any]) -> None:
+        self._messages.append(ToWorker(worker_id, kind, body))
+
+    def to_client(self, client: bytes, kind: MsgType, body: dict[str, Any]) -> None:
+        self._messages.append(ToClient(client, kind, body))
+
+    def error(self, client: bytes, request_id: str | None, code: str, message: str, **extra: Any) -> None:
+        self.to_client(client, MsgType.ERROR, Error(request_id=request_id, code=code, message=message, **extra).fields())
+
+
+@dataclass
+class MachineSettings:
+    """The request machine's limits and switches (the coordinator's settings of the same names)."""
+
+    stage_timeout_s: float = 60.0
+    dead_after_s: float = 5.0
+    max_attempts: int = 3
+    max_waiting_requests: int = 256
+    kv_hand_back: bool = False  # DECODE asks for the reply's KV back (replies.py relays it to prefill)
+    # Stages open at once on one encode, prefill or unified worker (0: no cap); the rest wait in the
+    # stage queues, best class first, and bind to whichever worker frees first.
+    max_stages_per_worker: int = 0
+    spread_encode: bool = True  # share a multi-image ENCODE with idle encoders (dispatch.py)
+    # 0: score every worker of the role; N: N drawn at random plus the cache holders (dispatch.py)
+    route_choices: int = 0
+    # > 1: decode and unified workers report tokens this often, streaming them to clients that
+    # gave a token sink themselves (token_route); 1: every step, all through the coordinator.
+    token_report_every: int = 1
+    # Admission counts placeholders at this keep ratio: encoding workers must prune to the same one.
+    visual_token_pruning: float | None = None
 
 
 class Lookups(Protocol):
@@ -137,6 +189,48 @@ class RequestState:
             and self.kv_from == worker_id
 
 
+class RequestTable:
+    """The coordinator's requests, one RequestState each, by internal id; also found by the client's
+    (identity, request_id). That index is derived here and written only by `add` and `remove`, so it
+    never drifts from the table."""
+
+    def __init__(self) -> None:
+        self._by_rid: dict[str, RequestState] = {}
+        self._by_client: dict[tuple[bytes, str], str] = {}
+
+    def add(self, st: RequestState) -> None:
+        self._by_rid[st.rid] = st
+        self._by_client[(st.client, st.client_rid)] = st.rid
+
+    def remove(self, st: RequestState) -> None:
+        self._by_rid.pop(st.rid, None)
+        self._by_client.pop((st.client, st.client_rid), None)
+
+    def find(self, client: bytes, client_rid: str) -> RequestState | None:
+        """The request a client knows by `client_rid`, if it is in flight here."""
+        rid = self._by_client.get((client, client_rid))
+        return None if rid is None else self._by_rid[rid]
+
+    def get(self, rid: str) -> RequestState | None:
+        return self._by_rid.get(rid)
+
+    def __getitem__(self, rid: str) -> RequestState:
+        return self._by_rid[rid]
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._by_rid
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(self._by_rid.values())
+
+    def values(self) -> list[RequestState]:
+        """A copy: handlers end requests while walking it."""
+        return list(self._by_rid.values())
+
+
 def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
                   part: list[int] | None = None, report_every: int = 1) -> tuple[MsgType, dict[str, Any], int]:
     """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there.
@@ -151,7 +245,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
     if stage == Stage.ENCODE:
         msg = EncodeTask(**ids, images=[images[i] for i in part] if part is not None else images, **classes)
     elif stage == Stage.PREFILL:
-        msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
+        msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
                           **embedding_parts(st), **classes)
         tokens = len(a.prompt_ids)
@@ -159,7 +253,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
         msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back,
                          **token_route(st, report_every))
     else:
-        msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling.model_dump(),
+        msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                       images=images, **classes, **token_route(st, report_every))
         tokens = len(a.prompt_ids)
     return msg.KIND, msg.fields(), tokens
@@ -198,6 +292,6 @@ def part_message(p: EncodePart) -> EmbeddingPart:
 def result_body(st: RequestState, finish_reason: str, text: str, now: float) -> dict[str, Any]:
     """The RESULT a finished request ends with."""
     timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(now - st.arrived, 6)}
-    return {"request_id": st.client_rid, "token_ids": st.output_ids, "text": text, "finish_reason": finish_reason,
-            "prompt_tokens": len(st.admitted.prompt_ids), "visual_tokens": st.admitted.visual_tokens,
-            "timings": timings, "cache_hits": st.cache_hits, "attempts": st.attempt + 1}
+    return Result(request_id=st.client_rid, token_ids=st.output_ids, text=text, finish_reason=finish_reason,
+                  prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
+                  timings=timings, cache_hits=st.cache_hits, attempts=st.attempt + 1).fields()

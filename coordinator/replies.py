@@ -1,19 +1,52 @@
 """The request machine's handlers for a worker's reply to a stage: ENCODED, PREFILLED, STEP_TOKENS, FAILED.
 
-A mixin of RequestMachine (coordinator/requests.py), split out to keep each module readable: every
-handler finds the live attempt the reply is about (stale replies of an earlier attempt or a
-re-routed stage are dropped), records what it brought, and advances or ends the request.
+Owned by the request machine (coordinator/requests.py), which hands each decoded reply to one
+`on_*` method. A handler finds the live attempt the reply is about (stale replies of an earlier
+attempt or a re-routed stage are dropped), records what it brought, and then either queues the next
+stage (`Staging.advance`, coordinator/dispatch.py) or re-runs or ends the request (`Lifecycle`,
+coordinator/lifecycle.py): the two interfaces below are all it asks of the rest of the machine.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.to_coordinator import Encoded, Failed, Prefilled, TokenItem
 from mserve.common.protocol.to_worker import Embeddings
-from mserve.coordinator.records import RequestState, Stage, ToWorker, direct_tokens, part_message
+from mserve.coordinator.membership import Membership
+from mserve.coordinator.records import (MachineSettings, Outbox, RequestState, RequestTable, Stage, direct_tokens,
+                                        part_message)
+
+
+class Staging(Protocol):
+    """Where a request's next stage goes, and what its open stages charged their workers (dispatch.Dispatcher)."""
+
+    def advance(self, st: RequestState) -> None: ...
+
+    def uncharge(self, st: RequestState, worker_id: str | None = None, keep: set[str] = frozenset()) -> None: ...
+
+
+class Lifecycle(Protocol):
+    """What a reply may do to its request's life (lifecycle.Lifecycle)."""
+
+    def stage_done(self, st: RequestState, timing_key: str) -> None: ...
+
+    def emit(self, st: RequestState, tokens: list[int], relay: bool = True) -> None: ...
+
+    def restart(self, st: RequestState, first: bool = False, reason: str = "", ran: bool = True) -> None: ...
+
+    def end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
+            **error_extra: Any) -> None: ...
+
+    def cancel_on_worker(self, st: RequestState, skip: str | None = None) -> None: ...
+
 
 class StageReplies:
-    """Mixed into RequestMachine: uses its requests, members, _advance, _restart, _emit and _end."""
+    def __init__(self, requests: RequestTable, members: Membership, staging: Staging, life: Lifecycle,
+                 outbox: Outbox, settings: MachineSettings, stats: dict[str, int]) -> None:
+        self.requests, self.members, self.staging, self.life = requests, members, staging, life
+        self.outbox, self.settings, self.stats = outbox, settings, stats
 
     def _current(self, worker_id: str, reply: Encoded | Prefilled | TokenItem, stage: Stage) -> RequestState | None:
         """The request a worker reply is about, if that reply is still the live attempt of that stage."""
@@ -22,7 +55,7 @@ class StageReplies:
             return None  # stale: an earlier attempt, a re-routed stage, or an aborted request
         return st
 
-    def _on_encoded(self, worker_id: str, msg: Encoded) -> None:
+    def on_encoded(self, worker_id: str, msg: Encoded) -> None:
         for im in msg.images:
             self.members.add_holder(im.hash, worker_id)
         spread = self.requests.get(msg.request_id)
@@ -31,13 +64,13 @@ class StageReplies:
         st = self._current(worker_id, msg, Stage.ENCODE)
         if st is None:
             return
-        self._stage_done(st, "encode_s")
+        self.life.stage_done(st, "encode_s")
         st.timings["worker_s"] += msg.worker_s
         st.embeddings, st.embeddings_from = msg.descriptor, worker_id
         st.image_grids = [im.grid for im in msg.images]
         st.cache_hits["embedding"] += msg.cache_hits
         st.next_stage = Stage.PREFILL
-        self._advance(st)
+        self.staging.advance(st)
 
     def _on_encoded_part(self, st: RequestState, worker_id: str, msg: Encoded) -> None:
         """One encoder's share of a spread ENCODE. The first part in sends the request on to prefill,
@@ -47,7 +80,7 @@ class StageReplies:
         if st.attempt != msg.attempt or part is None or part.descriptor is not None:
             return  # stale: an earlier attempt, or a part already in
         part.descriptor, part.grids = msg.descriptor, [im.grid for im in msg.images]
-        self._uncharge(st, worker_id)
+        self.staging.uncharge(st, worker_id)
         st.timings["worker_s"] += msg.worker_s
         st.cache_hits["embedding"] += msg.cache_hits
         grids: list = [None] * len(st.admitted.images)
@@ -56,65 +89,67 @@ class StageReplies:
                 grids[i] = grid
         st.image_grids = grids
         if all(p.descriptor is not None for p in st.parts):
-            st.timings["encode_s"] += self._now - st.encode_started
+            st.timings["encode_s"] += self.outbox.now - st.encode_started
         if st.stage == Stage.ENCODE:
             st.next_stage = Stage.PREFILL
-            self._advance(st)  # its PREFILL carries every part in by the time a prefill worker takes it
+            self.staging.advance(st)  # its PREFILL carries every part in by the time a prefill worker takes it
         elif st.stage == Stage.PREFILL and st.worker_id is not None:
             more = Embeddings(request_id=st.rid, attempt=st.attempt, parts=[part_message(part)])
-            self._out.append(ToWorker(st.worker_id, MsgType.EMBEDDINGS, more.fields()))
+            self.outbox.to_worker(st.worker_id, MsgType.EMBEDDINGS, more.fields())
 
-    def _on_prefilled(self, worker_id: str, msg: Prefilled) -> None:
+    def on_prefilled(self, worker_id: str, msg: Prefilled) -> None:
         st = self._current(worker_id, msg, Stage.PREFILL)
         if st is None:
             return
-        self._stage_done(st, "prefill_s")
+        self.life.stage_done(st, "prefill_s")
         st.timings["transfer_s"] += msg.fetch_s
         st.timings["worker_s"] += msg.worker_s
         st.cache_hits["prefix_tokens"] += msg.cached_tokens
-        self._emit(st, [msg.token_id])
+        self.life.emit(st, [msg.token_id])
         if msg.finish_reason != "prefilled":
-            return self._end(st, finish_reason=msg.finish_reason)
+            return self.life.end(st, finish_reason=msg.finish_reason)
         if msg.descriptor is None or msg.state is None:
-            return self._restart(st, reason=f"{worker_id} prefilled without handing over its KV")
+            return self.life.restart(st, reason=f"{worker_id} prefilled without handing over its KV")
         st.kv, st.kv_from = {"descriptor": msg.descriptor, "state": msg.state}, worker_id
         st.next_stage = Stage.DECODE
-        self._advance(st)
+        self.staging.advance(st)
 
-    def _on_step_tokens(self, worker_id: str, item: TokenItem) -> None:
-        stage = Stage.RUN if self.members.workers[worker_id].role == "unified" else Stage.DECODE
+    def on_step_tokens(self, worker_id: str, item: TokenItem) -> None:
+        worker = self.members.get(worker_id)
+        assert worker is not None  # the machine hands on replies of registered workers only
+        stage = Stage.RUN if worker.role == "unified" else Stage.DECODE
         st = self._current(worker_id, item, stage)
         if st is None:
             if item.request_id not in self.requests and not item.finished:
                 # Nobody waits for it (a coordinator before this one admitted it): free the worker.
-                self._out.append(ToWorker(worker_id, MsgType.CANCEL, {"request_id": item.request_id}))
+                self.outbox.to_worker(worker_id, MsgType.CANCEL, {"request_id": item.request_id})
             return
         self.stats["token_items"] += 1
         st.timings["transfer_s"] += item.fetch_s or 0.0
-        now = self._now
-        st.deadline = now + self.stage_timeout_s  # progress resets the stage timeout
+        now = self.outbox.now
+        st.deadline = now + self.settings.stage_timeout_s  # progress resets the stage timeout
         if stage == Stage.RUN and item.first:  # unified: time to the first token is its prefill
             st.timings["prefill_s"] += now - st.stage_started
             st.stage_started = now
         # Direct tokens: the worker streamed these to the client itself; here they are only recorded.
-        self._emit(st, item.token_ids, relay=not direct_tokens(st, self.token_report_every))
+        self.life.emit(st, item.token_ids, relay=not direct_tokens(st, self.settings.token_report_every))
         if item.finished:
             st.timings["worker_s"] += item.worker_s or 0.0
-            self._stage_done(st, "decode_s")
+            self.life.stage_done(st, "decode_s")
             st.cache_hits["prefix_tokens"] += item.cached_tokens or 0
             if item.hand_back and st.kv_from and self.members.is_alive(st.kv_from):
                 # The reply's KV blocks go to the prefill worker holding the prompt's, for the next turn.
-                self._out.append(ToWorker(st.kv_from, MsgType.ADOPT, {"request_id": st.rid, **item.hand_back}))
-            self._end(st, finish_reason=item.finish_reason or "stop")
+                self.outbox.to_worker(st.kv_from, MsgType.ADOPT, {"request_id": st.rid, **item.hand_back.fields()})
+            self.life.end(st, finish_reason=item.finish_reason or "stop")
 
-    def _on_failed(self, worker_id: str, msg: Failed) -> None:
+    def on_failed(self, worker_id: str, msg: Failed) -> None:
         st = self.requests.get(msg.request_id)
         if st is None or st.attempt != msg.attempt or worker_id not in st.stage_workers() | {st.worker_id}:
             return  # stale, or from a worker this attempt no longer runs on
-        self._uncharge(st)
+        self.staging.uncharge(st)
         if msg.retryable:
-            self._restart(st, reason=f"{worker_id}: {msg.message}")
+            self.life.restart(st, reason=f"{worker_id}: {msg.message}")
         else:
-            self._cancel_on_worker(st, skip=worker_id)  # other encoders' parts, embeddings parked for it
-            self._end(st, error=(ErrorCode.BAD_REQUEST, msg.message))
+            self.life.cancel_on_worker(st, skip=worker_id)  # other encoders' parts, embeddings parked for it
+            self.life.end(st, error=(ErrorCode.BAD_REQUEST, msg.message))
 

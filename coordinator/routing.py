@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from mserve.common.policy import DEFAULT_ENGINE
 from mserve.common.hashing import host_member
 
 
@@ -101,7 +102,8 @@ def spread_encode(primary: WorkerView, workers: Iterable[WorkerView], image_hash
 
 
 def route_prefill(workers: Iterable[WorkerView], prompt_tokens: int,
-                  prefix_hits: Mapping[str, int] | None = None, block_size: int = 16) -> WorkerView | None:
+                  prefix_hits: Mapping[str, int] | None = None,
+                  block_size: int = DEFAULT_ENGINE.block_size) -> WorkerView | None:
     """Least pending prefill work, less the tokens a worker already holds as cached prefix blocks."""
     candidates = alive(workers, "prefill")
     if not candidates:

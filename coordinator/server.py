@@ -18,8 +18,9 @@ import zmq
 
 from mserve.common.hashing import item_spans, prompt_block_hashes
 from mserve.common.perf import freeze_startup_heap, resident_mib
-from mserve.common.protocol import (CLIENT_TO_COORDINATOR, WORKER_TO_COORDINATOR, ErrorCode, MsgType, ProtocolError,
-                                    body, validate)
+from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
+from mserve.common.protocol.client import FROM_CLIENT, Error, Status, StatusReply
+from mserve.common.protocol.to_coordinator import TO_COORDINATOR
 from mserve.common.redis_store import RedisStore
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
 from mserve.common.shards import SHARD_REFRESH_S, ShardRegistry, advertised
@@ -156,14 +157,15 @@ class Coordinator:
                 self._send(self.machine.worker_unreachable(msg.worker_id, str(exc), msg.body.get("request_id"),
                                                            now=time.monotonic()))
 
-    def _reply(self, client: bytes, kind: MsgType, payload: dict[str, Any]) -> None:
+    def _reply(self, client: bytes, kind: MsgType, payload: Message | dict[str, Any]) -> None:
         try:
-            send(self.client_sock, kind, body(**payload), identity=client, flags=zmq.NOBLOCK)
+            send(self.client_sock, kind, payload.to_body() if isinstance(payload, Message) else body(**payload),
+                 identity=client, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # client gone or its queue full: its request ends anyway
             log.warning("client %r unreachable (%s); dropping %s", client[:8], exc, kind.name)
 
     def _error(self, client: bytes, request_id: str | None, code: str, message: str) -> None:
-        self._reply(client, MsgType.ERROR, {"request_id": request_id, "code": code, "message": message})
+        self._reply(client, MsgType.ERROR, Error(request_id=request_id, code=code, message=message))
 
     # -- clients -------------------------------------------------------------------------------------
     def _on_client_frames(self, frames: list) -> None:
@@ -171,7 +173,10 @@ class Coordinator:
         payload: Any = None
         try:
             msg_type, payload = decode(frames[1:])
-            kind = validate(msg_type, payload, CLIENT_TO_COORDINATOR)
+            kind = check_header(msg_type, payload, FROM_CLIENT)
+            # A GENERATE's content is parsed once, by admission (the outside world's input; its errors name
+            # the field and limit); ABORT and STATUS here.
+            msg = None if kind is MsgType.GENERATE else FROM_CLIENT[kind].from_body(payload)
         except (WireError, ProtocolError) as exc:
             rid = payload.get("request_id") if isinstance(payload, dict) else None
             self._error(client, rid if isinstance(rid, str) else None, ErrorCode.BAD_MESSAGE, str(exc))
@@ -184,14 +189,14 @@ class Coordinator:
         if kind is MsgType.GENERATE:
             self._on_generate(client, payload)
         elif kind is MsgType.ABORT:
-            self._send(self.machine.abort(client, str(payload["request_id"]), now=time.monotonic()))
-        elif kind is MsgType.STATUS:
-            ids = payload.get("request_ids")
-            if isinstance(ids, list):  # a client's liveness probe: which of its requests are still here
-                unknown = self.machine.unknown(client, [str(r) for r in ids])
-                self._reply(client, MsgType.STATUS_REPLY, {"workers": {}, "unknown_requests": unknown})
+            self._send(self.machine.abort(client, msg.request_id, now=time.monotonic()))
+        elif isinstance(msg, Status):
+            if msg.request_ids is not None:  # a client's liveness probe: which of its requests are still here
+                unknown = self.machine.unknown(client, msg.request_ids)
+                self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers={}, unknown_requests=unknown))
             else:
-                self._reply(client, MsgType.STATUS_REPLY, self.status())
+                report = self.status()
+                self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers=report.pop("workers"), report=report))
 
     def _refuse(self, client: bytes, kind: MsgType, payload: dict[str, Any], why: str) -> None:
         """ERROR unauthorized; the request is not admitted, counted or logged with its content."""
@@ -225,12 +230,12 @@ class Coordinator:
         identity = frames[0].bytes
         try:
             msg_type, payload = decode(frames[1:])
-            kind = validate(msg_type, payload, WORKER_TO_COORDINATOR)
+            msg = parse_message(msg_type, payload, TO_COORDINATOR)
         except (WireError, ProtocolError) as exc:
             log.error("dropped a bad message from worker %r: %s", identity[:32], exc)
             return
         worker_id = identity.decode(errors="replace")
-        self._send(self.machine.on_worker(worker_id, kind, payload, now=time.monotonic()))
+        self._send(self.machine.on_worker(worker_id, msg.KIND, msg, now=time.monotonic()))
 
     # -- housekeeping -------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:

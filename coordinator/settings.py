@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from mserve.common.policy import DEFAULT_LIMITS, Limits
 
 
 class CoordinatorSettings(BaseSettings):
@@ -57,13 +61,14 @@ class CoordinatorSettings(BaseSettings):
     # prompt (workers/hand_back.py): a next turn that resends prompt + reply finds both cached. Off by
     # default: it moves the reply's KV once per request, which pays only for multi-turn traffic.
     kv_hand_back: bool = False
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
-    max_images_per_request: int = 8
-    max_prompt_tokens: int = 16384
-    max_tokens: int = 4096
-    max_video_frames: int = 32  # frames of one video; a video file is sampled down to it
-    video_fps: float = 2.0  # frames sampled per second of a video file
+    # Admission limits (common/policy.py `Limits` says what each bounds).
+    max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
+    max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
+    max_images_per_request: int = DEFAULT_LIMITS.max_images_per_request
+    max_prompt_tokens: int = DEFAULT_LIMITS.max_prompt_tokens
+    max_tokens: int = DEFAULT_LIMITS.max_tokens
+    max_video_frames: int = DEFAULT_LIMITS.max_video_frames
+    video_fps: float = DEFAULT_LIMITS.video_fps
     # Security (docs/operations.md, "Security"). None: off, for one trusted host (the local demo).
     # Every GENERATE / ABORT / STATUS must carry this `api_key`; printed masked in the settings line.
     client_api_key: SecretStr | None = None
@@ -95,5 +100,5 @@ class CoordinatorSettings(BaseSettings):
         return v if v is not None and v.get_secret_value() else None
 
     def limits(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("max_image_bytes", "max_image_pixels", "max_images_per_request",
-                                              "max_prompt_tokens", "max_tokens", "max_video_frames", "video_fps")}
+        """The admission limits, as keyword arguments of `Limits`."""
+        return {f.name: getattr(self, f.name) for f in fields(Limits)}

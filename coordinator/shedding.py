@@ -2,9 +2,10 @@
 
 Requests waiting for their first token (queued, encoding, prefilling) are bounded by
 `max_waiting_requests`. When a new request finds the bound reached, the lowest class among the
-waiting requests and the newcomer is shed: lower priority first, then `batch` before
-`interactive`, then the most recent arrival (it has waited least). A shed request gets an explicit
-`overloaded` error with a retry-after hint; none is ever dropped silently. Pure code.
+waiting requests and the newcomer is shed: the one the class order (common/policy.py) serves last,
+so lower priority first, then `batch` before `interactive`, then the most recent arrival (it has
+waited least). A shed request gets an explicit `overloaded` error with a retry-after hint; none is
+ever dropped silently. Pure code.
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from mserve.coordinator.admission import GenerateIn
+from mserve.common.policy import serving_order
+from mserve.common.protocol.client import Generate
 from mserve.coordinator.records import RequestState
 
 
-def shed_rank(request: GenerateIn, arrived: float) -> tuple[int, int, float]:
-    """Smaller is shed first."""
-    return (request.priority, 1 if request.latency_class == "interactive" else 0, -arrived)
+def _serving_order(request: Generate, arrived: float) -> tuple[int, int, float]:
+    return serving_order(request.priority, request.latency_class, arrived)
 
 
-def choose_shed(waiting: Iterable[RequestState], incoming: GenerateIn, now: float) -> RequestState | None:
-    """The waiting request to shed so `incoming` can enter, or None when `incoming` itself is shed."""
-    victim = min(waiting, key=lambda st: shed_rank(st.admitted.request, st.arrived), default=None)
-    if victim is None or shed_rank(victim.admitted.request, victim.arrived) >= shed_rank(incoming, now):
+def choose_shed(waiting: Iterable[RequestState], incoming: Generate, now: float) -> RequestState | None:
+    """The waiting request to shed so `incoming` can enter, or None when `incoming` itself is shed:
+    whichever the class order (common/policy.py) would serve last goes."""
+    victim = max(waiting, key=lambda st: _serving_order(st.admitted.request, st.arrived), default=None)
+    if victim is None or _serving_order(victim.admitted.request, victim.arrived) <= _serving_order(incoming, now):
         return None
     return victim
 

@@ -3,9 +3,10 @@
 A request waits here between stages: for a pipeline (START, no pool it needs is up), or for a worker
 of its next stage's role that is up and under the coordinator's `max_stages_per_worker`. The request
 machine (coordinator/requests.py) binds the best waiting request of a stage to whichever worker
-frees first. Best: higher `priority`, then `interactive` before `batch`, then the earliest to start
-waiting (FIFO). Nothing starves: one that has waited longer than `aging_s` ranks above every class,
-among the aged by when they started waiting. Ties break by push order, so the order is deterministic.
+frees first. Best: the class order (common/policy.py: higher `priority`, then `interactive` before
+`batch`), then the earliest to start waiting (FIFO). Nothing starves: one that has waited longer
+than `aging_s` ranks above every class, among the aged by when they started waiting. Ties break by
+push order, so the order is deterministic.
 A pop scans its stage's queue (O(waiting), which max_waiting_requests bounds).
 """
 
@@ -15,6 +16,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
+from mserve.common.policy import class_rank, serving_order
 from mserve.coordinator.records import STAGE_ROLE, Stage
 from mserve.coordinator.routing import WorkerView
 
@@ -46,7 +48,7 @@ class Waiting:
         """Smaller is served first."""
         if now - self.since > aging_s:
             return (0, self.since, self.seq)
-        return (1, -self.priority, self.latency_class != "interactive", self.since, self.seq)
+        return (1, *serving_order(self.priority, self.latency_class, self.since), self.seq)
 
 
 class StageQueues:
@@ -89,7 +91,7 @@ class StageQueues:
         """{stage: {class: requests}} for the stages where something waits (the STATUS reply's "queued")."""
         out: dict[str, dict[str, int]] = {}
         for stage in Stage:  # pipeline order; within a stage, best class first
-            classes = sorted((-w.priority, w.latency_class != "interactive", class_name(w.priority, w.latency_class))
+            classes = sorted((*class_rank(w.priority, w.latency_class), class_name(w.priority, w.latency_class))
                              for w in self._by_stage.get(stage, {}).values())
             for *_, name in classes:
                 per_class = out.setdefault(stage.value, {})

@@ -55,15 +55,17 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     pruning = getattr(args, "visual_token_pruning", None)
     pruning_args = ["--visual-token-pruning", pruning] if pruning is not None else []
-    if pruning is not None:  # refuse a family that cannot prune before starting anything
-        from mserve.common import pruning as visual_pruning
-        from mserve.common.model import load_family
+    # Refuse a model the engine cannot serve exactly, or a family that cannot prune, before starting anything.
+    from mserve.common import pruning as visual_pruning
+    from mserve.common.model import load_family
 
-        try:
-            visual_pruning.apply(load_family(args.model), pruning)
-        except (ValueError, FileNotFoundError) as exc:  # PruningError, CheckpointError
-            logger.error("mserve up failed: %s", exc)
-            return 1
+    try:
+        family = load_family(args.model)
+        if pruning is not None:
+            visual_pruning.apply(family, pruning)
+    except (ValueError, FileNotFoundError) as exc:  # UnsupportedModelError, PruningError, CheckpointError
+        logger.error("mserve up failed: %s", exc)
+        return 1
     cluster = LocalCluster(args.model, **pools, unified=args.unified, redis_url=args.redis, port=args.port,
                            threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
                            client_api_key=args.client_api_key, curve_dir=args.curve_dir,

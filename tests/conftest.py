@@ -48,10 +48,22 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 # ---- models ------------------------------------------------------------------
 
 
+class TinyModelDirs(dict):
+    """arch -> tiny checkpoint folder, each built offline on first use (a session pays only for the
+    families its tests touch)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch: str) -> Path:
+        from mserve.common.tiny_model import make_tiny_model
+
+        self[arch] = make_tiny_model(self.root / arch, arch, "tiny", seed=0)
+        return self[arch]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
-    """One tiny random-weight checkpoint per supported family, built offline once per session."""
-    from mserve.common.tiny_model import make_tiny_model
-
-    root = tmp_path_factory.mktemp("models")
-    return {arch: make_tiny_model(root / arch, arch, "tiny", seed=0) for arch in ("llava", "qwen2_vl")}
+    """One tiny random-weight checkpoint per family, built offline once per session when first asked for."""
+    return TinyModelDirs(tmp_path_factory.mktemp("models"))

@@ -66,10 +66,7 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        inputs = processor(images=pil, return_tensors="pt")
-        kwargs["pixel_values"] = inputs["pixel_values"]
-        if "image_grid_thw" in inputs:
-            kwargs["image_grid_thw"] = inputs["image_grid_thw"]
+        kwargs.update(processor(images=pil, return_tensors="pt"))  # pixel_values and image_grid_thw / image_sizes
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     config = copy.deepcopy(model.generation_config)
@@ -112,10 +109,7 @@ def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tupl
     else:
         images = [_pil(x) for x in items if not isinstance(x, tuple)]
     if images:
-        inputs = processor(images=images, return_tensors="pt")
-        kwargs["pixel_values"] = inputs["pixel_values"]
-        if "image_grid_thw" in inputs:
-            kwargs["image_grid_thw"] = inputs["image_grid_thw"]
+        kwargs.update(processor(images=images, return_tensors="pt"))
     if videos:
         kwargs.update(qwen_video_inputs(processor, family, videos))
     if family.uses_mrope:

@@ -10,7 +10,6 @@ import importlib
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ MAPPED = ("common", "coordinator", "workers", "bench")
 
 
 def _setuptools() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 

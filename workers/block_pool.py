@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from mserve.common.hashing import ImageSpan, block_extra_keys, block_hash
+from mserve.common.policy import blocks_for
 
 
 class OutOfBlocks(RuntimeError):
@@ -82,7 +83,7 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
@@ -116,22 +117,30 @@ class BlockPool:
             found.append(block_id)
         return found
 
-    def allocate(
-        self, table: BlockTable, num_tokens: int, hashes: Sequence[str] = (), token_ids: Sequence[int] = ()
-    ) -> int:
-        """Grow `table` to cover `num_tokens`; reuse cached prefix blocks when `table` is empty.
+    def reusable_prefix(self, hashes: Sequence[str], token_ids: Sequence[int], num_tokens: int) -> list[int]:
+        """The cached blocks a sequence of `num_tokens` tokens may start from: its leading full blocks
+        found in the pool (match_prefix), never the one holding its last token, whose logits must be
+        computed. No reference is taken: hand the answer to `allocate` before anything else allocates."""
+        usable = (num_tokens - 1) // self.block_size
+        return self.match_prefix(hashes[:usable], token_ids)
+
+    def num_idle(self, block_ids: Sequence[int]) -> int:
+        """How many of `block_ids` sit unreferenced in the free list: reusing them takes them out of it."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def allocate(self, table: BlockTable, num_tokens: int, prefix: Sequence[int] | None = None) -> int:
+        """Grow `table` to cover `num_tokens`; an empty `table` starts from the cached `prefix` blocks
+        (reusable_prefix's answer; None when no prefix was looked up, which the counters tell apart).
 
         Returns the number of leading tokens whose K/V is already in the pool (prefix hits).
         Raises OutOfBlocks, leaving `table` unchanged, when the pool cannot cover the request.
         """
         cached: list[int] = []
-        if not table.block_ids and hashes:
+        if not table.block_ids and prefix is not None:
             self.prefix_queries += 1
-            # Never reuse the block holding the last prompt token: its logits must be computed.
-            usable = (num_tokens - 1) // self.block_size
-            cached = self.match_prefix(hashes[:usable], token_ids)
+            cached = list(prefix)
         needed = self.blocks_needed(num_tokens) - len(table.block_ids) - len(cached)
-        reusable_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        reusable_free = self.num_idle(cached)
         if needed > len(self._free) - reusable_free:
             raise OutOfBlocks(
                 f"KV pool exhausted: need {needed} more blocks of {self.block_size} tokens, "

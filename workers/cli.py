@@ -7,6 +7,7 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from mserve.common.policy import DEFAULT_ENGINE
     from mserve.common.pruning import add_argument as add_pruning_argument
 
     p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], help="which stage(s) to run")
@@ -27,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"],
                    help="tensor transfer backend (default auto: shm on the same host, tcp otherwise)")
     p.add_argument("--host", help="address peers reach this worker's data plane at (default 127.0.0.1)")
-    p.add_argument("--num-blocks", type=int, help="KV pool blocks (default 2048)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, help=f"KV pool blocks (default {DEFAULT_ENGINE.num_blocks})")
+    p.add_argument("--block-size", type=int, help=f"tokens per KV block (default {DEFAULT_ENGINE.block_size})")
     p.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="this worker's share of its device's memory, in (0, 1]: the KV pool is sized to fit it "
                         "(--num-blocks is then ignored) and, on CUDA, the allocator is capped at it; several "
@@ -37,11 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the memory --gpu-memory-fraction is of: required on CPU, on CUDA it overrides the device's")
     p.add_argument("--mig-device", metavar="UUID",
                    help="run on this MIG instance (MIG-..., as `nvidia-smi -L` lists it): CUDA_VISIBLE_DEVICES")
-    p.add_argument("--max-num-seqs", type=int, help="running requests at most (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, help=f"running requests at most (default {DEFAULT_ENGINE.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=int, help=f"token budget per engine step (default {DEFAULT_ENGINE.max_num_batched_tokens})")
     p.add_argument("--max-prefill-tokens", type=int,
                    help="prompt tokens per engine step, the prefill chunk cap: a long prompt delays a short one "
-                        "or a running stream by at most one chunk (default 512)")
+                        "or a running stream by at most one chunk (default "
+                        f"{DEFAULT_ENGINE.max_prefill_tokens})")
     p.add_argument("--max-encode-images", type=int,
                    help="images per vision forward on an encode worker, at most; interactive ones first (default 8)")
     p.add_argument("--embedding-cache-mb", type=float,

@@ -1,8 +1,9 @@
 """The stage engine: encode, prefill and continuous-batch decode over a paged KV pool, in one object.
 
-`step()` is schedule, run, postprocess. Workers of every role drive one Engine: an encode worker
-calls `encode()`, a prefill worker adds requests with `prefill_only=True` and exports their KV
-blocks, a decode worker imports blocks and steps; the unified role does all three.
+`step()` is schedule, run, `scheduler.postprocess`; the scheduler is the one place that knows which
+sequences wait, run or hand their KV on, and the engine asks it. Workers of every role drive one
+Engine: an encode worker calls `encode()`, a prefill worker adds requests with `prefill_only=True`
+and exports their KV blocks, a decode worker imports blocks and steps; the unified role does all three.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import torch
 
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
+from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers.block_pool import BlockPool
-from mserve.workers.hand_back import adopt_blocks, reply_blocks
+from mserve.common.protocol.to_worker import KVState
+from mserve.workers.hand_back import KVExport, ReplyBlocks, adopt_blocks, reply_blocks
 from mserve.workers.model_runner import EncodedImage, ModelRunner
 from mserve.workers.sampler import sample
 from mserve.workers.scheduler import Scheduler
@@ -31,15 +34,15 @@ class EngineConfig:
     model_dir: str
     device: str = "cpu"
     dtype: str | None = None
-    block_size: int = 16
-    num_blocks: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = DEFAULT_ENGINE.block_size
+    num_blocks: int = DEFAULT_ENGINE.num_blocks
+    max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs
+    max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens
     max_prefill_tokens: int | None = None  # prompt tokens per step (the chunk cap); None: the whole budget
-    reserve_tokens: int = 256  # admission keeps room for this many next tokens of each running request
+    reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens
     enable_prefix_caching: bool = True
-    max_image_pixels: int = 4096 * 4096
-    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
+    max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
     threads: int | None = None
     parts: str = "all"  # "vision" (encode), "text" (prefill/decode) or "all": which weights stay loaded
     visual_token_pruning: float | None = None  # FasterVLM keep ratio on the encode path; None = off (common/pruning.py)
@@ -51,6 +54,9 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    # Decode with hand-back: the finished reply's full KV blocks, copied out for a prefill worker
+    # (workers/hand_back.py); None when there are none.
+    hand_back: ReplyBlocks | None = None
 
 
 @dataclass
@@ -79,7 +85,6 @@ class Engine:
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    reserve_tokens=config.reserve_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
-        self.requests: dict[str, Seq] = {}
         gen = self.runner.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -87,7 +92,6 @@ class Engine:
                          "embedding_l1_hits": 0, "embedding_l2_hits": 0, "prefill_tokens": 0,
                          "decode_tokens": 0, "steps": 0}
         self.last_batch_size = 0  # sequences in the latest step
-        self.hand_backs: dict[str, dict[str, Any]] = {}  # finished requests' reply blocks, for the worker to send
 
     # -- encode ---------------------------------------------------------------------------------
     def encode(self, images: Sequence[bytes | VideoPart]) -> list[EncodedImage]:
@@ -128,7 +132,7 @@ class Engine:
         """
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt (no token ids)")
-        if request_id in self.requests:
+        if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request {request_id}: already in this engine")
         runs = self.family.image_spans(prompt_ids)
         if encoded is None:
@@ -155,13 +159,12 @@ class Engine:
             else:
                 seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids)
         self.scheduler.add(seq)
-        self.requests[request_id] = seq
         return seq
 
     def attach_embeddings(self, request_id: str, item: int, encoded: EncodedImage) -> bool:
         """An awaited image's embeddings: its placeholder runs can be computed now. False when the
         request is gone or does not await that image; ValueError when its size does not fit."""
-        seq = self.requests.get(request_id)
+        seq = self.scheduler.get(request_id)
         if seq is None or item not in seq.awaiting:
             return False
         runs = seq.awaiting[item]
@@ -181,12 +184,10 @@ class Engine:
         return True
 
     def abort(self, request_id: str) -> bool:
-        seq = self.requests.pop(request_id, None)
+        seq = self.scheduler.get(request_id)
         if seq is None:
             return False
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-        self.scheduler.release_blocks(seq)
+        self.scheduler.abort(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -198,30 +199,22 @@ class Engine:
         if not chunks:
             return []
         logits = self.runner.execute(chunks)
-        completing = [c for c in chunks if c.completes_sequence]
-        tokens = sample(logits, [c.seq.sampling for c in completing], [len(c.seq.output_ids) for c in completing])
+        completing = [c.seq for c in chunks if c.completes_sequence]
+        tokens = sample(logits, [s.sampling for s in completing], [len(s.output_ids) for s in completing])
         self.counters["steps"] += 1
         self.last_batch_size = len(chunks)
-        outputs: list[StepOutput] = []
         for c in chunks:
-            c.seq.num_computed_tokens = c.end
             is_decode = c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids)
             self.counters["decode_tokens" if is_decode else "prefill_tokens"] += c.num_tokens
-            if self.config.enable_prefix_caching:
-                self.pool.commit_full_blocks(
-                    c.seq.block_table, c.seq.prompt_ids, min(c.end, len(c.seq.prompt_ids)), c.seq.images)
-        for c, tok in zip(completing, tokens):
-            seq = c.seq
-            seq.append_token(tok)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq, seq.finish_reason)
-                # A prefilled request keeps its blocks until export_kv hands them on.
-                if seq.finish_reason != "prefilled":
-                    if seq.hand_back and (blocks := reply_blocks(self.pool, self.runner.kv, seq)) is not None:
-                        self.hand_backs[seq.request_id] = blocks
-                    self.scheduler.release_blocks(seq)
-                    self.requests.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq.request_id, [tok], seq.is_finished, seq.finish_reason))
+        outputs: list[StepOutput] = []
+        for seq, tok in zip(self.scheduler.postprocess(chunks, tokens), tokens):
+            out = StepOutput(seq.request_id, [tok], seq.is_finished, seq.finish_reason)
+            # A prefilled request keeps its blocks until export_kv hands them on; a reply to hand
+            # back, until its full blocks are copied out here.
+            if seq.is_finished and seq.hand_back and seq.finish_reason != "prefilled":
+                out.hand_back = reply_blocks(self.pool, self.runner.kv, seq)
+                self.scheduler.free(seq)
+            outputs.append(out)
         return outputs
 
     def run_until_done(self) -> dict[str, list[int]]:
@@ -240,14 +233,16 @@ class Engine:
     # -- KV hand-off (prefill -> decode) ------------------------------------------------------------
     def export_kv(self, request_id: str, *, release: bool = True,
                   alloc: Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, torch.Tensor]] | None = None
-                  ) -> dict[str, Any]:
-        """A prefilled request as a msgpack-able dict: metadata plus its KV blocks and prompt inputs.
+                  ) -> KVExport:
+        """A prefilled request ready to leave: its wire state plus its KV blocks and prompt inputs.
 
         `alloc` ({name: (shape, dtype)} -> {name: tensor}, e.g. a transfer engine's shared-memory
         allocation) provides the buffers the tensors are written to, so they are copied once, straight
         into what the decode side will read. Names: "kv", "mrope" (if any) and "emb{i}" per image.
         """
-        seq = self.requests[request_id]
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id} is not in this engine")
         assert seq.num_computed_tokens > 0, f"request {request_id} has no computed KV to export"
         n_blocks = self.pool.blocks_needed(seq.num_computed_tokens)
         kv_cache = self.runner.kv
@@ -263,51 +258,38 @@ class Engine:
             if mrope is not None:
                 mrope = out["mrope"].copy_(mrope)
             embeds = [out[f"emb{i}"].copy_(e) for i, e in enumerate(embeds)]
-        payload = {
-            "request_id": seq.request_id,
-            "prompt_ids": seq.prompt_ids,
-            "output_ids": seq.output_ids,
-            "num_computed_tokens": seq.num_computed_tokens,
-            "block_size": self.pool.block_size,
-            "kv": kv if kv is not None else kv_cache.export_blocks(block_ids),
-            "images": [[s.start, s.length, s.image_hash] for s in seq.images],
-            # Carried so the receiver can recompute the prompt if it must preempt the request.
-            "image_embeds": embeds,
-            "mrope_positions": mrope,
-            "rope_delta": seq.rope_delta,
-            "sampling": sampling_to_dict(seq.sampling),
-            "priority": seq.priority,
-            "latency_class": seq.latency_class,
-        }
+        state = KVState(request_id=seq.request_id, prompt_ids=seq.prompt_ids, output_ids=seq.output_ids,
+                        num_computed_tokens=seq.num_computed_tokens, block_size=self.pool.block_size,
+                        images=[[s.start, s.length, s.image_hash] for s in seq.images],
+                        sampling=seq.sampling.to_wire(), rope_delta=seq.rope_delta, priority=seq.priority,
+                        latency_class=seq.latency_class)
+        export = KVExport(state, kv if kv is not None else kv_cache.export_blocks(block_ids), mrope, list(embeds))
         if release:
-            self.requests.pop(request_id, None)
-            self.scheduler.release_blocks(seq)
-        return payload
+            self.scheduler.free(seq)
+        return export
 
-    def import_kv(self, payload: dict[str, Any], *, request_id: str | None = None) -> Seq:
+    def import_kv(self, export: KVExport, *, request_id: str | None = None) -> Seq:
         """Adopt a request prefilled elsewhere: copy its blocks into this pool and decode it here.
 
-        "kv" may be a view of someone else's memory (it is copied here); "image_embeds" and
-        "mrope_positions" are kept for the request's lifetime, so they must not be."""
-        if payload["block_size"] != self.pool.block_size:
-            raise ValueError(f"block size mismatch: sender {payload['block_size']}, receiver {self.pool.block_size}")
-        rid = request_id or payload["request_id"]
-        seq = Seq(request_id=rid, prompt_ids=list(payload["prompt_ids"]),
-                  sampling=sampling_from_dict(payload["sampling"]),
-                  images=[ImageSpan(int(s), int(n), str(h)) for s, n, h in payload["images"]],
-                  image_embeds=list(payload.get("image_embeds") or []),
-                  mrope_positions=payload.get("mrope_positions"), rope_delta=int(payload.get("rope_delta", 0)),
-                  priority=int(payload.get("priority", 0)), eos_token_ids=self.eos_token_ids,
-                  latency_class=str(payload.get("latency_class", "interactive")))
-        seq.output_ids = list(payload["output_ids"])
-        n_computed = int(payload["num_computed_tokens"])
+        `kv` may be a view of someone else's memory (it is copied here); `image_embeds` and
+        `mrope_positions` are kept for the request's lifetime, so they must not be."""
+        state = export.state
+        if state.block_size != self.pool.block_size:
+            raise ValueError(f"block size mismatch: sender {state.block_size}, receiver {self.pool.block_size}")
+        rid = request_id or state.request_id
+        seq = Seq(request_id=rid, prompt_ids=list(state.prompt_ids), sampling=SamplingParams.from_wire(state.sampling),
+                  images=[ImageSpan(int(s), int(n), str(h)) for s, n, h in state.images],
+                  image_embeds=list(export.image_embeds), mrope_positions=export.mrope_positions,
+                  rope_delta=state.rope_delta, priority=state.priority, eos_token_ids=self.eos_token_ids,
+                  latency_class=state.latency_class)
+        seq.output_ids = list(state.output_ids)
+        n_computed = state.num_computed_tokens
         self.pool.allocate(seq.block_table, max(n_computed, seq.num_tokens))
-        kv = payload["kv"]
+        kv = export.kv
         self.runner.kv.import_blocks(seq.block_table.block_ids[: kv.shape[2]], kv)
         seq.num_computed_tokens = n_computed
         if self.config.enable_prefix_caching:
             self.pool.commit_full_blocks(seq.block_table, seq.prompt_ids, min(n_computed, len(seq.prompt_ids)), seq.images)
-        self.requests[rid] = seq
         self.scheduler.add_running(seq)
         return seq
 
@@ -341,12 +323,3 @@ def _run_embeds(spans: Sequence[Any], encoded: Sequence[EncodedImage | None],
                 out.append(enc.embeds[offset : offset + span.length])
             offset += span.length
     return out, awaiting
-
-
-def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
-    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-            "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos}
-
-
-def sampling_from_dict(d: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})

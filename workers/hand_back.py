@@ -1,4 +1,9 @@
-"""KV hand-back: a decode worker's finished reply goes back to the prefill worker for the next turn.
+"""KV leaving one engine for another: the prefill -> decode hand-off (`KVExport`), and the hand-back.
+
+Hand-off: a prefilled request leaves its prefill engine as `KVExport`, the wire's `KVState` (which
+PREFILLED and DECODE carry) plus the tensors the data plane moves; the decode engine adopts it.
+
+Hand-back: a decode worker's finished reply goes back to the prefill worker for the next turn.
 
 A multi-turn conversation resends its whole history: turn N+1's prompt starts with turn N's prompt
 and then turn N's reply. The prefill worker that ran turn N still holds the prompt's blocks (freed,
@@ -14,11 +19,14 @@ cache at the first differing block, which is always safe: block hashes chain tok
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
+from mserve.common.protocol.to_coordinator import HandBack
+from mserve.common.protocol.to_worker import KVState
 from mserve.workers.block_pool import BlockPool, BlockTable, OutOfBlocks
 
 if TYPE_CHECKING:
@@ -26,19 +34,42 @@ if TYPE_CHECKING:
     from mserve.workers.sequence import Sequence as Seq
 
 
-def reply_blocks(pool: BlockPool, kv: KVCache, seq: Seq) -> dict[str, Any] | None:
-    """The finished request's full blocks past its prompt's last full one, or None when there are none.
+@dataclass
+class KVExport:
+    """A prefilled request between two engines: its state (on the wire) and its tensors (on the data
+    plane). The prompt inputs ride along so the receiver can recompute the prompt if it must preempt it."""
 
-    Taken before the blocks are released: {"kv": [layers, 2, n, block_size, kv_heads, head_dim],
-    "token_ids": prompt + reply through the last block, "images", "first_block"}."""
+    state: KVState
+    kv: torch.Tensor  # [layers, 2, n_blocks, block_size, kv_heads, head_dim]
+    mrope_positions: torch.Tensor | None = None  # Qwen2-VL
+    image_embeds: list[torch.Tensor] = field(default_factory=list)  # one per image run of the prompt
+
+
+@dataclass
+class ReplyBlocks:
+    """A finished request's reply blocks, copied out before its blocks are released."""
+
+    kv: torch.Tensor  # [layers, 2, n, block_size, kv_heads, head_dim]
+    token_ids: list[int]  # prompt + reply through the last block
+    images: list[list[Any]]  # [start, length, image hash] per image of the prompt
+    first_block: int  # the first block of `kv` (the ones before it are the prompt's)
+
+    def to_wire(self, descriptor: dict[str, Any]) -> HandBack:
+        """What STEP_TOKENS carries once `kv` is published under `descriptor`."""
+        return HandBack(descriptor=descriptor, token_ids=self.token_ids, images=self.images,
+                        first_block=self.first_block)
+
+
+def reply_blocks(pool: BlockPool, kv: KVCache, seq: Seq) -> ReplyBlocks | None:
+    """The finished request's full blocks past its prompt's last full one, or None when there are none
+    (taken before the blocks are released)."""
     bs = pool.block_size
     first = len(seq.prompt_ids) // bs
     last = min(seq.num_computed_tokens // bs, len(seq.block_table.block_ids))  # blocks whose KV is written
     if last <= first:
         return None
-    return {"kv": kv.export_blocks(seq.block_table.block_ids[first:last]),
-            "token_ids": seq.token_ids[: last * bs],
-            "images": [[s.start, s.length, s.image_hash] for s in seq.images], "first_block": first}
+    return ReplyBlocks(kv.export_blocks(seq.block_table.block_ids[first:last]), seq.token_ids[: last * bs],
+                       [[s.start, s.length, s.image_hash] for s in seq.images], first)
 
 
 def adopt_blocks(pool: BlockPool, kv: KVCache, token_ids: Sequence[int], images: Sequence[Any], first_block: int,
@@ -59,7 +90,8 @@ def adopt_blocks(pool: BlockPool, kv: KVCache, token_ids: Sequence[int], images:
     table = BlockTable()
     try:
         # Reuses the held prefix (up to n_blocks - 1 blocks) and takes fresh blocks for the rest.
-        cached = pool.allocate(table, n_blocks * bs, hashes, token_ids) // bs
+        prefix = pool.reusable_prefix(hashes, token_ids, n_blocks * bs)
+        cached = pool.allocate(table, n_blocks * bs, prefix) // bs
     except OutOfBlocks:
         return 0
     try:

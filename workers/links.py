@@ -3,11 +3,11 @@
 With one coordinator this is one socket. With sharded coordinators the worker keeps a socket to
 every shard: the ones named by ``--coordinator`` (a comma-separated list) and the ones announced in
 Redis (common/shards.py), which come and go. Every shard hears the worker's READY and
-heartbeats; a stage message is answered on the link it came in on (the worker remembers each
-request's shard), and a decode step's tokens are split into one STEP_TOKENS per shard.
+heartbeats; a stage message is answered on the link it came in on (each request's record on the
+worker keeps it: `origin_of`), and a decode step's tokens are split into one STEP_TOKENS per shard.
 
 When a shard announced in Redis leaves the registry (it died, or stopped), its link is closed and
-the requests it sent here are returned, for the worker to cancel: nobody else would advance them.
+returned, for the worker to cancel the requests it sent: nobody else would advance them.
 A shard named on the command line is never dropped (ZeroMQ reconnects to it when it comes back).
 
 Not thread-safe by itself: the worker's loop and its pulse thread share it under ``lock``.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +33,6 @@ from mserve.common.sockets import make_socket, recv, send
 
 log = logging.getLogger("mserve.worker")
 
-MAX_ORIGINS = 100_000  # request -> shard entries kept (oldest dropped first); far above what a worker holds
-
 
 @dataclass
 class Link:
@@ -48,14 +46,15 @@ class Link:
 
 class CoordinatorLinks:
     def __init__(self, ctx: zmq.Context, worker_id: str, static: list[str], *, keys: CurveKeys | None = None,
-                 registry: ShardRegistry | None = None, grace_s: float = SHARD_TTL_S) -> None:
+                 registry: ShardRegistry | None = None, grace_s: float = SHARD_TTL_S,
+                 origin_of: Callable[[str], str | None] = lambda rid: None) -> None:
         self.ctx, self.worker_id, self.keys, self.registry = ctx, worker_id, keys, registry
+        self.origin_of = origin_of  # request id -> the address of the shard it came from, while it is here
         # A shard is dropped once absent from the registry this long, not at one read: a Redis that
         # restarted empty is re-announced into within half a second, and must not cost every request.
         self.grace_s = grace_s
         self.lock = threading.Lock()
         self.links: dict[str, Link] = {}
-        self.origin: OrderedDict[str, str] = OrderedDict()  # request id -> address of the shard it came from
         self.released: set[str] = set()  # shards that sent SHUTDOWN while this worker drains
         self._poller = zmq.Poller()
         for address in static:
@@ -81,13 +80,13 @@ class CoordinatorLinks:
         self.released.discard(link.address)
 
     # -- shards coming and going (the loop calls refresh, under the lock) ------------------------------
-    def refresh(self) -> tuple[list[Link], list[str]]:
-        """Follow the registry: (links opened, requests of the shards that left). Takes the lock itself,
+    def refresh(self) -> tuple[list[Link], list[Link]]:
+        """Follow the registry: (links opened, links closed: their shards left). Takes the lock itself,
         after the Redis read, so the pulse thread never waits on Redis."""
         live = self.registry.live() if self.registry is not None else {}
         wanted = {info["worker"]: sid for sid, info in live.items()}
         opened: list[Link] = []
-        orphaned: list[str] = []
+        closed: list[Link] = []
         with self.lock:
             for address, sid in wanted.items():
                 if address not in self.links:
@@ -105,12 +104,10 @@ class CoordinatorLinks:
                 link.missing_since = link.missing_since or now
                 if now - link.missing_since < self.grace_s:
                     continue
-                mine = [rid for rid, address in self.origin.items() if address == link.address]
-                orphaned.extend(mine)  # their origin stays: a late reply is dropped, not sent to another shard
-                log.warning("coordinator shard %s at %s left the registry: link closed, its %d request(s) here "
-                            "cancelled", link.shard_id, link.address, len(mine))
+                log.warning("coordinator shard %s at %s left the registry: link closed", link.shard_id, link.address)
                 self._close(link)
-        return opened, orphaned
+                closed.append(link)
+        return opened, closed
 
     # -- receiving (under the lock) ------------------------------------------------------------------------
     def poll(self, timeout_ms: int) -> list[Link]:
@@ -119,14 +116,8 @@ class CoordinatorLinks:
         return [link for link in self.links.values() if link.sock in ready]
 
     def recv(self, link: Link) -> tuple[int, Any]:
-        """One message from `link` (raises zmq.Again when none); remembers which shard its request is from."""
+        """One message from `link` (raises zmq.Again when none)."""
         _, kind, payload = recv(link.sock, flags=zmq.NOBLOCK)
-        rid = payload.get("request_id") if isinstance(payload, dict) else None
-        if isinstance(rid, str) and kind != MsgType.CANCEL:  # a late CANCEL must not move a re-sent request
-            self.origin[rid] = link.address
-            self.origin.move_to_end(rid)
-            if len(self.origin) > MAX_ORIGINS:
-                self.origin.popitem(last=False)
         return kind, payload
 
     def release(self, link: Link) -> bool:
@@ -149,7 +140,7 @@ class CoordinatorLinks:
         return all([self.send_to(address, msg, kind) for address in list(self.links)])
 
     def _address_of(self, rid: str) -> str:
-        address = self.origin.get(rid)
+        address = self.origin_of(rid)
         if address is None and len(self.links) == 1:
             address = next(iter(self.links))
         return address or ""

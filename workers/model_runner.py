@@ -40,9 +40,10 @@ def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
 
 # The parts a stage needs: an encoder runs the vision tower + projector only; prefill and decode the
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
-# multi_modal_projector; Qwen2-VL: visual).
+# multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
+# Qwen2-VL: visual).
 PARTS = ("all", "vision", "text")
-_VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual")
+_VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual")
 
 
 def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | None = None, parts: str = "all"):
@@ -93,7 +94,6 @@ class ModelRunner:
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
             self.kv = KVCache(text.num_hidden_layers, num_blocks, text.num_key_value_heads, block_size, head_dim,
                               dtype=self.dtype, device=self.device)
-        self._image_processor = None
         self.model_dir = str(model_dir)
         self.pruner = None  # FasterVLM on the encode path (workers/pruning.py), when asked for
         if ratio is not None and getattr(self.model.model, "vision_tower", None) is not None:
@@ -104,42 +104,34 @@ class ModelRunner:
     # -- encode stage ------------------------------------------------------------------------
     @property
     def image_processor(self):
-        if self._image_processor is None:
-            from transformers import AutoImageProcessor
-
-            # PIL backend: torchvision is not installed on CPU hosts. AutoImageProcessor is what
-            # AutoProcessor loads its image processor with, so every layout transformers reads works here
-            # (processor_config.json's nested "image_processor" first, else preprocessor_config.json).
-            processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
-            self.family.check_image_processor(processor)  # admission counted placeholders with these settings
-            self._image_processor = processor
-        return self._image_processor
+        """The PIL image processor inside the family's processor: the very object admission counted
+        placeholders with (common/processor.py), so the two can never size an image differently."""
+        return self.family.processor.image_processor
 
     @torch.inference_mode()
     def encode_images(self, images: Sequence) -> list[EncodedImage]:
-        """PIL images -> one embedding tensor per image, all images in one vision forward."""
+        """PIL images -> one embedding tensor per image, all images in one vision forward through the
+        model's own get_image_features (given every input its image processor produced that it takes)."""
         if not images:
             return []
         inputs = self.image_processor(images=list(images), return_tensors="pt")
-        pixel_values = inputs["pixel_values"].to(self.device, self.dtype)
-        if self.family.uses_mrope:
-            grid = inputs["image_grid_thw"].to(self.device)
-            out = self.model.model.get_image_features(pixel_values=pixel_values, image_grid_thw=grid, return_dict=True)
-            grids = [tuple(int(x) for x in g) for g in grid.tolist()]
-        else:
-            cfg = self.model.config
-            with self.pruner.capture() if self.pruner else contextlib.nullcontext() as scores:
-                out = self.model.model.get_image_features(
-                    pixel_values=pixel_values,
-                    vision_feature_layer=cfg.vision_feature_layer,
-                    vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                    return_dict=True,
-                )
-            grids = [None] * len(images)
-            if self.pruner is not None:  # keep each image's top tokens by [CLS] attention, in order
-                kept = self.pruner.select([e.reshape(-1, self.hidden_size) for e in out.pooler_output], scores)
-                return [EncodedImage(e, g) for e, g in zip(kept, grids)]
-        return [EncodedImage(e.reshape(-1, self.hidden_size).contiguous(), g) for e, g in zip(out.pooler_output, grids)]
+        kwargs = {k: v for k, v in inputs.items() if k in self._image_feature_inputs}
+        kwargs["pixel_values"] = kwargs["pixel_values"].to(self.device, self.dtype)
+        kwargs.update({k: v.to(self.device) for k, v in kwargs.items() if k != "pixel_values" and torch.is_tensor(v)})
+        with self.pruner.capture() if self.pruner else contextlib.nullcontext() as scores:
+            out = self.model.model.get_image_features(**kwargs, return_dict=True)
+        grid = inputs.get("image_grid_thw")
+        grids = [tuple(int(x) for x in g) for g in grid.tolist()] if grid is not None else [None] * len(images)
+        embeds = [e.reshape(-1, self.hidden_size) for e in out.pooler_output]
+        if self.pruner is not None:  # keep each image's top tokens by [CLS] attention, in order
+            embeds = self.pruner.select(embeds, scores)
+        return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]
+
+    @property
+    def _image_feature_inputs(self) -> frozenset[str]:
+        import inspect
+
+        return frozenset(inspect.signature(self.model.model.get_image_features).parameters)
 
     @torch.inference_mode()
     def encode_visuals(self, items: Sequence) -> list[EncodedImage]:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mserve.common.protocol.to_worker import LATENCY_CLASSES  # in serving order
+from mserve.common.policy import DEFAULT_ENGINE, class_rank, fits_kv
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
 from mserve.workers.sequence import Sequence, SeqStatus
 
@@ -42,9 +42,10 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs,
+                 max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens,
                  max_prefill_tokens: int | None = None, aging_tokens_per_s: float = 1000.0,
-                 reserve_tokens: int = 256, enable_prefix_caching: bool = True,
+                 reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens, enable_prefix_caching: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
         self.pool = pool
@@ -58,14 +59,17 @@ class Scheduler:
         self.clock = clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        # Finished, but their KV blocks are still to be copied out (a prefill's to its decode worker,
+        # a reply's hand-back): kept until `free`.
+        self.handing_off: list[Sequence] = []
         self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         capacity = self.pool.num_blocks * self.pool.block_size
         # A prefill-only request needs room for its prompt and first token; others for every token.
-        needed = seq.num_tokens + (1 if seq.prefill_only else seq.sampling.max_tokens - len(seq.output_ids))
-        if needed > capacity:
+        new_tokens = 1 if seq.prefill_only else seq.sampling.max_tokens - len(seq.output_ids)
+        if not fits_kv(seq.num_tokens, new_tokens, self.pool.num_blocks, self.pool.block_size):
             raise ValueError(
                 f"request {seq.request_id}: prompt ({seq.num_tokens} tokens) + "
                 f"{'1' if seq.prefill_only else f'max_tokens ({seq.sampling.max_tokens})'} "
@@ -92,13 +96,10 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def release_blocks(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
-
     def prefill_key(self, seq: Sequence, now: float) -> tuple[int, int, float, int]:
         """Serving order of prompts: priority, latency class, then remaining tokens less what waiting earned."""
         aged = seq.num_uncomputed_tokens - self.aging_tokens_per_s * max(0.0, now - seq.queued_at)
-        return (-seq.priority, LATENCY_CLASSES.index(seq.latency_class), aged, seq.arrival)
+        return (*class_rank(seq.priority, seq.latency_class), aged, seq.arrival)
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
@@ -183,18 +184,17 @@ class Scheduler:
         """Start prefilling `seq` (cached prefix blocks first); None when its prompt does not fit."""
         bs = self.pool.block_size
         hashes = seq.prompt_hashes(bs) if self.enable_prefix_caching else []
-        usable = (seq.num_tokens - 1) // bs
-        hit_ids = self.pool.match_prefix(hashes[:usable], seq.token_ids) if hashes else []
-        hits = len(hit_ids)
+        hit_ids = self.pool.reusable_prefix(hashes, seq.token_ids, seq.num_tokens) if hashes else None
+        hits = len(hit_ids or ())
         # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
         # must be preempted wastes the work already done. Cached hits that sit in the free
         # list are taken out of it too, so they count against the free blocks.
         needed = self.pool.blocks_needed(seq.num_tokens + self._lookahead(seq)) - hits
-        free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_count == 0)
+        free_hits = self.pool.num_idle(hit_ids or ())
         if not self.pool.can_allocate(needed + free_hits + self._reserved_for_running()):
             return None
         n = max(0, min(seq.ready_tokens(hits * bs) - hits * bs, budget))
-        cached = self.pool.allocate(seq.block_table, hits * bs + n, hashes, seq.token_ids)
+        cached = self.pool.allocate(seq.block_table, hits * bs + n, hit_ids)
         assert cached == hits * bs
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
@@ -202,3 +202,46 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return n
+
+    # -- after the model ran -----------------------------------------------------------------------
+    def postprocess(self, chunks: list[ScheduledChunk], token_ids: list[int]) -> list[Sequence]:
+        """Record a step's progress: `token_ids` are the tokens sampled for the chunks that complete
+        their sequence, in order. Each is appended; a sequence that meets a stop condition finishes
+        and its blocks are freed, unless its KV still leaves this pool (`handing_off`). Returns the
+        sequences that got a token, in the order of `token_ids`."""
+        for c in chunks:
+            c.seq.num_computed_tokens = c.end
+            if self.enable_prefix_caching:  # full prompt blocks become findable by later requests
+                self.pool.commit_full_blocks(c.seq.block_table, c.seq.prompt_ids,
+                                             min(c.end, len(c.seq.prompt_ids)), c.seq.images)
+        sampled = [c.seq for c in chunks if c.completes_sequence]
+        assert len(sampled) == len(token_ids), (len(sampled), len(token_ids))
+        for seq, token in zip(sampled, token_ids):
+            seq.append_token(token)
+            if seq.finish_reason is None:
+                continue
+            self.finish(seq, seq.finish_reason)
+            if seq.finish_reason == "prefilled" or seq.hand_back:
+                self.handing_off.append(seq)
+            else:
+                self.free(seq)
+        return sampled
+
+    # -- which sequences are here --------------------------------------------------------------------
+    def sequences(self) -> list[Sequence]:
+        """Every sequence holding or awaiting blocks here: waiting, running, or finished and handing off."""
+        return self.waiting + self.running + self.handing_off
+
+    def get(self, request_id: str) -> Sequence | None:
+        return next((s for s in self.sequences() if s.request_id == request_id), None)
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.finish(seq, "abort")
+        self.free(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """`seq` leaves this scheduler (its KV copied out, or finished, or aborted): its blocks go back."""
+        if seq in self.handing_off:
+            self.handing_off.remove(seq)
+        self.pool.free(seq.block_table)

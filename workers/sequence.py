@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
+from mserve.common.protocol.client import Sampling
 from mserve.workers.block_pool import BlockTable
 
 
@@ -46,6 +47,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @classmethod
+    def from_wire(cls, s: Sampling) -> SamplingParams:
+        """The engine's copy of the wire's sampling parameters (common/protocol/client.py), made once per request."""
+        return cls(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                   stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+    def to_wire(self) -> Sampling:
+        return Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                        seed=self.seed, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos)
 
 
 _arrival = itertools.count()

@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
+
 
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
@@ -25,13 +27,11 @@ class WorkerSettings(BaseSettings):
     transfer: Literal["auto", "shm", "tcp", "torch"] = "auto"
     transfer_pool_mb: int = 1024  # bound on the shared-memory segments a sender keeps for reuse
     host: str = "127.0.0.1"  # address peers use for this worker's data plane
-    num_blocks: int = 2048
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # Prompt tokens per engine step: one long prompt delays a short one (and a running stream) by
-    # at most one chunk of this size. Chosen by measurement (bench/README.md, chunk cap).
-    max_prefill_tokens: int = 512
+    num_blocks: int = DEFAULT_ENGINE.num_blocks
+    block_size: int = DEFAULT_ENGINE.block_size
+    max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs
+    max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens
+    max_prefill_tokens: int = DEFAULT_ENGINE.max_prefill_tokens  # the chunk cap (common/policy.py says why)
     enable_prefix_caching: bool = True
     embedding_cache_mb: float = 512  # L1: this encode worker's own memory
     # L2: encoded images shared by every encode worker on this host (tmpfs files, outliving a
@@ -46,8 +46,8 @@ class WorkerSettings(BaseSettings):
     # (workers/draining.py); past this many seconds it exits anyway. Keep it below the platform's kill
     # grace (Kubernetes terminationGracePeriodSeconds, compose stop_grace_period).
     drain_timeout_s: float = 25.0
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes  # checked again before an image is decoded
+    max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
     # CURVE on the coordinator link and the data plane (docs/operations.md, "Security"): all three or
     # none. None: unauthenticated plaintext links, fit only for one trusted host (the local demo).
     curve_secret_key: str | None = None  # this worker's .key_secret file (`mserve keygen`)

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mserve.common.policy import DEFAULT_ENGINE
+
 log = logging.getLogger("mserve.sizing")
 
 GIB = 2**30
@@ -256,8 +258,9 @@ def plan_blocks(*, total_bytes: int, fraction: float, weights_bytes: int, reserv
 
 
 def plan_for_model(model_dir: str | os.PathLike, *, total_bytes: int, fraction: float, parts: str = "text",
-                   dtype_bytes: int = 2, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                   max_num_seqs: int = 64, workspace_bytes: int = WORKSPACE_BYTES,
+                   dtype_bytes: int = 2, block_size: int = DEFAULT_ENGINE.block_size,
+                   max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens,
+                   max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs, workspace_bytes: int = WORKSPACE_BYTES,
                    setting: str = "gpu_memory_fraction") -> SizingPlan:
     """The whole formula for one checkpoint and one role's `parts` ("vision" keeps no KV pool)."""
     geom = read_geometry(model_dir)
@@ -346,9 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fraction", type=float, default=1.0, help="gpu_memory_fraction (default 1)")
     p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], default="decode")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bfloat16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=DEFAULT_ENGINE.block_size)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_ENGINE.max_num_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_ENGINE.max_num_seqs)
     a = p.parse_args(argv)
     total = mig_profile(a.profile).memory_bytes if a.profile else int(a.memory_gb * GIB)
     parts = {"encode": "vision", "unified": "all"}.get(a.role, "text")

@@ -19,12 +19,10 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
-
 import zmq
 
-from mserve.common import protocol
 from mserve.common.protocol import MsgType
+from mserve.common.protocol.client import Tokens
 from mserve.common.sockets import make_socket, send
 
 log = logging.getLogger("mserve.worker")
@@ -64,11 +62,11 @@ class TokenSinks:
         """TOKENS for `tokens`, which start at client index `route.index` (before `take` counts them)."""
         if route.sink is None or not tokens:
             return
-        body: dict[str, Any] = {"request_id": route.client_rid, "index": route.index, "token_ids": tokens}
-        if route.index == 0:  # a client that stops early still learns its prompt's size
-            body["prompt_tokens"] = route.prompt_tokens
+        # At index 0 the prompt's size too: a client that stops early still learns it.
+        msg = Tokens(request_id=route.client_rid or "", index=route.index, token_ids=tokens,
+                     prompt_tokens=route.prompt_tokens if route.index == 0 else None)
         try:
-            send(self._sock(route.sink), MsgType.TOKENS, protocol.body(**body), flags=zmq.NOBLOCK)
+            send(self._sock(route.sink), MsgType.TOKENS, msg.to_body(), flags=zmq.NOBLOCK)
             self.sent += 1
         except zmq.ZMQError as exc:  # its queue is full (a client gone or stalled): RESULT still has them all
             self.dropped += 1

@@ -21,7 +21,7 @@ import zmq
 
 from mserve.common.model import ImageError
 from mserve.common.perf import freeze_startup_heap, resident_mib
-from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, validate
+from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, parse_message
 from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
 from mserve.common.protocol.to_worker import TO_WORKER, Cancel
 from mserve.common.protocol.typed import Message
@@ -36,6 +36,7 @@ from mserve.workers.cache_index import PrefixIndexPublisher
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.links import CoordinatorLinks, Link
 from mserve.workers.liveness import Pulse
+from mserve.workers.requests import WorkerRequest, WorkerRequests
 from mserve.workers.settings import WorkerSettings
 
 log = logging.getLogger("mserve.worker")
@@ -57,7 +58,7 @@ class Worker:
         self.s = settings
         self.worker_id = settings.resolved_id()
         self.role = settings.role
-        self.accepts = ROLE_ACCEPTS[self.role]
+        self.accepts = {kind: TO_WORKER[kind] for kind in ROLE_ACCEPTS[self.role]}
         self.model_name = settings.model_name or settings.model
         keys = None  # read before the model loads: a bad key file fails at once
         if check_curve_settings("worker", curve_secret_key=settings.curve_secret_key,
@@ -77,6 +78,7 @@ class Worker:
         self.store = RedisStore(settings.redis) if settings.redis else None
         # One link per coordinator shard: those named by --coordinator, and those announced in Redis (the
         # --redis store, or the one --coordinator redis://... names: then only those).
+        self.requests = WorkerRequests()  # every request this worker holds, one record each (workers/requests.py)
         static, registry_store = split_addresses(settings.coordinator), self.store
         self._registry_store: RedisStore | None = None
         if is_redis_url(settings.coordinator):
@@ -84,14 +86,14 @@ class Worker:
             if settings.coordinator != settings.redis:
                 registry_store = self._registry_store = RedisStore(settings.coordinator)
         self.links = CoordinatorLinks(self.ctx, self.worker_id, static, keys=keys,
-                                      registry=ShardRegistry(registry_store) if registry_store is not None else None)
+                                      registry=ShardRegistry(registry_store) if registry_store is not None else None,
+                                      origin_of=self.requests.origin_of)
         self.sock_lock = self.links.lock  # the loop and the pulse thread share the sockets
         self._next_link_refresh = 0.0
         self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
         self.prefix_index = (PrefixIndexPublisher(self.store, self.model_name, self.worker_id, self.engine.pool,
                                                   every_s=settings.heartbeat_s)
                              if self.store is not None and settings.enable_prefix_caching else None)
-        self.received: dict[str, float] = {}  # when each request's stage arrived: its worker_s
         self.running = True
         self.drain = Drain(settings.drain_timeout_s)  # SIGTERM: finish what it has, then exit (workers/draining.py)
         self._seen_state_losses = 0
@@ -126,9 +128,16 @@ class Worker:
         raise NotImplementedError
 
     def cancel(self, rid: str) -> None:
-        self.received.pop(rid, None)
-        if self.engine.abort(rid):
+        if self.end(rid) is not None:
             log.info("%s cancelled", rid)
+
+    def end(self, rid: str, attempt: int | None = None) -> WorkerRequest | None:
+        """The one way a request leaves this worker (reported, failed, cancelled): its record goes, and
+        whatever the engine still holds of it. With `attempt`, only that attempt's (a newer one stays)."""
+        rec = self.requests.end(rid, attempt)
+        if rec is not None or attempt is None:
+            self.engine.abort(rid)
+        return rec
 
     def queued_ids(self) -> list[str]:
         """Requests this worker holds but has not started: a stage timeout does not re-run them."""
@@ -262,14 +271,16 @@ class Worker:
         if self.prefix_index is not None:
             self.prefix_index.flush(time.monotonic())
 
-    def send(self, msg: Message, kind: MsgType | None = None) -> None:
+    def send(self, msg: Message, kind: MsgType | None = None, to: str | None = None) -> None:
         """Non-blocking: with no coordinator connected the message is dropped (and logged) rather
-        than wedging the loop; the coordinator re-runs whatever it does not hear back about."""
+        than wedging the loop; the coordinator re-runs whatever it does not hear back about. A
+        request's message goes to the shard its record came from, or `to`, a link's address."""
         with self.sock_lock:
-            self._send_locked(msg, kind)
+            self._send_locked(msg, kind, to)
 
-    def _send_locked(self, msg: Message, kind: MsgType | None = None) -> None:
-        self.drain.link_down = not self.links.send(msg, kind or msg.KIND)
+    def _send_locked(self, msg: Message, kind: MsgType | None = None, to: str | None = None) -> None:
+        kind = kind or msg.KIND
+        self.drain.link_down = not (self.links.send_to(to, msg, kind) if to is not None else self.links.send(msg, kind))
 
     def _refresh_links(self, now: float) -> None:
         """On the loop, once a second: connect to coordinator shards that joined (READY on the new link),
@@ -277,14 +288,18 @@ class Worker:
         if self.links.registry is None or now < self._next_link_refresh:
             return
         self._next_link_refresh = now + 1.0
-        opened, orphaned = self.links.refresh()
+        opened, closed = self.links.refresh()
         if opened:
             with self.sock_lock:
                 info = self.info()
                 for link in opened:
                     self.links.send_to(link.address, info, MsgType.READY)
-        for rid in orphaned:
-            self.cancel(rid)
+        for link in closed:
+            orphaned = self.requests.from_origin(link.address)
+            if orphaned:
+                log.warning("coordinator shard %s left: its %d request(s) here cancelled", link.shard_id, len(orphaned))
+            for rid in orphaned:
+                self.cancel(rid)
 
     # -- messages ------------------------------------------------------------------------------------------
     def _drain(self, readable: list[Link]) -> None:
@@ -297,13 +312,13 @@ class Worker:
             try:
                 with self.sock_lock:
                     msg_type, payload = self.links.recv(link)
-                kind = validate(msg_type, payload, self.accepts)
-                msg = TO_WORKER[kind].from_body(payload)
+                msg = parse_message(msg_type, payload, self.accepts)
+                kind = msg.KIND
             except zmq.Again:
                 return
             except (WireError, ProtocolError) as exc:
                 log.error("dropped a message from the coordinator (%s worker): %s", self.role, exc)
-                self._refuse(payload, str(exc))
+                self._refuse(payload, str(exc), link)
                 continue
             if kind is MsgType.SHUTDOWN:
                 if self.drain.active:  # nothing of this coordinator's left here: exit once all have said so
@@ -313,22 +328,26 @@ class Worker:
             elif isinstance(msg, Cancel):
                 self.cancel(msg.request_id)
             else:
-                if msg.STARTS_STAGE:
-                    self.received[msg.request_id] = time.perf_counter()
+                if msg.STARTS_STAGE:  # a newer attempt's record replaces the older one's
+                    self.requests.arrive(msg.request_id, msg.attempt, origin=link.address)
                 self.start(msg)
 
-    def _refuse(self, payload: Any, why: str) -> None:
+    def _refuse(self, payload: Any, why: str, link: Link) -> None:
         """A stage message this worker cannot run (another role's, or malformed) still ends its
         attempt at once: FAILED, retryable, so the coordinator routes it elsewhere without a timeout."""
         if isinstance(payload, dict) and isinstance(payload.get("request_id"), str) \
-                and type(payload.get("attempt")) is int:
-            self.failed(payload["request_id"], payload["attempt"], f"{self.role} worker refused it: {why}",
-                        retryable=True)
+                and type(payload.get("attempt")) is int:  # it never became a request here: no record to end
+            self._send_failed(payload["request_id"], payload["attempt"], f"{self.role} worker refused it: {why}",
+                              retryable=True, to=link.address)
 
     def failed(self, rid: str, attempt: int, message: str, retryable: bool) -> None:
-        self.received.pop(rid, None)
+        """The attempt failed here: the coordinator hears so (through its record's link), and it ends."""
+        self._send_failed(rid, attempt, message, retryable)
+        self.end(rid, attempt)
+
+    def _send_failed(self, rid: str, attempt: int, message: str, retryable: bool, to: str | None = None) -> None:
         log.warning("%s failed (attempt %d, %s): %s", rid, attempt, "retryable" if retryable else "final", message)
-        self.send(Failed(request_id=rid, attempt=attempt, message=message, retryable=retryable))
+        self.send(Failed(request_id=rid, attempt=attempt, message=message, retryable=retryable), to=to)
 
     def guarded(self, rid: str, attempt: int, action: Callable[[], None]) -> bool:
         """Run `action` for one request; any failure costs that request an attempt (or ends it, when
@@ -346,11 +365,6 @@ class Worker:
             log.exception("%s: failed", rid)
             self.failed(rid, attempt, f"{exc.__class__.__name__}: {exc}", retryable=True)
         return False
-
-    def worker_s(self, rid: str) -> float:
-        """Time this request's stage spent in this worker (queueing included), for overhead accounting."""
-        t0 = self.received.pop(rid, None)
-        return round(time.perf_counter() - t0, 6) if t0 is not None else 0.0
 
 
 # Cache counters that Redis load stats carry too (hit rates per tier, for `mserve status` and autoscalers).

@@ -1,16 +1,17 @@
 """The wire protocol: every message a MServe process can receive, grouped by the link it travels on.
 
-* `core`: MsgType, which endpoint accepts which types, `validate()`, `body()`, ErrorCode.
-* `to_worker`: typed bodies the coordinator sends workers (ENCODE, PREFILL, DECODE, RUN, CANCEL).
+* `core`: MsgType, which role accepts which types, `body()`, ErrorCode.
+* `typed`: the Message base every body is, and `parse_message()`, which a socket calls once per message.
+* `client`: client <-> coordinator (GENERATE, ABORT, STATUS; TOKENS, RESULT, ERROR, STATUS_REPLY),
+  and the TOKENS a decode worker sends a client itself; `Sampling`, the one shape of sampling parameters.
+* `to_worker`: typed bodies the coordinator sends workers (ENCODE, PREFILL, DECODE, RUN, CANCEL, ...),
+  and the prefill -> decode hand-off state.
 * `to_coordinator`: typed bodies workers send the coordinator (READY, HEARTBEAT, ENCODED,
   PREFILLED, STEP_TOKENS, FAILED, BYE).
-* The client link (GENERATE / ABORT / STATUS and their replies) is checked by pydantic at the
-  edge (coordinator/admission.py) and assembled by coordinator/client_core.py.
 """
 
-from mserve.common.protocol.core import (CLIENT_TO_COORDINATOR, COORDINATOR_TO_CLIENT, COORDINATOR_TO_WORKER, REQUIRED,
-                                         ROLE_ACCEPTS, ROLES, WORKER_TO_COORDINATOR, ErrorCode, MsgType, ProtocolError,
-                                         body, validate)
+from mserve.common.protocol.core import LATENCY_CLASSES, ROLE_ACCEPTS, ROLES, ErrorCode, MsgType, ProtocolError, body
+from mserve.common.protocol.typed import Message, check_header, parse_message
 
-__all__ = ["CLIENT_TO_COORDINATOR", "COORDINATOR_TO_CLIENT", "COORDINATOR_TO_WORKER", "REQUIRED", "ROLE_ACCEPTS", "ROLES",
-           "WORKER_TO_COORDINATOR", "ErrorCode", "MsgType", "ProtocolError", "body", "validate"]
+__all__ = ["LATENCY_CLASSES", "ROLE_ACCEPTS", "ROLES", "ErrorCode", "Message", "MsgType", "ProtocolError", "body",
+           "check_header", "parse_message"]

@@ -1,9 +1,9 @@
-"""Message types, the endpoints that accept each one, and the check every incoming body passes first.
+"""Message types, which roles accept which, error codes, and the body every message travels as.
 
 Frame 0 is one byte (MsgType), frame 1 the msgpack body (see common/serde.py), tensors in extra
-frames. Bodies are plain dicts built by the helpers below; each carries the schema version "v".
-New fields are appended last and readers ignore fields they do not know, so old and new
-processes can talk. `validate()` checks the required fields of an incoming body.
+frames. Every body is a typed message (common/protocol/typed.py) sent as a map that carries the
+schema version "v". New fields are appended last and readers ignore fields they do not know, so
+old and new processes can talk.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
+from mserve.common.policy import LATENCY_CLASSES  # noqa: F401  (re-exported: the wire's classes are the policy's)
 from mserve.common.serde import SCHEMA_VERSION
 
 
@@ -43,26 +44,6 @@ class MsgType(IntEnum):
     EMBEDDINGS = 37  # more of a running prefill's images, encoded elsewhere after its PREFILL was sent
 
 
-# Required body fields of the client link's messages; extra fields are allowed (appended by newer
-# versions). The worker links' bodies are typed (to_worker.py, to_coordinator.py) and checked field by
-# field when they are parsed.
-REQUIRED: dict[MsgType, tuple[str, ...]] = {
-    MsgType.GENERATE: ("request_id", "messages"),
-    MsgType.ABORT: ("request_id",),
-    MsgType.STATUS: (),
-    MsgType.TOKENS: ("request_id", "index", "token_ids"),
-    MsgType.RESULT: ("request_id", "token_ids", "text", "finish_reason", "timings"),
-    MsgType.ERROR: ("request_id", "code", "message"),
-    MsgType.STATUS_REPLY: ("workers",),
-}
-
-# Which message types each endpoint accepts: anything else is answered with an error / dropped.
-CLIENT_TO_COORDINATOR = frozenset({MsgType.GENERATE, MsgType.ABORT, MsgType.STATUS})
-WORKER_TO_COORDINATOR = frozenset({MsgType.READY, MsgType.HEARTBEAT, MsgType.ENCODED, MsgType.PREFILLED,
-                                   MsgType.STEP_TOKENS, MsgType.FAILED, MsgType.BYE})
-COORDINATOR_TO_WORKER = frozenset({MsgType.ENCODE, MsgType.PREFILL, MsgType.DECODE, MsgType.RUN,
-                                   MsgType.CANCEL, MsgType.SHUTDOWN, MsgType.ADOPT, MsgType.EMBEDDINGS})
-COORDINATOR_TO_CLIENT = frozenset({MsgType.TOKENS, MsgType.RESULT, MsgType.ERROR, MsgType.STATUS_REPLY})
 
 ROLES = ("encode", "prefill", "decode", "unified")
 
@@ -84,25 +65,6 @@ class ProtocolError(ValueError):
 def body(**fields: Any) -> dict[str, Any]:
     """A message body with the schema version first."""
     return {"v": SCHEMA_VERSION, **fields}
-
-
-def validate(msg_type: int, payload: Any, accepted: frozenset[MsgType]) -> MsgType:
-    """Check that a decoded message is one this endpoint accepts and has its required fields."""
-    try:
-        kind = MsgType(msg_type)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {msg_type}") from None
-    if kind not in accepted:
-        raise ProtocolError(f"message type {kind.name} is not accepted here")
-    if not isinstance(payload, dict):
-        raise ProtocolError(f"{kind.name} body must be a map, got {type(payload).__name__}")
-    version = payload.get("v")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise ProtocolError(f"{kind.name}: unsupported schema version {version!r} (this process speaks {SCHEMA_VERSION})")
-    missing = [f for f in REQUIRED.get(kind, ()) if f not in payload]
-    if missing:
-        raise ProtocolError(f"{kind.name}: missing field(s) {', '.join(missing)}")
-    return kind
 
 
 class ErrorCode:

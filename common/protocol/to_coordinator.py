@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mserve.common.protocol.core import MsgType
-from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as_map, as_str, list_of, nested,
-                                          optional, wire)
+from mserve.common.protocol.to_worker import KVState
+from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as_list, as_map, as_str, list_of,
+                                          nested, optional, wire)
 
 
 @dataclass
@@ -80,8 +81,19 @@ class Prefilled(Message):
     fetch_s: float = wire(as_float, 0.0)
     cached_tokens: int = wire(as_int, 0)
     descriptor: dict[str, Any] | None = wire(optional(as_map), None)  # the KV, when "prefilled"
-    state: dict[str, Any] | None = wire(optional(as_map), None)
+    state: KVState | None = wire(optional(nested(KVState)), None)  # the request, when "prefilled"
     worker_s: float = wire(as_float, 0.0)
+
+
+@dataclass
+class HandBack(Message):
+    """A finished DECODE's reply blocks, published for the prefill worker that holds its prompt's: the
+    coordinator relays them as ADOPT (AdoptBlocks' fields but request_id, see to_worker.py)."""
+
+    descriptor: dict[str, Any] = wire(as_map)  # "kv" on the decode worker
+    token_ids: list[int] = wire(list_of(as_int))
+    images: list[Any] = wire(list_of(as_list), [])
+    first_block: int = wire(as_int, 0)
 
 
 @dataclass
@@ -97,8 +109,7 @@ class TokenItem(Message):
     fetch_s: float | None = wire(optional(as_float), None)
     worker_s: float | None = wire(optional(as_float), None)  # with the last tokens
     cached_tokens: int | None = wire(optional(as_int), None)  # with the last tokens
-    # With the last tokens of a DECODE asked to hand back: AdoptBlocks' fields but request_id (see to_worker.py).
-    hand_back: dict[str, Any] | None = wire(optional(as_map), None)
+    hand_back: HandBack | None = wire(optional(nested(HandBack)), None)  # last tokens of a DECODE that asked
 
 
 @dataclass

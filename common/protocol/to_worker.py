@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mserve.common.policy import LATENCY_CLASSES
+from mserve.common.protocol.client import Sampling
 from mserve.common.protocol.core import MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_int, as_list, as_map, as_str, list_of,
                                           nested, one_of, optional, wire)
-
-LATENCY_CLASSES = ("interactive", "batch")
 
 
 @dataclass
@@ -59,7 +59,7 @@ class PrefillTask(Message):
     request_id: str = wire(as_str)
     attempt: int = wire(as_int)
     prompt_ids: list[int] = wire(list_of(as_int))
-    sampling: dict[str, Any] = wire(as_map)
+    sampling: Sampling = wire(nested(Sampling))
     output_ids: list[int] = wire(list_of(as_int), [])  # tokens an earlier attempt already streamed
     image_hashes: list[str] = wire(list_of(as_str), [])
     embeddings: dict[str, Any] | None = wire(optional(as_map), None)  # transfer descriptor (on an encode worker)
@@ -76,12 +76,30 @@ class PrefillTask(Message):
 
 
 @dataclass
+class KVState(Message):
+    """A prefilled request as it leaves its prefill engine, less its tensors (the KV blocks, M-RoPE
+    positions and image embeddings travel on the data plane): PREFILLED carries it to the coordinator,
+    DECODE on to the decode worker, whose engine adopts the request from it."""
+
+    request_id: str = wire(as_str)  # the prefill engine's (a decode worker renames it to its DECODE's)
+    prompt_ids: list[int] = wire(list_of(as_int))
+    output_ids: list[int] = wire(list_of(as_int))
+    num_computed_tokens: int = wire(as_int)
+    block_size: int = wire(as_int)
+    images: list[Any] = wire(list_of(as_list))  # [start, length, image hash] per image of the prompt
+    sampling: Sampling = wire(nested(Sampling))
+    rope_delta: int = wire(as_int, 0)
+    priority: int = wire(as_int, 0)
+    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
+
+
+@dataclass
 class DecodeTask(Message):
     KIND: ClassVar = MsgType.DECODE
     request_id: str = wire(as_str)
     attempt: int = wire(as_int)
     descriptor: dict[str, Any] = wire(as_map)  # the prefilled KV (on a prefill worker)
-    state: dict[str, Any] = wire(as_map)  # the engine's request state without its tensors
+    state: KVState = wire(nested(KVState))
     # At the end, publish the full KV blocks of the reply for the prefill worker that holds the prompt's
     # (the coordinator's --kv-hand-back): a next turn that resends prompt + reply then finds them cached.
     hand_back: bool = wire(as_bool, False)
@@ -98,7 +116,7 @@ class RunTask(Message):
     request_id: str = wire(as_str)
     attempt: int = wire(as_int)
     prompt_ids: list[int] = wire(list_of(as_int))
-    sampling: dict[str, Any] = wire(as_map)
+    sampling: Sampling = wire(nested(Sampling))
     output_ids: list[int] = wire(list_of(as_int), [])
     images: list[ImageRef] = wire(list_of(nested(ImageRef)), [])
     priority: int = wire(as_int, 0)

@@ -4,28 +4,40 @@ A message class names its MsgType (`KIND`) and declares each field with `wire(ch
 `check(value, where)` returns the field's value or raises ProtocolError naming `where`
 (e.g. "PREFILL.prompt_ids"). `to_body()` gives the msgpack-able dict that travels (fields that
 are None are left out: readers take the default), `from_body()` the reverse. Unknown fields are
-ignored, so newer senders can append fields.
+ignored, so newer senders can append fields. `parse_message()` is what a socket calls on every
+incoming body: type, endpoint, schema version and fields, in one pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from mserve.common.protocol.core import MsgType, ProtocolError, body
+from mserve.common.serde import SCHEMA_VERSION
 
 Check = Callable[[Any, str], Any]
 
 
-def wire(check: Check, default: Any = dataclasses.MISSING) -> Any:
-    """A message field checked by `check` on arrival; `default` when the sender left it out."""
-    kw: dict[str, Any] = {"metadata": {"check": check}}
+def wire(check: Check, default: Any = dataclasses.MISSING, *, send_none: bool = False) -> Any:
+    """A message field checked by `check` on arrival; `default` when the sender left it out (a list,
+    a dict or a Message class: a fresh one each time). `send_none`: a None value still travels (a
+    field older readers require, even when it has no value)."""
+    kw: dict[str, Any] = {"metadata": {"check": check, "send_none": send_none}}
     if isinstance(default, (list, dict)):
         kw["default_factory"] = (list if isinstance(default, list) else dict)
+    elif isinstance(default, type):
+        kw["default_factory"] = default
     elif default is not dataclasses.MISSING:
         kw["default"] = default
     return dataclasses.field(**kw)
+
+
+def rest() -> Any:
+    """The fields of an open message (a report, e.g. STATUS_REPLY) that its class does not declare:
+    kept as they came, and sent back out as they are, so the report can grow without a schema change."""
+    return dataclasses.field(default_factory=dict, metadata={"rest": True})
 
 
 def _typed(kind: type | tuple[type, ...], name: str) -> Check:
@@ -93,7 +105,10 @@ class Message:
         out = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
-            if v is None:
+            if f.metadata.get("rest"):
+                out.update(v)
+                continue
+            if v is None and not f.metadata.get("send_none"):
                 continue
             if isinstance(v, list) and v and isinstance(v[0], Message):
                 v = [x.fields() for x in v]
@@ -110,10 +125,42 @@ class Message:
     def parse(cls, payload: Any, where: str) -> Any:
         if not isinstance(payload, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(payload).__name__}")
-        values = {}
+        values, open_field = {}, None
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name in payload:
+            if f.metadata.get("rest"):
+                open_field = f.name
+            elif f.name in payload:
                 values[f.name] = f.metadata["check"](payload[f.name], f"{where}.{f.name}")
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ProtocolError(f"{where}: missing field {f.name}")
+        if open_field is not None:
+            values[open_field] = {k: v for k, v in payload.items() if k not in values and k != "v"}
         return cls(**values)
+
+
+def check_header(msg_type: int, payload: Any, accepted: Mapping[MsgType, type[Message]]) -> MsgType:
+    """The message's type, once it is one this endpoint accepts, a map of a schema version this process
+    reads, with its class's required fields present (their values are checked by `parse_message`)."""
+    try:
+        kind = MsgType(msg_type)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {msg_type}") from None
+    if kind not in accepted:
+        raise ProtocolError(f"message type {kind.name} is not accepted here")
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"{kind.name} body must be a map, got {type(payload).__name__}")
+    version = payload.get("v")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ProtocolError(f"{kind.name}: unsupported schema version {version!r} (this process speaks {SCHEMA_VERSION})")
+    missing = [f.name for f in dataclasses.fields(accepted[kind])  # type: ignore[arg-type]
+               if f.name not in payload and f.default is dataclasses.MISSING and not f.metadata.get("rest")
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ProtocolError(f"{kind.name}: missing field(s) {', '.join(missing)}")
+    return kind
+
+
+def parse_message(msg_type: int, payload: Any, accepted: Mapping[MsgType, type[Message]]) -> Message:
+    """An incoming body as its typed message; ProtocolError names what is wrong."""
+    kind = check_header(msg_type, payload, accepted)
+    return accepted[kind].from_body(payload)

@@ -18,7 +18,6 @@ sender that refuses this engine's key fails the fetch at once with that reason i
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -27,6 +26,9 @@ from typing import Any
 
 import zmq
 
+from mserve.common.protocol import ProtocolError
+from mserve.common.protocol.data_plane import (TO_RECEIVER, Ack, DataMsg, FetchFailed, FetchRequest, TensorData,
+                                               TorchReady, parse_data)
 from mserve.common.security import CurveKeys, HandshakeWatch
 from mserve.common.serde import WireError
 from mserve.common.sockets import make_socket, recv, send
@@ -40,13 +42,7 @@ logger = logging.getLogger(__name__)
 _ACK_LINGER_MS = 250
 
 
-class Msg(enum.IntEnum):
-    # Private to the data-plane socket; the control plane's types live elsewhere.
-    REQUEST = 1
-    DATA = 2
-    READY = 3
-    ERROR = 4
-    ACK = 5
+Msg = DataMsg  # the data plane's message types (common/protocol/data_plane.py)
 
 
 def send_nowait(sock: zmq.Socket, msg_type: int, body: Any, identity: bytes | None = None) -> bool:
@@ -142,33 +138,32 @@ class Channels:
                 raise TransferError(f"{where}: cannot connect to the sender (gone, or a CURVE handshake "
                                     "that never completed: wrong server key?) within the timeout")
 
-    def request(self, address: str, body: dict, where: str, deadline: float,
-                server_key: str | None = None) -> dict:
+    def request(self, address: str, req: FetchRequest, where: str, deadline: float,
+                server_key: str | None = None) -> TensorData | TorchReady:
         """Send one REQUEST and return the sender's DATA/READY reply; TransferError otherwise
         (``where`` names the transfer in messages; ``server_key``: the sender's CURVE key)."""
         sock = self._socket(address, where, server_key=server_key)
         rq = next(self._rq)
         try:
             self._wait_writable(sock, where, deadline)
-            send_nowait(sock, Msg.REQUEST, {**body, "rq": rq})
+            req.rq = rq
+            send_nowait(sock, Msg.REQUEST, req.to_body())
             while True:
                 if not sock.poll(_remaining_ms(deadline), zmq.POLLIN):
                     raise TransferError(f"{where}: no reply from the sender within the timeout")
                 try:
-                    _, msg_type, reply = recv(sock)
-                except WireError as exc:
+                    _, msg_type, body = recv(sock)
+                    reply = parse_data(msg_type, body, TO_RECEIVER)
+                except (WireError, ProtocolError) as exc:
                     raise TransferError(f"{where}: malformed reply: {exc}") from exc
-                if not isinstance(reply, dict) or reply.get("rq", rq) == rq:
+                if reply.rq is None or reply.rq == rq:
                     break
-                logger.debug("%s: dropped a late reply to request %s", where, reply.get("rq"))
+                logger.debug("%s: dropped a late reply to request %s", where, reply.rq)
         except TransferError:
             self.drop(address, server_key)
             raise
-        if msg_type == Msg.ERROR:
-            raise TransferError(f"{where}: {reply.get('error')}")
-        if msg_type not in (Msg.DATA, Msg.READY) or not isinstance(reply, dict):
-            self.drop(address, server_key)
-            raise TransferError(f"{where}: unexpected reply type {msg_type}")
+        if isinstance(reply, FetchFailed):
+            raise TransferError(f"{where}: {reply.error}")
         return reply
 
     def ack(self, address: str, transfer_id: str, server_key: str | None = None) -> None:
@@ -181,7 +176,7 @@ class Channels:
         except TransferError as exc:
             logger.debug("%s", exc)
             return
-        send_nowait(sock, Msg.ACK, {"id": transfer_id})
+        send_nowait(sock, Msg.ACK, Ack(id=transfer_id).to_body())
 
     def close(self) -> None:
         with self._lock:

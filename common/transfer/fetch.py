@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import zmq
 
+from mserve.common.protocol.data_plane import FetchRequest, TensorData, TorchReady
 from mserve.common.security import CurveKeys
 from mserve.common.transfer import backends as tb
 from mserve.common.transfer.channel import Channels
@@ -110,7 +111,7 @@ class Fetcher:
                     lease.release()
                 ack()
                 return tid, out, mode, nbytes, None
-        reply = self.channels.request(address, {"id": tid, "mode": "tcp"}, where, deadline, desc.key)
+        reply = self.channels.request(address, FetchRequest(id=tid, mode="tcp"), where, deadline, desc.key)
         out = self._check_tcp(reply, desc.tensors, where)
         ack()
         return tid, out, "tcp", nbytes, None
@@ -127,7 +128,7 @@ class Fetcher:
     def _check_tcp(
         self, body: Any, entries: Sequence[LayoutEntry], where: str
     ) -> dict[str, torch.Tensor]:
-        tensors = body.get("t") if isinstance(body, dict) else None
+        tensors = body.t if isinstance(body, TensorData) else None
         if not isinstance(tensors, dict) or list(tensors) != [e.name for e in entries]:
             raise TransferError(f"{where}: reply does not carry the described tensors")
         for e in entries:
@@ -142,9 +143,12 @@ class Fetcher:
     def _fetch_torch(
         self, desc: Descriptor, where: str, deadline: float
     ) -> dict[str, torch.Tensor]:
-        def ask(gid: str | None) -> dict:
-            body = {"id": desc.id, "mode": "torch", "gid": gid, "peer": self._instance}
-            return self.channels.request(desc.address, body, where, deadline, desc.key)
+        def ask(gid: str | None) -> TorchReady:
+            req = FetchRequest(id=desc.id, mode="torch", gid=gid, peer=self._instance)
+            reply = self.channels.request(desc.address, req, where, deadline, desc.key)
+            if not isinstance(reply, TorchReady):
+                raise TransferError(f"{where}: unexpected reply type {reply.KIND.name} to a torch fetch")
+            return reply
 
         return self._torch_in.fetch(
             desc.instance, desc.pg or "gloo", desc.nbytes, desc.tensors, ask, deadline, where

@@ -17,6 +17,9 @@ from typing import Any
 
 import zmq
 
+from mserve.common.protocol import ProtocolError
+from mserve.common.protocol.data_plane import (TO_SENDER, Ack, FetchFailed, FetchRequest, TensorData, TorchReady,
+                                               parse_data)
 from mserve.common.serde import WireError
 from mserve.common.sockets import bound_address, make_socket, recv
 from mserve.common.transfer import backends as tb
@@ -142,21 +145,25 @@ class Server:
                             self._handle(router, identity, msg_type, body)
                         except Exception:  # one bad request must not kill the data plane
                             logger.exception("data-plane request failed")
-                            error = {"error": "sender-side error, see its log",
-                                     "rq": body.get("rq") if isinstance(body, dict) else None}
-                            send_nowait(router, Msg.ERROR, error, identity)
+                            error = FetchFailed(error="sender-side error, see its log", rq=_rq_of(body))
+                            send_nowait(router, Msg.ERROR, error.to_body(), identity)
                 self._reap()
         finally:
             router.close(linger=0)
 
     def _handle(self, router: zmq.Socket, identity: bytes, msg_type: int, body: Any) -> None:
-        tid = body.get("id") if isinstance(body, dict) else None
-        if msg_type == Msg.ACK:
-            self.finish(tid, acked=True)
+        try:
+            msg = parse_data(msg_type, body, TO_SENDER)
+        except ProtocolError as exc:
+            logger.warning("bad data-plane message: %s", exc)
+            if msg_type == Msg.REQUEST:
+                send_nowait(router, Msg.ERROR, FetchFailed(error=str(exc), rq=_rq_of(body)).to_body(), identity)
             return
-        if msg_type != Msg.REQUEST:
+        if isinstance(msg, Ack):
+            self.finish(msg.id, acked=True)
             return
-        rq = body.get("rq")
+        assert isinstance(msg, FetchRequest)
+        tid, rq = msg.id, msg.rq
         # Serve under the lock: a concurrent release() then either wins (the id is unknown) or
         # waits until the reply is queued, and the queued frames keep their memory alive.
         with self._lock:
@@ -164,21 +171,18 @@ class Server:
             if pub is None:
                 error = (f"unknown transfer id {tid!r} at {self.name!r} "
                          "(never published, already fetched, or expired)")
-                send_nowait(router, Msg.ERROR, {"error": error, "rq": rq}, identity)
+                send_nowait(router, Msg.ERROR, FetchFailed(error=error, rq=rq).to_body(), identity)
                 return
-            mode = body.get("mode")
+            mode = msg.mode
             if mode not in _SERVABLE[pub.backend]:
                 error = f"transfer {tid!r} is {pub.backend}, cannot serve {mode!r}"
-                send_nowait(router, Msg.ERROR, {"error": error, "rq": rq}, identity)
+                send_nowait(router, Msg.ERROR, FetchFailed(error=error, rq=rq).to_body(), identity)
                 return
             if mode == "tcp":
-                reply = {"t": pub.storage.tensors(), "rq": rq}
-                sent = send_nowait(router, Msg.DATA, reply, identity)
+                sent = send_nowait(router, Msg.DATA, TensorData(t=pub.storage.tensors(), rq=rq).to_body(), identity)
             else:
-                reply = self._torch_out.serve(
-                    body.get("gid"), str(body.get("peer")), pub.storage.flat, tid
-                )
-                sent = send_nowait(router, Msg.READY, {**reply, "rq": rq}, identity)
+                ready = self._torch_out.serve(msg.gid, str(msg.peer), pub.storage.flat, tid)
+                sent = send_nowait(router, Msg.READY, TorchReady(rq=rq, **ready).to_body(), identity)
             if sent:
                 pub.served += 1
                 self._stats["served"] += 1
@@ -228,3 +232,9 @@ class Server:
                 break
             time.sleep(0.05)
         self._torch_out.close()
+
+
+def _rq_of(body: Any) -> int | None:
+    """The request number of a body that did not parse, to echo in the error (None if it has none)."""
+    rq = body.get("rq") if isinstance(body, dict) else None
+    return rq if type(rq) is int else None

@@ -65,7 +65,8 @@ def _segment_name() -> str:
     return f"{_PREFIX}_{_PID_NS}_{os.getpid()}_{secrets.token_hex(6)}"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -85,7 +86,7 @@ def reap_orphans() -> int:
         parts = name.split("_")
         if len(parts) != 4 or parts[0] != _PREFIX or parts[1] != _PID_NS or not parts[2].isdigit():
             continue
-        if _alive(int(parts[2])):
+        if pid_alive(int(parts[2])):
             continue
         try:
             os.unlink(os.path.join(_SHM_DIR, name))

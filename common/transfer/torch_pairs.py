@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mserve.common.protocol.data_plane import TorchReady
 from mserve.common.transfer.backends import unpack_flat
 from mserve.common.transfer.descriptor import LayoutEntry, TransferError
 
@@ -159,7 +160,7 @@ class TorchReceiver:
         pg_backend: str,
         nbytes: int,
         entries: Sequence[LayoutEntry],
-        ask: Callable[[str | None], dict[str, Any]],
+        ask: Callable[[str | None], TorchReady],
         deadline: float,
         where: str,
     ) -> dict[str, torch.Tensor]:
@@ -174,18 +175,18 @@ class TorchReceiver:
         with pair_lock:
             gid, pg = self._pairs.get(sender, (None, None))
             reply = ask(gid)
-            if reply.get("stale"):  # the sender retired our group after a failure: rebuild
+            if reply.stale:  # the sender retired our group after a failure: rebuild
                 self._retire(sender)
                 gid, pg = None, None
                 reply = ask(None)
-            tag = reply.get("tag")
+            tag = reply.tag
             if tag is None:  # nothing to move: only empty tensors
                 return unpack_flat(torch.empty(0, dtype=torch.uint8, device=self._device), entries)
             if pg is None:
                 import torch.distributed as dist
 
-                gid = reply["gid"]
-                host, port = reply["store"]
+                gid = reply.gid
+                host, port = reply.store
                 timeout_s = max(deadline - time.monotonic(), 0.1)
                 try:
                     timeout = timedelta(seconds=timeout_s)

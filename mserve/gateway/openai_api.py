@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mserve.common.policy import LATENCY_CLASSES
+from mserve.common.prompt import CHAT_ROLES
 from mserve.common.protocol import ErrorCode
 
 __all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of",
            "error_body", "status_for_code"]
 
-LATENCY_CLASSES = ("interactive", "batch")
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 
 # Fields OpenAI defines that this server cannot honour, with the value that means "not used".
@@ -173,7 +174,8 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max
 
 def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, Any]]:
     """OpenAI messages -> MServe messages (images, video files and video frames as bytes); the chat
-    template sees the turns as sent."""
+    template sees the turns as sent. Not the server's normalize_messages: this one reads files under the
+    media root only and names the wrong field OpenAI's way (common/prompt.py says why the walks stay apart)."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list")
     out = []
@@ -184,7 +186,7 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
         role = msg.get("role")
         if role == "developer":  # OpenAI's newer name for the system turn
             role = "system"
-        if role not in ("system", "user", "assistant"):
+        if role not in CHAT_ROLES:
             raise _bad(f"{where}.role", f"{where}.role {role!r} is not supported (system, developer, user, assistant)")
         if msg.get("tool_calls") or msg.get("function_call"):
             raise _bad(f"{where}.tool_calls", "tool calls are not supported by this server")

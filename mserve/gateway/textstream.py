@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from mserve.common.prompt import detokenize
+
 __all__ = ["Detokenizer", "StopMatcher"]
 
 
@@ -23,7 +25,7 @@ class Detokenizer:
         self.text = ""  # everything handed out so far
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        return detokenize(self._tok, ids)
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append ids; return the text they complete (possibly '')."""

@@ -3,7 +3,7 @@
 transformers (AutoImageProcessor.from_pretrained -> ImageProcessingMixin.get_image_processor_dict, which
 AutoProcessor / ProcessorMixin.from_pretrained also go through) takes the "image_processor" entry of
 processor_config.json first, else preprocessor_config.json. `load_family` (admission's placeholder
-counts) and the worker's image processor must read the same settings, for every layout.
+counts) and the worker's image processor are one processor built from those settings, for every layout.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib.util
 import io
 import json
 from pathlib import Path
-from types import SimpleNamespace
+import shutil
 
 import pytest
 from PIL import Image
@@ -23,7 +23,7 @@ from mserve.common.tiny_model import LAYOUTS, make_tiny_model
 from tests.helpers import make_image
 from tests.workers.test_engine_oracle import check_against_hf, greedy, new_engine, prepared
 
-ARCHS = ["llava", "qwen2_vl"]
+ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl"]
 SIZES = [(64, 48), (300, 200), (500, 120), (17, 301)]  # (width, height)
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 IMAGE_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
@@ -45,7 +45,7 @@ def hf_visual_tokens(arch: str, model_dir: Path, width: int, height: int) -> int
     from transformers import AutoImageProcessor, AutoProcessor
 
     image = Image.open(io.BytesIO(make_image(width, height))).convert("RGB")
-    if arch == "llava" or HAS_TORCHVISION:
+    if not arch.startswith("qwen") or HAS_TORCHVISION:  # LLaVA and LLaVA-NeXT processors own no video processor
         processor = AutoProcessor.from_pretrained(model_dir)
         ids = processor(images=[image], text=processor.image_token, return_tensors="pt")["input_ids"]
         return int((ids == processor.image_token_id).sum())
@@ -65,7 +65,7 @@ def test_layout_files(checkpoint):
         assert present == {"processor_config.json"} and nested
     elif layout == "preprocessor":
         assert "preprocessor_config.json" in present and not nested
-        assert ("processor_config.json" in present) == (arch == "llava")
+        assert ("processor_config.json" in present) == (not arch.startswith("qwen"))
     else:
         assert {"processor_config.json", "preprocessor_config.json"} <= present and nested
     source = load_family(path).processor_source
@@ -78,8 +78,8 @@ def test_visual_token_counts_match_hf_processor(checkpoint):
     family = load_family(path)
     ours = [family.visual_token_count(size) for size in SIZES]
     assert ours == [hf_visual_tokens(arch, path, *size) for size in SIZES]
-    if arch == "qwen2_vl":
-        assert len(set(ours)) == len(SIZES)  # the sizes really exercise smart_resize
+    if arch != "llava":
+        assert len(set(ours)) == len(SIZES)  # the sizes really exercise smart_resize / the any-res canvases
 
 
 def test_engine_matches_hf_generate(checkpoint):
@@ -103,33 +103,40 @@ QWEN_HUB = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "
             "min_pixels": 3136, "max_pixels": 200704}  # Qwen/Qwen2-VL-*-Instruct style keys
 
 
-def folder(root: Path, model_type: str, processor: dict | None = None, preprocessor: dict | None = None) -> Path:
-    """A checkpoint folder with config.json and the given processor_config.json / preprocessor_config.json."""
+def folder(root: Path, model_type: str, processor: dict | None = None, preprocessor: dict | None = None,
+           tokenizer_from: Path | None = None) -> Path:
+    """A checkpoint folder with config.json, the given processor_config.json / preprocessor_config.json and
+    (tokenizer_from) the tokenizer files of a tiny model: the processor is built with its tokenizer."""
     config = {"model_type": model_type, "image_token_id": 3, "vision_config": {"patch_size": 14}}
     root.mkdir(parents=True, exist_ok=True)
     for name, data in (("config.json", config), ("processor_config.json", processor),
                        ("preprocessor_config.json", preprocessor)):
         if data is not None:
             (root / name).write_text(json.dumps(data))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if tokenizer_from is not None:
+            shutil.copy(tokenizer_from / name, root / name)
     return root
 
 
-@pytest.mark.parametrize("processor, preprocessor, expected", [
-    ({"image_processor": CLIP, "patch_size": 14}, CLIP_224, 112),  # the nested entry wins
-    ({"image_processor": CLIP}, None, 112),
-    ({"patch_size": 14, "vision_feature_select_strategy": "default"}, CLIP_224, 224),  # no entry: legacy file
-    (None, CLIP_224, 224),
-    (None, {**CLIP, "crop_size": 140}, 140),  # an int crop is a square
-    ({"image_processor": {**CLIP, "do_center_crop": False, "size": {"height": 84, "width": 84}}}, CLIP, 84),
-], ids=["nested-over-legacy", "nested-only", "flat-processor-config", "legacy-only", "int-crop", "no-center-crop"])
-def test_llava_precedence_is_transformers(tmp_path, processor, preprocessor, expected):
-    from transformers import AutoImageProcessor
+# LlavaProcessor's own settings (llava-hf's flat processor_config.json keys); without patch_size it cannot count.
+LLAVA_KEYS = {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1}
 
-    path = folder(tmp_path, "llava", processor, preprocessor)
+
+@pytest.mark.parametrize("processor, preprocessor, expected", [
+    ({"image_processor": CLIP, **LLAVA_KEYS}, CLIP_224, 112),  # the nested entry wins
+    ({"image_processor": CLIP, **LLAVA_KEYS}, None, 112),
+    (LLAVA_KEYS, CLIP_224, 224),  # no entry: legacy file
+    (LLAVA_KEYS, {**CLIP, "crop_size": 140}, 140),  # an int crop is a square
+], ids=["nested-over-legacy", "nested-only", "flat-processor-config", "int-crop"])
+def test_llava_precedence_is_transformers(tmp_path, tiny_model_dirs, processor, preprocessor, expected):
+    from transformers import AutoProcessor
+
+    path = folder(tmp_path, "llava", processor, preprocessor, tiny_model_dirs["llava"])
     family = load_family(path)
-    assert family.processor_config["crop_size"] == {"height": expected, "width": expected}
     assert family.visual_token_count((640, 480)) == (expected // 14) ** 2
-    family.check_image_processor(AutoImageProcessor.from_pretrained(path, backend="pil"))
+    theirs = AutoProcessor.from_pretrained(path)  # LlavaProcessor loads without torchvision
+    assert family.visual_token_count((640, 480)) == theirs._get_num_multimodal_tokens([(480, 640)]).num_image_tokens[0]
 
 
 @pytest.mark.parametrize("processor, preprocessor", [
@@ -139,52 +146,48 @@ def test_llava_precedence_is_transformers(tmp_path, processor, preprocessor, exp
     (None, {"image_processor_type": "Qwen2VLImageProcessor"}),  # transformers' class defaults
     (None, {**QWEN, "max_pixels": 100352}),  # max_pixels overrides size.longest_edge
 ], ids=["nested-over-legacy", "flat-processor-config", "legacy-min-max-pixels", "defaults", "override"])
-def test_qwen_precedence_is_transformers(tmp_path, processor, preprocessor):
+def test_qwen_precedence_is_transformers(tmp_path, tiny_model_dirs, processor, preprocessor):
     from transformers import AutoImageProcessor
 
-    path = folder(tmp_path, "qwen2_vl", processor, preprocessor)
+    path = folder(tmp_path, "qwen2_vl", processor, preprocessor, tiny_model_dirs["qwen2_vl"])
     family = load_family(path)
     image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
-    family.check_image_processor(image_processor)
     for width, height in SIZES + [(1920, 1080)]:
         image = Image.new("RGB", (width, height))
         grid = image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
         assert family.visual_token_count((width, height)) == int(grid.prod()) // image_processor.merge_size ** 2
 
 
+CANNOT = "processor built from these settings cannot count"
+
+
 @pytest.mark.parametrize("model_type, processor, preprocessor, match", [
     ("llava", None, None, r"no image processor settings.*processor_config\.json.*preprocessor_config\.json"),
     ("qwen2_vl", {"processor_class": "Qwen2VLProcessor"}, None, r"no image processor settings"),
-    ("llava", {"image_processor": {"image_processor_type": "CLIPImageProcessor"}}, CLIP,
-     r"processor_config\.json \(\"image_processor\" entry\): crop_size must give height and width"),
-    ("llava", None, {**CLIP, "crop_size": {"height": 112}}, r"preprocessor_config\.json: crop_size must give"),
-    ("llava", None, {**CLIP, "crop_size": {"height": 112, "width": 0}}, r"crop_size width must be a positive"),
-    ("llava", None, {**CLIP, "do_center_crop": False}, r"size must give height and width \(do_center_crop is False"),
+    ("llava", None, CLIP, rf"preprocessor_config\.json: the llava {CANNOT}"),  # no patch_size for LlavaProcessor
+    ("llava", LLAVA_KEYS, {**CLIP, "crop_size": {"height": 112, "width": 0}}, r"gives a 224x224 image 0 tokens"),
     ("qwen2_vl", {"image_processor": {**QWEN, "size": {"shortest_edge": 3136}}}, None,
-     r"processor_config\.json.*max_pixels \(size\.longest_edge\) must be a positive integer, got None"),
-    ("qwen2_vl", None, {**QWEN, "size": {"min_pixels": 3136, "max_pixels": 50176}},  # transformers fails too
-     r"min_pixels \(size\.shortest_edge\) must be a positive integer, got None"),
-    ("qwen2_vl", None, {**QWEN, "patch_size": "14"}, r"preprocessor_config\.json: patch_size"),
-    ("qwen2_vl", None, {**QWEN, "min_pixels": 10 ** 6}, r"min_pixels 1000000 is over max_pixels 50176"),
+     rf"processor_config\.json \(.image_processor. entry\): the qwen2_vl {CANNOT}"),
+    ("qwen2_vl", None, {**QWEN, "patch_size": "14"}, rf"preprocessor_config\.json: the qwen2_vl {CANNOT}"),
     ("qwen2_vl", {"image_processor": [QWEN]}, None, r"\"image_processor\" entry\) is list"),
-], ids=["none", "no-entry-no-legacy", "no-crop", "bad-crop", "zero-crop", "no-center-crop-no-size",
-        "no-longest-edge", "size-pixel-keys", "str-patch", "min-over-max", "entry-not-object"])
-def test_missing_or_bad_settings_name_the_file(tmp_path, model_type, processor, preprocessor, match):
-    path = folder(tmp_path, model_type, processor, preprocessor)
+], ids=["none", "no-entry-no-legacy", "no-patch-size", "zero-crop", "no-longest-edge", "str-patch",
+        "entry-not-object"])
+def test_missing_or_bad_settings_name_the_file(tmp_path, tiny_model_dirs, model_type, processor, preprocessor, match):
+    path = folder(tmp_path, model_type, processor, preprocessor, tiny_model_dirs[model_type])
     with pytest.raises(CheckpointError, match=match):
         load_family(path)
 
 
-def test_invalid_json_names_the_file(tmp_path):
-    path = folder(tmp_path, "llava", None, CLIP)
+def test_invalid_json_names_the_file(tmp_path, tiny_model_dirs):
+    path = folder(tmp_path, "llava", None, CLIP, tiny_model_dirs["llava"])
     (path / "processor_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"processor_config\.json is not valid JSON"):
         load_family(path)
 
 
-def test_worker_refuses_an_image_processor_that_disagrees(tmp_path):
-    family = load_family(folder(tmp_path, "qwen2_vl", {"image_processor": QWEN}, QWEN_HUB))
-    other = SimpleNamespace(patch_size=14, merge_size=2, size=SimpleNamespace(shortest_edge=3136, longest_edge=200704))
-    match = r"\(14, 2, 3136, 200704\).*processor_config\.json.*\(14, 2, 3136, 50176\)"
-    with pytest.raises(CheckpointError, match=match):
-        family.check_image_processor(other)
+def test_worker_sizes_images_with_admissions_processor(tiny_model_dirs):
+    """Admission's count and the worker's pixels come from one image processor object: they cannot disagree."""
+    from mserve.workers.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dirs["qwen2_vl"], num_blocks=4)
+    assert runner.image_processor is runner.family.processor.image_processor

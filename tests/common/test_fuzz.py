@@ -21,7 +21,8 @@ from PIL import Image
 
 from mserve.common import protocol
 from mserve.common.model import ImageError, decode_image, image_size_from_header
-from mserve.common.protocol import CLIENT_TO_COORDINATOR, MsgType, ProtocolError
+from mserve.common.protocol import MsgType, ProtocolError
+from mserve.common.protocol.client import FROM_CLIENT
 from mserve.common.serde import WireError, decode, encode
 from mserve.coordinator.admission import AdmissionError, Limits, admit
 from mserve.gateway.openai_api import ApiError, parse_chat_request
@@ -84,11 +85,11 @@ def test_random_frames_raise_only_wire_errors(frames):
 
 
 @given(st.integers(0, 255), values)
-def test_random_bodies_are_refused_by_validate(kind, body):
+def test_random_bodies_are_refused_by_the_parse(kind, body):
     frames = [bytes([kind]), msgpack.packb(body, use_bin_type=True)]
     try:
         msg_type, payload = decode(frames)
-        protocol.validate(msg_type, payload, CLIENT_TO_COORDINATOR)
+        protocol.parse_message(msg_type, payload, FROM_CLIENT)
     except (WireError, ProtocolError) as exc:
         assert str(exc)
 
@@ -96,7 +97,7 @@ def test_random_bodies_are_refused_by_validate(kind, body):
 @given(generate_body)
 def test_generate_bodies_end_in_admission_errors_only(builder, body):
     try:
-        protocol.validate(MsgType.GENERATE, body, CLIENT_TO_COORDINATOR)
+        protocol.check_header(MsgType.GENERATE, body, FROM_CLIENT)  # as the coordinator's socket does
     except ProtocolError:
         return
     try:

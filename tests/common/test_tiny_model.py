@@ -12,7 +12,12 @@ from PIL import Image
 
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
-IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>"}
+IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>"}
+ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+                "llava_next": "LlavaNextForConditionalGeneration",
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
+             "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
@@ -52,7 +57,7 @@ def _prompt(tokenizer, question: str = "What is shown in this image?") -> str:
 
 def _model_inputs(arch, path, tokenizer, image_processor, image) -> dict:
     """Tokenized prompt with the image token expanded, plus pixel inputs."""
-    if arch == "llava":
+    if not arch.startswith("qwen"):
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(path)
@@ -71,9 +76,7 @@ def test_folder_has_checkpoint_files(tiny):
         assert (path / name).is_file(), name
     config = json.loads((path / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
-    assert config["architectures"] == [
-        {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}[arch]
-    ]
+    assert config["architectures"] == [ARCHITECTURE[arch]]
 
 
 def test_config_ids_match_tokenizer(loaded):
@@ -82,7 +85,7 @@ def test_config_ids_match_tokenizer(loaded):
     assert config.text_config.vocab_size == len(tokenizer) == 1000
     assert config.image_token_id == tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch])
     assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
-    if arch == "qwen2_vl":
+    if arch.startswith("qwen"):
         for attr, token in [("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
                             ("vision_end_token_id", "<|vision_end|>")]:
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
@@ -96,7 +99,7 @@ def test_chat_template_renders_image_token(loaded):
     prompt = _prompt(tokenizer)
     ids = tokenizer(prompt)["input_ids"]
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
-    if arch == "llava":
+    if not arch.startswith("qwen"):
         assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
         assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
     else:
@@ -112,6 +115,12 @@ def test_image_processing_shapes(loaded):
     if arch == "llava":
         assert tuple(inputs["pixel_values"].shape) == (1, 3, 112, 112)
         assert n_image_tokens == 64  # (112 / 14)^2
+    elif arch == "llava_next":
+        # 200x150 -> the 112x112 canvas (2x2 tiles of 56) plus the base view: 5 tiles
+        assert tuple(inputs["pixel_values"].shape) == (1, 5, 3, 56, 56)
+        assert inputs["image_sizes"].tolist() == [[150, 200]]
+        # base view 4x4 = 16; the 8x8 tile grid unpadded to 150/200 of its height: 6 rows of 8, a newline each
+        assert n_image_tokens == 16 + 6 * 8 + 6
     else:
         # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]
@@ -133,13 +142,13 @@ def test_auto_processor(tiny):
     from transformers import AutoProcessor
 
     arch, path = tiny
-    if arch == "qwen2_vl" and not HAS_TORCHVISION:
+    if arch.startswith("qwen") and not HAS_TORCHVISION:
         # Documented limitation: Qwen2VLProcessor requires Qwen2VLVideoProcessor -> torchvision.
         with pytest.raises(ImportError, match="Torchvision"):
             AutoProcessor.from_pretrained(path)
         return
     processor = AutoProcessor.from_pretrained(path)
-    assert type(processor).__name__ == {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor"}[arch]
+    assert type(processor).__name__ == PROCESSOR[arch]
     assert processor.chat_template  # the processor carries the chat template too
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,19 +22,9 @@ from mserve.common.serde import decode
 from mserve.common.sockets import free_port, make_socket, send
 from mserve.coordinator.client import AsyncClient, Client, Unauthorized
 from tests.common.test_security import pickle_frames
+from tests.helpers import wait_for
 
 KEY = "s3cret-client-key"
-
-
-def wait_for(condition, what: str, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +117,9 @@ def test_unknown_worker_is_refused_at_the_handshake(coordinator, caplog) -> None
     plain = make_socket(zmq.Context.instance(), zmq.DEALER, connect=coord.settings.worker_bind,
                         identity=b"plain-0")
     try:
-        wait_for(good.ready, "the authorized worker to connect")
-        wait_for(lambda: status(coord)["workers"].get("worker-0", {}).get("alive"), "worker-0 alive")
-        why = wait_for(bad.watch.failure, "the intruder's handshake to be refused")
+        wait_for(good.ready, what="the authorized worker to connect")
+        wait_for(lambda: status(coord)["workers"].get("worker-0", {}).get("alive"), what="worker-0 alive")
+        why = wait_for(bad.watch.failure, what="the intruder's handshake to be refused")
         assert "not in the peer's authorized keys folder" in why
         assert not bad.ready() and not plain.poll(100, zmq.POLLOUT)  # neither ever connects
         workers = status(coord)["workers"]
@@ -154,14 +143,14 @@ def test_pickle_is_refused_on_both_coordinator_sockets(coordinator, tmp_path, ca
             assert client.poll(5000), "no reply to a pickle payload"
             kind, reply = decode(client.recv_multipart())
             assert kind == MsgType.ERROR and reply["code"] == "bad_message"
-        wait_for(probe.ready, "the probe worker to connect")
+        wait_for(probe.ready, what="the probe worker to connect")
         for frames in pickle_frames(marker):  # (b) the worker ROUTER logs and drops it
             probe.sock.send_multipart(frames)
-        wait_for(lambda: caplog.text.count("dropped a bad message from worker") >= 2, "both drops logged")
+        wait_for(lambda: caplog.text.count("dropped a bad message from worker") >= 2, what="both drops logged")
         # Both sockets keep serving: a valid STATUS is answered, the probe's READY registered.
         send(client, MsgType.STATUS, body(api_key=KEY))
         assert client.poll(5000) and decode(client.recv_multipart())[0] == MsgType.STATUS_REPLY
-        wait_for(lambda: status(coord)["workers"].get("probe", {}).get("alive"), "probe alive")
+        wait_for(lambda: status(coord)["workers"].get("probe", {}).get("alive"), what="probe alive")
     finally:
         probe.close()
         client.close(0)

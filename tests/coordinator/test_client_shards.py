@@ -14,6 +14,7 @@ import zmq
 
 from mserve.common import protocol
 from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.protocol.client import StatusReply, Tokens
 from mserve.common.shards import ShardRegistry, advertised, pick_shard, resolve_client_addresses, split_addresses
 from mserve.common.sockets import bound_address, make_socket, recv, send
 from mserve.coordinator.client import AsyncClient, Client, Lost, RequestTimeout
@@ -302,9 +303,9 @@ def test_async_replies_count_only_from_the_requests_own_shard():
         try:
             queue: asyncio.Queue = asyncio.Queue()
             c._pending["r"], c._routes["r"] = queue, "tcp://127.0.0.1:1"
-            tokens = protocol.body(request_id="r", index=0, token_ids=[7])
+            tokens = Tokens(request_id="r", index=0, token_ids=[7])
             c._dispatch(MsgType.TOKENS, tokens, "tcp://127.0.0.1:2")  # a late reply of an earlier attempt
-            c._dispatch(MsgType.STATUS_REPLY, protocol.body(workers={}, unknown_requests=["r"]), "tcp://127.0.0.1:2")
+            c._dispatch(MsgType.STATUS_REPLY, StatusReply(workers={}, unknown_requests=["r"]), "tcp://127.0.0.1:2")
             assert queue.empty()
             c._dispatch(MsgType.TOKENS, tokens, "tcp://127.0.0.1:1")
             assert queue.get_nowait() == (MsgType.TOKENS, tokens)
@@ -324,19 +325,19 @@ def test_sync_status_moves_past_a_shard_that_does_not_answer(shards, mode):
 
 def test_a_registry_client_follows_shards_that_join(redis_url, monkeypatch):
     from mserve.common.redis_store import RedisStore
-    from mserve.coordinator import client_core
+    from mserve.coordinator import client_shards
 
     store = RedisStore(redis_url)
     try:
         registry = ShardRegistry(store)
         registry.announce("a", "tcp://127.0.0.1:1", "tcp://127.0.0.1:11", time.time())
-        chooser = client_core.ShardChooser(redis_url)
+        chooser = client_shards.ShardChooser(redis_url)
         assert chooser.addresses == ["tcp://127.0.0.1:1"] and chooser.sharded
         registry.announce("b", "tcp://127.0.0.1:2", "tcp://127.0.0.1:12", time.time())
         assert chooser.up(time.monotonic()) == ["tcp://127.0.0.1:1"]  # not re-read before its time
-        later = time.monotonic() + client_core.SHARD_LIST_REFRESH_S
+        later = time.monotonic() + client_shards.SHARD_LIST_REFRESH_S
         assert chooser.up(later) == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
         store._r.flushall()  # nothing registered (or Redis lost): the list is kept
-        assert chooser.up(later + client_core.SHARD_LIST_REFRESH_S) == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+        assert chooser.up(later + client_shards.SHARD_LIST_REFRESH_S) == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
     finally:
         store.close()

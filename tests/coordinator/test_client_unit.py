@@ -14,6 +14,7 @@ import zmq
 
 from mserve.common import protocol
 from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.protocol.client import FROM_CLIENT
 from mserve.common.serde import SCHEMA_VERSION
 from mserve.common.sockets import make_socket, recv, send
 from mserve.coordinator.client import (
@@ -112,7 +113,7 @@ def test_generate_body_has_the_protocol_fields():
     body = generate_body("r1", user({"type": "text", "text": "hi"}), True, max_tokens=5, seed=3,
                          stop_token_ids=(7, 8), latency_class="batch", priority=2)
     assert body["v"] == SCHEMA_VERSION
-    protocol.validate(MsgType.GENERATE, body, protocol.CLIENT_TO_COORDINATOR)
+    assert protocol.parse_message(MsgType.GENERATE, body, FROM_CLIENT).to_body() == body
     assert body["sampling"] == {"max_tokens": 5, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 3,
                                 "stop_token_ids": [7, 8], "ignore_eos": False}
     assert (body["stream"], body["priority"], body["latency_class"]) == (True, 2, "batch")

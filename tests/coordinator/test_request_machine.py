@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from mserve.common.protocol import ErrorCode, MsgType
-from mserve.coordinator.admission import Admitted, AdmittedImage, GenerateIn, SamplingIn
+from mserve.common.protocol.client import Generate, Sampling
+from mserve.coordinator.admission import Admitted, AdmittedImage
 from mserve.coordinator.requests import RequestMachine, Stage, ToClient, ToWorker
 
 CLIENT = b"client-1"
@@ -21,11 +22,19 @@ DEAD_AFTER = 2.0
 
 def make_admitted(rid: str = "r1", *, images: int = 0, prompt_len: int = 20, max_tokens: int = 8,
                   stream: bool = False, priority: int = 0, latency_class: str = "interactive") -> Admitted:
-    req = GenerateIn(request_id=rid, messages=[{"role": "user", "content": "hi"}],
-                     sampling=SamplingIn(max_tokens=max_tokens), stream=stream, priority=priority,
-                     latency_class=latency_class)
+    req = Generate(request_id=rid, messages=[{"role": "user", "content": "hi"}],
+                   sampling=Sampling(max_tokens=max_tokens), stream=stream, priority=priority,
+                   latency_class=latency_class)
     ims = [AdmittedImage(hash=f"img-{rid}-{i}", data=b"png", size=(28, 28), num_tokens=4) for i in range(images)]
     return Admitted(req, list(range(100, 100 + prompt_len)), ims)
+
+
+def kv_state(rid: str) -> dict[str, Any]:
+    """A prefill worker's hand-off state (KVState), which the coordinator relays to decode as it came."""
+    return {"request_id": rid, "prompt_ids": [1, 2], "output_ids": [], "num_computed_tokens": 2, "block_size": 16,
+            "images": [], "sampling": {"max_tokens": 8, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                                       "stop_token_ids": [], "ignore_eos": False},
+            "rope_delta": 0, "priority": 0, "latency_class": "interactive"}
 
 
 class Harness:
@@ -74,7 +83,7 @@ class Harness:
     def prefilled(self, wid: str, stage_msg: ToWorker, token: int, finish: str = "prefilled", **kw: Any) -> list:
         b = stage_msg.body
         return self.worker(wid, MsgType.PREFILLED, request_id=b["request_id"], attempt=b["attempt"], token_id=token,
-                           finish_reason=finish, descriptor={"kv_on": wid}, state={"pos": 1}, **kw)
+                           finish_reason=finish, descriptor={"kv_on": wid}, state=kv_state(b["request_id"]), **kw)
 
     def step(self, wid: str, stage_msg: ToWorker, tokens: list[int], finished: bool = False, **kw: Any) -> list:
         b = stage_msg.body
@@ -179,7 +188,7 @@ def test_aborting_a_spread_encode_cancels_it_on_every_encoder():
 
 def test_spread_encode_off_keeps_a_request_on_one_encoder():
     h = Harness(*DISAGG)
-    h.m.spread_encode = False
+    h.m.settings.spread_encode = False
     out = h.submit(make_admitted(images=2))
     assert kinds(out) == [("ENCODE", "e0")] and len(out[0].body["images"]) == 2
 
@@ -204,7 +213,7 @@ def test_disaggregated_happy_path_streams_and_ends_with_all_tokens():
     # the first TOKENS also says how long the prompt was (a client stopping early still knows its usage)
     assert out[0].body == {"request_id": "r1", "index": 0, "token_ids": [7], "prompt_tokens": 20}
     dec = out[1]
-    assert dec.body["descriptor"] == {"kv_on": "p0"} and dec.body["state"] == {"pos": 1}
+    assert dec.body["descriptor"] == {"kv_on": "p0"} and dec.body["state"] == kv_state(pre.body["request_id"])
 
     out = h.step("d0", dec, [8, 9])
     assert kinds(out) == [("TOKENS", CLIENT)] and out[0].body["index"] == 1
@@ -622,6 +631,21 @@ def test_a_draining_flag_read_from_redis_does_not_stop_routing():
     assert kinds(h.submit(make_admitted())) == [("RUN", "u0")]
 
 
+def test_a_draining_worker_gets_nothing_new_and_one_shutdown_once_its_work_is_done():
+    h = Harness(("u0", "unified"), ("u1", "unified"))
+    run = only(h.submit(make_admitted("a")), MsgType.RUN, "u0")
+    h.worker("u0", MsgType.HEARTBEAT, worker_id="u0", load={"draining": True})
+    assert h.m.status()["workers"]["u0"]["draining"] is True
+    assert kinds(h.submit(make_admitted("b"))) == [("RUN", "u1")]  # u0 is busy with "a" and drains
+    assert h.advance(0.1, beating=("u0", "u1")) == []  # "a" still runs on u0: no SHUTDOWN yet
+    assert kinds(h.step("u0", run, [5], finished=True)) == [("RESULT", CLIENT)]
+    assert kinds(h.advance(0.1, beating=("u0", "u1"))) == [("SHUTDOWN", "u0")]
+    assert h.advance(1.0, beating=("u0", "u1")) == []  # sent once
+    h.join("u0", "unified")  # a new process under the same id: routable, and drains only when it says so
+    assert h.m.status()["workers"]["u0"]["draining"] is False
+    assert kinds(h.submit(make_admitted("c"))) == [("RUN", "u0")]
+
+
 # -- late binding: stages wait at the coordinator, in class order, beyond max_stages_per_worker ---------------
 
 def test_with_a_cap_a_later_interactive_request_overtakes_a_waiting_batch_one():
@@ -709,7 +733,7 @@ def test_a_waiting_request_fails_a_stage_timeout_after_the_last_worker_of_its_ro
     only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")
     assert h.submit(make_admitted("b")) == []
     for _ in range(2):  # long past the stage timeout behind busy p0, which heartbeats and reports "a" queued
-        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [h.m.by_client[(CLIENT, "a")]]})
+        h.worker("p0", MsgType.HEARTBEAT, worker_id="p0", load={"queued": [h.m.requests.find(CLIENT, "a").rid]})
         assert h.advance(TIMEOUT * 0.9, beating=("p0", "d0")) == []
     assert h.worker("p0", MsgType.BYE, worker_id="p0") == []  # "a" re-runs: both wait, no prefill pool left
     assert h.advance(TIMEOUT - 0.1, beating=("d0",)) == []  # a full stage timeout from then on

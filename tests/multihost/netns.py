@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import IO, Sequence
 
+from mserve.common.transfer.shm_pool import pid_alive
+
 PREFIX = "mserve-mh-"
 _TOOLS = ("ip", "unshare", "nsenter", "mount")
 
@@ -96,20 +98,10 @@ def sweep_stale() -> None:
     for line in out.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         m = re.match(rf"{re.escape(PREFIX)}(\d+)-", name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         _kill_all(name)
         _run(["ip", "netns", "del", name], check=False)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Host:
@@ -161,6 +153,14 @@ class Host:
 
     def pids(self) -> list[int]:
         return netns_pids(self.ns)
+
+    def signal_all(self, signum: int) -> None:
+        """Send `signum` to every process in the host's namespace (SIGSTOP freezes the host, SIGCONT thaws it)."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         """The host dies: SIGKILL every process in its namespace (anchor included) and reap ours."""

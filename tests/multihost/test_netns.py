@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -294,9 +295,22 @@ def test_three_hosts_tcp_across_shm_within_and_host_failover(fabric: Fabric, tin
     assert len(by_host["b"]) == len(by_host["c"]) == 1 and by_host["b"] != by_host["c"], by_host
 
     job = driver.send("generate", requests=wire(phase2), max_tokens=LONG, ignore_eos=True)
-    status = cluster.wait_status(
-        "host C decoding some of the requests",
-        lambda s: s["workers"]["decode-c"]["load"]["inflight"] >= 1, every_s=0.01)
+
+    def decoding_on_c(s: dict[str, Any]) -> bool:
+        # Freeze host C the moment the coordinator sees it decoding, so what it holds cannot finish
+        # between this status and the kill (on a loaded machine it did, and the kill hit nothing).
+        if s["workers"]["decode-c"]["load"]["inflight"] < 1:
+            return False
+        c.signal_all(signal.SIGSTOP)
+        return True
+
+    for _ in range(5):
+        cluster.wait_status("host C decoding some of the requests", decoding_on_c, every_s=0.01)
+        # A reply C sent just before it froze may still land: look again with C frozen.
+        status = cluster.wait_status("a status with host C frozen", lambda s: True)
+        if status["workers"]["decode-c"]["load"]["inflight"] >= 1:
+            break
+        c.signal_all(signal.SIGCONT)
     on_c = {w: status["workers"][w]["load"]["inflight"] for w in ("encode-c", "prefill-c", "decode-c")}
     killed = c.pids()
     progress(f"killing host C ({len(killed)} processes), in flight there: {on_c}")

@@ -10,7 +10,8 @@ from mserve.workers.block_pool import BlockPool, BlockTable, OutOfBlocks
 
 def allocate_prompt(pool: BlockPool, tokens: list[int], images=()) -> tuple[BlockTable, int]:
     table = BlockTable()
-    cached = pool.allocate(table, len(tokens), prompt_block_hashes(tokens, pool.block_size, images), tokens)
+    hashes = prompt_block_hashes(tokens, pool.block_size, images)
+    cached = pool.allocate(table, len(tokens), pool.reusable_prefix(hashes, tokens, len(tokens)) if hashes else None)
     pool.commit_full_blocks(table, tokens, len(tokens), images)
     return table, cached
 
@@ -108,3 +109,24 @@ def test_double_free_is_caught():
     pool.free(t)
     with pytest.raises(AssertionError, match="double free"):
         pool.free(BlockTable(block_ids=ids))
+
+
+def test_a_cached_prefix_is_reused_while_the_image_it_runs_into_is_still_awaited():
+    """The scheduler takes the blocks the pool found (reusable_prefix) even when no new token can run yet:
+    an image straddling the end of the cached prefix has not arrived, so this step computes nothing."""
+    from mserve.workers.scheduler import Scheduler
+    from mserve.workers.sequence import SamplingParams, Sequence
+
+    pool = BlockPool(num_blocks=16, block_size=4)
+    tokens = list(range(100, 114))  # 14 tokens; the image's placeholders are 6..9, across blocks 1 and 2
+    image = [ImageSpan(6, 4, "img")]
+    done, _ = allocate_prompt(pool, tokens[:8], image)  # an earlier request left blocks 0 and 1 cached
+    pool.free(done)
+    scheduler = Scheduler(pool, enable_prefix_caching=True)
+    seq = Sequence("late-image", tokens, sampling=SamplingParams(max_tokens=2), images=image, awaiting={0: [0]})
+    scheduler.add(seq)
+    assert scheduler.schedule() == []  # admitted with its cached prefix, nothing to compute until the image
+    assert seq.num_cached_tokens == seq.num_computed_tokens == 8 and seq in scheduler.running
+    assert seq.block_table.block_ids[:2] == pool.match_prefix(prompt_block_hashes(tokens, 4, image), tokens)
+    assert pool.stats()["prefix_hits"] == 1 and pool.stats()["prefix_queries"] == 2
+    pool.check_integrity()

@@ -74,7 +74,7 @@ def test_engine_still_serves_after_errors(engine, builder, llava_dir):
     for bad in ([b"junk"], [make_image(700, 500)]):
         with pytest.raises(ValueError):
             engine.add_request("x", image_prompt(builder), images=bad)
-    assert not engine.requests and engine.pool.num_used_blocks == 0
+    assert not engine.scheduler.sequences() and engine.pool.num_used_blocks == 0
     pp = builder.prepare_text("What is this?", [make_image(64, 64)])
     engine.add_request("good", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=6))
     assert engine.run_until_done()["good"] == hf_generate(llava_dir, pp.prompt_ids, pp.images, 6)

@@ -9,7 +9,7 @@ from tests.helpers import PROMPTS, hf_generate, make_image
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.sequence import SamplingParams
 
-ARCHS = ["llava", "qwen2_vl"]
+ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl"]
 MAX_NEW = 10
 
 
@@ -146,7 +146,7 @@ def test_kv_export_import_between_engines(model_dir, builder):
             assert o.finish_reason == "prefilled"
             first[o.request_id] = o.new_token_ids[0]
     # Occupy a few blocks so the imported request lands on other block ids than it had.
-    decode.pool.allocate(decode.requests.setdefault("pad", None) or _table(), 40)
+    decode.pool.allocate(_table(), 40)
     for rid in requests:
         payload = prefill.export_kv(rid)
         decode.import_kv(payload)

@@ -81,7 +81,9 @@ def test_qwen_image_and_video_in_one_prompt_chunked(qwen):
                                                                             MAX_NEW)
 
 
-def test_llava_video_is_its_frames_as_images(llava):
+@pytest.mark.parametrize("arch", ["llava", "llava_next"])
+def test_llava_video_is_its_frames_as_images(tiny_model_dirs, arch):
+    llava = str(tiny_model_dirs[arch])  # LLaVA-NeXT: each frame an any-res image of its own
     builder = PromptBuilder(llava)
     frames = make_frames(100, 80, 3, seed=7)
     pp = video_prompt(builder, [{"type": "video", "video": frames}], PROMPTS[1])
@@ -95,7 +97,7 @@ def test_llava_video_is_its_frames_as_images(llava):
     assert run_one(llava, pp) == hf_generate_visual(llava, pp.prompt_ids, [frames], MAX_NEW)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava", "llava_next"])
 def test_video_encoded_elsewhere_then_kv_handed_off(tiny_model_dirs, arch):
     """The disaggregated path in-process: encode on one engine, prefill on a second, decode on a third."""
     model_dir = str(tiny_model_dirs[arch])
@@ -111,7 +113,7 @@ def test_video_encoded_elsewhere_then_kv_handed_off(tiny_model_dirs, arch):
     while prefill.has_unfinished():
         first += [o.new_token_ids[0] for o in prefill.step()]
     payload = prefill.export_kv("r")
-    assert len(payload["images"]) == (1 if arch == "qwen2_vl" else 4)  # one placeholder run per frame on LLaVA
+    assert len(payload.state.images) == (1 if arch == "qwen2_vl" else 4)  # one placeholder run per frame on LLaVA
     decode.import_kv(payload)
     out = first + decode.run_until_done()["r"]
     assert out == hf_generate_visual(model_dir, pp.prompt_ids, [frames], MAX_NEW)

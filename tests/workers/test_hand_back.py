@@ -24,15 +24,18 @@ def test_handed_back_reply_blocks_are_a_prefix_hit_for_the_next_turn(tiny_model_
     first = prefill.run_until_done()["t1"]
     seq = decode.import_kv(prefill.export_kv("t1"))
     seq.hand_back = True
-    reply = first + decode.run_until_done()["t1"]
-    blocks = decode.hand_backs.pop("t1")
-    assert decode.pool.num_used_blocks == 0 and blocks["first_block"] == len(pp.prompt_ids) // BS
+    reply, blocks = list(first), None
+    while decode.has_unfinished():  # the finishing step's output carries the reply's blocks
+        for out in decode.step():
+            reply += out.new_token_ids
+            blocks = out.hand_back if out.finished else blocks
+    assert decode.pool.num_used_blocks == 0 and blocks.first_block == len(pp.prompt_ids) // BS
 
-    adopted = prefill.adopt_blocks(blocks["token_ids"], blocks["images"], blocks["first_block"], blocks["kv"])
-    covered = (blocks["first_block"] + blocks["kv"].shape[2]) * BS
-    assert adopted == blocks["kv"].shape[2] > 0 and covered > len(pp.prompt_ids)
+    adopted = prefill.adopt_blocks(blocks.token_ids, blocks.images, blocks.first_block, blocks.kv)
+    covered = (blocks.first_block + blocks.kv.shape[2]) * BS
+    assert adopted == blocks.kv.shape[2] > 0 and covered > len(pp.prompt_ids)
     prefill.pool.check_integrity()
-    assert prefill.adopt_blocks(blocks["token_ids"], blocks["images"], blocks["first_block"], blocks["kv"]) == 0
+    assert prefill.adopt_blocks(blocks.token_ids, blocks.images, blocks.first_block, blocks.kv) == 0
 
     # Turn 2 resends prompt + reply and asks more: the reply's blocks are found, and the answer is exact.
     turn2 = pp.prompt_ids + reply + pp.prompt_ids[-12:]

@@ -1,6 +1,7 @@
 """A worker's links to coordinator shards (workers/links.py) against real ROUTER sockets and a real Redis:
-replies go to the shard a request came from, a decode step's tokens are split per shard, shards announced
-in Redis are joined, and one that leaves the registry is dropped with its requests handed back to cancel."""
+replies go to the shard a request came from (its record on the worker keeps the link), a decode step's
+tokens are split per shard, shards announced in Redis are joined, and one that leaves the registry is
+dropped, its link handed back for the worker to cancel the requests that came from it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mserve.common.redis_store import RedisStore
 from mserve.common.shards import ShardRegistry
 from mserve.common.sockets import make_socket, recv, send
 from mserve.workers.links import CoordinatorLinks
+from mserve.workers.requests import WorkerRequests
 from tests.helpers import wait_for
 
 
@@ -35,11 +37,18 @@ def heard(sock: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, int, dict]:
     return recv(sock)
 
 
-def deliver(links: CoordinatorLinks, sock: zmq.Socket, kind: MsgType, body: dict) -> None:
-    """The shard behind `sock` sends `body` to the worker, which reads it through its links."""
+def deliver(links: CoordinatorLinks, requests: WorkerRequests, sock: zmq.Socket, kind: MsgType, body: dict) -> None:
+    """The shard behind `sock` sends `body` to the worker, which reads it through its links and, as the
+    worker does for a stage message, makes the request's record on the link it came in on."""
     send(sock, kind, body, identity=b"w0")
     (link,) = wait_for(lambda: links.poll(50), what="the message at the worker")
-    links.recv(link)
+    got_kind, got = links.recv(link)
+    if got_kind != MsgType.CANCEL:
+        requests.arrive(got["request_id"], got["attempt"], origin=link.address)
+
+
+def origins(requests: WorkerRequests) -> dict[str, str | None]:
+    return {rec.request_id: rec.origin for rec in requests}
 
 
 def connected(links: CoordinatorLinks) -> None:
@@ -53,15 +62,16 @@ def step(*rids: str) -> StepTokens:
 
 def test_replies_go_to_the_shard_the_request_came_from(ctx):
     (a, addr_a), (b, addr_b) = router(ctx), router(ctx)
-    links = CoordinatorLinks(ctx, "w0", [addr_a, addr_b])
+    requests = WorkerRequests()
+    links = CoordinatorLinks(ctx, "w0", [addr_a, addr_b], origin_of=requests.origin_of)
     try:
         connected(links)
         assert links.send(Bye(worker_id="w0"), MsgType.BYE)
         for sock in (a, b):  # a message of no request (registration, heartbeat, goodbye) reaches every shard
             assert heard(sock)[1] == MsgType.BYE
-        deliver(links, a, MsgType.DECODE, {"request_id": "ra", "attempt": 1})
-        deliver(links, b, MsgType.DECODE, {"request_id": "rb", "attempt": 1})
-        assert links.origin == {"ra": addr_a, "rb": addr_b}
+        deliver(links, requests, a, MsgType.DECODE, {"request_id": "ra", "attempt": 1})
+        deliver(links, requests, b, MsgType.DECODE, {"request_id": "rb", "attempt": 1})
+        assert origins(requests) == {"ra": addr_a, "rb": addr_b}
 
         links.send(Failed(request_id="rb", attempt=1, message="x", retryable=True), MsgType.FAILED)
         _, kind, body = heard(b)
@@ -73,8 +83,8 @@ def test_replies_go_to_the_shard_the_request_came_from(ctx):
         assert [i["request_id"] for i in heard(b)[2]["items"]] == ["rb"]
 
         # A late CANCEL from a shard does not take over a request re-sent elsewhere.
-        deliver(links, a, MsgType.CANCEL, {"request_id": "rb"})
-        assert links.origin["rb"] == addr_b
+        deliver(links, requests, a, MsgType.CANCEL, {"request_id": "rb"})
+        assert requests.origin_of("rb") == addr_b
     finally:
         links.close()
         a.close(0)
@@ -97,24 +107,26 @@ def test_shards_announced_in_redis_are_joined_and_dropped(ctx, redis_url):
     store = RedisStore(redis_url)
     registry = ShardRegistry(store)
     (a, addr_a), (b, addr_b) = router(ctx), router(ctx)
-    links = CoordinatorLinks(ctx, "w0", [addr_a], registry=registry, grace_s=0.3)
+    requests = WorkerRequests()
+    links = CoordinatorLinks(ctx, "w0", [addr_a], registry=registry, grace_s=0.3, origin_of=requests.origin_of)
     try:
         registry.announce("s1", "tcp://127.0.0.1:1", addr_b, started=time.time())
-        opened, orphaned = links.refresh()
+        opened, closed = links.refresh()
         assert [link.address for link in opened] == [addr_b] and links.links[addr_b].shard_id == "s1"
-        assert orphaned == []
+        assert closed == []
         connected(links)
         links.send_to(addr_b, step(), MsgType.STEP_TOKENS)
         heard(b)
-        deliver(links, b, MsgType.DECODE, {"request_id": "r1", "attempt": 1})
-        deliver(links, a, MsgType.DECODE, {"request_id": "r0", "attempt": 1})
+        deliver(links, requests, b, MsgType.DECODE, {"request_id": "r1", "attempt": 1})
+        deliver(links, requests, a, MsgType.DECODE, {"request_id": "r0", "attempt": 1})
 
         registry.withdraw("s1")
         assert links.refresh() == ([], [])  # gone from one read is not gone: a Redis restart looks the same
         assert addr_b in links.links
-        _, orphaned = wait_for(lambda: (r := links.refresh())[1] and r, what="the shard to be dropped")
-        assert orphaned == ["r1"] and list(links.links) == [addr_a]  # the named shard stays
-        assert links.origin == {"r1": addr_b, "r0": addr_a}
+        _, closed = wait_for(lambda: (r := links.refresh())[1] and r, what="the shard to be dropped")
+        assert [link.address for link in closed] == [addr_b] and list(links.links) == [addr_a]  # the named shard stays
+        assert requests.from_origin(addr_b) == ["r1"]  # what the worker cancels
+        assert origins(requests) == {"r1": addr_b, "r0": addr_a}
         # Its replies are dropped, not sent to another shard.
         assert links.send(Failed(request_id="r1", attempt=1, message="x", retryable=True), MsgType.FAILED)
         assert not a.poll(200)

@@ -12,7 +12,8 @@ import torch
 import zmq
 
 from mserve.common.protocol import MsgType, ProtocolError
-from mserve.common.protocol.to_coordinator import Encoded, Failed, StepTokens, TokenItem, WorkerInfo
+from mserve.common.protocol.client import Sampling
+from mserve.common.protocol.to_coordinator import Encoded, Failed, HandBack, StepTokens, TokenItem, WorkerInfo
 from mserve.common.protocol.to_worker import EncodeTask, ImageRef, PrefillTask, RunTask, Shutdown
 from mserve.common.sockets import bound_address, make_socket, recv, send
 from mserve.common.transfer import TransferEngine
@@ -21,14 +22,17 @@ from tests.helpers import make_image
 
 
 def test_typed_messages_round_trip_and_name_the_bad_field():
-    task = RunTask(request_id="r1", attempt=2, prompt_ids=[1, 2, 3], sampling={"max_tokens": 4},
+    task = RunTask(request_id="r1", attempt=2, prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=4),
                    images=[ImageRef(hash="h", data=b"png")], priority=-1)
     assert RunTask.from_body(task.to_body()) == task
     items = StepTokens(items=[TokenItem(request_id="r1", attempt=0, token_ids=[5], finished=True, finish_reason="stop",
                                         worker_s=0.5, cached_tokens=16)])
     assert StepTokens.from_body(items.to_body()) == items
     assert "fetch_s" not in items.to_body()["items"][0]  # None fields stay off the wire
-    bad = PrefillTask(request_id="r", attempt=0, prompt_ids=[1], sampling={}).to_body()
+    back = HandBack(descriptor={"kv": 1}, token_ids=[1, 2], images=[[0, 4, "h"]], first_block=1)
+    last = StepTokens(items=[TokenItem(request_id="r1", attempt=0, token_ids=[5], finished=True, hand_back=back)])
+    assert StepTokens.from_body(last.to_body()).items[0].hand_back == back
+    bad = PrefillTask(request_id="r", attempt=0, prompt_ids=[1], sampling=Sampling()).to_body()
     for field, value, words in [("prompt_ids", [1, "x"], "PREFILL.prompt_ids[1]: expected an integer"),
                                 ("attempt", True, "PREFILL.attempt: expected an integer"),
                                 ("embeddings", [1], "PREFILL.embeddings: expected a map"),

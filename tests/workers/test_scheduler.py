@@ -25,16 +25,9 @@ class FakeClock:
 
 
 def run_step(sched: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
-    """Schedule, pretend the model ran, sample `token` for completing chunks."""
+    """Schedule, pretend the model ran, sample `token` for completing chunks: the engine's step without a model."""
     chunks = sched.schedule()
-    for c in chunks:
-        c.seq.num_computed_tokens = c.end
-    for c in chunks:
-        if c.completes_sequence:
-            c.seq.append_token(token)
-            if c.seq.finish_reason:
-                sched.finish(c.seq, c.seq.finish_reason)
-                sched.release_blocks(c.seq)
+    sched.postprocess(chunks, [token] * sum(c.completes_sequence for c in chunks))
     return [(c.seq.request_id, c.start, c.num_tokens) for c in chunks]
 
 
@@ -202,3 +195,25 @@ def test_a_prompt_waits_at_its_first_missing_image_holding_its_blocks_while_othe
     qwen.images, qwen.image_embeds, qwen.awaiting = [ImageSpan(4, 6, "x")], [None], {0: [0]}
     qwen.positions_pending = True
     assert qwen.ready_tokens() == 4 and qwen.ready_tokens(computed=12) == 12
+
+
+def test_postprocess_frees_finished_blocks_but_a_prefilled_sequence_keeps_them_until_freed():
+    pool = BlockPool(64, 4)
+    sched = Scheduler(pool)
+    prefill = make_seq("p", 6)
+    prefill.prefill_only = True
+    sched.add(prefill)
+    done = make_seq("d", 5, max_tokens=1)
+    sched.add(done)
+    run_step(sched)
+    assert (prefill.finish_reason, done.finish_reason) == ("prefilled", "length")
+    assert not sched.has_unfinished() and sched.sequences() == [prefill] and sched.get("p") is prefill
+    assert pool.num_used_blocks == 2  # its KV is still to be exported
+    sched.free(prefill)
+    assert sched.sequences() == [] and pool.num_used_blocks == 0
+    running = make_seq("r", 5)
+    sched.add(running)
+    run_step(sched)
+    sched.abort(running)
+    assert running.finish_reason == "abort" and sched.get("r") is None and pool.num_used_blocks == 0
+    pool.check_integrity()

@@ -8,7 +8,11 @@ import time
 from mserve.common.protocol.to_coordinator import TokenItem
 from mserve.common.protocol.to_worker import DecodeTask
 from mserve.common.transfer import TransferError
+from mserve.workers.engine import StepOutput
+from mserve.workers.hand_back import KVExport
+from mserve.workers.requests import WorkerRequest
 from mserve.workers.roles.stepping import SteppingWorker
+from mserve.workers.sequence import Sequence
 from mserve.workers.worker import FETCH_TIMEOUT_S
 
 log = logging.getLogger("mserve.worker")
@@ -18,40 +22,33 @@ class DecodeWorker(SteppingWorker):
     ROLE = "decode"
     PARTS = "text"
 
-    def add(self, task: DecodeTask) -> None:
+    def add(self, task: DecodeTask, rec: WorkerRequest) -> Sequence:
         rid = task.request_id
         # Zero-copy: over shm the tensors are views of the prefill worker's segment and
         # import_kv's copy into this pool is the only copy on this side. Leaving the block
         # releases the view: the ack that lets the sender reuse the segment.
         t0 = time.perf_counter()
         view = self.transfer.fetch_view(task.descriptor, timeout_s=FETCH_TIMEOUT_S)
-        self.fetch_s[rid] = self.fetch_s.get(rid, 0.0) + time.perf_counter() - t0
+        rec.add_fetch(time.perf_counter() - t0)
         with view as tensors:
             # The request keeps its prompt inputs for its lifetime (recompute after preemption),
             # so those must not stay views; they are small next to the KV.
             keep = (lambda t: t.clone()) if view.zero_copy else (lambda t: t)
-            state = dict(task.state)
-            n_images = len(state["images"])
             mrope = tensors.get("mrope")
-            payload = {**state, "kv": tensors["kv"], "mrope_positions": keep(mrope) if mrope is not None else None,
-                       "image_embeds": [keep(tensors[f"emb{i}"]) for i in range(n_images) if f"emb{i}" in tensors]}
-            seq = self.engine.import_kv(payload, request_id=rid)
+            export = KVExport(task.state, tensors["kv"], keep(mrope) if mrope is not None else None,
+                              [keep(tensors[f"emb{i}"]) for i in range(len(task.state.images)) if f"emb{i}" in tensors])
+            seq = self.engine.import_kv(export, request_id=rid)
         seq.hand_back = task.hand_back
+        return seq
 
-    def finishing(self, rid: str, attempt: int, item: TokenItem) -> None:
+    def finishing(self, rec: WorkerRequest, item: TokenItem, out: StepOutput) -> None:
         """With --kv-hand-back: publish the reply's full KV blocks for the prefill worker (workers/hand_back.py)."""
-        blocks = self.engine.hand_backs.pop(rid, None)
+        blocks, rid = out.hand_back, rec.request_id
         if blocks is None:
             return
         try:
-            desc = self.transfer.publish(f"{rid}:{attempt}:handback", {"kv": blocks.pop("kv")})
+            desc = self.transfer.publish(f"{rid}:{rec.attempt}:handback", {"kv": blocks.kv})
         except TransferError as exc:  # the reply is delivered either way; only the next turn's hit is lost
             log.warning("%s: KV hand-back not published: %s", rid, exc)
             return
-        item.hand_back = {**blocks, "descriptor": desc.to_wire()}
-
-    def report(self, outputs: list) -> None:
-        super().report(outputs)
-        for out in outputs:  # finished, but no longer ours (cancelled): nobody takes its blocks
-            if out.finished:
-                self.engine.hand_backs.pop(out.request_id, None)
+        item.hand_back = blocks.to_wire(desc.to_wire())

@@ -11,7 +11,8 @@ from typing import Any
 from mserve.common.model import ImageError
 from mserve.common.pruning import cache_namespace
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
-from mserve.common.protocol.to_worker import LATENCY_CLASSES, EncodeTask, ImageRef
+from mserve.common.policy import encode_batch
+from mserve.common.protocol.to_worker import EncodeTask, ImageRef
 from mserve.common.transfer.host_store import HostEmbeddingStore, default_root, host_member
 from mserve.common.video import VideoPart
 from mserve.workers.engine import EngineConfig
@@ -66,21 +67,9 @@ def visual_input(ref: ImageRef) -> bytes | VideoPart:
 
 
 def next_encode_batch(queue: list[EncodeTask], max_images: int) -> tuple[list[EncodeTask], list[EncodeTask]]:
-    """(the requests for one vision forward, the rest). Priority first, then interactive before
-    batch, then arrival, up to `max_images` images, a video counting its frames (a request's images
-    go together; a request with more images than that goes alone), so an interactive image waits for
-    one bounded batch."""
-    order = sorted(range(len(queue)), key=lambda i: (-queue[i].priority,
-                                                     LATENCY_CLASSES.index(queue[i].latency_class), i))
-    take, images = [], 0
-    for i in order:
-        n = sum(im.num_frames for im in queue[i].images)  # a video weighs its frames
-        if take and images + n > max_images:
-            break
-        take.append(i)
-        images += n
-    chosen = set(take)
-    return [queue[i] for i in take], [t for i, t in enumerate(queue) if i not in chosen]
+    """(the requests for one vision forward, the rest), by the policy's encode-batch rule."""
+    return encode_batch(queue, priority=lambda t: t.priority, latency_class=lambda t: t.latency_class,
+                        images=lambda t: sum(im.num_frames for im in t.images), max_images=max_images)
 
 
 class EncodeWorker(Worker):
@@ -96,7 +85,8 @@ class EncodeWorker(Worker):
         self.queue: list[EncodeTask] = []
         self.encode_s_per_image = 0.0  # measured (EWMA): the coordinator weighs re-encoding against it
         # Each request's latest embeddings publication, so a CANCEL frees it before its expiry (bounded:
-        # older entries only wait for the expiry).
+        # older entries only wait for the expiry). Not in the request's record: it outlives the stage
+        # here, whose record ends when ENCODED goes out, while the prefill worker has yet to fetch.
         self.published: OrderedDict[str, str] = OrderedDict()
 
     def load(self) -> dict[str, Any]:
@@ -241,5 +231,7 @@ class EncodeWorker(Worker):
         self.published[rid] = tid
         while len(self.published) > 4096:
             self.published.popitem(last=False)
+        rec = self.requests.get(rid, attempt)  # an older attempt's task, still queued, has none
         self.send(Encoded(request_id=rid, attempt=attempt, descriptor=desc.to_wire(), images=images, cache_hits=hits,
-                          worker_s=self.worker_s(rid)))
+                          worker_s=rec.worker_s() if rec is not None else 0.0))
+        self.end(rid, attempt)

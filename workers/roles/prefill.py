@@ -9,9 +9,11 @@ import torch
 
 from mserve.common.protocol.to_coordinator import Prefilled
 from mserve.common.protocol.to_worker import AdoptBlocks, EmbeddingPart, Embeddings, PrefillTask
-from mserve.workers.engine import StepOutput, sampling_from_dict
+from mserve.workers.engine import StepOutput
 from mserve.workers.model_runner import EncodedImage
+from mserve.workers.requests import WorkerRequest
 from mserve.workers.roles.stepping import SteppingWorker
+from mserve.workers.sequence import SamplingParams, Sequence
 from mserve.workers.worker import FETCH_TIMEOUT_S
 
 log = logging.getLogger("mserve.worker")
@@ -31,24 +33,22 @@ class PrefillWorker(SteppingWorker):
     def more_embeddings(self, task: Embeddings) -> None:
         """Images that finished encoding after the request's PREFILL came: its prompt can go on."""
         rid = task.request_id
-        if self.attempts.get(rid) != task.attempt:
+        rec = self.requests.get(rid, task.attempt)
+        if rec is None:
             return  # an attempt no longer here (cancelled, re-run, failed): nothing waits for them
 
         def attach() -> None:
-            for i, enc in self._fetch_parts(rid, task.parts).items():
+            for i, enc in self._fetch_parts(rec, task.parts).items():
                 self.engine.attach_embeddings(rid, i, enc)
 
-        if not self.guarded(rid, task.attempt, attach):
-            self.engine.abort(rid)
-            self.attempts.pop(rid, None)
-            self._forget(rid)
+        self.guarded(rid, task.attempt, attach)  # a failure ends the attempt (its blocks too)
 
-    def _fetch_parts(self, rid: str, parts: list[EmbeddingPart],
+    def _fetch_parts(self, rec: WorkerRequest, parts: list[EmbeddingPart],
                      grids: list | None = None) -> dict[int, EncodedImage]:
         """Each part's embeddings from its encoder, as {image index: EncodedImage}."""
         out = {}
         for part in parts:
-            got = self.fetch(rid, part.descriptor)
+            got = self.fetch(rec, part.descriptor)
             for j, i in enumerate(part.images):
                 grid = (part.grids or [None] * len(part.images))[j] or (grids[i] if grids else None)
                 out[i] = EncodedImage(got[f"img{j}"], tuple(grid) if grid else None)
@@ -64,36 +64,36 @@ class PrefillWorker(SteppingWorker):
             return
         log.debug("%s: adopted %d handed-back KV blocks", task.request_id, n)
 
-    def add(self, task: PrefillTask) -> None:
+    def add(self, task: PrefillTask, rec: WorkerRequest) -> Sequence:
         rid = task.request_id
         encoded: list[EncodedImage | None] = []
         if task.embeddings:
-            tensors = self.fetch(rid, task.embeddings)
+            tensors = self.fetch(rec, task.embeddings)
             grids = task.grids or [None] * len(tensors)
             encoded = [EncodedImage(tensors[f"img{i}"], tuple(grids[i]) if grids[i] else None)
                        for i in range(len(tensors))]
         elif task.embedding_parts or task.pending_images:
             # Encoded on several encoders: the parts in so far; the pending ones follow as EMBEDDINGS.
-            got = self._fetch_parts(rid, task.embedding_parts or [], task.grids)
+            got = self._fetch_parts(rec, task.embedding_parts or [], task.grids)
             encoded = [got.get(i) for i in range(len(task.image_hashes))]
-        seq = self.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
-                                      sampling=sampling_from_dict(task.sampling), priority=task.priority,
-                                      prefill_only=True, output_ids=task.output_ids,
-                                      latency_class=task.latency_class, item_tokens=task.image_tokens or None)
-        self.seqs[rid] = seq
+        return self.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
+                                         sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
+                                         prefill_only=True, output_ids=task.output_ids,
+                                         latency_class=task.latency_class, item_tokens=task.image_tokens or None)
 
     def report(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            attempt = self.attempts.pop(out.request_id, None)
-            if attempt is not None:
+        for out in outputs:  # a prefill's one output ends its stage here
+            rec = self.requests.get(out.request_id)
+            if rec is not None:
                 self.count_tokens(len(out.new_token_ids))
-                self._send_prefilled(out.request_id, attempt, out)
+                self._send_prefilled(rec, out)
+                self.end(rec.request_id)
 
-    def _send_prefilled(self, rid: str, attempt: int, out: StepOutput) -> None:
+    def _send_prefilled(self, rec: WorkerRequest, out: StepOutput) -> None:
+        rid, attempt = rec.request_id, rec.attempt
         msg = Prefilled(request_id=rid, attempt=attempt, token_id=out.new_token_ids[0],
-                        finish_reason=out.finish_reason or "stop", fetch_s=self.fetch_s.pop(rid, 0.0),
-                        cached_tokens=self.cached_tokens(rid), worker_s=self.worker_s(rid))
-        self.fresh.discard(rid)
+                        finish_reason=out.finish_reason or "stop", fetch_s=rec.take_fetch_s() or 0.0,
+                        cached_tokens=rec.cached_tokens, worker_s=rec.worker_s())
         if out.finish_reason == "prefilled":
             # The KV blocks are gathered straight into the transfer's buffer (a pooled shm
             # segment for shm/auto): publishing then copies nothing.
@@ -104,12 +104,10 @@ class PrefillWorker(SteppingWorker):
                 return allocs[-1].tensors
 
             try:
-                payload = self.engine.export_kv(rid, alloc=alloc)
+                export = self.engine.export_kv(rid, alloc=alloc)
                 msg.descriptor = self.transfer.publish_allocated(f"{rid}:{attempt}:kv", allocs[0]).to_wire()
             finally:
                 for a in allocs:
                     a.free()  # a no-op once published
-            for key in ("kv", "mrope_positions", "image_embeds"):
-                payload.pop(key)
-            msg.state = payload
+            msg.state = export.state
         self.send(msg)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from mserve.common.protocol.to_worker import RunTask
-from mserve.workers.engine import sampling_from_dict
+from mserve.workers.requests import WorkerRequest
 from mserve.workers.roles.encode import visual_input
 from mserve.workers.roles.stepping import SteppingWorker
+from mserve.workers.sequence import SamplingParams, Sequence
 
 
 class UnifiedWorker(SteppingWorker):
     ROLE = "unified"
 
-    def add(self, task: RunTask) -> None:
-        seq = self.engine.add_request(task.request_id, task.prompt_ids, images=[visual_input(im) for im in task.images],
-                                      sampling=sampling_from_dict(task.sampling), priority=task.priority,
-                                      output_ids=task.output_ids, latency_class=task.latency_class)
-        self.seqs[task.request_id] = seq
+    def add(self, task: RunTask, rec: WorkerRequest) -> Sequence:
+        return self.engine.add_request(task.request_id, task.prompt_ids,
+                                       images=[visual_input(im) for im in task.images],
+                                       sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
+                                       output_ids=task.output_ids, latency_class=task.latency_class)

@@ -1,0 +1,83 @@
+"""Builds a checkpoint's own transformers processor from its parts, the one way every family is loaded.
+
+`AutoProcessor.from_pretrained` raises ImportError here for every processor that owns a video
+processor (those need torchvision, which CPU hosts do not install). The processor is therefore
+assembled from what it is made of: the tokenizer, the family's PIL image processor
+(`AutoImageProcessor(backend="pil")`) and the processor's own settings saved in
+processor_config.json. The video processor is left out (`None`); admission sizes videos with
+common/video.py. The processor then answers the exact visual-token count per image size
+(`_get_num_multimodal_tokens`), the same hook vLLM uses, without decoding a pixel.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+PROCESSOR_FILE = "processor_config.json"
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint the generic path cannot serve: the message is one line naming what is missing."""
+
+
+def processor_class(model_type: str) -> type:
+    """The processor class transformers pairs with this model_type (its auto mapping)."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None:
+        raise UnsupportedModelError(f"model_type {model_type!r}: transformers has no processor class for it")
+    if not hasattr(cls, "_get_num_multimodal_tokens"):
+        raise UnsupportedModelError(f"model_type {model_type!r}: {cls.__name__} has no _get_num_multimodal_tokens, "
+                                    "so the visual-token count per image cannot be known at admission")
+    return cls
+
+
+def processor_settings(model_dir: str | os.PathLike, cls: type) -> dict[str, Any]:
+    """The processor's own keys from processor_config.json (not its sub-processors), as its __init__ takes them."""
+    path = Path(model_dir) / PROCESSOR_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    params = inspect.signature(cls.__init__).parameters
+    subs = set(cls.get_attributes()) | {"chat_template"}
+    return {k: v for k, v in data.items() if k in params and k not in subs}
+
+
+def build_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: Any = None) -> Any:
+    """The checkpoint's processor, with the PIL image processor and no video processor."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    cls = processor_class(model_type)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    parts: dict[str, Any] = {"tokenizer": tokenizer,
+                             "image_processor": AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")}
+    attributes = cls.get_attributes()
+    missing = [a for a in attributes if a not in parts and a != "video_processor"]
+    if missing:
+        raise UnsupportedModelError(f"model_type {model_type!r}: {cls.__name__} needs {', '.join(missing)}, "
+                                    "which mserve does not load")
+    if "video_processor" in attributes:
+        parts["video_processor"] = None
+    processor = cls.__new__(cls)
+    # ProcessorMixin type-checks each part, and the check of a video processor imports torchvision: a
+    # None video processor is accepted on this one instance (video sizing lives in common/video.py).
+    check = processor.check_argument_for_proper_class
+    processor.check_argument_for_proper_class = (
+        lambda name, arg: type(None) if arg is None and name == "video_processor" else check(name, arg))
+    processor.__init__(**parts, **processor_settings(model_dir, cls))
+    del processor.check_argument_for_proper_class
+    return processor
+
+
+def image_token_count(processor: Any, width: int, height: int) -> int:
+    """Exact placeholder tokens of one image of (width, height), from the processor's own rule."""
+    data = processor._get_num_multimodal_tokens(image_sizes=[(height, width)])
+    return int(data.num_image_tokens[0])

@@ -1,0 +1,116 @@
+"""Client <-> coordinator (and a worker's direct TOKENS to a client): GENERATE, ABORT, STATUS and the replies.
+
+The coordinator parses ABORT and STATUS here at its socket; a GENERATE's content is the outside
+world's input, checked by admission (coordinator/admission.py: limits, images, messages, with
+messages that name the field) and turned into the `Generate` below. Clients parse every reply here.
+`Sampling` is the one wire shape of sampling parameters: GENERATE carries it, and so do PREFILL, RUN
+and the prefill -> decode hand-off; a worker turns it into its engine's SamplingParams once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mserve.common.protocol.core import LATENCY_CLASSES, MsgType
+from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as_map, as_str, list_of,
+                                          nested, one_of, optional, rest, wire)
+
+
+
+@dataclass
+class Sampling(Message):
+    """How the model picks each next token (temperature 0: greedy). A missing seed travels as no field."""
+
+    max_tokens: int = wire(as_int, 64)
+    temperature: float = wire(as_float, 0.0)
+    top_k: int = wire(as_int, 0)
+    top_p: float = wire(as_float, 1.0)
+    seed: int | None = wire(optional(as_int), None)
+    stop_token_ids: list[int] = wire(list_of(as_int), [])
+    ignore_eos: bool = wire(as_bool, False)
+
+
+@dataclass
+class Generate(Message):
+    KIND: ClassVar = MsgType.GENERATE
+    request_id: str = wire(as_str)
+    messages: list[dict[str, Any]] = wire(list_of(as_map))
+    sampling: Sampling = wire(nested(Sampling), Sampling)
+    priority: int = wire(as_int, 0)
+    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
+    stream: bool = wire(as_bool, False)
+    # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
+    # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.
+    tokens_to: str | None = wire(optional(as_str), None)
+
+
+@dataclass
+class Abort(Message):
+    KIND: ClassVar = MsgType.ABORT
+    request_id: str = wire(as_str)
+
+
+@dataclass
+class Status(Message):
+    """The coordinator's status, or (with `request_ids`, a client's liveness probe) which of these
+    requests it no longer holds (STATUS_REPLY's `unknown_requests`)."""
+
+    KIND: ClassVar = MsgType.STATUS
+    request_ids: list[str] | None = wire(optional(list_of(as_str)), None)
+
+
+@dataclass
+class Tokens(Message):
+    """New tokens of a streamed request, from the coordinator or straight from its decode worker."""
+
+    KIND: ClassVar = MsgType.TOKENS
+    request_id: str = wire(as_str)
+    index: int = wire(as_int)  # of the first of `token_ids` in the request's output
+    token_ids: list[int] = wire(list_of(as_int))
+    prompt_tokens: int | None = wire(optional(as_int), None)  # with index 0
+
+
+@dataclass
+class Result(Message):
+    KIND: ClassVar = MsgType.RESULT
+    request_id: str = wire(as_str)
+    token_ids: list[int] = wire(list_of(as_int))
+    text: str = wire(as_str)
+    finish_reason: str = wire(as_str)
+    timings: dict[str, float] = wire(as_map)  # queue_s, encode_s, ..., total_s
+    prompt_tokens: int = wire(as_int, 0)
+    visual_tokens: int = wire(as_int, 0)
+    cache_hits: dict[str, int] = wire(as_map, {})  # embedding, prefix_tokens
+    attempts: int = wire(as_int, 1)
+
+
+@dataclass
+class Error(Message):
+    KIND: ClassVar = MsgType.ERROR
+    request_id: str | None = wire(optional(as_str), send_none=True)  # None: a message not tied to a request
+    code: str = wire(as_str)  # an ErrorCode; clients map unknown ones to a server error
+    message: str = wire(as_str)
+    retry_after_s: float | None = wire(optional(as_float), None)  # with `overloaded`
+
+
+@dataclass
+class StatusReply(Message):
+    """An open report: the fields below, and whatever else the coordinator reports (roles, stats,
+    telemetry, model, ...) kept in `report` as it came."""
+
+    KIND: ClassVar = MsgType.STATUS_REPLY
+    workers: dict[str, Any] = wire(as_map)
+    unknown_requests: list[str] | None = wire(optional(list_of(as_str)), None)  # the answer to a probe
+    report: dict[str, Any] = rest()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The whole report, as a client's status() returns it."""
+        return self.fields()
+
+
+FROM_CLIENT: dict[MsgType, type[Message]] = {cls.KIND: cls for cls in (Generate, Abort, Status)}
+TO_CLIENT: dict[MsgType, type[Message]] = {cls.KIND: cls for cls in (Tokens, Result, Error, StatusReply)}
+
+__all__ = ["FROM_CLIENT", "LATENCY_CLASSES", "TO_CLIENT", "Abort", "Error", "Generate", "Result", "Sampling", "Status",
+           "StatusReply", "Tokens"]

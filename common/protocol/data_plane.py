@@ -1,0 +1,93 @@
+"""Receiver <-> sender on the data plane (common/transfer/): a fetch request, its reply, and the ack.
+
+Private to the data-plane ROUTER each worker's transfer engine binds; its message types are their
+own numbers (`DataMsg`), never seen by a control-plane socket. Bodies are typed Messages like the
+control plane's, parsed once on arrival (`parse_data`). Senders before the schema version was put on
+this link sent no "v": a body without one is read as version 1.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mserve.common.protocol.core import ProtocolError
+from mserve.common.protocol.typed import (Message, as_bool, as_int, as_list, as_map, as_str, optional, wire)
+from mserve.common.serde import SCHEMA_VERSION
+
+
+class DataMsg(enum.IntEnum):
+    REQUEST = 1
+    DATA = 2
+    READY = 3
+    ERROR = 4
+    ACK = 5
+
+
+@dataclass
+class FetchRequest(Message):
+    """Send me transfer `id` over `mode` ("tcp": as frames in DATA; "torch": a point-to-point send, READY
+    says how). `rq` numbers the request; the sender echoes it, so a late reply to an earlier one is told apart."""
+
+    KIND: ClassVar = DataMsg.REQUEST
+    id: str = wire(as_str)
+    mode: str = wire(as_str)
+    rq: int | None = wire(optional(as_int), None)
+    gid: str | None = wire(optional(as_str), None)  # torch: the process group the receiver holds, if any
+    peer: str | None = wire(optional(as_str), None)  # torch: the receiving engine's instance id
+
+
+@dataclass
+class TensorData(Message):
+    KIND: ClassVar = DataMsg.DATA
+    t: dict[str, Any] = wire(as_map)  # the transfer's tensors by name, in layout order
+    rq: int | None = wire(optional(as_int), None)
+
+
+@dataclass
+class TorchReady(Message):
+    """The sender's torch send has started (or there is nothing to send: `tag` null; or the receiver's
+    group went stale: `stale`, build a new one)."""
+
+    KIND: ClassVar = DataMsg.READY
+    rq: int | None = wire(optional(as_int), None)
+    tag: int | None = wire(optional(as_int), None)
+    gid: str | None = wire(optional(as_str), None)
+    store: list[Any] | None = wire(optional(as_list), None)  # [host, port] of the group's rendezvous store
+    stale: bool = wire(as_bool, False)
+
+
+@dataclass
+class FetchFailed(Message):
+    KIND: ClassVar = DataMsg.ERROR
+    error: str = wire(as_str)
+    rq: int | None = wire(optional(as_int), None)
+
+
+@dataclass
+class Ack(Message):
+    """The receiver is done with transfer `id`: the sender may free it."""
+
+    KIND: ClassVar = DataMsg.ACK
+    id: str = wire(as_str)
+
+
+TO_SENDER: dict[DataMsg, type[Message]] = {cls.KIND: cls for cls in (FetchRequest, Ack)}
+TO_RECEIVER: dict[DataMsg, type[Message]] = {cls.KIND: cls for cls in (TensorData, TorchReady, FetchFailed)}
+
+
+def parse_data(msg_type: int, payload: Any, accepted: dict[DataMsg, type[Message]]) -> Message:
+    """A data-plane body as its typed message; ProtocolError names what is wrong."""
+    try:
+        kind = DataMsg(msg_type)
+    except ValueError:
+        raise ProtocolError(f"unknown data-plane message type {msg_type}") from None
+    if kind not in accepted:
+        raise ProtocolError(f"data-plane message {kind.name} is not accepted here")
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"{kind.name} body must be a map, got {type(payload).__name__}")
+    version = payload.get("v", 1)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ProtocolError(f"{kind.name}: unsupported schema version {version!r} (this process speaks {SCHEMA_VERSION})")
+    return accepted[kind].from_body(payload)

@@ -1,0 +1,58 @@
+"""A model type the generic path cannot serve exactly is refused at load, with one line naming what it lacks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mserve.common.model import load_family
+from mserve.common.processor import UnsupportedModelError
+
+
+def config_only(root: Path, model_type: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"model_type": model_type, "image_token_id": 3}))
+    return root
+
+
+@pytest.mark.parametrize("model_type, match", [
+    ("gemma3", r"'gemma3' needs attention that is bidirectional among one image's tokens and sliding-window"),
+    ("idefics", r"'idefics': IdeficsProcessor has no _get_num_multimodal_tokens, so the visual-token count"),
+    ("not_a_vlm", r"'not_a_vlm': transformers has no processor class for it"),
+    ("paligemma", r"'paligemma' is not verified token-exact in mserve \(served: llava, qwen2_vl"),
+], ids=["known-gap", "no-count-hook", "unknown", "unverified"])
+def test_unservable_model_type_is_refused_at_load_in_one_line(tmp_path, model_type, match):
+    with pytest.raises(UnsupportedModelError, match=match) as info:
+        load_family(config_only(tmp_path, model_type))
+    assert "\n" not in str(info.value)
+
+
+def test_engine_refuses_before_loading_weights(tmp_path):
+    """The worker's runner loads the family first: no weights are read for a refused model type."""
+    from mserve.workers.model_runner import ModelRunner
+
+    with pytest.raises(UnsupportedModelError, match="gemma3"):
+        ModelRunner(config_only(tmp_path, "gemma3"))
+
+
+def test_video_to_a_family_without_video_support_is_refused_naming_it(tiny_model_dirs):
+    """Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts): refused at admission, not guessed."""
+    from mserve.common.prompt import PromptBuilder
+    from tests.helpers import make_frames
+
+    builder = PromptBuilder(tiny_model_dirs["qwen2_5_vl"])
+    video = [{"role": "user", "content": [{"type": "video", "video": make_frames(56, 56, 2)},
+                                          {"type": "text", "text": "What happens?"}]}]
+    with pytest.raises(ValueError, match="video input is not supported for model_type qwen2_5_vl"):
+        builder.prepare(video)
+
+
+def test_mserve_up_refuses_before_starting_anything(tmp_path, caplog):
+    from mserve.up import _main
+
+    assert _main(["--model", str(config_only(tmp_path, "gemma3"))]) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["mserve up failed: model_type 'gemma3' needs attention that is bidirectional among one "
+                      "image's tokens and sliding-window layers (the paged attention is causal and global)"]

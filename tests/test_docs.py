@@ -1,0 +1,233 @@
+"""Drift guards for the docs: what they name must exist.
+
+* every `--flag` a doc writes after `mserve <command>` (in a code span, a code block, or a flag table
+  under a heading naming `mserve <command>`) is a flag of that command's parser;
+* the message tables of docs/protocol.md list exactly `MsgType`, with its numbers, and its data-plane
+  table exactly the transfer channel's `Msg`;
+* every repository path, and every `*.md` file, a doc cites in backticks exists.
+* the settings tables of docs/operations.md list every field of the coordinator's and the worker's
+  settings, under its MSERVE_* name, and "(env only)" only for fields without a flag.
+
+The checks read text and build the CLI parser in-process: no processes, no model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "deploy" / "README.md"]
+# Files the tools write (`mserve bench serve` writes report.md), named in the docs but not docs.
+OUTPUT_FILES = ("report.md", "soak.md")
+TOP_FOLDERS = ("common", "coordinator", "workers", "bench", "deploy", "tests", "docs", "mserve")
+
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+SPAN = re.compile(r"`([^`\n]+)`")
+COMMAND = re.compile(r"(?<![\w/.-])mserve\s+([a-z][a-z-]*)((?:\s+[a-z][a-z|-]*)?)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+@pytest.fixture(scope="module")
+def commands() -> dict[str, argparse.ArgumentParser]:
+    """`mserve <sub>` and `mserve bench <sub>` parsers, by the words that name them."""
+    from mserve.cli import build_parser
+
+    found = {}
+    for name, parser in _subparsers(build_parser()).items():
+        found[name] = parser
+        for inner, inner_parser in _subparsers(parser).items():
+            found[f"{name} {inner}"] = inner_parser
+    return found
+
+
+def _flags_of(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def _command_lines(text: str) -> list[str]:
+    """Command lines: code spans outside code blocks, and code-block lines (continuations joined,
+    comments and pipes cut off)."""
+    lines = []
+    for block in FENCE.findall(text):
+        for line in block.replace("\\\n", " ").splitlines()[1:-1]:
+            if not line.lstrip().startswith("kubectl"):  # `kubectl -n mserve ...`: a namespace
+                lines.append(re.split(r"\s#|\s\|\s|&&", line)[0])
+    lines += SPAN.findall(FENCE.sub("", text).replace("\\|", "|"))
+    return lines
+
+
+def _table_flags(text: str) -> list[tuple[str, str]]:
+    """(command, flag) for the `flag` column of tables under a heading naming `mserve <command>`."""
+    found, command, column = [], None, None
+    for line in FENCE.sub("", text).splitlines():
+        cells = [c.strip() for c in line.replace("\\|", "/").split("|")[1:-1]]
+        if line.startswith("#"):
+            named = re.search(r"`mserve ([a-z][a-z-]*)`", line)
+            command = named.group(1) if named else None
+        elif not line.startswith("|"):
+            column = None
+        elif column is None:  # a table's header row
+            column = next((i for i, c in enumerate(cells) if c.startswith("flag")), -1)
+        elif command and 0 <= column < len(cells):
+            found += [(command, flag) for flag in FLAG.findall(" ".join(SPAN.findall(cells[column])))]
+    return found
+
+
+def _doc_flags(text: str) -> list[tuple[str, str]]:
+    found = []
+    for line in _command_lines(text):
+        for match in COMMAND.finditer(line):
+            words = match.group(1) + match.group(2)
+            rest = line[match.end():]
+            nxt = COMMAND.search(rest)  # a second command on the line starts its own flags
+            found += [(words, flag) for flag in FLAG.findall(rest[:nxt.start()] if nxt else rest)]
+    return found + _table_flags(text)
+
+
+def _resolve(words: str, commands: dict[str, argparse.ArgumentParser]) -> list[argparse.ArgumentParser]:
+    """The parsers `mserve WORDS` names: `bench engine|serve` names both; an unknown second word is an
+    argument (`mserve keygen DIR`), so the first word alone."""
+    first, *second = words.split()
+    if second and any(f"{first} {w}" in commands for w in second[0].split("|")):
+        return [commands[f"{first} {w}"] for w in second[0].split("|") if f"{first} {w}" in commands]
+    return [commands[first]] if first in commands else []
+
+
+def test_every_flag_the_docs_name_exists(commands):
+    wrong = []
+    for doc in DOCS:
+        for words, flag in _doc_flags(doc.read_text()):
+            parsers = _resolve(words, commands)
+            if not parsers:
+                wrong.append(f"{_rel(doc)}: `mserve {words.split()[0]}` is not an mserve command")
+            elif not any(flag in _flags_of(p) for p in parsers):
+                wrong.append(f"{_rel(doc)}: `mserve {words}` has no flag {flag}")
+    assert not wrong, "docs name flags the CLI does not have:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_the_flag_check_sees_the_docs_commands(commands):
+    """Guard the guard: the extraction finds flags in code blocks, spans and tables alike."""
+    found = {(words.split()[0], flag) for doc in DOCS for words, flag in _doc_flags(doc.read_text())}
+    for expected in [("up", "--http-port"), ("coordinator", "--shard-id"), ("worker", "--role"),
+                     ("gateway", "--direct-tokens"), ("status", "--json"), ("autoscale", "--backend"),
+                     ("coordinator", "--max-image-bytes"), ("worker", "--max-prefill-tokens")]:
+        assert expected in found, f"no doc names `mserve {expected[0]} ... {expected[1]}` any more"
+
+
+# ---- messages ----------------------------------------------------------------------------------------
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start:end if end >= 0 else len(text)]
+
+
+def _table_rows(text: str) -> dict[str, int]:
+    """{NAME: number} from table rows `| NAME | number | ...`."""
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\|\s*([A-Z][A-Z_]+)\s*\|\s*(\d+)\s*\|", text, re.M)}
+
+
+def _assert_same(documented: dict[str, int], code: dict[str, int], where: str, source: str) -> None:
+    missing = sorted(set(code) - set(documented))
+    unknown = sorted(set(documented) - set(code))
+    renumbered = sorted(n for n in set(code) & set(documented) if code[n] != documented[n])
+    assert not missing, f"{where} does not list {missing} (in {source})"
+    assert not unknown, f"{where} lists {unknown}, which {source} does not define"
+    assert not renumbered, f"{where} gives {renumbered} other numbers than {source}"
+
+
+def test_protocol_doc_lists_every_message_type():
+    from mserve.common.protocol.core import MsgType
+
+    documented = _table_rows(_section((ROOT / "docs" / "protocol.md").read_text(), "## Messages"))
+    _assert_same(documented, {m.name: m.value for m in MsgType}, "docs/protocol.md, Messages",
+                 "mserve.common.protocol.core.MsgType")
+
+
+def test_protocol_doc_lists_every_data_plane_message():
+    from mserve.common.transfer.channel import Msg
+
+    section = _section((ROOT / "docs" / "protocol.md").read_text(), "## Transfers (data plane)")
+    _assert_same(_table_rows(section), {m.name: m.value for m in Msg}, "docs/protocol.md, Transfers",
+                 "mserve.common.transfer.channel.Msg")
+
+
+# ---- paths -------------------------------------------------------------------------------------------
+
+
+def _cited_paths(text: str) -> list[str]:
+    """Repository paths (`coordinator/routing.py: ...`, `deploy/k8s/...`) and bare `*.md` names in
+    code spans; placeholders ({x}, <x>, globs) are not paths."""
+    found = []
+    for span in SPAN.findall(FENCE.sub("", text)):
+        word = re.split(r"[\s:,(]", span.strip())[0].rstrip(".").removesuffix("/...")
+        if re.search(r"[{}<>*]", word):
+            continue
+        if word.split("/")[0] in TOP_FOLDERS and "/" in word or re.fullmatch(r"[\w.-]+\.md", word) \
+                and word not in OUTPUT_FILES:
+            found.append(word)
+    return found
+
+
+def _exists(cited: str, doc: Path) -> bool:
+    return any((base / cited).exists() for base in (ROOT, doc.parent, ROOT / "docs"))
+
+
+def test_every_path_the_docs_cite_exists():
+    wrong = [f"{_rel(doc)}: `{cited}`" for doc in DOCS for cited in _cited_paths(doc.read_text())
+             if not _exists(cited, doc)]
+    assert not wrong, "docs cite paths that do not exist:\n" + "\n".join(sorted(set(wrong)))
+
+
+# ---- settings ----------------------------------------------------------------------------------------
+
+
+def _settings_rows(heading: str) -> dict[str, tuple[str, str]]:
+    """{field: (env cell, flag cell)} of the settings table under `heading` in docs/operations.md."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    rows = {}
+    for line in text[text.index(heading):].split("\n\n", 2)[1].splitlines()[2:]:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        for name in cells[0].split(","):
+            rows[name.strip()] = (cells[1], cells[2])
+    return rows
+
+
+@pytest.mark.parametrize("heading, settings, command", [
+    ("### Coordinator (`mserve coordinator`)", "mserve.coordinator.settings:CoordinatorSettings", "coordinator"),
+    ("### Worker (`mserve worker`)", "mserve.workers.settings:WorkerSettings", "worker"),
+])
+def test_settings_tables_list_every_field(heading, settings, command, commands):
+    """Every field of a process's settings is in its table, under its MSERVE_* name, and a field the
+    table calls "(env only)" has no flag."""
+    import importlib
+
+    module, name = settings.split(":")
+    fields = set(getattr(importlib.import_module(module), name).model_fields)
+    rows = _settings_rows(heading)
+    assert set(rows) == fields, (f"docs/operations.md, {heading}: missing {sorted(fields - set(rows))}, "
+                                 f"not settings {sorted(set(rows) - fields)}")
+    flags = _flags_of(commands[command])
+    for field, (env, flag) in rows.items():
+        assert f"MSERVE_{field.upper()}" in env or "..." in env, f"{heading}: {field}'s variable is not {env}"
+        if "env only" in flag:
+            assert "--" + field.replace("_", "-") not in flags, f"{heading}: {field} is said env only, has a flag"
