@@ -264,23 +264,26 @@ class ComposeBackend(_CommandBackend):
     tool = "docker"
 
     def __init__(self, compose_file: str | None = None, project: str | None = None,
-                 services: Mapping[str, str] | None = None, dry_run: bool = False, docker: str = "docker") -> None:
+                 services: Mapping[str, str] | None = None, dry_run: bool = False, docker: str = "docker",
+                 compose_command: Sequence[str] | None = None) -> None:
         super().__init__(dry_run)
         self.compose_file, self.project, self.tool = compose_file, project, docker
+        # `docker compose` (the plugin) by default; ["docker-compose"] where only compose v1 is installed.
+        self.compose = list(compose_command) if compose_command else [docker, "compose"]
         self.services = {pool: pool for pool in POOLS}
         self.services.update(services or {})
 
     def command(self, pool: str, replicas: int) -> list[str]:
         svc = self.services[pool]
-        cmd = [self.tool, "compose"]
+        cmd = list(self.compose)
         if self.compose_file:
             cmd += ["-f", self.compose_file]
         if self.project:
             cmd += ["-p", self.project]
         return cmd + ["up", "-d", "--no-recreate", "--no-deps", "--scale", f"{svc}={int(replicas)}", svc]
 
-    def probe(self) -> bool:  # the compose plugin, and an engine answering
-        return _quiet_ok([self.tool, "compose", "version"]) and _quiet_ok([self.tool, "info"])
+    def probe(self) -> bool:  # the compose command, and an engine answering
+        return _quiet_ok([*self.compose, "version"]) and _quiet_ok([self.tool, "info"])
 
 
 def compose_services(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -138,6 +139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-workers", action="store_true", help="on exit, leave the started workers running")
 
     g = p.add_argument_group("compose backend")
+    g.add_argument("--compose-command", default="docker compose", metavar="CMD",
+                   help="the compose command (default %(default)r; 'docker-compose' for compose v1)")
     g.add_argument("--compose-file", default=None, metavar="FILE", help="docker compose -f FILE")
     g.add_argument("--compose-project", default=None, metavar="NAME", help="docker compose -p NAME")
     g.add_argument("--compose-service", action="append", metavar="POOL=NAME",
@@ -198,7 +201,8 @@ def build_backend(args: argparse.Namespace, redis_url: str | None) -> Any:
                                      dry_run=args.dry_run)
     if args.backend == "compose":
         return backends.ComposeBackend(args.compose_file, args.compose_project,
-                                       _per_pool(args.compose_service, str, "--compose-service"), dry_run=args.dry_run)
+                                       _per_pool(args.compose_service, str, "--compose-service"), dry_run=args.dry_run,
+                                       compose_command=shlex.split(args.compose_command))
     return backends.KubernetesBackend(args.namespace, _per_pool(args.deployment, str, "--deployment"),
                                       context=args.context, mode=args.k8s_apply, dry_run=args.dry_run)
 

@@ -38,6 +38,12 @@ def test_compose_command_scales_one_service_without_touching_the_others():
                                       "-d", "--no-recreate", "--no-deps", "--scale", "vision=0", "vision"]
 
 
+def test_compose_command_can_be_compose_v1():
+    b = ComposeBackend("deploy/docker-compose.yml", None, compose_command=["docker-compose"])
+    assert b.command("decode", 2) == ["docker-compose", "-f", "deploy/docker-compose.yml", "up", "-d", "--no-recreate",
+                                      "--no-deps", "--scale", "decode=2", "decode"]
+
+
 def test_compose_dry_run_and_missing_docker_record_the_target_without_running():
     b = ComposeBackend(dry_run=True)
     assert b.replicas(snap(decode=["d0"]))["decode"] == 1  # nothing set yet: what serves
