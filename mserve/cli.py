@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("generate", help="run encode -> prefill -> decode in one process and print the answer",
-                       description="Load a local llava-hf or Qwen2-VL folder and answer one prompt (with images).")
+                       description="Load a local checkpoint folder (a family the README lists) and answer one prompt (with images).")
     p.add_argument("--model", required=True, help="local checkpoint folder")
     p.add_argument("--prompt", required=True, help="the user's text")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="an image file; repeat for more")

@@ -89,7 +89,7 @@ def print_result(i: int, question: str, result: Any) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mserve.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="local llava-hf or Qwen2-VL folder (mserve make-tiny-model)")
+    parser.add_argument("--model", required=True, help="local checkpoint folder (mserve make-tiny-model)")
     parser.add_argument("--n", type=int, default=3, help="number of requests, sent concurrently (default 3)")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per answer at most (default 24)")
     parser.add_argument("--redis", default=None, metavar="URL", help="existing redis (default: a private one)")
