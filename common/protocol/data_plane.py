@@ -12,9 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mserve.common.protocol.core import ProtocolError
-from mserve.common.protocol.typed import (Message, as_bool, as_int, as_list, as_map, as_str, optional, wire)
-from mserve.common.serde import SCHEMA_VERSION
+from mserve.common.protocol.typed import (Message, accepted_kind, as_bool, as_int, as_list, as_map, as_str, optional, wire)
 
 
 class DataMsg(enum.IntEnum):
@@ -78,16 +76,7 @@ TO_RECEIVER: dict[DataMsg, type[Message]] = {cls.KIND: cls for cls in (TensorDat
 
 
 def parse_data(msg_type: int, payload: Any, accepted: dict[DataMsg, type[Message]]) -> Message:
-    """A data-plane body as its typed message; ProtocolError names what is wrong."""
-    try:
-        kind = DataMsg(msg_type)
-    except ValueError:
-        raise ProtocolError(f"unknown data-plane message type {msg_type}") from None
-    if kind not in accepted:
-        raise ProtocolError(f"data-plane message {kind.name} is not accepted here")
-    if not isinstance(payload, dict):
-        raise ProtocolError(f"{kind.name} body must be a map, got {type(payload).__name__}")
-    version = payload.get("v", 1)
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise ProtocolError(f"{kind.name}: unsupported schema version {version!r} (this process speaks {SCHEMA_VERSION})")
+    """A data-plane body as its typed message; ProtocolError names what is wrong. A body without `v`
+    is a version-1 sender's (data-plane bodies carried none before)."""
+    kind = accepted_kind(DataMsg, msg_type, payload, accepted, what="data-plane message", default_version=1)
     return accepted[kind].from_body(payload)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from enum import IntEnum
+from typing import Any, ClassVar, TypeVar
 
 from mserve.common.protocol.core import MsgType, ProtocolError, body
 from mserve.common.serde import SCHEMA_VERSION
 
 Check = Callable[[Any, str], Any]
+K = TypeVar("K", bound=IntEnum)
 
 
 def wire(check: Check, default: Any = dataclasses.MISSING, *, send_none: bool = False) -> Any:
@@ -138,20 +140,29 @@ class Message:
         return cls(**values)
 
 
+def accepted_kind(kinds: type[K], msg_type: int, payload: Any, accepted: Mapping[K, type[Message]], *,
+                  what: str = "message type", default_version: int | None = None) -> K:
+    """The message's kind (a member of `kinds`), once it is one this endpoint accepts and its body a map
+    of a schema version this process reads; `what` names the link in errors. Every socket, control
+    and data plane, checks a header this one way."""
+    try:
+        kind = kinds(msg_type)
+    except ValueError:
+        raise ProtocolError(f"unknown {what} {msg_type}") from None
+    if kind not in accepted:
+        raise ProtocolError(f"{what} {kind.name} is not accepted here")
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"{kind.name} body must be a map, got {type(payload).__name__}")
+    version = payload.get("v", default_version)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ProtocolError(f"{kind.name}: unsupported schema version {version!r} (this process speaks {SCHEMA_VERSION})")
+    return kind
+
+
 def check_header(msg_type: int, payload: Any, accepted: Mapping[MsgType, type[Message]]) -> MsgType:
     """The message's type, once it is one this endpoint accepts, a map of a schema version this process
     reads, with its class's required fields present (their values are checked by `parse_message`)."""
-    try:
-        kind = MsgType(msg_type)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {msg_type}") from None
-    if kind not in accepted:
-        raise ProtocolError(f"message type {kind.name} is not accepted here")
-    if not isinstance(payload, dict):
-        raise ProtocolError(f"{kind.name} body must be a map, got {type(payload).__name__}")
-    version = payload.get("v")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise ProtocolError(f"{kind.name}: unsupported schema version {version!r} (this process speaks {SCHEMA_VERSION})")
+    kind = accepted_kind(MsgType, msg_type, payload, accepted)
     missing = [f.name for f in dataclasses.fields(accepted[kind])  # type: ignore[arg-type]
                if f.name not in payload and f.default is dataclasses.MISSING and not f.metadata.get("rest")
                and f.default_factory is dataclasses.MISSING]
