@@ -11,7 +11,7 @@ from mserve.common.prompt import PromptBuilder
 from mserve.common.redis_store import RedisStore
 from mserve.coordinator.client import AsyncClient, Client
 from mserve.coordinator.launcher import LocalCluster
-from tests.helpers import chat, hf_generate, request_mix
+from tests.helpers import chat, hf_generate, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -21,6 +21,15 @@ async def generate_all(address: str, requests, max_tokens: int = MAX_TOKENS, **k
     async with AsyncClient(address, timeout_s=120) as client:
         return await asyncio.gather(*[client.generate(chat(text, images), max_tokens=max_tokens, **kw)
                                       for text, images in requests])
+
+
+def encoders_idle(address: str, n: int) -> bool:
+    """`n` encode workers alive, with nothing queued, running or assigned, as the coordinator sees them."""
+    with Client(address, timeout_s=10) as c:
+        workers = c.status()["workers"].values()
+    idle = [w for w in workers if w["role"] == "encode" and w["alive"]
+            and not (w["load"]["queue_len"] or w["load"]["running"] or w["load"]["inflight"])]
+    return len(idle) >= n
 
 
 def expected(model_dir: str, requests, max_tokens: int = MAX_TOKENS, ignore_eos: bool = False) -> list[list[int]]:
@@ -46,6 +55,10 @@ def test_concurrent_batch_matches_hf(tiny_model_dirs, redis_url, arch, pools, tr
     with LocalCluster(model, redis_url=redis_url, transfer=transfer, **pools) as cluster:
         results = asyncio.run(generate_all(cluster.address, requests))
         for req in spread:
+            # Spreading needs a second encoder the coordinator sees idle: wait for the load reports
+            # that follow the batch (a loaded machine can delay them past the last reply).
+            wait_for(lambda: encoders_idle(cluster.address, pools["encode"]), timeout_s=30,
+                     what=f"{pools['encode']} live, idle encoders in the coordinator's view")
             results += asyncio.run(generate_all(cluster.address, [req]))
         with Client(cluster.address, timeout_s=10) as c:
             stats = c.status()["stats"]

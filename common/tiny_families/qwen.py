@@ -1,58 +1,38 @@
-"""The real architectures and processors of each tiny-model family: configs and processor files.
-
-`common/tiny_model.py` trains the tokenizer, draws the weights and saves the folder; this module
-says what each family is made of (its transformers config classes, its PIL image processor and
-processor class, saved the way current transformers saves them).
-"""
+"""Qwen2-VL and Qwen2.5-VL: dynamic-resolution towers with M-RoPE, Qwen's processor and template."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from mserve.common.tiny_model import LLAVA_CHAT_TEMPLATE, PATCH_SIZE, QWEN2_VL_CHAT_TEMPLATE
+from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
 
+# Published Qwen/Qwen2-VL-*-Instruct chat template, verbatim (no BOS, default system prompt).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in "
+    "messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+    "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string "
+    "%}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if "
+    "content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value "
+    "= image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: "
+    "{% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
 
-def llava_config(dims: dict, tok, std: float):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+QWEN2_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                     "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
-    vision = CLIPVisionConfig(
-        hidden_size=dims["v_hidden"], intermediate_size=dims["v_inter"],
-        num_hidden_layers=dims["v_layers"], num_attention_heads=dims["v_heads"],
-        image_size=dims["image_size"], patch_size=PATCH_SIZE, projection_dim=dims["v_hidden"],
-        hidden_act="quick_gelu", initializer_range=std,
-    )
-    text = LlamaConfig(
-        vocab_size=len(tok), hidden_size=dims["hidden"], intermediate_size=dims["inter"],
-        num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
-        num_key_value_heads=dims["kv_heads"], max_position_embeddings=4096, rms_norm_eps=1e-5,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False, initializer_range=std,
-    )
-    return LlavaConfig(
-        vision_config=vision, text_config=text,
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
-        image_seq_length=(dims["image_size"] // PATCH_SIZE) ** 2,
-        projector_hidden_act="gelu", vision_feature_select_strategy="default",
-        vision_feature_layer=-2, tie_word_embeddings=False,
-    )
+def qwen_tokenizer(vocab_size: int):
+    from transformers import PreTrainedTokenizerFast
 
-
-def _grid_pinpoints(side: int) -> list[list[int]]:
-    """LLaVA-NeXT's any-res canvases (height, width), in tiles of the vision tower's side: 1x2, 2x1, 2x2,
-    1x3, 3x1 as llava-hf's v1.6 checkpoints (whose side is 336)."""
-    return [[side * h, side * w] for h, w in ((1, 2), (2, 1), (2, 2), (1, 3), (3, 1))]
-
-
-def llava_next_config(dims: dict, tok, std: float):
-    from transformers import LlavaNextConfig
-
-    base = llava_config(dims, tok, std)
-    return LlavaNextConfig(
-        vision_config=base.vision_config, text_config=base.text_config,
-        image_token_index=base.image_token_index, image_grid_pinpoints=_grid_pinpoints(dims["image_size"]),
-        image_seq_length=base.image_seq_length, projector_hidden_act="gelu",
-        vision_feature_select_strategy="default", vision_feature_layer=-2, tie_word_embeddings=False,
+    tok = train_bpe(vocab_size, [], QWEN2_VL_SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+        padding_side="left", chat_template=QWEN2_VL_CHAT_TEMPLATE,
     )
 
 
@@ -107,46 +87,6 @@ def _qwen_text(dims: dict, tok, std: float) -> dict:
         bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, tie_word_embeddings=False, initializer_range=std,
     )
-
-
-def save_llava_processor(out: Path, dims: dict, tok, layout: str) -> None:
-    # The PIL backend: CLIPImageProcessor proper is the torchvision one in transformers 5.
-    from transformers import CLIPImageProcessorPil, LlavaProcessor
-
-    side = dims["image_size"]
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-    )
-    processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=LLAVA_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)  # processor_config.json (nested), tokenizer, chat template
-    if layout != "processor":
-        image_processor.save_pretrained(out)  # legacy preprocessor_config.json, as on the hub
-    if layout == "preprocessor":  # llava-hf's processor_config.json: the processor's own keys only
-        _drop_nested_image_processor(out)
-
-
-def save_llava_next_processor(out: Path, dims: dict, tok, layout: str) -> None:
-    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
-
-    side = dims["image_size"]
-    image_processor = LlavaNextImageProcessorPil(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side},
-        image_grid_pinpoints=_grid_pinpoints(side),
-    )
-    processor = LlavaNextProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=LLAVA_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":
-        _drop_nested_image_processor(out)
 
 
 class _VideoProcessorConfig(dict):
@@ -206,8 +146,32 @@ def save_qwen2_vl_processor(out: Path, dims: dict, tok, layout: str, processor_c
         (out / "processor_config.json").unlink()
 
 
-def _drop_nested_image_processor(out: Path) -> None:
-    path = out / "processor_config.json"
-    config = json.loads(path.read_text())
-    del config["image_processor"]
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+def generation_config(tok):
+    from transformers import GenerationConfig
+
+    # Qwen2-VL stops on <|im_end|> as well as <|endoftext|>, and has no real BOS.
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    return GenerationConfig(bos_token_id=endoftext, eos_token_id=[tok.eos_token_id, endoftext],
+                            pad_token_id=endoftext)
+
+
+_TINY_TEXT = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2)
+_SMALL_TEXT = dict(hidden=512, inter=1376, layers=8, heads=8, kv_heads=4)
+
+QWEN2_VL = TinyFamily(
+    arch="qwen2_vl",
+    dims={"tiny": dict(v_hidden=32, v_layers=2, v_heads=2, v_mlp_ratio=2, max_pixels=224 * 224, **_TINY_TEXT),
+          "small": dict(v_hidden=256, v_layers=4, v_heads=4, v_mlp_ratio=4, max_pixels=448 * 448, **_SMALL_TEXT)},
+    init_std={"tiny": 0.3, "small": 0.15},
+    tokenizer=qwen_tokenizer, config=qwen2_vl_config, save_processor=save_qwen2_vl_processor,
+    generation_config=generation_config,
+)
+QWEN2_5_VL = TinyFamily(
+    arch="qwen2_5_vl",
+    dims={"tiny": dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, max_pixels=224 * 224, **_TINY_TEXT),
+          "small": dict(v_hidden=256, v_inter=1024, v_layers=4, v_heads=4, max_pixels=448 * 448, **_SMALL_TEXT)},
+    init_std={"tiny": 0.3, "small": 0.15},
+    tokenizer=qwen_tokenizer, config=qwen2_5_vl_config,
+    save_processor=lambda out, dims, tok, layout: save_qwen2_vl_processor(out, dims, tok, layout, "Qwen2_5_VLProcessor"),
+    generation_config=generation_config,
+)

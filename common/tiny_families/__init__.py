@@ -1,0 +1,14 @@
+"""The families `mserve make-tiny-model` builds: one module per family, each a `TinyFamily`.
+
+A new family is a module here (its config, processor files, tokenizer and chat template, saved the
+way current transformers saves them) and one entry in FAMILIES; `common/tiny_model.py` trains the
+tokenizer, draws the weights and saves the folder the same way for all of them.
+"""
+
+from __future__ import annotations
+
+from mserve.common.tiny_families.base import TinyFamily
+from mserve.common.tiny_families.llava import LLAVA, LLAVA_NEXT
+from mserve.common.tiny_families.qwen import QWEN2_5_VL, QWEN2_VL
+
+FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN2_5_VL)}
