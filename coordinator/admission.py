@@ -64,6 +64,9 @@ class GenerateIn(BaseModel):
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
     # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.
     tokens_to: str | None = Field(None, max_length=256, pattern=r"^tcp://[^\s/]+:\d+$")
+    # The caller's span (W3C traceparent): the request's trace continues under it. One that does not
+    # parse starts a new trace, as W3C Trace Context asks; it never fails the request.
+    trace: str | None = Field(None, max_length=128)
 
     def to_wire(self) -> Generate:
         s = self.sampling
@@ -72,7 +75,7 @@ class GenerateIn(BaseModel):
                                           top_p=s.top_p, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
                                           ignore_eos=s.ignore_eos),
                         priority=self.priority, latency_class=self.latency_class, stream=self.stream,
-                        tokens_to=self.tokens_to)
+                        tokens_to=self.tokens_to, trace=self.trace)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Admitted:
     request: Generate
     prompt_ids: list[int]
     images: list[AdmittedImage]
+    admission_s: float = 0.0  # how long admission took (the trace's admission span)
 
     @property
     def visual_tokens(self) -> int:

@@ -10,6 +10,7 @@ import math
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from mserve.common.policy import DEFAULT_LIMITS
     from mserve.common.pruning import add_argument as add_pruning_argument
+    from mserve.common.tracing import add_argument as add_tracing_argument
 
     p.add_argument("--model", help="local checkpoint folder (tokenizer, chat template, processor rules)")
     p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
@@ -73,5 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--curve-authorized-keys")
     p.add_argument("--curve-authorized-keys", metavar="DIR",
                    help="folder of the public keys (*.key) of the workers allowed in; any other is refused")
+    add_tracing_argument(p)
     add_pruning_argument(p, "Admission counts placeholders at this ratio; encode and unified workers with "
                             "another are refused.")

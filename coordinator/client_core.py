@@ -208,13 +208,14 @@ def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: b
                   max_tokens: int = Sampling.max_tokens, temperature: float = Sampling.temperature,
                   top_k: int = Sampling.top_k, top_p: float = Sampling.top_p, seed: int | None = Sampling.seed,
                   stop_token_ids: Sequence[int] = (), ignore_eos: bool = Sampling.ignore_eos, priority: int = 0,
-                  latency_class: str = "interactive") -> dict[str, Any]:
-    """The GENERATE body; the keyword arguments are the ``**sampling`` options of generate()/stream()."""
+                  latency_class: str = "interactive", trace: str | None = None) -> dict[str, Any]:
+    """The GENERATE body; the keyword arguments are the ``**sampling`` options of generate()/stream().
+    `trace`: the caller's span as a W3C traceparent, which the request's trace continues under."""
     sampling = Sampling(max_tokens=int(max_tokens), temperature=float(temperature), top_k=int(top_k),
                         top_p=float(top_p), seed=None if seed is None else int(seed),
                         stop_token_ids=[int(t) for t in stop_token_ids], ignore_eos=bool(ignore_eos))
     return Generate(request_id=request_id, messages=normalize_client_messages(messages), sampling=sampling,
-                    priority=int(priority), latency_class=latency_class, stream=stream).to_body()
+                    priority=int(priority), latency_class=latency_class, stream=stream, trace=trace).to_body()
 
 
 def status_body() -> dict[str, Any]:

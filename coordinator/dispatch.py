@@ -69,10 +69,10 @@ class Dispatcher:
                 st.timings["queue_s"] += now - w.since
                 st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
                 st.deadline = now + self.settings.stage_timeout_s
-                self._send_stage(st, stage, worker, ws, holders)
+                self._send_stage(st, stage, worker, ws, holders, queued_s=now - w.since)
 
     def _send_stage(self, st: RequestState, stage: Stage, worker: WorkerView, ws: list[WorkerView],
-                    holders: dict[str, set[str]]) -> None:
+                    holders: dict[str, set[str]], queued_s: float = 0.0) -> None:
         shares: list[tuple[WorkerView, list[int] | None]] = [(worker, None)]
         if stage == Stage.ENCODE and self.settings.spread_encode and len(st.admitted.images) > 1:
             spread = spread_encode(worker, ws, [im.hash for im in st.admitted.images], holders)
@@ -83,9 +83,11 @@ class Dispatcher:
         if stage == Stage.ENCODE:
             st.encode_started = self.outbox.now
         self.uncharge(st, keep={p.worker_id for p in st.parts if p.descriptor is None})  # parts still encoding
+        trace = st.trace.stage_sent(str(stage), [w.worker_id for w, _ in shares], st.attempt, queued_s) \
+            if st.trace is not None else None
         for w, part in shares:
             kind, payload, tokens = stage_message(st, stage, hand_back=self.settings.kv_hand_back, part=part,
-                                                  report_every=self.settings.token_report_every)
+                                                  report_every=self.settings.token_report_every, trace=trace)
             self.members.charge(w.worker_id, tokens)
             st.charged.append((w.worker_id, tokens))
             self.outbox.to_worker(w.worker_id, kind, payload)

@@ -41,6 +41,8 @@ class Lifecycle:
                 self.end(st, error=(ErrorCode.INTERNAL, f"gave up after {st.attempt + 1} attempts{unsent}: {reason}"))
                 return
             log.warning("%s re-run (attempt %d): %s", st.client_rid, st.attempt + 2, reason)
+            if st.trace is not None:
+                st.trace.stage_ended(error=f"re-run: {reason}")
             st.attempt += 1
         st.deadline = 0.0
         st.embeddings = st.kv = st.embeddings_from = st.kv_from = None
@@ -51,6 +53,8 @@ class Lifecycle:
     def stage_done(self, st: RequestState, timing_key: str) -> None:
         st.timings[timing_key] += self.outbox.now - st.stage_started
         self.dispatch.uncharge(st)
+        if st.trace is not None:
+            st.trace.stage_ended()
 
     def emit(self, st: RequestState, tokens: list[int], relay: bool = True) -> None:
         now = self.outbox.now
@@ -71,6 +75,11 @@ class Lifecycle:
         self.dispatch.uncharge(st)
         self.dispatch.forget(st)
         self.requests.remove(st)
+        if st.trace is not None:
+            st.trace.finish({"mserve.attempts": st.attempt + 1, "mserve.output_tokens": len(st.output_ids),
+                             "mserve.finish_reason": finish_reason, "mserve.embedding_cache_hits":
+                             st.cache_hits["embedding"], "mserve.prefix_cache_hit_tokens": st.cache_hits["prefix_tokens"]},
+                            error=None if error is None else f"{error[0]}: {error[1]}")
         if error is not None:
             self.stats["failed"] += 1
             log.warning("%s failed: %s", st.client_rid, error[1])

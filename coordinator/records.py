@@ -17,6 +17,7 @@ from mserve.common.protocol import MsgType
 from mserve.common.protocol.client import Error, Result
 from mserve.common.protocol.to_worker import DecodeTask, EmbeddingPart, EncodeTask, ImageRef, PrefillTask, RunTask
 from mserve.coordinator.admission import Admitted
+from mserve.coordinator.tracing import RequestTrace
 
 
 class Stage(str, Enum):  # enum.StrEnum once Python 3.10 support goes
@@ -157,6 +158,7 @@ class RequestState:
     # when one encoder takes every image (then `embeddings` holds them all).
     parts: list[EncodePart] = field(default_factory=list)
     encode_started: float = 0.0  # when its ENCODE went out (a spread one's prefill may start before it ends)
+    trace: RequestTrace | None = None  # its open spans while tracing is on (coordinator/tracing.py)
 
     @property
     def client_rid(self) -> str:
@@ -231,14 +233,15 @@ class RequestTable:
         return list(self._by_rid.values())
 
 
-def stage_message(st: RequestState, stage: Stage, hand_back: bool = False,
-                  part: list[int] | None = None, report_every: int = 1) -> tuple[MsgType, dict[str, Any], int]:
+def stage_message(st: RequestState, stage: Stage, hand_back: bool = False, part: list[int] | None = None,
+                  report_every: int = 1, trace: str | None = None) -> tuple[MsgType, dict[str, Any], int]:
     """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there.
     `hand_back`: a DECODE asks for the reply's KV blocks at the end (the coordinator's kv_hand_back).
     `part`: an ENCODE of only these images (by index; a spread encode). `report_every`: a DECODE or RUN
-    reports tokens that often, and streams them to the client's token sink itself (direct_tokens)."""
+    reports tokens that often, and streams them to the client's token sink itself (direct_tokens).
+    `trace`: the stage span's traceparent, when tracing is on."""
     a, req = st.admitted, st.admitted.request
-    ids = {"request_id": st.rid, "attempt": st.attempt}
+    ids = {"request_id": st.rid, "attempt": st.attempt, "trace": trace}
     images = [ImageRef(hash=im.hash, data=im.data, frames=im.frames, frame_indices=im.frame_indices) for im in a.images]
     classes = {"priority": req.priority, "latency_class": req.latency_class}
     tokens = 0

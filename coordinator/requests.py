@@ -41,6 +41,7 @@ from mserve.coordinator.replies import StageReplies
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
 from mserve.coordinator.stage_queues import StageQueues
 from mserve.coordinator.telemetry import Telemetry
+from mserve.coordinator.tracing import RequestTrace
 
 __all__ = ["ACTIVE_STAGES", "Lookups", "MachineSettings", "NoLookups", "Out", "RequestMachine", "RequestState",
            "RequestTable", "Stage", "ToClient", "ToWorker", "stage_message"]
@@ -115,6 +116,10 @@ class RequestMachine:
             # must sample them again identically (seeds draw per token index, workers/sampler.py).
             sampling.seed = self.rng.getrandbits(62)
         st = RequestState(rid=self.new_id(), client=client, admitted=admitted, arrived=self.outbox.now)
+        st.trace = RequestTrace.begin(parent=admitted.request.trace, request_id=st.rid, client_rid=st.client_rid,
+                                      prompt_tokens=len(admitted.prompt_ids), visual_tokens=admitted.visual_tokens,
+                                      images=len(admitted.images), latency_class=admitted.request.latency_class,
+                                      admission_s=admitted.admission_s)
         self.requests.add(st)
         self.stats["admitted"] += 1
         log.info("%s admitted: %d prompt tokens (%d visual, %d images), max_tokens %d", st.client_rid,

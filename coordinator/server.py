@@ -214,8 +214,10 @@ class Coordinator:
     def _on_generate(self, client: bytes, payload: dict[str, Any]) -> None:
         rid_in = payload.get("request_id")
         rid = rid_in if isinstance(rid_in, str) else None
+        started = time.perf_counter()
         try:
             admitted = admit(self.builder, self.limits, payload)
+            admitted.admission_s = time.perf_counter() - started
         except AdmissionError as exc:
             self._send(self.machine.reject(client, rid, str(exc), exc.code, now=time.monotonic()))
             return

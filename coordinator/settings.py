@@ -79,6 +79,8 @@ class CoordinatorSettings(BaseSettings):
     # Opt-in FasterVLM visual-token pruning (common/pruning.py): admission counts each image's
     # placeholders at this keep ratio; encode and unified workers must run the same one (checked at READY).
     visual_token_pruning: float | None = None
+    # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
+    otlp_endpoint: str | None = None
 
     @field_validator("visual_token_pruning", mode="before")
     @classmethod

@@ -89,9 +89,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "kv_hand_back", "max_stages_per_worker",
                                                                "class_aging_s", "spread_encode", "shard_id", "advertise", "route_choices",
                                                                "load_poll_s", "token_report_every",
-                                                               "worker_advertise"])
+                                                               "worker_advertise", "otlp_endpoint"])
     from mserve.common.pruning import PruningError
 
+    _start_tracing("mserve-coordinator", settings.otlp_endpoint, shard=settings.shard_id)
     try:
         coord = Coordinator(settings)
     except (PruningError, ValueError) as exc:
@@ -105,7 +106,25 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         pass
     finally:
         coord.close()
+        tracing_shutdown()
     return 0
+
+
+def _start_tracing(service: str, endpoint: str | None, **attributes: str | None) -> None:
+    """OpenTelemetry on for this process when an endpoint is given or configured (common/tracing.py)."""
+    from mserve.common import tracing
+
+    try:
+        if tracing.configure(service, endpoint, attributes={f"mserve.{k}": v for k, v in attributes.items() if v}):
+            logging.getLogger("mserve").info("tracing on: spans go to %s", endpoint or tracing.endpoint_from_env())
+    except tracing.TracingUnavailable as exc:
+        raise SystemExit(f"error: {exc}")
+
+
+def tracing_shutdown() -> None:
+    from mserve.common import tracing
+
+    tracing.shutdown()
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -122,15 +141,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                           "enable_prefix_caching",
                                                           "curve_secret_key", "curve_server_key",
                                                           "curve_authorized_keys", "visual_token_pruning",
-                                                          "drain_timeout_s", "heartbeat_s"])
+                                                          "drain_timeout_s", "heartbeat_s", "otlp_endpoint"])
     from mserve.common.pruning import PruningError
 
+    _start_tracing(f"mserve-{settings.role}", settings.otlp_endpoint, worker_id=settings.worker_id)
     try:
         make_worker(settings).run()
     except KeyboardInterrupt:
         pass
     except PruningError as exc:
         raise SystemExit(f"error: {exc}")
+    finally:
+        tracing_shutdown()
     return 0
 
 
@@ -160,11 +182,14 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
     p.add_argument("--coordinator-api-key",
                    help="the coordinator's client API key (its MSERVE_CLIENT_API_KEY), sent with every message to "
                         "it (default: $MSERVE_COORDINATOR_API_KEY, else $MSERVE_CLIENT_API_KEY, else none)")
+    from mserve.common.tracing import add_argument as add_tracing_argument
+
+    add_tracing_argument(p)
 
 
 GATEWAY_FIELDS = ["coordinator", "host", "port", "model", "api_key", "served_model_name", "allowed_media_path",
                   "max_request_bytes", "default_max_tokens", "request_timeout_s", "access_log", "coordinator_api_key",
-                  "direct_tokens", "tokens_host"]
+                  "direct_tokens", "tokens_host", "otlp_endpoint"]
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -172,7 +197,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from mserve.gateway.settings import GatewaySettings
 
     settings = _settings_from_args(GatewaySettings, args, GATEWAY_FIELDS)
-    serve(settings)
+    _start_tracing("mserve-gateway", settings.otlp_endpoint)
+    try:
+        serve(settings)
+    finally:
+        tracing_shutdown()  # what is still buffered leaves before the process does
     return 0
 
 

@@ -43,8 +43,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     parser.add_argument("--log-dir", default=None, help="keep the child processes' logs here (default: a temp dir)")
     from mserve.common.pruning import add_argument as add_pruning_argument
+    from mserve.common.tracing import add_argument as add_tracing_argument
 
     add_pruning_argument(parser, "Given to the coordinator and every worker alike.")
+    add_tracing_argument(parser)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -53,6 +55,8 @@ def run_up(args: argparse.Namespace) -> int:
     default_pool = 0 if args.unified and all(getattr(args, r) is None for r in ("encode", "prefill", "decode")) else 1
     pools = {r: default_pool if getattr(args, r) is None else getattr(args, r) for r in ("encode", "prefill", "decode")}
     stop = threading.Event()
+    if getattr(args, "otlp_endpoint", None):  # every process of the cluster reads the standard variable
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_endpoint
     pruning = getattr(args, "visual_token_pruning", None)
     pruning_args = ["--visual-token-pruning", pruning] if pruning is not None else []
     # Refuse a model the engine cannot serve exactly, or a family that cannot prune, before starting anything.

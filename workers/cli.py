@@ -9,6 +9,7 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from mserve.common.policy import DEFAULT_ENGINE
     from mserve.common.pruning import add_argument as add_pruning_argument
+    from mserve.common.tracing import add_argument as add_tracing_argument
 
     p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], help="which stage(s) to run")
     p.add_argument("--model", help="local checkpoint folder")
@@ -61,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve-server-key", metavar="FILE", help="the coordinator's public .key file")
     p.add_argument("--curve-authorized-keys", metavar="DIR",
                    help="folder of the public keys (*.key) of the workers allowed to fetch from this one")
+    add_tracing_argument(p)
     add_pruning_argument(p, "Encode and unified workers prune; must equal the coordinator's.")
     p.add_argument("--drain-timeout-s", type=float,
                    help="SIGTERM drains the worker (no new work, finish what it has, exit when the coordinator "

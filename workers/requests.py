@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
     from mserve.workers.sequence import Sequence
@@ -32,9 +32,22 @@ class WorkerRequest:
     # Tokens to the coordinator only now and then, and to the client directly (workers/token_sinks.py);
     # None: every step's tokens go to the coordinator.
     route: TokenRoute | None = None
+    # Tracing (common/tracing.py): the coordinator's stage span to report under (None: not traced), and
+    # what happened here meanwhile, as (name, start ns, end ns, attributes): exported when the record ends.
+    trace: str | None = None
+    arrived_ns: int = field(default_factory=time.time_ns)
+    spans: list[tuple[str, int, int, dict[str, Any]]] = field(default_factory=list)
+    attributes: dict[str, Any] = field(default_factory=dict)  # the stage span's, e.g. cache hits
+    error: str | None = None  # why the stage failed here, when it did
 
-    def add_fetch(self, seconds: float) -> None:
+    def add_fetch(self, seconds: float, what: str = "transfer") -> None:
         self.fetch_s = (self.fetch_s or 0.0) + seconds
+        self.span(what, time.time_ns() - int(seconds * 1e9))
+
+    def span(self, name: str, start_ns: int, end_ns: int | None = None, **attributes: Any) -> None:
+        """Note a part of the stage for the trace (nothing when the request is not traced)."""
+        if self.trace is not None:
+            self.spans.append((name, start_ns, end_ns or time.time_ns(), attributes))
 
     def take_fetch_s(self) -> float | None:
         """The transfer time to report with this output (once: later outputs carry none)."""
@@ -57,8 +70,8 @@ class WorkerRequests:
     def __init__(self) -> None:
         self._by_id: dict[str, WorkerRequest] = {}
 
-    def arrive(self, request_id: str, attempt: int, origin: str | None = None) -> WorkerRequest:
-        rec = self._by_id[request_id] = WorkerRequest(request_id, attempt, origin)
+    def arrive(self, request_id: str, attempt: int, origin: str | None = None, trace: str | None = None) -> WorkerRequest:
+        rec = self._by_id[request_id] = WorkerRequest(request_id, attempt, origin, trace=trace)
         return rec
 
     def get(self, request_id: str, attempt: int | None = None) -> WorkerRequest | None:

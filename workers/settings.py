@@ -64,6 +64,8 @@ class WorkerSettings(BaseSettings):
     # Opt-in FasterVLM visual-token pruning (common/pruning.py): the share of each image's visual
     # tokens an encoding worker (encode, unified) keeps; None = off. Must equal the coordinator's.
     visual_token_pruning: float | None = None
+    # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
+    otlp_endpoint: str | None = None
 
     @field_validator("visual_token_pruning", mode="before")
     @classmethod

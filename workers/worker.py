@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar
 import torch
 import zmq
 
+from mserve.common import tracing
 from mserve.common.model import ImageError
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, parse_message
@@ -137,7 +138,19 @@ class Worker:
         rec = self.requests.end(rid, attempt)
         if rec is not None or attempt is None:
             self.engine.abort(rid)
+        if rec is not None and rec.trace is not None:
+            self._export_trace(rec)
         return rec
+
+    def _export_trace(self, rec: WorkerRequest) -> None:
+        """The stage's span on this worker, under the coordinator's, and the parts noted meanwhile."""
+        attributes = {"mserve.worker_id": self.worker_id, "mserve.attempt": rec.attempt, **rec.attributes}
+        if rec.seq is not None:
+            attributes["mserve.prefix_cache_hit_tokens"] = rec.cached_tokens
+        parent = tracing.record(f"{self.role} worker", rec.trace, rec.arrived_ns, attributes=attributes,
+                                error=rec.error)
+        for name, start_ns, end_ns, attrs in rec.spans:
+            tracing.record(name, parent, start_ns, end_ns, attributes=attrs)
 
     def queued_ids(self) -> list[str]:
         """Requests this worker holds but has not started: a stage timeout does not re-run them."""
@@ -329,7 +342,8 @@ class Worker:
                 self.cancel(msg.request_id)
             else:
                 if msg.STARTS_STAGE:  # a newer attempt's record replaces the older one's
-                    self.requests.arrive(msg.request_id, msg.attempt, origin=link.address)
+                    self.requests.arrive(msg.request_id, msg.attempt, origin=link.address,
+                                         trace=getattr(msg, "trace", None) if tracing.enabled() else None)
                 self.start(msg)
 
     def _refuse(self, payload: Any, why: str, link: Link) -> None:
@@ -342,6 +356,8 @@ class Worker:
 
     def failed(self, rid: str, attempt: int, message: str, retryable: bool) -> None:
         """The attempt failed here: the coordinator hears so (through its record's link), and it ends."""
+        if (rec := self.requests.get(rid, attempt)) is not None:
+            rec.error = message
         self._send_failed(rid, attempt, message, retryable)
         self.end(rid, attempt)
 

@@ -43,6 +43,8 @@ class Generate(Message):
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
     # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.
     tokens_to: str | None = wire(optional(as_str), None)
+    # The caller's span as a W3C traceparent: the request's trace continues under it (common/tracing.py).
+    trace: str | None = wire(optional(as_str), None)
 
 
 @dataclass

@@ -44,6 +44,7 @@ class EncodeTask(Message):
     images: list[ImageRef] = wire(list_of(nested(ImageRef)))
     priority: int = wire(as_int, 0)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
+    trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class PrefillTask(Message):
     # visual tokens (so the prompt's placeholder runs map to images before they arrive).
     pending_images: list[int] = wire(list_of(as_int), [])
     image_tokens: list[int] = wire(list_of(as_int), [])
+    trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
 
 
 @dataclass
@@ -106,6 +108,7 @@ class DecodeTask(Message):
     report_every: int = wire(as_int, 1)  # see RunTask
     tokens_to: str | None = wire(optional(as_str), None)
     client_rid: str | None = wire(optional(as_str), None)
+    trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
 
 
 @dataclass
@@ -128,6 +131,7 @@ class RunTask(Message):
     report_every: int = wire(as_int, 1)
     tokens_to: str | None = wire(optional(as_str), None)
     client_rid: str | None = wire(optional(as_str), None)
+    trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mserve.common import tracing
 from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
@@ -76,9 +77,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 class Generation:
     """One chat completion's tokens turned into text deltas, stop strings applied."""
 
-    def __init__(self, gw: Gateway, req: ChatRequest) -> None:
+    def __init__(self, gw: Gateway, req: ChatRequest, span: Any = None) -> None:
         self.req = req
-        self.stream = gw.client.stream(req.messages, timeout_s=gw.settings.request_timeout_s, **req.sampling)
+        self.span = span  # the request's gateway span while tracing is on (common/tracing.py)
+        trace = {"trace": tracing.traceparent(span)} if span is not None else {}
+        self.stream = gw.client.stream(req.messages, timeout_s=gw.settings.request_timeout_s, **req.sampling, **trace)
         self.detok = Detokenizer(gw.tokenizer)
         self.stops = StopMatcher(req.stop)
         self._chunks = self.stream.chunks()
@@ -186,7 +189,9 @@ class Gateway:
         if req.model != self.model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        gen = Generation(self, req)
+        span = tracing.start("POST /v1/chat/completions", request.headers.get("traceparent"), kind="server",
+                             attributes={"mserve.stream": req.stream}) if tracing.enabled() else None
+        gen = Generation(self, req, span)
         self.metrics.started()
         first = await self._next(request, gen)
         if req.stream:
@@ -201,7 +206,7 @@ class Gateway:
             return await _unless_disconnected(request, gen.next_delta())
         except BaseException as exc:
             gen.close()
-            self.metrics.ended(gen, error=exc)
+            self._ended(gen, error=exc)
             if isinstance(exc, MServeError):
                 raise _api_error(exc) from None
             raise
@@ -213,7 +218,7 @@ class Gateway:
             text.append(piece[0])
             ids.extend(piece[1])
             piece = await self._next(request, gen)
-        self.metrics.ended(gen)
+        self._ended(gen)
         usage = usage_of(gen.prompt_tokens, gen.completion_tokens)
         assert gen.finish_reason is not None
         body = chat_response(completion_id(), self.model_name, "".join(text), gen.finish_reason, usage,
@@ -253,7 +258,14 @@ class Gateway:
             raise
         finally:
             gen.close()
-            self.metrics.ended(gen, error=error)
+            self._ended(gen, error=error)
+
+    def _ended(self, gen: Generation, error: BaseException | None = None) -> None:
+        """A chat completion is over (answered, failed or abandoned): counted, and its span ends."""
+        self.metrics.ended(gen, error=error)
+        tracing.end(gen.span, attributes={"mserve.finish_reason": gen.finish_reason,
+                                          "mserve.completion_tokens": gen.completion_tokens},
+                    error=None if error is None else f"{type(error).__name__}: {error}")
 
     # -- the rest -------------------------------------------------------------------------------------
     def models(self, request: Request) -> dict[str, Any]:

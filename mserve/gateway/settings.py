@@ -31,3 +31,5 @@ class GatewaySettings(BaseSettings):
     # the workers must reach) instead of through the coordinator; pays with --token-report-every > 1 there.
     direct_tokens: bool = False
     tokens_host: str = "127.0.0.1"
+    # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
+    otlp_endpoint: str | None = None

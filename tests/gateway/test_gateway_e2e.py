@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mserve.common.prompt import PromptBuilder
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
-from tests.helpers import hf_generate, make_image
+from tests.helpers import hf_generate, make_image, wait_for
+from tests.otlp import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -80,12 +81,17 @@ def serve(model, redis_url, pools, coordinator_args=(), gateway_args=(), key=Non
 
 @pytest.fixture(scope="module")
 def llava(tiny_model_dirs, redis_server):
-    cluster, served = serve(str(tiny_model_dirs["llava"]), redis_server.url, {"encode": 1, "prefill": 1, "decode": 1},
-                            ["--max-image-pixels", str(MAX_PIXELS), "--max-waiting-requests", "2"],
-                            ["--max-request-bytes", "1000000", "--served-model-name", "tiny-llava"], key=KEY)
-    served.model = "tiny-llava"
-    with cluster:
-        yield served
+    """1e1p1d behind the gateway, every process tracing to a real OTLP receiver (the standard variables)."""
+    with OtlpReceiver() as otlp, pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp.endpoint)
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # ms: spans leave soon after they end
+        cluster, served = serve(str(tiny_model_dirs["llava"]), redis_server.url,
+                                {"encode": 1, "prefill": 1, "decode": 1},
+                                ["--max-image-pixels", str(MAX_PIXELS), "--max-waiting-requests", "2"],
+                                ["--max-request-bytes", "1000000", "--served-model-name", "tiny-llava"], key=KEY)
+        served.model, served.otlp = "tiny-llava", otlp
+        with cluster:
+            yield served
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +269,74 @@ def test_health_and_503_when_no_worker_can_serve(tiny_model_dirs, redis_server):
         with pytest.raises(openai.APIStatusError) as e503:
             served.client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "hi"}])
         assert e503.value.status_code == 503
+
+
+# The spans one request through 1e1p1d must have, by service (docs/operations.md, "Tracing").
+TRACE_SPANS = {
+    "mserve-gateway": {"POST /v1/chat/completions"},
+    "mserve-coordinator": {"request", "admission", "encode.queue", "encode", "prefill.queue", "prefill",
+                           "decode.queue", "decode"},
+    "mserve-encode": {"encode worker", "encode.worker_queue", "encode.preprocess", "encode.compute"},
+    "mserve-prefill": {"prefill worker", "embedding.transfer"},
+    "mserve-decode": {"decode worker", "kv.transfer"},
+}
+
+
+def span_tree(spans: list[ReceivedSpan], root_parent: str) -> str:
+    """The spans as an indented tree under the client's span (for the failure message and the note)."""
+    children: dict[str, list[ReceivedSpan]] = {}
+    for s in spans:
+        children.setdefault(s.parent_id, []).append(s)
+    lines: list[str] = []
+
+    def walk(parent: str, depth: int) -> None:
+        for s in sorted(children.get(parent, []), key=lambda s: s.name):
+            lines.append(f"{'  ' * depth}{s.name} [{s.service}]")
+            walk(s.span_id, depth + 1)
+
+    walk(root_parent, 0)
+    return "\n".join(lines)
+
+
+def test_one_request_is_one_connected_trace_through_every_process(llava):
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    image = make_image(80, 60, seed=77)
+    body = {"model": llava.model, "max_tokens": 4,
+            "messages": [{"role": "user", "content": [image_part(image), {"type": "text", "text": "What is it?"}]}]}
+    reply = httpx.post(llava.url + "/v1/chat/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {KEY}", "traceparent": f"00-{trace_id}-{client_span}-01"})
+    assert reply.status_code == 200, reply.text
+
+    def complete():
+        spans = llava.otlp.trace(trace_id)
+        names = {(s.service, s.name) for s in spans}
+        return spans if all((svc, n) in names for svc, want in TRACE_SPANS.items() for n in want) else None
+
+    spans = wait_for(complete, timeout_s=30, what="every process's spans of the request at the OTLP receiver")
+    tree = span_tree(spans, client_span)
+    ids = {s.span_id for s in spans}
+    assert all(s.parent_id in ids or s.parent_id == client_span for s in spans), tree  # one connected tree
+    assert [s.name for s in spans if s.parent_id == client_span] == ["POST /v1/chat/completions"], tree
+    assert len({s.span_id for s in spans}) == len(spans) and not any(s.error for s in spans), tree
+    by_name = {s.name: s for s in spans}
+    assert by_name["request"].attributes["mserve.images"] == 1 and by_name["request"].attributes["mserve.attempts"] == 1
+    assert by_name["encode worker"].attributes["mserve.embedding_cache_hits"] == 0
+    assert "mserve.prefix_cache_hit_tokens" in by_name["prefill worker"].attributes
+    print("\n" + tree)  # the tree the closing note shows (pytest -s)
+
+
+def test_a_request_without_traceparent_starts_its_own_trace(llava):
+    before = {s.trace_id for s in llava.otlp.spans}
+    llava.client.chat.completions.create(model=llava.model, max_tokens=2,
+                                         messages=[{"role": "user", "content": "Hello there."}])
+
+    def new_trace():  # the coordinator's request span and the gateway's, both in
+        fresh = [s for s in llava.otlp.spans if s.trace_id not in before and s.name == "request"]
+        names = {s.name for s in llava.otlp.trace(fresh[0].trace_id)} if fresh else set()
+        return fresh[0] if "POST /v1/chat/completions" in names and "decode worker" in names else None
+
+    request = wait_for(new_trace, timeout_s=30, what="the text-only request's trace")
+    spans = llava.otlp.trace(request.trace_id)
+    roots = [s for s in spans if s.parent_id == ""]
+    assert [s.name for s in roots] == ["POST /v1/chat/completions"]
+    assert not any(s.name.startswith("encode") for s in spans)  # text only: no encode stage

@@ -29,7 +29,7 @@ class DecodeWorker(SteppingWorker):
         # releases the view: the ack that lets the sender reuse the segment.
         t0 = time.perf_counter()
         view = self.transfer.fetch_view(task.descriptor, timeout_s=FETCH_TIMEOUT_S)
-        rec.add_fetch(time.perf_counter() - t0)
+        rec.add_fetch(time.perf_counter() - t0, "kv.transfer")
         with view as tensors:
             # The request keeps its prompt inputs for its lifetime (recompute after preemption),
             # so those must not stay views; they are small next to the KV.

@@ -160,6 +160,7 @@ class EncodeWorker(Worker):
     def work(self) -> None:
         """The next batch of queued requests' images through one vision forward."""
         batch, self.queue = next_encode_batch(self.queue, self.s.max_encode_images)
+        started = time.time_ns()
         found: dict[str, EncodedImage] = {}
         pending: dict[str, Any] = {}
         failed: set[str] = set()
@@ -176,6 +177,7 @@ class EncodeWorker(Worker):
                     failed.add(task.request_id)
                     self.failed(task.request_id, task.attempt, str(exc), retryable=False)
                     break
+        decoded = time.time_ns()
         if pending:
             encoded = self._encode(pending, [t for t in batch if t.request_id not in failed])
             if encoded is None:
@@ -183,7 +185,18 @@ class EncodeWorker(Worker):
             found.update(encoded)
         for task in batch:
             if task.request_id not in failed:
+                self._trace_batch(task, started, decoded, len(pending))
                 self._send_encoded(task, found, fresh=set(pending))
+
+    def _trace_batch(self, task: EncodeTask, started: int, decoded: int, images: int) -> None:
+        """Note the batch's parts on a traced request: its wait here, image decoding, the vision forward."""
+        rec = self.requests.get(task.request_id, task.attempt)
+        if rec is None or rec.trace is None:
+            return
+        rec.span("encode.worker_queue", rec.arrived_ns, started)
+        rec.span("encode.preprocess", started, decoded, **{"mserve.batch_images": images})
+        if images:
+            rec.span("encode.compute", decoded, None, **{"mserve.batch_images": images})
 
     def _encode(self, pending: dict[str, Any], batch: list[EncodeTask]) -> dict[str, EncodedImage] | None:
         """One vision forward over the decoded images; None when it failed (its requests then retry)."""
@@ -223,6 +236,8 @@ class EncodeWorker(Worker):
             hits += im.hash not in fresh
         c = self.engine.counters
         c["embedding_cache_hits"] += hits
+        if (rec := self.requests.get(rid, attempt)) is not None:
+            rec.attributes["mserve.embedding_cache_hits"] = hits
         c["embedding_l1_hits"] = c["embedding_cache_hits"] - c["embedding_l2_hits"]
         if hits and self.store:
             self.store.incr_counter("embedding_cache_hits", self.worker_id, hits)

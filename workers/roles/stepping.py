@@ -59,7 +59,7 @@ class SteppingWorker(Worker):
     def fetch(self, rec: WorkerRequest, descriptor: Any) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         tensors = self.transfer.fetch(descriptor, timeout_s=FETCH_TIMEOUT_S)
-        rec.add_fetch(time.perf_counter() - t0)
+        rec.add_fetch(time.perf_counter() - t0, "embedding.transfer")
         return tensors
 
     def work(self) -> None:
