@@ -70,3 +70,20 @@ def test_a_malformed_traceparent_starts_a_new_trace(exporter):
     tracing.shutdown()
     (span,) = exporter.get_finished_spans()
     assert span.parent is None and span.context.trace_id != 0
+
+
+def test_an_unsampled_request_records_nothing_past_its_first_span(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # sample nothing new
+    exporter = InMemorySpanExporter()
+    tracing.configure("test", exporter=exporter)
+    try:
+        kw = dict(request_id="r", client_rid="c", prompt_tokens=1, visual_tokens=0, images=0,
+                  latency_class="batch", admission_s=0.0)
+        assert RequestTrace.begin(parent=None, **kw) is None  # the coordinator then sends no trace to workers
+        sampled = RequestTrace.begin(parent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", **kw)
+        assert sampled is not None  # a caller that sampled its trace keeps it sampled (parent-based)
+        sampled.finish({})
+    finally:
+        tracing.shutdown()
+    assert [s.name for s in exporter.get_finished_spans()] == ["admission", "request"]
