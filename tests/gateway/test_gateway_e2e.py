@@ -15,7 +15,7 @@ from mserve.common.prompt import PromptBuilder
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.helpers import hf_generate, make_image, wait_for
-from tests.otlp import OtlpReceiver, ReceivedSpan
+from lab.otlp_sink import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"

@@ -1,4 +1,4 @@
-"""A real OTLP/HTTP traces receiver for tests: the processes export to it exactly as to a collector."""
+"""A real OTLP/HTTP traces receiver (tests and lab.tracing_cost): processes export to it exactly as to a collector."""
 
 from __future__ import annotations
 
