@@ -18,6 +18,7 @@ from mserve.common.redis_store import RedisStore
 from mserve.common.shards import ShardRegistry, client_addresses_from_redis, pick_shard
 from mserve.common.sockets import free_port
 from mserve.coordinator.client import Client
+from mserve.coordinator.client_core import RequestTimeout
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected
 from tests.coordinator.test_cluster_direct_tokens import EVERY, check_direct_tokens
@@ -117,8 +118,13 @@ def test_a_shard_that_joins_later_is_found_by_the_workers(sharded, tiny_model_di
                              "--redis", sharded.redis_url, "--shard-id", "shard-late"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        wait_for(lambda: {w for w, i in shard_status(address)["workers"].items() if i["alive"]}
-                 >= set(sharded.worker_names()), 60, "the workers to join the new shard")
+        def joined() -> bool:
+            try:  # the new process answers once its model's processor is loaded (seconds, on a busy box)
+                return {w for w, i in shard_status(address)["workers"].items() if i["alive"]} >= set(
+                    sharded.worker_names())
+            except RequestTimeout:
+                return False
+        wait_for(joined, 60, "the workers to join the new shard")
         requests = request_mix(3, seed=22)
         results = generate_each(address, requests, [f"late-{i}" for i in range(3)])
         assert [r.token_ids for r in results] == expected(str(tiny_model_dirs["llava"]), requests)
