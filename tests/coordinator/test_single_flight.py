@@ -148,3 +148,14 @@ def test_single_flight_off_sends_every_encode_at_once():
     h = Harness(*DISAGG, encode_single_flight=False)
     out = h.submit(with_images("r0", ["same"])) + h.submit(with_images("r1", ["same"]))
     assert kinds(out) == [("ENCODE", "e0"), ("ENCODE", "e1")] and h.m.stats["encode_deduplicated"] == 0
+
+
+def test_a_request_waits_for_one_part_of_a_spread_encode_and_reads_it_from_that_part_s_encoder():
+    h = Harness(*DISAGG)
+    e0, e1 = h.submit(with_images("r0", ["x", "y"]))  # spread: x on e0, y on e1
+    assert [im["hash"] for im in e1.body["images"]] == ["y"]
+    assert h.submit(with_images("r1", ["y", "z"])) == []  # y is in flight: parked, z not claimed
+    out = h.encoded("e1", e1)
+    enc = only(out, MsgType.ENCODE)
+    assert enc.worker_id == "e1" and h.client_rid(enc) == "r1"  # y's holder; it encodes z there itself
+    assert h.m.stats["encode_deduplicated"] == 1 and h.m.dispatch.flights.leader == {"x": "rid0", "z": "rid1"}
