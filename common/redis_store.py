@@ -63,6 +63,14 @@ def _worker_info(raw: Mapping[str, str]) -> dict[str, Any]:
     return info
 
 
+# Compare-and-set scripts: only the lease's owner keeps, renews or drops it.
+_CLAIM = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end "
+          "if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('pexpire', KEYS[1], ARGV[2]) return 1 end "
+          "return 0")
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
 def _ms(ttl_s: float) -> int:
     return max(1, int(ttl_s * 1000))
 
@@ -359,6 +367,29 @@ class RedisStore:
             return True
 
         return self._call(op, lambda: False)
+
+    # ---- encode leases (single-flight encodes, coordinator/single_flight.py) ----
+
+    def claim_lease(self, model: str, image_hash: str, owner: str, ttl_s: float) -> bool:
+        """Take (or keep, when `owner` has it) the image's encode lease for ttl_s. Redis down: granted,
+        so an outage costs at most a duplicate encode, never a request stuck behind a lease."""
+        key = self._k("encoding", model, image_hash)
+        return self._call(lambda: bool(self._r.eval(_CLAIM, 1, key, owner, _ms(ttl_s))), lambda: True)
+
+    def renew_leases(self, model: str, image_hashes: Iterable[str], owner: str, ttl_s: float) -> None:
+        self._each_lease(model, image_hashes, owner, _RENEW, _ms(ttl_s))
+
+    def release_leases(self, model: str, image_hashes: Iterable[str], owner: str) -> None:
+        self._each_lease(model, image_hashes, owner, _RELEASE)
+
+    def _each_lease(self, model: str, image_hashes: Iterable[str], owner: str, script: str, *args: Any) -> None:
+        def op() -> None:
+            pipe = self._r.pipeline(transaction=False)
+            for h in image_hashes:
+                pipe.eval(script, 1, self._k("encoding", model, h), owner, *args)
+            pipe.execute()
+
+        self._call(op, lambda: None)
 
     # ---- counters -------------------------------------------------------
 

@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spread-encode", choices=("on", "off"), default=None,
                    help="share a multi-image request's images with idle encode workers, which encode their parts "
                         "at the same time (default on)")
+    p.add_argument("--encode-single-flight", nargs="?", const="on", choices=("on", "off"), default=None,
+                   help="at most one encode in flight per image across the cluster: a request for an image being "
+                        "encoded waits for that encode and reads it back from its holder (default on)")
+    p.add_argument("--no-encode-single-flight", dest="encode_single_flight", action="store_const", const="off",
+                   help="--encode-single-flight off")
     p.add_argument("--max-waiting-requests", type=int,
                    help="requests waiting for their first token, at most; past it the lowest class is shed with an "
                         "overloaded error and a retry-after hint (default 256)")

@@ -7,6 +7,8 @@ calls `dispatch_waiting`, which takes the queues stage by stage, best class firs
 request among the workers that can take it now (coordinator/routing.py), and sends the stage. An
 ENCODE of several images that would miss the chosen encoder's caches is shared with idle encoders
 (`spread_encode`): each encodes its part at the same time, and the prefill worker fetches every part.
+With single-flight encodes on (coordinator/single_flight.py), an ENCODE whose image another request is
+encoding right now is parked until that encode ends, and then reads the image back from its holder.
 
 With `route_choices` N (power of N choices) a stage is routed among N workers of its role drawn at
 random, plus every worker holding its cached images or prompt prefix, instead of among all of them.
@@ -23,6 +25,7 @@ from mserve.common.policy import request_blocks
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
                                         RequestTable, Stage, stage_message)
+from mserve.coordinator.single_flight import Parked, SingleFlight
 from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
                                         route_unified, spread_encode)
 from mserve.coordinator.stage_queues import StageQueues, takers
@@ -30,19 +33,41 @@ from mserve.coordinator.stage_queues import StageQueues, takers
 
 class Dispatcher:
     def __init__(self, requests: RequestTable, members: Membership, queues: StageQueues, lookups: Lookups,
-                 outbox: Outbox, settings: MachineSettings, stats: dict[str, int], rng: random.Random) -> None:
+                 outbox: Outbox, settings: MachineSettings, stats: dict[str, int], rng: random.Random,
+                 flights: SingleFlight | None = None) -> None:
         self.requests, self.members, self.queues, self.lookups = requests, members, queues, lookups
         self.outbox, self.settings, self.stats, self.rng = outbox, settings, stats, rng
+        self.flights = flights  # None: every ENCODE goes out at once, even for an image encoding elsewhere
 
     def advance(self, st: RequestState) -> None:
         """Queue the request's next stage; `dispatch_waiting` sends it once a worker can take it."""
         now = self.outbox.now
         st.stage, st.deadline = Stage.QUEUED, now + self.settings.stage_timeout_s  # a full stage timeout to find one
+        if self.flights is not None and st.next_stage == Stage.START:  # a re-run: what it encoded is lost
+            self._wake(self.flights.release(st.rid))
         self._wait(st, st.next_stage, since=now)
 
     def forget(self, st: RequestState) -> None:
         """The request ended: it waits for no stage any more."""
         self.queues.discard(st.rid)
+        if self.flights is not None:
+            self._wake(self.flights.forget(st.rid))
+
+    def images_encoded(self, hashes: list[str]) -> None:
+        """An ENCODED came in: the flights of its images end, and whoever waited for them goes on."""
+        if self.flights is not None:
+            self._wake(self.flights.encoded(hashes))
+
+    def poll_flights(self) -> None:
+        """Renew this coordinator's encode leases; requests parked on another shard's look again."""
+        if self.flights is not None:
+            self._wake(self.flights.poll(self.outbox.now))
+
+    def _wake(self, parked: list[Parked]) -> None:
+        for p in parked:
+            st = self.requests.get(p.rid)
+            if st is not None and st.stage == Stage.QUEUED and st.next_stage == Stage.ENCODE:
+                self._wait(st, Stage.ENCODE, since=p.since)
 
     def _wait(self, st: RequestState, stage: Stage, since: float) -> None:
         req = st.admitted.request
@@ -64,7 +89,12 @@ class Dispatcher:
                 self.queues.discard(w.rid)
                 st = self.requests[w.rid]
                 holders = self._holders([im.hash for im in st.admitted.images]) if stage == Stage.ENCODE else {}
+                if stage == Stage.ENCODE and self.flights is not None and not self.flights.may_encode(
+                        st.rid, [im.hash for im in st.admitted.images], holders, since=w.since):
+                    continue  # parked until the encode of one of its images, in flight elsewhere, ends
                 worker = self._route(st, ws, holders)
+                if stage == Stage.ENCODE and self.flights is not None:
+                    self.stats["encode_deduplicated"] += self.flights.deduplicated(st.rid, holders)
                 assert worker is not None, (stage, ws)
                 st.timings["queue_s"] += now - w.since
                 st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
@@ -102,6 +132,9 @@ class Dispatcher:
             return route_unified(self._draw(ws))
         if st.next_stage == Stage.ENCODE:
             hashes = [im.hash for im in a.images]
+            prefer = self.flights.prefer(st.rid, holders) if self.flights is not None else set()
+            # It waited for another request's encode: read the image back from a holder, never encode it again.
+            ws = [w for w in ws if w.worker_id in prefer or host_member(w.host_id) in prefer] or ws
             return route_encode(self._draw(ws, set().union(*holders.values())), hashes, holders)
         block_size = self.members.block_size
         if st.next_stage == Stage.PREFILL:

@@ -39,6 +39,7 @@ from mserve.coordinator.records import (ACTIVE_STAGES, STAGE_ROLE, Lookups, Mach
                                         RequestState, RequestTable, Stage, ToClient, ToWorker, stage_message)
 from mserve.coordinator.replies import StageReplies
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
+from mserve.coordinator.single_flight import Leases, LocalLeases, SingleFlight
 from mserve.coordinator.stage_queues import StageQueues
 from mserve.coordinator.telemetry import Telemetry
 from mserve.coordinator.tracing import RequestTrace
@@ -75,7 +76,8 @@ class RequestMachine:
                  new_id: Callable[[], str] | None = None, raise_errors: bool = False,
                  visual_token_pruning: float | None = None, kv_hand_back: bool = False, max_stages_per_worker: int = 0,
                  class_aging_s: float = 10.0, spread_encode: bool = True, route_choices: int = 0,
-                 seed: int | None = None, token_report_every: int = 1) -> None:
+                 seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
+                 encode_leases: Leases | None = None, shard_id: str = "coordinator") -> None:
         self.settings = MachineSettings(
             stage_timeout_s=stage_timeout_s, dead_after_s=dead_after_s, max_attempts=max_attempts,
             max_waiting_requests=max_waiting_requests, kv_hand_back=kv_hand_back,
@@ -88,13 +90,15 @@ class RequestMachine:
         self.raise_errors = raise_errors
         self._refused: dict[str, float | None] = {}  # worker -> the ratio it was refused for (logged once)
         self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0,
-                      "spread_encodes": 0, "token_items": 0}
+                      "spread_encodes": 0, "token_items": 0, "encode_deduplicated": 0}
         self.outbox = Outbox()
         self.members = Membership()
         self.requests = RequestTable()
         self.queues = StageQueues(aging_s=class_aging_s)
         self.dispatch = Dispatcher(self.requests, self.members, self.queues, lookups or NoLookups(), self.outbox,
-                                   self.settings, self.stats, self.rng)
+                                   self.settings, self.stats, self.rng,
+                                   SingleFlight(encode_leases or LocalLeases(), owner=shard_id)
+                                   if encode_single_flight else None)
         self.life = Lifecycle(self.requests, self.members, self.dispatch, self.outbox, self.settings, self.stats,
                               self.first_tokens, self.telemetry, detokenize or (lambda ids: ""))
         self.replies = StageReplies(self.requests, self.members, self.dispatch, self.life, self.outbox, self.settings,
@@ -186,6 +190,8 @@ class RequestMachine:
             self.members.apply_load(worker_id, msg.load)
         elif isinstance(msg, Encoded):
             self.replies.on_encoded(worker_id, msg)
+            if self.members.is_alive(worker_id):  # not a late reply of one declared dead: it holds nothing here
+                self.dispatch.images_encoded([im.hash for im in msg.images])
         elif isinstance(msg, Prefilled):
             self.replies.on_prefilled(worker_id, msg)
         elif isinstance(msg, StepTokens):
@@ -225,6 +231,7 @@ class RequestMachine:
                 else:
                     self.dispatch.uncharge(st)
                     self.life.restart(st, reason=f"{st.stage} stage timed out on {st.worker_id}")
+        self.dispatch.poll_flights()
         self._release_drained()
 
     def apply_loads(self, loads: dict[str, dict[str, Any]]) -> None:
@@ -240,7 +247,8 @@ class RequestMachine:
     def status(self) -> dict[str, Any]:
         workers, roles = self.members.status()
         return {"workers": workers, "roles": roles, "requests_in_flight": len(self.requests),
-                "stats": dict(self.stats), "telemetry": self.telemetry.snapshot(), "queued": self.queues.counts(),
+                "stats": dict(self.stats),
+                "encode_parked": len(self.dispatch.flights.parked) if self.dispatch.flights else 0, "telemetry": self.telemetry.snapshot(), "queued": self.queues.counts(),
                 "waiting": waiting_by_role(self.requests, {w.role for w in self.members.routable()},
                                            self.outbox.now)}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+import uuid
 from typing import Any
 
 import zmq
@@ -51,6 +52,22 @@ class RedisLookups:
         return self.store.match_prefix(self.model_name, prompt_block_hashes(ids, block_size, spans)[:64])
 
 
+class RedisEncodeLeases:
+    """Single-flight encode leases (coordinator/single_flight.py) every shard of one model sees."""
+
+    def __init__(self, store: RedisStore, model_name: str) -> None:
+        self.store, self.model_name = store, model_name
+
+    def claim(self, image_hash: str, owner: str, ttl_s: float) -> bool:
+        return self.store.claim_lease(self.model_name, image_hash, owner, ttl_s)
+
+    def renew(self, image_hashes: list[str], owner: str, ttl_s: float) -> None:
+        self.store.renew_leases(self.model_name, image_hashes, owner, ttl_s)
+
+    def release(self, image_hashes: list[str], owner: str) -> None:
+        self.store.release_leases(self.model_name, image_hashes, owner)
+
+
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings) -> None:
         from mserve.common.prompt import PromptBuilder
@@ -88,6 +105,8 @@ class Coordinator:
             class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode,
             route_choices=settings.route_choices, token_report_every=settings.token_report_every,
             detokenize=self.builder.decode, visual_token_pruning=settings.visual_token_pruning,
+            encode_single_flight=settings.encode_single_flight, shard_id=self.shard_id or uuid.uuid4().hex,
+            encode_leases=RedisEncodeLeases(self.store, self.model_name) if self.store else None,
             lookups=RedisLookups(self.store, self.builder, self.model_name) if self.store else None)
         self._running = True
         self._next_redis_sync = 0.0

@@ -45,6 +45,10 @@ class CoordinatorSettings(BaseSettings):
     # A request with several images that the chosen encoder would have to encode shares them with
     # idle encode workers, which encode their parts at the same time (coordinator/dispatch.py).
     spread_encode: bool = True
+    # At most one encode in flight per image in the cluster (every shard: a lease in Redis): a request for
+    # an image another one is encoding waits for it and reads it back from its holder
+    # (coordinator/single_flight.py); `encode_deduplicated` in the stats counts the encodes saved.
+    encode_single_flight: bool = True
     # How often the worker loads are read from Redis, on top of the heartbeats that carry them (0: never;
     # with many workers and shards, heartbeats alone at 1 Hz are the cheaper source).
     load_poll_s: float = Field(0.25, ge=0.0)

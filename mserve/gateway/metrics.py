@@ -57,6 +57,7 @@ _COORDINATOR_STATS = {
     "admitted": "Requests admitted", "rejected": "Requests refused at admission (invalid or over a limit)",
     "completed": "Requests that ended with a result", "failed": "Requests that ended with an error after admission",
     "reruns": "Stages re-run after a worker failed or went silent", "shed": "Requests shed with an overloaded error",
+    "encode_deduplicated": "Images a request read back from another request's encode instead of encoding again",
 }
 _TELEMETRY_COUNTERS = {
     "prompt_tokens": "Prompt tokens of completed requests (visual included)",

@@ -250,3 +250,18 @@ def test_unresponsive_redis_does_not_stall_callers() -> None:
         assert time.monotonic() - t0 < 1.0
         assert not store.healthy
         store.close()
+
+
+def test_encode_leases_go_to_one_owner_until_released_or_expired(store: RedisStore) -> None:
+    assert store.claim_lease("m", "img", "shard-a", ttl_s=5.0)
+    assert store.claim_lease("m", "img", "shard-a", ttl_s=5.0)  # its owner keeps it
+    assert not store.claim_lease("m", "img", "shard-b", ttl_s=5.0)
+    assert store.claim_lease("other-model", "img", "shard-b", ttl_s=5.0)  # leases are per model
+    store.release_leases("m", ["img"], "shard-b")  # not its lease: nothing happens
+    assert not store.claim_lease("m", "img", "shard-b", ttl_s=5.0)
+    store.release_leases("m", ["img"], "shard-a")
+    assert store.claim_lease("m", "img", "shard-b", ttl_s=0.2)
+    store.renew_leases("m", ["img"], "shard-a", ttl_s=60.0)  # not its lease: the short TTL stands
+    assert _wait_for(lambda: store.claim_lease("m", "img", "shard-a", ttl_s=0.2))  # expired: free again
+    store.renew_leases("m", ["img"], "shard-a", ttl_s=60.0)
+    assert store._r.pttl(store._k("encoding", "m", "img")) > 30_000

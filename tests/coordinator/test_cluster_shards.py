@@ -7,6 +7,7 @@ Tokens equal HF generate's."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +18,11 @@ from mserve.common.redis_store import RedisStore
 from mserve.common.shards import ShardRegistry, client_addresses_from_redis, pick_shard
 from mserve.common.sockets import free_port
 from mserve.coordinator.client import Client
+from mserve.coordinator.client_core import RequestTimeout
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected
 from tests.coordinator.test_cluster_direct_tokens import EVERY, check_direct_tokens
-from tests.helpers import chat, request_mix, wait_for
+from tests.helpers import chat, make_image, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -73,6 +75,34 @@ def test_requests_spread_over_the_shards_match_hf(sharded, tiny_model_dirs):
         assert sorted(w for w, info in workers.items() if info["alive"]) == sorted(sharded.worker_names())
 
 
+def test_one_image_requested_on_both_shards_is_encoded_once(sharded, tiny_model_dirs):
+    """Single-flight encodes across shards: the shard that takes the image's lease in Redis encodes it;
+    the other parks its requests on that lease, then reads the image back from the encoder holding it."""
+    shards, encoder = sharded.shard_addresses, sharded.worker_names("encode")[0]
+    ids = [[r for r in (f"one-image-{i}" for i in range(64)) if pick_shard(r, shards) == a][:3] for a in shards]
+    requests = [("What do you see?", [make_image(44, 36, seed=1603)])] * 6
+    store = RedisStore(sharded.redis_url)
+    before = store.get_counters(encoder).get("encoded_images", 0)
+    dedup = sum(shard_status(a)["stats"]["encode_deduplicated"] for a in shards)
+    sharded.kill_worker(encoder, signal.SIGSTOP)  # the whole burst is in before the encode can end
+    with ThreadPoolExecutor(1) as pool:
+        replies = pool.submit(generate_each, sharded.address, requests, ids[0] + ids[1])
+
+        def one_encode_out() -> bool:
+            status = [shard_status(a) for a in shards]
+            sent = [s["workers"][encoder]["load"]["inflight"] for s in status]
+            return sorted(sent) == [0, 1] and sum(s["encode_parked"] for s in status) == 5
+        try:
+            wait_for(one_encode_out, 30, "one shard's ENCODE out, the other five requests parked")
+        finally:
+            sharded.kill_worker(encoder, signal.SIGCONT)
+        results = replies.result(timeout=120)
+    assert store.get_counters(encoder)["encoded_images"] - before == 1
+    store.close()
+    assert sum(shard_status(a)["stats"]["encode_deduplicated"] for a in shards) - dedup == 5
+    assert [r.token_ids for r in results] == expected(str(tiny_model_dirs["llava"]), requests[:1]) * 6
+
+
 def test_tokens_reach_clients_from_the_decode_worker_whichever_shard_runs_them(sharded, tiny_model_dirs):
     """--token-report-every: one token sink per client gets tokens of requests on both shards."""
     check_direct_tokens(str(tiny_model_dirs["llava"]), sharded.address, sharded.shard_addresses,
@@ -88,8 +118,13 @@ def test_a_shard_that_joins_later_is_found_by_the_workers(sharded, tiny_model_di
                              "--redis", sharded.redis_url, "--shard-id", "shard-late"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        wait_for(lambda: {w for w, i in shard_status(address)["workers"].items() if i["alive"]}
-                 >= set(sharded.worker_names()), 60, "the workers to join the new shard")
+        def joined() -> bool:
+            try:  # the new process answers once its model's processor is loaded (seconds, on a busy box)
+                return {w for w, i in shard_status(address)["workers"].items() if i["alive"]} >= set(
+                    sharded.worker_names())
+            except RequestTimeout:
+                return False
+        wait_for(joined, 60, "the workers to join the new shard")
         requests = request_mix(3, seed=22)
         results = generate_each(address, requests, [f"late-{i}" for i in range(3)])
         assert [r.token_ids for r in results] == expected(str(tiny_model_dirs["llava"]), requests)

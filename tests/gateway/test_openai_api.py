@@ -170,7 +170,8 @@ def test_cluster_status_renders_as_prometheus_text():
                                                 "rss_mib": 10.0, "tokens_per_s": 5.5},
                                        "counters": {"decode_tokens": 42, "used_blocks": 10, "batch_size": 3,
                                                     "unknown_counter": 1}}},
-              "roles": {"decode": 1}, "requests_in_flight": 3, "stats": {"admitted": 5, "completed": 1},
+              "roles": {"decode": 1}, "requests_in_flight": 3, "stats": {"admitted": 5, "completed": 1,
+                                                                                 "encode_deduplicated": 7},
               "telemetry": t.snapshot(), "rss_mib": 1.0}
     text, content_type = GatewayMetrics().render(status)
     assert content_type.startswith("text/plain")
@@ -182,6 +183,7 @@ def test_cluster_status_renders_as_prometheus_text():
     assert samples[("mserve_worker_resident_memory_bytes", w)] == 10 * 2**20
     assert samples[("mserve_workers_alive", (("role", "decode"),))] == 1
     assert samples[("mserve_requests_completed_total", ())] == 1 and samples[("mserve_requests_in_flight", ())] == 3
+    assert samples[("mserve_requests_encode_deduplicated_total", ())] == 7
     assert samples[("mserve_time_to_first_token_seconds_count", ())] == 1
     assert samples[("mserve_request_stage_seconds_bucket", (("le", "+Inf"), ("stage", "decode")))] == 1
     assert samples[("mserve_coordinator_up", ())] == 1
