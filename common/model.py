@@ -12,15 +12,17 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from PIL import Image
 
+from mserve.common.families import FamilyRules, rules_for
+
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next")
+SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "gemma3": "attention that is bidirectional among one image's tokens and sliding-window layers "
@@ -125,6 +127,8 @@ class ModelFamily:
     processor_source: str = ""
     video_token_id: int | None = None
     video_config: dict[str, Any] | None = None
+    # What this family does differently from the generic path (common/families/).
+    rules: FamilyRules = field(default_factory=FamilyRules)
     # Opt-in visual-token pruning (common/pruning.py): the share of each image's visual tokens
     # kept; None = off. Set only through pruning.apply, which refuses families that cannot prune.
     visual_keep_ratio: float | None = None
@@ -146,6 +150,8 @@ class ModelFamily:
 
     def video_unsupported(self) -> str | None:
         """Why this checkpoint cannot take a video, or None."""
+        if self.rules.no_video is not None:
+            return self.rules.no_video
         if self.video_as_frames:
             return None
         if self.model_type != "qwen2_vl":  # Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts)
@@ -232,15 +238,29 @@ class ModelFamily:
                 if isinstance(size, VideoInfo) != (kind == "video"):
                     raise ValueError(f"the chat template placed the images and videos in another order than "
                                      f"the request (a {kind} placeholder where the request has another kind)")
-                out.extend([tok] * self.visual_token_count(size))
+                out.extend(self.image_placeholder(size) if kind == "image" else [tok] * self.visual_token_count(size))
             else:
                 out.append(tok)
         if next(images, None) is not None:
             raise ValueError("prompt has fewer image placeholders than images")
         return out
 
+    def image_placeholder(self, size: tuple[int, int]) -> list[int]:
+        """The token ids one image placeholder becomes: its visual tokens, as one run of the image token
+        unless the family lays them out otherwise (rows with separators: common/families/)."""
+        if self.rules.image_placeholder is None or self.visual_keep_ratio is not None:
+            return [self.image_token_id] * self.visual_token_count(size)
+        return self.rules.image_placeholder(self.processor, size)
+
+    def image_inputs(self, images: Sequence[Any]) -> Any:
+        """The vision tower's inputs for PIL images, prepared as the checkpoint's processor prepares them."""
+        if self.rules.image_inputs is not None:
+            return self.rules.image_inputs(self.processor, images)
+        return self.processor.image_processor(images=list(images), return_tensors="pt")
+
     def image_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(start, length) of each run of one placeholder token (image or video), in order."""
+        """(start, length) of each run of one placeholder token (image or video), in order. One image may
+        cover several consecutive runs (a Pixtral image: one run per row; see hashing.item_spans)."""
         spans: list[tuple[int, int]] = []
         ids = self.placeholder_ids
         i, n = 0, len(token_ids)
@@ -367,4 +387,5 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         processor_source=where,
         video_token_id=None if video_token_id is None else int(video_token_id),
         video_config=video_config,
+        rules=rules_for(model_type),
     )

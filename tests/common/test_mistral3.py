@@ -1,0 +1,86 @@
+"""Mistral 3 (Pixtral vision): an image is rows of [IMG] tokens with [IMG_BREAK] / [IMG_END] between and
+after them, and admission, the prompt and the vision tower all agree with transformers on every size."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from mserve.common.prompt import PromptBuilder
+from tests.helpers import chat, make_image
+
+SIZES = [(64, 48), (300, 200), (500, 120), (120, 300), (168, 168), (1000, 30), (17, 301), (100, 90)]  # (w, h)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs) -> str:
+    return str(tiny_model_dirs["mistral3"])
+
+
+@pytest.fixture(scope="module")
+def builder(model_dir) -> PromptBuilder:
+    return PromptBuilder(model_dir)
+
+
+def pil(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def test_prompt_ids_are_the_processors_own_expansion(builder):
+    """The whole prompt, rows and separators included, is what PixtralProcessor.__call__ makes of the
+    rendered template (tokenized without special tokens, as apply_chat_template does)."""
+    processor = builder.family.processor
+    for k in range(3):
+        images = [make_image(*SIZES[(k + j) % len(SIZES)], seed=10 * k + j) for j in range(k)]
+        pp = builder.prepare(chat("Describe the picture.", images))
+        ours = processor(text=[pp.text], images=[pil(b) for b in images] or None, add_special_tokens=False,
+                         return_tensors="pt")["input_ids"][0].tolist()
+        assert pp.prompt_ids == ours
+        assert pp.prompt_ids[0] == builder.tokenizer.bos_token_id and pp.prompt_ids.count(builder.tokenizer.bos_token_id) == 1
+
+
+def test_admission_count_is_the_processors_and_the_towers(builder, model_dir):
+    """visual_token_count (admission, from the header) == [IMG] tokens the processor places == feature rows
+    the model's own vision tower and projector give, for images of many shapes; the rows are image rows."""
+    from transformers import AutoModelForImageTextToText
+
+    family, processor = builder.family, builder.family.processor
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    counts = []
+    for w, h in SIZES:
+        image = pil(make_image(w, h))
+        count = family.visual_token_count((w, h))
+        ids = processor(text=["[IMG]"], images=[image], return_tensors="pt")["input_ids"][0].tolist()
+        assert ids.count(family.image_token_id) == count
+        with torch.inference_mode():
+            features = model.model.get_image_features(**family.image_inputs([image]), return_dict=True)
+        assert features.pooler_output[0].shape[0] == count
+        placeholder = family.image_placeholder((w, h))
+        rows = placeholder.count(processor.image_break_token_id) + 1
+        assert placeholder[-1] == processor.image_end_token_id and count % rows == 0
+        assert len(family.image_spans(placeholder)) == rows  # one run of [IMG] per row
+        counts.append(count)
+    assert len(set(counts)) >= 6  # the sizes really exercise the resize rule
+
+
+def test_multi_image_prompt_spans_cover_each_image_row_by_row(builder):
+    from mserve.common.hashing import item_spans
+
+    sizes = [(300, 200), (17, 301)]
+    pp = builder.prepare(chat("Compare them.", [make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]))
+    counts = [builder.family.visual_token_count(s) for s in sizes]
+    spans = item_spans(builder.family.image_spans(pp.prompt_ids), [("a", counts[0]), ("b", counts[1])])
+    assert [s.image_hash.split("/")[0] for s in spans] == ["a"] * 4 + ["b"] * 6  # 4 rows, then 6 rows
+    assert sum(s.length for s in spans) == sum(counts) == pp.prompt_ids.count(builder.family.image_token_id)
+
+
+def test_a_video_is_refused_naming_the_family(builder):
+    from tests.helpers import make_frames
+
+    video = [{"role": "user", "content": [{"type": "video", "video": make_frames(56, 56, 2)},
+                                          {"type": "text", "text": "What happens?"}]}]
+    with pytest.raises(ValueError, match="model_type mistral3 takes no video"):
+        builder.prepare(video)
