@@ -27,6 +27,8 @@ SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3
 KNOWN_GAPS = {
     "gemma3": "attention that is bidirectional among one image's tokens and sliding-window layers "
               "(the paged attention is causal and global)",
+    "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
+                       "view only, but its processor's _get_num_multimodal_tokens counts every image with its tiles",
 }
 
 
@@ -367,6 +369,9 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if model_type not in SERVED_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not verified token-exact in mserve "
                                     f"(served: {', '.join(SERVED_MODEL_TYPES)})")
+    rules = rules_for(model_type)
+    if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
+        raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
     if image_token_id is None:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
@@ -387,5 +392,5 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         processor_source=where,
         video_token_id=None if video_token_id is None else int(video_token_id),
         video_config=video_config,
-        rules=rules_for(model_type),
+        rules=rules,
     )

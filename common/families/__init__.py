@@ -24,6 +24,8 @@ class FamilyRules:
     image_inputs: Callable[[Any, Sequence[Any]], Any] | None = None
     # Why the family takes no video (None: a video is taken, generically as its frames).
     no_video: str | None = None
+    # config.json (a dict) -> what the engine lacks for this checkpoint of the family, or None.
+    config_gap: Callable[[dict], str | None] | None = None
 
 
 def rules_for(model_type: str | None) -> FamilyRules:

@@ -62,7 +62,14 @@ def image_inputs(processor: Any, images: Sequence[Any]) -> Any:
     return processed
 
 
+def config_gap(config: dict) -> str | None:
+    """The paged attention is global: a text model with a sliding window would attend differently."""
+    window = (config.get("text_config") or {}).get("sliding_window")
+    return None if window is None else f"sliding-window attention (text_config.sliding_window={window})"
+
+
 RULES = FamilyRules(
     processor_class=processor_class, image_placeholder=image_placeholder, image_inputs=image_inputs,
+    config_gap=config_gap,
     no_video="model_type mistral3 takes no video (its processor and chat template take images only)",
 )

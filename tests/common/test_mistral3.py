@@ -84,3 +84,54 @@ def test_a_video_is_refused_naming_the_family(builder):
                                           {"type": "text", "text": "What happens?"}]}]
     with pytest.raises(ValueError, match="model_type mistral3 takes no video"):
         builder.prepare(video)
+
+
+# ---- admission: exact prompt length, and bad input named -----------------------------------------------
+
+def _generate(content) -> dict:
+    return {"request_id": "r1", "messages": [{"role": "user", "content": content}]}
+
+
+def test_admission_counts_rows_and_separators_exactly(builder):
+    """An image's visual tokens are its [IMG] tokens; the prompt length (what max_prompt_tokens limits)
+    counts the [IMG_BREAK] / [IMG_END] tokens too, exactly as the processor places them."""
+    from mserve.coordinator.admission import AdmissionError, Limits, admit
+
+    content = [{"type": "image", "image": make_image(300, 200, seed=1)},
+               {"type": "image", "image": make_image(17, 301, seed=2)}, {"type": "text", "text": "Compare."}]
+    admitted = admit(builder, Limits(), _generate(content))
+    assert [im.num_tokens for im in admitted.images] == [24, 6]  # 6x4 and 1x6 merged patches
+    assert admitted.prompt_ids.count(builder.family.image_token_id) == admitted.visual_tokens == 30
+    n = len(admitted.prompt_ids)
+    assert admit(builder, Limits(max_prompt_tokens=n), _generate(content)).prompt_ids == admitted.prompt_ids
+    with pytest.raises(AdmissionError, match=f"prompt is {n} tokens \\(30 visual\\), over the limit max_prompt_tokens={n - 1}"):
+        admit(builder, Limits(max_prompt_tokens=n - 1), _generate(content))
+
+
+def test_admission_refuses_too_many_images_and_a_video_naming_why(builder):
+    from mserve.coordinator.admission import AdmissionError, Limits, admit
+    from tests.helpers import make_frames
+
+    three = [{"type": "image", "image": make_image(20, 20, seed=i)} for i in range(3)]
+    with pytest.raises(AdmissionError, match="3 images is over the limit max_images_per_request=2"):
+        admit(builder, Limits(max_images_per_request=2), _generate(three))
+    video = [{"type": "video", "video": make_frames(56, 56, 2)}, {"type": "text", "text": "What happens?"}]
+    with pytest.raises(AdmissionError, match=r"video 0: model_type mistral3 takes no video \(its processor"):
+        admit(builder, Limits(), _generate(video))
+
+
+def test_a_sliding_window_text_model_is_refused_at_load(model_dir, tmp_path):
+    import json
+    import shutil
+
+    from mserve.common.model import load_family
+    from mserve.common.processor import UnsupportedModelError
+
+    for name in ("config.json", "processor_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model_dir}/{name}", tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["sliding_window"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"^model_type 'mistral3': this checkpoint needs sliding-window "
+                                                    r"attention \(text_config.sliding_window=4096\)$"):
+        load_family(tmp_path)
