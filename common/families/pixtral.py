@@ -42,13 +42,16 @@ def processor_class() -> type:
 
 def resized_size(processor: Any, width: int, height: int) -> tuple[int, int]:
     """(height, width) the processor resizes an image to: the rule of its _get_num_multimodal_tokens."""
+    from transformers.image_utils import ChannelDimension
     from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
 
     edge = processor.image_processor.size["longest_edge"]
     patch = processor.patch_size * processor.spatial_merge_size
-    # Only the shape is read: a broadcast view allocates no pixels.
+    # Only the shape is read: a broadcast view allocates no pixels. Channels last, said outright: an image
+    # 1 or 3 pixels high would otherwise read as channels first (rows and columns swapped).
     shape_only = np.broadcast_to(np.zeros((), np.uint8), (height, width, 3))
-    return get_resize_output_image_size(shape_only, size=(edge, edge), patch_size=(patch, patch))
+    return get_resize_output_image_size(shape_only, size=(edge, edge), patch_size=(patch, patch),
+                                        input_data_format=ChannelDimension.LAST)
 
 
 def image_placeholder(processor: Any, size: tuple[int, int]) -> list[int]:

@@ -12,7 +12,8 @@ from PIL import Image
 from mserve.common.prompt import PromptBuilder
 from tests.helpers import chat, make_image
 
-SIZES = [(64, 48), (300, 200), (500, 120), (120, 300), (168, 168), (1000, 30), (17, 301), (100, 90)]  # (w, h)
+SIZES = [(64, 48), (300, 200), (500, 120), (120, 300), (168, 168), (1000, 30), (17, 301), (100, 90),
+         (200, 3)]  # (w, h); 3 px high: channels must not be guessed from the shape
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,7 @@ def test_admission_count_is_the_processors_and_the_towers(builder, model_dir):
         rows = placeholder.count(processor.image_break_token_id) + 1
         assert placeholder[-1] == processor.image_end_token_id and count % rows == 0
         assert len(family.image_spans(placeholder)) == rows  # one run of [IMG] per row
+        assert placeholder == ids[1:]  # the processor's own layout of this very image (after its BOS)
         counts.append(count)
     assert len(set(counts)) >= 6  # the sizes really exercise the resize rule
 
