@@ -12,19 +12,23 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from PIL import Image
 
+from mserve.common.families import FamilyRules, rules_for
+
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next")
+SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "gemma3": "attention that is bidirectional among one image's tokens and sliding-window layers "
               "(the paged attention is causal and global)",
+    "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
+                       "view only, but its processor's _get_num_multimodal_tokens counts every image with its tiles",
 }
 
 
@@ -125,6 +129,8 @@ class ModelFamily:
     processor_source: str = ""
     video_token_id: int | None = None
     video_config: dict[str, Any] | None = None
+    # What this family does differently from the generic path (common/families/).
+    rules: FamilyRules = field(default_factory=FamilyRules)
     # Opt-in visual-token pruning (common/pruning.py): the share of each image's visual tokens
     # kept; None = off. Set only through pruning.apply, which refuses families that cannot prune.
     visual_keep_ratio: float | None = None
@@ -146,6 +152,8 @@ class ModelFamily:
 
     def video_unsupported(self) -> str | None:
         """Why this checkpoint cannot take a video, or None."""
+        if self.rules.no_video is not None:
+            return self.rules.no_video
         if self.video_as_frames:
             return None
         if self.model_type != "qwen2_vl":  # Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts)
@@ -232,15 +240,29 @@ class ModelFamily:
                 if isinstance(size, VideoInfo) != (kind == "video"):
                     raise ValueError(f"the chat template placed the images and videos in another order than "
                                      f"the request (a {kind} placeholder where the request has another kind)")
-                out.extend([tok] * self.visual_token_count(size))
+                out.extend(self.image_placeholder(size) if kind == "image" else [tok] * self.visual_token_count(size))
             else:
                 out.append(tok)
         if next(images, None) is not None:
             raise ValueError("prompt has fewer image placeholders than images")
         return out
 
+    def image_placeholder(self, size: tuple[int, int]) -> list[int]:
+        """The token ids one image placeholder becomes: its visual tokens, as one run of the image token
+        unless the family lays them out otherwise (rows with separators: common/families/)."""
+        if self.rules.image_placeholder is None or self.visual_keep_ratio is not None:
+            return [self.image_token_id] * self.visual_token_count(size)
+        return self.rules.image_placeholder(self.processor, size)
+
+    def image_inputs(self, images: Sequence[Any]) -> Any:
+        """The vision tower's inputs for PIL images, prepared as the checkpoint's processor prepares them."""
+        if self.rules.image_inputs is not None:
+            return self.rules.image_inputs(self.processor, images)
+        return self.processor.image_processor(images=list(images), return_tensors="pt")
+
     def image_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(start, length) of each run of one placeholder token (image or video), in order."""
+        """(start, length) of each run of one placeholder token (image or video), in order. One image may
+        cover several consecutive runs (a Pixtral image: one run per row; see hashing.item_spans)."""
         spans: list[tuple[int, int]] = []
         ids = self.placeholder_ids
         i, n = 0, len(token_ids)
@@ -347,6 +369,9 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if model_type not in SERVED_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not verified token-exact in mserve "
                                     f"(served: {', '.join(SERVED_MODEL_TYPES)})")
+    rules = rules_for(model_type)
+    if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
+        raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
     if image_token_id is None:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
@@ -367,4 +392,5 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         processor_source=where,
         video_token_id=None if video_token_id is None else int(video_token_id),
         video_config=video_config,
+        rules=rules,
     )

@@ -29,8 +29,11 @@ def processor_class(model_type: str) -> type:
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
+    from mserve.common.families import rules_for
+
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
-    cls = getattr(transformers, name, None) if name else None
+    load = rules_for(model_type).processor_class
+    cls = load() if load is not None else getattr(transformers, name, None) if name else None
     if cls is None:
         raise UnsupportedModelError(f"model_type {model_type!r}: transformers has no processor class for it")
     if not hasattr(cls, "_get_num_multimodal_tokens"):

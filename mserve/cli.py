@@ -142,6 +142,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                           "curve_secret_key", "curve_server_key",
                                                           "curve_authorized_keys", "visual_token_pruning",
                                                           "drain_timeout_s", "heartbeat_s", "otlp_endpoint"])
+    from mserve.common.model import CheckpointError
+    from mserve.common.processor import UnsupportedModelError
     from mserve.common.pruning import PruningError
 
     _start_tracing(f"mserve-{settings.role}", settings.otlp_endpoint, worker_id=settings.worker_id)
@@ -149,7 +151,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         make_worker(settings).run()
     except KeyboardInterrupt:
         pass
-    except PruningError as exc:
+    except (PruningError, UnsupportedModelError, CheckpointError) as exc:  # one line, no traceback
         raise SystemExit(f"error: {exc}")
     finally:
         tracing_shutdown()
@@ -258,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a complete save_pretrained folder (config, safetensors, trained byte-level "
                                    "BPE tokenizer, image processor, chat template) with random weights.")
     p.add_argument("out_dir", help="folder to write (created if missing)")
-    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl"], default="llava", help="model family (default: llava)")
+    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3"], default="llava", help="model family (default: llava)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
                    help="tiny (~1M params, tests) or small (~31M params, benchmarks); default tiny")
     p.add_argument("--seed", type=int, default=0, help="weight and tokenizer seed (default 0)")

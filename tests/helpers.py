@@ -66,7 +66,7 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        kwargs.update(processor(images=pil, return_tensors="pt"))  # pixel_values and image_grid_thw / image_sizes
+        kwargs.update(processor(images=pil, return_tensors="pt", **_image_kwargs(model.config)))
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     config = copy.deepcopy(model.generation_config)
@@ -76,6 +76,14 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     with torch.inference_mode():
         out = model.generate(**kwargs, generation_config=config)
     return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def _image_kwargs(config) -> dict:
+    """What the checkpoint's processor passes its image processor beyond its saved settings:
+    PixtralProcessor resizes to multiples of the merged patch (patch_size * spatial_merge_size)."""
+    if config.model_type == "mistral3":
+        return {"patch_size": config.vision_config.patch_size * config.spatial_merge_size}
+    return {}
 
 
 def hf_generate_visual(model_dir: str, prompt_ids: Sequence[int], items: Sequence, max_new_tokens: int) -> list[int]:
@@ -109,7 +117,7 @@ def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tupl
     else:
         images = [_pil(x) for x in items if not isinstance(x, tuple)]
     if images:
-        kwargs.update(processor(images=images, return_tensors="pt"))
+        kwargs.update(processor(images=images, return_tensors="pt", **_image_kwargs(model.config)))
     if videos:
         kwargs.update(qwen_video_inputs(processor, family, videos))
     if family.uses_mrope:

@@ -114,7 +114,7 @@ class ModelRunner:
         model's own get_image_features (given every input its image processor produced that it takes)."""
         if not images:
             return []
-        inputs = self.image_processor(images=list(images), return_tensors="pt")
+        inputs = self.family.image_inputs(images)
         kwargs = {k: v for k, v in inputs.items() if k in self._image_feature_inputs}
         kwargs["pixel_values"] = kwargs["pixel_values"].to(self.device, self.dtype)
         kwargs.update({k: v.to(self.device) for k, v in kwargs.items() if k != "pixel_values" and torch.is_tensor(v)})

@@ -12,12 +12,17 @@ from PIL import Image
 
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
-IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>"}
+IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
+               "mistral3": "[IMG]"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
-                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "mistral3": "Mistral3ForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
-             "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+             "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor"}
+# Processors transformers' AutoProcessor hands out only with torchvision installed (a video processor, or
+# PixtralProcessor's module importing a helper from the torchvision image processor).
+NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "mistral3")
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
@@ -57,6 +62,11 @@ def _prompt(tokenizer, question: str = "What is shown in this image?") -> str:
 
 def _model_inputs(arch, path, tokenizer, image_processor, image) -> dict:
     """Tokenized prompt with the image token expanded, plus pixel inputs."""
+    if arch == "mistral3":  # the template writes BOS: tokenized without special tokens, as apply_chat_template does
+        from mserve.common.processor import build_processor
+
+        processor = build_processor(path, arch)
+        return dict(processor(images=image, text=_prompt(tokenizer), return_tensors="pt", add_special_tokens=False))
     if not arch.startswith("qwen"):
         from transformers import AutoProcessor
 
@@ -99,7 +109,9 @@ def test_chat_template_renders_image_token(loaded):
     prompt = _prompt(tokenizer)
     ids = tokenizer(prompt)["input_ids"]
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
-    if not arch.startswith("qwen"):
+    if arch == "mistral3":
+        assert prompt == "<s>[INST][IMG]What is shown in this image?[/INST]"
+    elif not arch.startswith("qwen"):
         assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
         assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
     else:
@@ -121,6 +133,12 @@ def test_image_processing_shapes(loaded):
         assert inputs["image_sizes"].tolist() == [[150, 200]]
         # base view 4x4 = 16; the 8x8 tile grid unpadded to 150/200 of its height: 6 rows of 8, a newline each
         assert n_image_tokens == 16 + 6 * 8 + 6
+    elif arch == "mistral3":
+        # 200x150 -> longest edge 168: 168x126, padded up to whole 28-px merged patches: 168x140 = 6x5 tokens
+        assert tuple(inputs["pixel_values"].shape) == (1, 3, 140, 168)
+        assert inputs["image_sizes"].tolist() == [[140, 168]]
+        assert n_image_tokens == 30
+        assert int((inputs["input_ids"] == tokenizer.convert_tokens_to_ids("[IMG_BREAK]")).sum()) == 4
     else:
         # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]
@@ -142,7 +160,7 @@ def test_auto_processor(tiny):
     from transformers import AutoProcessor
 
     arch, path = tiny
-    if arch.startswith("qwen") and not HAS_TORCHVISION:
+    if arch in NEEDS_TORCHVISION and not HAS_TORCHVISION:
         # Documented limitation: Qwen2VLProcessor requires Qwen2VLVideoProcessor -> torchvision.
         with pytest.raises(ImportError, match="Torchvision"):
             AutoProcessor.from_pretrained(path)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
+from mserve.common.model import load_family
+from mserve.coordinator.client import AsyncClient
+from mserve.coordinator.client_core import BadRequest
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected, generate_all
-from tests.helpers import request_mix
+from tests.helpers import chat, make_frames, make_image, request_mix
 
 pytestmark = pytest.mark.slow
-FAMILIES = ["llava_next", "qwen2_5_vl"]
+FAMILIES = ["llava_next", "qwen2_5_vl", "mistral3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -31,3 +35,24 @@ def test_text_image_and_multi_image_requests_match_hf(family_cluster):
         assert res.token_ids == exp, f"request {i} ({len(requests[i][1])} images): {res.token_ids} != {exp}"
     assert [r.token_ids for r in again] == [r.token_ids for r in results[1:3]]
     assert all(r.timings["encode_s"] > 0 for r, (_, ims) in zip(results, requests) if ims)
+
+
+def test_bad_input_ends_with_an_error_naming_the_limit_or_family_and_the_cluster_goes_on(family_cluster):
+    """Too many images (the coordinator's max_images_per_request, 8 by default), and a video to a family
+    that takes none: each request ends with an explicit bad_request naming why; the next one is served."""
+    model, cluster = family_cluster
+    why_no_video = load_family(model).video_unsupported()
+    video = [{"role": "user", "content": [{"type": "video", "video": make_frames(56, 56, 2)},
+                                          {"type": "text", "text": "What happens?"}]}]
+
+    async def run():
+        async with AsyncClient(cluster.address, timeout_s=120) as client:
+            with pytest.raises(BadRequest, match="9 images is over the limit max_images_per_request=8"):
+                await client.generate(chat("Hi", [make_image(20, 20, seed=i) for i in range(9)]), max_tokens=4)
+            if why_no_video is not None:
+                with pytest.raises(BadRequest, match=re.escape(f"video 0: {why_no_video}")):
+                    await client.generate(video, max_tokens=4)
+            return await generate_all(cluster.address, request_mix(2, seed=3))
+
+    after = asyncio.run(run())
+    assert [r.token_ids for r in after] == expected(model, request_mix(2, seed=3))

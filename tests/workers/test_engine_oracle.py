@@ -9,7 +9,7 @@ from tests.helpers import PROMPTS, hf_generate, make_image
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.sequence import SamplingParams
 
-ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl"]
+ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3"]
 MAX_NEW = 10
 
 
@@ -63,7 +63,7 @@ def test_images_arriving_after_the_prompt_started_give_hf_tokens(model_dir, buil
     tokens = [int(e.embeds.shape[0]) for e in encoded]
     seq = engine.add_request("r", pp.prompt_ids, encoded=[encoded[0], None, None], item_tokens=tokens,
                              image_hashes=[f"h{i}" for i in range(3)], sampling=greedy())
-    second = seq.images[1].start if len(seq.images) == 3 else None
+    second = seq.images[seq.awaiting[1][0]].start  # the first placeholder run of the second image
     stalled = -1
     while seq.num_computed_tokens != stalled:  # run until it stalls on a missing image
         stalled = seq.num_computed_tokens

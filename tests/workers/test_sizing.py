@@ -27,7 +27,7 @@ QWEN2_VL_7B = {"model_type": "qwen2_vl", "hidden_size": 3584, "intermediate_size
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model_dirs) -> dict[str, Path]:
     """Both families' tiny checkpoints; models/tiny-llava (what `make demo` builds) when it is there."""
-    dirs = dict(tiny_model_dirs)
+    dirs = {arch: tiny_model_dirs[arch] for arch in ("llava", "qwen2_vl", "mistral3")}  # built on first use
     if (REPO / "models/tiny-llava/config.json").is_file():
         dirs["llava"] = REPO / "models/tiny-llava"
     return dirs
@@ -40,7 +40,7 @@ def _settings(model: Path, **kw) -> WorkerSettings:
 # --------------------------------------------------------------------------- geometry and weights
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3"])
 def test_geometry_is_the_checkpoints_text_model(checkpoints, arch):
     cfg = json.loads((checkpoints[arch] / "config.json").read_text())
     text = cfg["text_config"]  # both tiny families are saved with a nested text_config
@@ -96,7 +96,7 @@ def test_unknown_text_key_names_it():
         sizing.text_geometry({"model_type": "bert"})
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3"])
 def test_weight_split_matches_what_each_role_loads(checkpoints, arch):
     """The safetensors header count per part equals the parameters load_vlm keeps for that part."""
     from mserve.workers.model_runner import load_vlm

@@ -1,0 +1,34 @@
+"""What a model family does differently from the generic path, one small module per family.
+
+The generic path (common/model.py, common/processor.py, workers/model_runner.py) covers a family
+whose processor places one run of image tokens per image and whose image processor alone prepares
+what `get_image_features` takes. A family that differs says how in a `FamilyRules` here; every
+field left None keeps the generic behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    # The processor class, for one transformers' top level cannot hand out on this host.
+    processor_class: Callable[[], type] | None = None
+    # (processor, (width, height)) -> the token ids one image placeholder becomes, when they are not
+    # one run of the image token (the image token's count must still be the visual-token count).
+    image_placeholder: Callable[[Any, tuple[int, int]], list[int]] | None = None
+    # (processor, PIL images) -> the vision tower's inputs, when the image processor alone is not
+    # what the processor runs.
+    image_inputs: Callable[[Any, Sequence[Any]], Any] | None = None
+    # Why the family takes no video (None: a video is taken, generically as its frames).
+    no_video: str | None = None
+    # config.json (a dict) -> what the engine lacks for this checkpoint of the family, or None.
+    config_gap: Callable[[dict], str | None] | None = None
+
+
+def rules_for(model_type: str | None) -> FamilyRules:
+    from mserve.common.families import pixtral
+
+    return {"mistral3": pixtral.RULES}.get(model_type or "", FamilyRules())
