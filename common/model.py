@@ -20,12 +20,24 @@ from PIL import Image
 
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next")
+SERVED_MODEL_TYPES = (
+    "llava",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "llava_next",
+    "gemma3",
+)
 # What the engine lacks for families whose processor and model do have the generic hooks.
-KNOWN_GAPS = {
-    "gemma3": "attention that is bidirectional among one image's tokens and sliding-window layers "
-              "(the paged attention is causal and global)",
-}
+KNOWN_GAPS: dict[str, str] = {}
+# Families whose tokens of one image attend to each other both ways (HF's token_type_ids groups):
+# each image is computed whole in one forward (workers/scheduler.py, workers/paged_attention.py).
+BIDIRECTIONAL_IMAGE_TYPES = (
+    "gemma3",
+)
+# Families that take images only: a video is refused at admission (their HF processors have no video path).
+IMAGE_ONLY_TYPES = (
+    "gemma3",
+)
 
 
 class ImageError(ValueError):
@@ -136,6 +148,11 @@ class ModelFamily:
         return "mrope_section" in rope
 
     @property
+    def bidirectional_images(self) -> bool:
+        """One image's placeholder tokens attend to each other both ways, on top of causal attention."""
+        return self.model_type in BIDIRECTIONAL_IMAGE_TYPES
+
+    @property
     def video_as_frames(self) -> bool:
         """A video becomes one image per frame (no video token); otherwise it has its own placeholder and tower path."""
         return self.video_token_id is None
@@ -146,6 +163,8 @@ class ModelFamily:
 
     def video_unsupported(self) -> str | None:
         """Why this checkpoint cannot take a video, or None."""
+        if self.model_type in IMAGE_ONLY_TYPES:
+            return f"video input is not supported for model_type {self.model_type} (images only)"
         if self.video_as_frames:
             return None
         if self.model_type != "qwen2_vl":  # Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts)
@@ -352,6 +371,11 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
     proc, where = read_image_processor_config(model_dir)
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
+    if model_type == "gemma3":
+        from mserve.common import gemma3
+
+        if (why := gemma3.unservable(cfg, proc, processor)) is not None:
+            raise UnsupportedModelError(f"model_type 'gemma3': {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None
     if video_token_id is not None:
         from mserve.common.video import read_video_settings  # video.py builds on this module
