@@ -55,6 +55,8 @@ TEXT_DEFAULTS: dict[str, dict[str, int]] = {
               "vocab_size": 32000},
     "mistral": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                 "num_key_value_heads": 8, "vocab_size": 32000},
+    "gemma3_text": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208},
     "qwen2": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 32, "vocab_size": 151936},
 }
@@ -149,9 +151,12 @@ def text_geometry(config: dict[str, Any], where: str = "config.json") -> TextGeo
     elif model_type == "llava":
         text = dict(config.get("text_config") or {})
         text.setdefault("model_type", "llama")  # LlavaConfig's default text model
+    elif model_type == "gemma3":
+        text = dict(config.get("text_config") or {})
+        text.setdefault("model_type", "gemma3_text")
     else:
         raise SizingError(f"{where}: model_type {model_type!r} is not one sizing knows "
-                          f"(llava, {', '.join(QWEN_TYPES)})")
+                          f"(llava, gemma3, {', '.join(QWEN_TYPES)})")
     text_type = text.get("model_type") or model_type
     defaults = TEXT_DEFAULTS.get(text_type, {})
 
@@ -166,7 +171,8 @@ def text_geometry(config: dict[str, Any], where: str = "config.json") -> TextGeo
     hidden = get("hidden_size")
     return TextGeometry(model_type=str(model_type), num_layers=get("num_hidden_layers"),
                         num_kv_heads=get("num_key_value_heads", heads),
-                        head_dim=int(text.get("head_dim") or hidden // heads), hidden_size=hidden,
+                        head_dim=int(text.get("head_dim") or defaults.get("head_dim") or hidden // heads),
+                        hidden_size=hidden,
                         intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"))
 
 
