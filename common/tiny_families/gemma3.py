@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import processors
 
 from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
+from mserve.common.tiny_families.llava import _drop_nested_image_processor
 
 SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 
@@ -97,6 +98,8 @@ def save_gemma3_processor(out: Path, dims: dict, tok, layout: str) -> None:
     processor.save_pretrained(out)
     if layout != "processor":
         image_processor.save_pretrained(out)
+    if layout == "preprocessor":  # the hub's older layout: processor_config.json keeps the processor's own keys
+        _drop_nested_image_processor(out)
 
 
 def generation_config(tok):
