@@ -22,11 +22,9 @@ from mserve.common.families import FamilyRules, rules_for
 
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3")
+SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
-    "gemma3": "attention that is bidirectional among one image's tokens and sliding-window layers "
-              "(the paged attention is causal and global)",
     "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
                        "view only, but its processor's _get_num_multimodal_tokens counts every image with its tiles",
 }
@@ -140,6 +138,11 @@ class ModelFamily:
         """3-D rotary positions (Qwen2/2.5-VL): the text config's rope carries an mrope_section."""
         rope = self.text_config.get("rope_parameters") or self.text_config.get("rope_scaling") or {}
         return "mrope_section" in rope
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """One image's placeholder tokens attend to each other both ways, on top of causal attention."""
+        return self.rules.bidirectional_images
 
     @property
     def video_as_frames(self) -> bool:
@@ -377,6 +380,8 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
     proc, where = read_image_processor_config(model_dir)
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
+    if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
+        raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None
     if video_token_id is not None:
         from mserve.common.video import read_video_settings  # video.py builds on this module

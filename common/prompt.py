@@ -174,13 +174,27 @@ class PromptBuilder:
             if self.family.video_as_frames:  # LLaVA: each frame is an image part of its own
                 norm = _videos_as_frames(norm, iter(sizes))
         text = self.render(norm)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        expanded_text = text
+        if self.family.rules.expand_text is not None:  # its processor expands each image as text (Gemma 3)
+            expanded_text = self.family.rules.expand_text(text, self.family.processor, len(sizes))
+        ids = self.tokenizer(expanded_text, add_special_tokens=False)["input_ids"]
         # Templates that emit BOS themselves are tokenized as they are; the published llava-1.5
         # template does not, and its model was trained with the BOS its tokenizer adds: keep it.
         if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
-        return PreparedPrompt(self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes)),
-                              list(images), list(sizes), text)
+        if expanded_text is not text:
+            self._check_runs(ids, sizes)
+        else:
+            ids = self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes))
+        return PreparedPrompt(ids, list(images), list(sizes), text)
+
+    def _check_runs(self, ids: list[int], sizes: Sequence[tuple[int, int] | VideoInfo]) -> None:
+        """A prompt expanded as text has one placeholder run per image, each of that image's count."""
+        runs = [n for _, n in self.family.image_spans(ids)]
+        expected = [self.family.visual_token_count(s) for s in sizes]
+        if runs != expected:
+            raise ValueError(f"{self.family.model_type}: the prompt's image placeholder runs {runs} do not match "
+                             f"its images' token counts {expected}")
 
     def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:
         """One user turn: the images first, then the text (the llava-1.5 / Qwen2-VL convention)."""

@@ -69,6 +69,9 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
         kwargs.update(processor(images=pil, return_tensors="pt", **_image_kwargs(model.config)))
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    if model.config.model_type == "gemma3":  # as Gemma3Processor returns them: 1 on image soft tokens
+        kwargs["token_type_ids"] = (ids == model.config.image_token_id).int()
+        kwargs.pop("num_crops", None)  # pan-and-scan's crop counts (off): not a model input
     config = copy.deepcopy(model.generation_config)
     config.max_new_tokens, config.do_sample = max_new_tokens, False
     if ignore_eos:

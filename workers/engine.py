@@ -84,7 +84,8 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    reserve_tokens=config.reserve_tokens,
-                                   enable_prefix_caching=config.enable_prefix_caching)
+                                   enable_prefix_caching=config.enable_prefix_caching,
+                                   whole_images=self.family.bidirectional_images)
         gen = self.runner.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -223,8 +223,10 @@ class ModelRunner:
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """One packed forward; returns logits [num completing chunks, vocab] in chunk order."""
         embeds, positions = self._inputs(chunks)
+        runs = ([[(span.start, span.end) for span in c.seq.images] for c in chunks]
+                if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
-                                 self.device)
+                                 self.device, image_runs=runs)
         hidden = self.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                                      mserve_batch=batch).last_hidden_state[0]
         last_rows, offset = [], 0

@@ -8,7 +8,7 @@ new K/V are scattered into the pool by slot, then each request attends over its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -91,15 +91,27 @@ class AttentionGroup:
     # Every request has max_q tokens and the group is the whole packed batch in order: queries and
     # outputs are reshaped instead of gathered and scattered.
     whole_uniform: bool = False
+    query_pos: torch.Tensor | None = None  # [G, max_q] each query's position in its sequence
+    _windowed: dict = field(default_factory=dict)  # sliding window -> mask, built on first use
+
+    def windowed_mask(self, window: int) -> torch.Tensor:
+        """`mask` limited to the last `window` keys of each query, as transformers' sliding_window_overlay
+        (key > query - window), applied after the image groups' bidirectional part, as in HF's Gemma 3."""
+        if window not in self._windowed:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            near = key_pos[None, None, :] > self.query_pos[:, :, None] - window
+            self._windowed[window] = self.mask & near[:, None]
+        return self._windowed[window]
 
     @classmethod
-    def build(cls, chunks: Sequence[tuple[Sequence[int], int, int, int]], bs: int, total: int,
-              device: torch.device) -> "AttentionGroup":
-        """`chunks`: per request (block ids, first position, number of tokens, offset in the packed T)."""
-        max_q = max(n for _, _, n, _ in chunks)
-        max_blocks = max(len(b) for b, _, _, _ in chunks)
+    def build(cls, chunks: Sequence[tuple[Sequence[int], int, int, int, Sequence[tuple[int, int]]]], bs: int,
+              total: int, device: torch.device) -> "AttentionGroup":
+        """`chunks`: per request (block ids, first position, number of tokens, offset in the packed T,
+        the (start, end) runs of its images whose tokens attend to each other both ways)."""
+        max_q = max(c[2] for c in chunks)
+        max_blocks = max(len(c[0]) for c in chunks)
         q_index, q_pos, out_rows, dest, tables = [], [], [], [], []
-        for i, (blocks, start, n, packed) in enumerate(chunks):
+        for i, (blocks, start, n, packed, _) in enumerate(chunks):
             # Padded query rows repeat the last real query: they never see an empty key set (NaN).
             q_index.append([packed + min(j, n - 1) for j in range(max_q)])
             q_pos.append([start + min(j, n - 1) for j in range(max_q)])
@@ -109,11 +121,24 @@ class AttentionGroup:
         key_pos = torch.arange(max_blocks * bs, device=device)
         qp = torch.tensor(q_pos, device=device)
         mask = key_pos[None, None, :] <= qp[:, :, None]  # causal; also bounds keys to the context
-        whole = len(dest) == total and dest == list(range(total)) and all(n == max_q for _, _, n, _ in chunks)
+        if any(c[4] for c in chunks):
+            mask |= _same_image(chunks, max_blocks * bs, qp, device)
+        whole = len(dest) == total and dest == list(range(total)) and all(c[2] == max_q for c in chunks)
         return cls(block_tables=torch.tensor(tables, dtype=torch.long, device=device),
                    query_index=torch.tensor(q_index, dtype=torch.long, device=device), mask=mask[:, None],
                    out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
-                   dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole)
+                   dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole, query_pos=qp)
+
+
+def _same_image(chunks: Sequence[tuple], num_keys: int, query_pos: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[G, max_q, keys]: True where query and key are tokens of one image (HF's blockwise_overlay over
+    token_type_ids groups). The scheduler computes an image in one chunk, so all its keys are written."""
+    key_image = torch.full((len(chunks), num_keys), -1, dtype=torch.long, device=device)
+    for i, c in enumerate(chunks):
+        for k, (lo, hi) in enumerate(c[4]):
+            key_image[i, lo:hi] = k
+    query_image = key_image.gather(1, query_pos)
+    return (query_image[:, :, None] == key_image[:, None, :]) & (query_image[:, :, None] >= 0)
 
 
 @dataclass
@@ -129,15 +154,20 @@ class PagedBatch:
     groups: list[AttentionGroup]
 
     @classmethod
-    def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> "PagedBatch":
-        """`chunks`: per request (block ids, first position computed, number of tokens)."""
+    def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
+              image_runs: Sequence[Sequence[tuple[int, int]]] | None = None) -> "PagedBatch":
+        """`chunks`: per request (block ids, first position computed, number of tokens). `image_runs`:
+        per request, the (start, end) of each image whose tokens attend to each other both ways
+        (families with bidirectional images; None: all attention is causal)."""
         bs = kv.block_size
         slots, by_len = [], {}
         packed = 0
-        for blocks, start, n in chunks:
+        for i, (blocks, start, n) in enumerate(chunks):
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            # A run matters only to queries from its start on: decode tokens past every image skip it.
+            runs = tuple(r for r in (image_runs[i] if image_runs else ()) if r[1] > start)
             # One query each (decode) go together; a longer chunk goes with chunks of its own length.
-            by_len.setdefault(n, []).append((blocks, start, n, packed))
+            by_len.setdefault(n, []).append((blocks, start, n, packed, runs))
             packed += n
         return cls(
             kv=kv,
@@ -156,7 +186,7 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scaling: float | None) -> torch.Tensor:
+            scaling: float | None, window: int | None = None) -> torch.Tensor:
     """One group's attention output as [rows, heads, head_dim] (rows = its real tokens, in `dest` order)."""
     k = _gather(k_cache, group.block_tables)
     v = _gather(v_cache, group.block_tables)
@@ -166,7 +196,8 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
         q = query.view(heads, g, max_q, d).transpose(0, 1)
     else:
         q = query[:, group.query_index].transpose(0, 1)  # [G, heads, max_q, head_dim]
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling,
+    mask = group.mask if window is None else group.windowed_mask(window)
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
                                          enable_gqa=q.shape[1] != k.shape[1])
     out = out.transpose(1, 2).reshape(g * max_q, heads, d)
     return out if group.whole_uniform else out[group.out_rows]
@@ -185,13 +216,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     _, bs, h, d = k_cache.shape
     k_cache.view(-1, h, d).index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.view(-1, h, d).index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    # The layer's sliding window (transformers passes it for sliding-window layers, None for global ones).
+    window = kwargs.get("sliding_window")
     if len(batch.groups) == 1 and batch.groups[0].whole_uniform:
-        out = _attend(batch.groups[0], query[0], k_cache, v_cache, scaling)
+        out = _attend(batch.groups[0], query[0], k_cache, v_cache, scaling, window)
     else:
         heads, total, d = query[0].shape
         out = query.new_empty((total, heads, d))
         for group in batch.groups:
-            out[group.dest] = _attend(group, query[0], k_cache, v_cache, scaling)
+            out[group.dest] = _attend(group, query[0], k_cache, v_cache, scaling, window)
     return out.unsqueeze(0), None  # [1, T, heads, head_dim], as transformers' attention functions return
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from mserve.common.policy import DEFAULT_ENGINE, class_rank, fits_kv
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
+from mserve.workers.image_bounds import chunk_end, usable_prefix_blocks
 from mserve.workers.sequence import Sequence, SeqStatus
 
 
@@ -46,7 +47,9 @@ class Scheduler:
                  max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens,
                  max_prefill_tokens: int | None = None, aging_tokens_per_s: float = 1000.0,
                  reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens, enable_prefix_caching: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, whole_images: bool = False) -> None:
+        """`whole_images`: no chunk and no reused prefix ends inside an image (workers/image_bounds.py),
+        for families whose image tokens attend to each other both ways."""
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -57,6 +60,7 @@ class Scheduler:
         self.reserve_tokens = reserve_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock
+        self.whole_images = whole_images
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         # Finished, but their KV blocks are still to be copied out (a prefill's to its decode worker,
@@ -129,7 +133,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.status is SeqStatus.RUNNING:
-                n = min(seq.ready_tokens() - seq.num_computed_tokens, budget)
+                done = seq.num_computed_tokens
+                n = self._chunk_size(seq, done, min(seq.ready_tokens() - done, budget))
                 if n <= 0:
                     continue  # waiting for an image's embeddings; its blocks stay reserved
                 if not self._grow_or_preempt(seq, seq.num_computed_tokens + n):
@@ -145,6 +150,12 @@ class Scheduler:
                 if n > 0:  # 0: admitted (its blocks reserved), but its first image has not arrived yet
                     chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                     budget -= n
+
+    def _chunk_size(self, seq: Sequence, start: int, n: int) -> int:
+        """`n` tokens from `start`, or as many as keep the chunk from ending inside an image (whole_images)."""
+        if n <= 0 or not self.whole_images:
+            return n
+        return chunk_end(seq.images, start, start + n) - start
 
     def _lookahead(self, seq: Sequence) -> int:
         """Tokens `seq` will still add, as far as admission plans ahead."""
@@ -185,6 +196,8 @@ class Scheduler:
         bs = self.pool.block_size
         hashes = seq.prompt_hashes(bs) if self.enable_prefix_caching else []
         hit_ids = self.pool.reusable_prefix(hashes, seq.token_ids, seq.num_tokens) if hashes else None
+        if hit_ids and self.whole_images:
+            hit_ids = hit_ids[:usable_prefix_blocks(seq.images, len(hit_ids), bs)]
         hits = len(hit_ids or ())
         # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
         # must be preempted wastes the work already done. Cached hits that sit in the free
@@ -193,7 +206,7 @@ class Scheduler:
         free_hits = self.pool.num_idle(hit_ids or ())
         if not self.pool.can_allocate(needed + free_hits + self._reserved_for_running()):
             return None
-        n = max(0, min(seq.ready_tokens(hits * bs) - hits * bs, budget))
+        n = self._chunk_size(seq, hits * bs, max(0, min(seq.ready_tokens(hits * bs) - hits * bs, budget)))
         cached = self.pool.allocate(seq.block_table, hits * bs + n, hit_ids)
         assert cached == hits * bs
         seq.num_computed_tokens = cached

@@ -51,6 +51,7 @@ QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
 NESTED_TEXT_TYPES = {
     "llava": "llama",
     "mistral3": "mistral",
+    "gemma3": "gemma3_text",
 }
 
 # What transformers' config classes default to when a config.json leaves a key out (published llava-hf
@@ -60,6 +61,8 @@ TEXT_DEFAULTS: dict[str, dict[str, int]] = {
               "vocab_size": 32000},
     "mistral": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                 "num_key_value_heads": 8, "vocab_size": 32000},
+    "gemma3_text": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208},
     "qwen2": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 32, "vocab_size": 151936},
 }
@@ -171,7 +174,8 @@ def text_geometry(config: dict[str, Any], where: str = "config.json") -> TextGeo
     hidden = get("hidden_size")
     return TextGeometry(model_type=str(model_type), num_layers=get("num_hidden_layers"),
                         num_kv_heads=get("num_key_value_heads", heads),
-                        head_dim=int(text.get("head_dim") or hidden // heads), hidden_size=hidden,
+                        head_dim=int(text.get("head_dim") or defaults.get("head_dim") or hidden // heads),
+                        hidden_size=hidden,
                         intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"))
 
 

@@ -26,9 +26,19 @@ class FamilyRules:
     no_video: str | None = None
     # config.json (a dict) -> what the engine lacks for this checkpoint of the family, or None.
     config_gap: Callable[[dict], str | None] | None = None
+    # (config.json, image processor settings, processor) -> what the engine lacks, or None: for gaps
+    # only the built processor shows.
+    processor_gap: Callable[[dict, dict, Any], str | None] | None = None
+    # One image's placeholder tokens attend to each other both ways, on top of causal attention (HF's
+    # token_type_ids groups): each image is computed whole in one forward (workers/scheduler.py,
+    # workers/paged_attention.py).
+    bidirectional_images: bool = False
+    # (rendered prompt, processor, number of images) -> the prompt with each image's placeholder
+    # expanded as text, for a processor that expands before tokenizing (neighbouring text merges).
+    expand_text: Callable[[str, Any, int], str] | None = None
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import pixtral
+    from mserve.common.families import gemma3, pixtral
 
-    return {"mistral3": pixtral.RULES}.get(model_type or "", FamilyRules())
+    return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES}.get(model_type or "", FamilyRules())

@@ -18,23 +18,30 @@ def config_only(root: Path, model_type: str) -> Path:
 
 
 @pytest.mark.parametrize("model_type, match", [
-    ("gemma3", r"'gemma3' needs attention that is bidirectional among one image's tokens and sliding-window"),
     ("idefics", r"'idefics': IdeficsProcessor has no _get_num_multimodal_tokens, so the visual-token count"),
     ("not_a_vlm", r"'not_a_vlm': transformers has no processor class for it"),
     ("paligemma", r"'paligemma' is not verified token-exact in mserve \(served: llava, qwen2_vl"),
-], ids=["known-gap", "no-count-hook", "unknown", "unverified"])
+], ids=["no-count-hook", "unknown", "unverified"])
 def test_unservable_model_type_is_refused_at_load_in_one_line(tmp_path, model_type, match):
     with pytest.raises(UnsupportedModelError, match=match) as info:
         load_family(config_only(tmp_path, model_type))
     assert "\n" not in str(info.value)
 
 
+def test_known_gap_is_named_at_load(tmp_path, monkeypatch):
+    from mserve.common import model
+
+    monkeypatch.setitem(model.KNOWN_GAPS, "paligemma", "what the test says is missing")
+    with pytest.raises(UnsupportedModelError, match=r"^model_type 'paligemma' needs what the test says is missing$"):
+        load_family(config_only(tmp_path, "paligemma"))
+
+
 def test_engine_refuses_before_loading_weights(tmp_path):
     """The worker's runner loads the family first: no weights are read for a refused model type."""
     from mserve.workers.model_runner import ModelRunner
 
-    with pytest.raises(UnsupportedModelError, match="gemma3"):
-        ModelRunner(config_only(tmp_path, "gemma3"))
+    with pytest.raises(UnsupportedModelError, match="paligemma"):
+        ModelRunner(config_only(tmp_path, "paligemma"))
 
 
 def test_video_to_a_family_without_video_support_is_refused_naming_it(tiny_model_dirs):
@@ -52,7 +59,7 @@ def test_video_to_a_family_without_video_support_is_refused_naming_it(tiny_model
 def test_mserve_up_refuses_before_starting_anything(tmp_path, caplog):
     from mserve.up import _main
 
-    assert _main(["--model", str(config_only(tmp_path, "gemma3"))]) == 1
+    assert _main(["--model", str(config_only(tmp_path, "paligemma"))]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert errors == ["mserve up failed: model_type 'gemma3' needs attention that is bidirectional among one "
-                      "image's tokens and sliding-window layers (the paged attention is causal and global)"]
+    assert len(errors) == 1
+    assert errors[0].startswith("mserve up failed: model_type 'paligemma' is not verified token-exact in mserve")

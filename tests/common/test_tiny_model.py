@@ -13,13 +13,15 @@ from PIL import Image
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
-               "mistral3": "[IMG]"}
+               "mistral3": "[IMG]", "gemma3": "<image_soft_token>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                "mistral3": "Mistral3ForConditionalGeneration"}
+                "mistral3": "Mistral3ForConditionalGeneration",
+                "gemma3": "Gemma3ForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
-             "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor"}
+             "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor",
+             "gemma3": "Gemma3Processor"}
 # Processors transformers' AutoProcessor hands out only with torchvision installed (a video processor, or
 # PixtralProcessor's module importing a helper from the torchvision image processor).
 NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "mistral3")
@@ -85,7 +87,7 @@ def test_folder_has_checkpoint_files(tiny):
                  "tokenizer_config.json", "preprocessor_config.json", "chat_template.jinja"):
         assert (path / name).is_file(), name
     config = json.loads((path / "config.json").read_text())
-    assert config["tie_word_embeddings"] is False
+    assert config["tie_word_embeddings"] is (arch == "gemma3")  # as the published checkpoints
     assert config["architectures"] == [ARCHITECTURE[arch]]
 
 
@@ -94,12 +96,17 @@ def test_config_ids_match_tokenizer(loaded):
     config = model.config
     assert config.text_config.vocab_size == len(tokenizer) == 1000
     assert config.image_token_id == tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch])
-    assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert tied is (arch == "gemma3")
     if arch.startswith("qwen"):
         for attr, token in [("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
                             ("vision_end_token_id", "<|vision_end|>")]:
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
         assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    elif arch == "gemma3":
+        assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
+        for attr, token in [("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>")]:
+            assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
     else:
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("</s>")
 
@@ -108,6 +115,11 @@ def test_chat_template_renders_image_token(loaded):
     arch, _, _, tokenizer, _ = loaded
     prompt = _prompt(tokenizer)
     ids = tokenizer(prompt)["input_ids"]
+    if arch == "gemma3":  # the template places <start_of_image>; the processor expands it to the soft tokens
+        assert prompt == ("<bos><start_of_turn>user\n<start_of_image>What is shown in this image?<end_of_turn>\n"
+                          "<start_of_turn>model\n")
+        assert tokenizer.convert_tokens_to_ids("<start_of_image>") in ids
+        return
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
     if arch == "mistral3":
         assert prompt == "<s>[INST][IMG]What is shown in this image?[/INST]"
@@ -139,6 +151,10 @@ def test_image_processing_shapes(loaded):
         assert inputs["image_sizes"].tolist() == [[140, 168]]
         assert n_image_tokens == 30
         assert int((inputs["input_ids"] == tokenizer.convert_tokens_to_ids("[IMG_BREAK]")).sum()) == 4
+    elif arch == "gemma3":  # resized to 112x112 = 8x8 patches, average-pooled to 4x4 = mm_tokens_per_image
+        assert tuple(inputs["pixel_values"].shape) == (1, 3, 112, 112)
+        assert n_image_tokens == 16
+        assert inputs["token_type_ids"].sum() == 16
     else:
         # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]

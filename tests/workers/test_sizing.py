@@ -26,8 +26,8 @@ QWEN2_VL_7B = {"model_type": "qwen2_vl", "hidden_size": 3584, "intermediate_size
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model_dirs) -> dict[str, Path]:
-    """Both families' tiny checkpoints; models/tiny-llava (what `make demo` builds) when it is there."""
-    dirs = {arch: tiny_model_dirs[arch] for arch in ("llava", "qwen2_vl", "mistral3")}  # built on first use
+    """The tiny checkpoints sized here; models/tiny-llava (what `make demo` builds) when it is there."""
+    dirs = {arch: tiny_model_dirs[arch] for arch in ("llava", "qwen2_vl", "mistral3", "gemma3")}  # built on first use
     if (REPO / "models/tiny-llava/config.json").is_file():
         dirs["llava"] = REPO / "models/tiny-llava"
     return dirs
@@ -40,10 +40,10 @@ def _settings(model: Path, **kw) -> WorkerSettings:
 # --------------------------------------------------------------------------- geometry and weights
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "gemma3"])
 def test_geometry_is_the_checkpoints_text_model(checkpoints, arch):
     cfg = json.loads((checkpoints[arch] / "config.json").read_text())
-    text = cfg["text_config"]  # both tiny families are saved with a nested text_config
+    text = cfg["text_config"]  # the tiny families are saved with a nested text_config
     g = sizing.read_geometry(checkpoints[arch])
     assert (g.num_layers, g.num_kv_heads, g.hidden_size, g.intermediate_size, g.vocab_size) == (
         text["num_hidden_layers"], text["num_key_value_heads"], text["hidden_size"], text["intermediate_size"],
