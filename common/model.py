@@ -20,7 +20,8 @@ from PIL import Image
 
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next")
+SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next",
+                      "internvl")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "gemma3": "attention that is bidirectional among one image's tokens and sliding-window layers "
@@ -146,6 +147,10 @@ class ModelFamily:
 
     def video_unsupported(self) -> str | None:
         """Why this checkpoint cannot take a video, or None."""
+        from mserve.common.image_prompts import IMAGE_ONLY_MODEL_TYPES
+
+        if self.model_type in IMAGE_ONLY_MODEL_TYPES:
+            return f"video input is not supported for model_type {self.model_type} (images only)"
         if self.video_as_frames:
             return None
         if self.model_type != "qwen2_vl":  # Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts)
@@ -232,15 +237,27 @@ class ModelFamily:
                 if isinstance(size, VideoInfo) != (kind == "video"):
                     raise ValueError(f"the chat template placed the images and videos in another order than "
                                      f"the request (a {kind} placeholder where the request has another kind)")
-                out.extend([tok] * self.visual_token_count(size))
+                out.extend(self.placeholder_expansion(tok, size))
             else:
                 out.append(tok)
         if next(images, None) is not None:
             raise ValueError("prompt has fewer image placeholders than images")
         return out
 
+    def placeholder_expansion(self, tok: int, size: tuple[int, int] | VideoInfo) -> list[int]:
+        """The ids one placeholder becomes: its token repeated once per visual token, or, for a family
+        whose processor wraps or interleaves them (common/image_prompts.py), the processor's own ids."""
+        from mserve.common.image_prompts import has_image_prompt, image_prompt_ids
+
+        if has_image_prompt(self.model_type):  # (pruning is llava-only: these counts are never pruned)
+            ids = image_prompt_ids(self.model_type, self.processor, *size)
+            assert ids.count(self.image_token_id) == self.visual_token_count(size)
+            return ids
+        return [tok] * self.visual_token_count(size)
+
     def image_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(start, length) of each run of one placeholder token (image or video), in order."""
+        """(start, length) of each run of one placeholder token (image or video), in order. One image of a
+        tiling family can be several runs (SmolVLM: one per tile); common/hashing.item_spans groups them."""
         spans: list[tuple[int, int]] = []
         ids = self.placeholder_ids
         i, n = 0, len(token_ids)

@@ -66,7 +66,7 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        kwargs.update(processor(images=pil, return_tensors="pt"))  # pixel_values and image_grid_thw / image_sizes
+        kwargs.update(_model_image_inputs(model, processor(images=pil, return_tensors="pt")))
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     config = copy.deepcopy(model.generation_config)
@@ -76,6 +76,15 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     with torch.inference_mode():
         out = model.generate(**kwargs, generation_config=config)
     return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def _model_image_inputs(model, inputs) -> dict:
+    """The image processor's outputs the model's forward takes (pixel_values and image_grid_thw / image_sizes
+    / pixel_attention_mask), without its bookkeeping (InternVL's num_patches, SmolVLM's rows and cols)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {k: v for k, v in inputs.items() if k in params}
 
 
 def hf_generate_visual(model_dir: str, prompt_ids: Sequence[int], items: Sequence, max_new_tokens: int) -> list[int]:
@@ -109,7 +118,7 @@ def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tupl
     else:
         images = [_pil(x) for x in items if not isinstance(x, tuple)]
     if images:
-        kwargs.update(processor(images=images, return_tensors="pt"))
+        kwargs.update(_model_image_inputs(model, processor(images=images, return_tensors="pt")))
     if videos:
         kwargs.update(qwen_video_inputs(processor, family, videos))
     if family.uses_mrope:

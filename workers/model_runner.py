@@ -20,6 +20,7 @@ from mserve.common.model import ModelFamily, load_family
 from mserve.workers import paged_attention
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
+from mserve.workers.tiled_images import features_per_image, image_inputs
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class ModelRunner:
         model's own get_image_features (given every input its image processor produced that it takes)."""
         if not images:
             return []
-        inputs = self.image_processor(images=list(images), return_tensors="pt")
+        inputs = image_inputs(self.image_processor, self.family.model_type, images)
         kwargs = {k: v for k, v in inputs.items() if k in self._image_feature_inputs}
         kwargs["pixel_values"] = kwargs["pixel_values"].to(self.device, self.dtype)
         kwargs.update({k: v.to(self.device) for k, v in kwargs.items() if k != "pixel_values" and torch.is_tensor(v)})
@@ -122,7 +123,7 @@ class ModelRunner:
             out = self.model.model.get_image_features(**kwargs, return_dict=True)
         grid = inputs.get("image_grid_thw")
         grids = [tuple(int(x) for x in g) for g in grid.tolist()] if grid is not None else [None] * len(images)
-        embeds = [e.reshape(-1, self.hidden_size) for e in out.pooler_output]
+        embeds = features_per_image(out.pooler_output, inputs, self.hidden_size)
         if self.pruner is not None:  # keep each image's top tokens by [CLS] attention, in order
             embeds = self.pruner.select(embeds, scores)
         return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]
