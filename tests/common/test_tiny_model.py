@@ -12,12 +12,17 @@ from PIL import Image
 
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
-IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>"}
+IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
+               "internvl": "<IMG_CONTEXT>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
-                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "internvl": "InternVLForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
-             "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+             "qwen2_5_vl": "Qwen2_5_VLProcessor", "internvl": "InternVLProcessor"}
+# Families whose processor owns a video processor (torchvision) and whose placeholders it wraps itself.
+BUILT_FROM_PARTS = ("internvl",)
+CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "internvl")  # eos [<|im_end|>, <|endoftext|>]
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
@@ -57,6 +62,11 @@ def _prompt(tokenizer, question: str = "What is shown in this image?") -> str:
 
 def _model_inputs(arch, path, tokenizer, image_processor, image) -> dict:
     """Tokenized prompt with the image token expanded, plus pixel inputs."""
+    if arch in BUILT_FROM_PARTS:
+        from mserve.common.processor import build_processor
+
+        processor = build_processor(path, arch)
+        return dict(processor(images=[image], text=_prompt(tokenizer), return_tensors="pt"))
     if not arch.startswith("qwen"):
         from transformers import AutoProcessor
 
@@ -89,6 +99,7 @@ def test_config_ids_match_tokenizer(loaded):
         for attr, token in [("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
                             ("vision_end_token_id", "<|vision_end|>")]:
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
+    if arch in CHATML_EOS:
         assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
     else:
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("</s>")
@@ -99,7 +110,9 @@ def test_chat_template_renders_image_token(loaded):
     prompt = _prompt(tokenizer)
     ids = tokenizer(prompt)["input_ids"]
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
-    if not arch.startswith("qwen"):
+    if arch == "internvl":
+        assert prompt == "<|im_start|>user\n<IMG_CONTEXT>\nWhat is shown in this image?<|im_end|>\n<|im_start|>assistant\n"
+    elif not arch.startswith("qwen"):
         assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
         assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
     else:
@@ -121,6 +134,10 @@ def test_image_processing_shapes(loaded):
         assert inputs["image_sizes"].tolist() == [[150, 200]]
         # base view 4x4 = 16; the 8x8 tile grid unpadded to 150/200 of its height: 6 rows of 8, a newline each
         assert n_image_tokens == 16 + 6 * 8 + 6
+    elif arch == "internvl":
+        # 200x150 -> the best canvas of at most 6 tiles of 56 px is 3x2, plus the thumbnail: 7 tiles of 4 tokens
+        assert tuple(inputs["pixel_values"].shape) == (7, 3, 56, 56)
+        assert n_image_tokens == 7 * 4
     else:
         # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]
@@ -142,7 +159,7 @@ def test_auto_processor(tiny):
     from transformers import AutoProcessor
 
     arch, path = tiny
-    if arch.startswith("qwen") and not HAS_TORCHVISION:
+    if (arch.startswith("qwen") or arch in BUILT_FROM_PARTS) and not HAS_TORCHVISION:
         # Documented limitation: Qwen2VLProcessor requires Qwen2VLVideoProcessor -> torchvision.
         with pytest.raises(ImportError, match="Torchvision"):
             AutoProcessor.from_pretrained(path)
