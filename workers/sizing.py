@@ -45,8 +45,14 @@ WORKSPACE_BYTES = 512 * MIB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual")  # as model_runner._VISION_MODULES
+VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual", "vision_model", "connector")  # as model_runner._VISION_MODULES
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Families whose text model is all in text_config -> the text model_type their config class defaults to.
+NESTED_TEXT_TYPES = {
+    "llava": "llama",
+    "internvl": "qwen2",
+    "smolvlm": "llama",
+}
 
 # What transformers' config classes default to when a config.json leaves a key out (published llava-hf
 # text_configs name little more than model_type and vocab_size); checked against transformers in tests.
@@ -146,12 +152,12 @@ def text_geometry(config: dict[str, Any], where: str = "config.json") -> TextGeo
     if model_type in QWEN_TYPES:
         text = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
         text.update(config.get("text_config") or {})
-    elif model_type == "llava":
+    elif model_type in NESTED_TEXT_TYPES:
         text = dict(config.get("text_config") or {})
-        text.setdefault("model_type", "llama")  # LlavaConfig's default text model
+        text.setdefault("model_type", NESTED_TEXT_TYPES[model_type])  # the config class's default text model
     else:
         raise SizingError(f"{where}: model_type {model_type!r} is not one sizing knows "
-                          f"(llava, {', '.join(QWEN_TYPES)})")
+                          f"({', '.join((*NESTED_TEXT_TYPES, *QWEN_TYPES))})")
     text_type = text.get("model_type") or model_type
     defaults = TEXT_DEFAULTS.get(text_type, {})
 

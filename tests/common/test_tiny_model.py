@@ -13,15 +13,16 @@ from PIL import Image
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
-               "internvl": "<IMG_CONTEXT>"}
+               "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                "internvl": "InternVLForConditionalGeneration"}
+                "internvl": "InternVLForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
-             "qwen2_5_vl": "Qwen2_5_VLProcessor", "internvl": "InternVLProcessor"}
+             "qwen2_5_vl": "Qwen2_5_VLProcessor", "internvl": "InternVLProcessor",
+             "smolvlm": "SmolVLMProcessor"}
 # Families whose processor owns a video processor (torchvision) and whose placeholders it wraps itself.
-BUILT_FROM_PARTS = ("internvl",)
+BUILT_FROM_PARTS = ("internvl", "smolvlm")
 CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "internvl")  # eos [<|im_end|>, <|endoftext|>]
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
@@ -101,6 +102,8 @@ def test_config_ids_match_tokenizer(loaded):
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
     if arch in CHATML_EOS:
         assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    elif arch == "smolvlm":
+        assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     else:
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("</s>")
 
@@ -112,6 +115,8 @@ def test_chat_template_renders_image_token(loaded):
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
     if arch == "internvl":
         assert prompt == "<|im_start|>user\n<IMG_CONTEXT>\nWhat is shown in this image?<|im_end|>\n<|im_start|>assistant\n"
+    elif arch == "smolvlm":
+        assert prompt == "<|im_start|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
     elif not arch.startswith("qwen"):
         assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
         assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
@@ -138,6 +143,10 @@ def test_image_processing_shapes(loaded):
         # 200x150 -> the best canvas of at most 6 tiles of 56 px is 3x2, plus the thumbnail: 7 tiles of 4 tokens
         assert tuple(inputs["pixel_values"].shape) == (7, 3, 56, 56)
         assert n_image_tokens == 7 * 4
+    elif arch == "smolvlm":
+        # 200x150 -> rescaled to a 168 px longest edge (168x126) -> 3x3 tiles of 56 px plus the global view
+        assert tuple(inputs["pixel_values"].shape) == (1, 10, 3, 56, 56)
+        assert n_image_tokens == 10 * 4
     else:
         # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]

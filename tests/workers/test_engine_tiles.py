@@ -13,10 +13,10 @@ from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.sequence import SamplingParams
 from tests.helpers import PROMPTS, hf_generate, make_image
 
-ARCHS = ["internvl"]
+ARCHS = ["internvl", "smolvlm"]
 MAX_NEW = 8
 # Sizes that the tiny processors cut into different numbers of tiles (one tile up to six plus a global view).
-SIZES = [(20, 20), (100, 60), (60, 100), (113, 57), (200, 150)]
+SIZES = [(20, 20), (100, 60), (300, 40), (113, 57), (200, 150)]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -108,3 +108,27 @@ def test_prefix_cache_hit_keeps_tokens(model_dir, builder):
     seq = engine.add_request("other", other.prompt_ids, images=other.images, sampling=SamplingParams(max_tokens=2))
     engine.run_until_done()
     assert seq.num_cached_tokens < pp.prompt_ids.index(engine.family.image_token_id) + 16  # another image: no hit
+
+
+def test_lean_encode_prefill_decode_engines_split_the_weights_and_stay_exact(model_dir, builder):
+    """Encode keeps only the vision tower + projector (connector), prefill and decode only the language
+    model + head; encode -> prefill -> KV export -> decode gives HF's tokens."""
+    from mserve.workers.model_runner import text_module_name
+
+    encoder = new_engine(model_dir, parts="vision", num_blocks=16)
+    prefill = new_engine(model_dir, parts="text")
+    decode = new_engine(model_dir, parts="text", num_blocks=300)
+    whole = sum(p.numel() for p in new_engine(model_dir, num_blocks=16).runner.model.parameters())
+    n_vision = sum(p.numel() for p in encoder.runner.model.parameters())
+    n_text = sum(p.numel() for p in prefill.runner.model.parameters())
+    assert getattr(encoder.runner.model.model, text_module_name(encoder.runner.model)) is None
+    assert n_vision + n_text == whole and 0 < n_vision < whole and 0 < n_text < whole
+    pp = prepared(builder, 5, 2)
+    encoded = encoder.encode(pp.images)
+    prefill.add_request("r", pp.prompt_ids, encoded=encoded, image_hashes=["a", "b"],
+                        sampling=SamplingParams(max_tokens=MAX_NEW), prefill_only=True)
+    first = []
+    while prefill.has_unfinished():
+        first += [o.new_token_ids[0] for o in prefill.step()]
+    decode.import_kv(prefill.export_kv("r"))
+    check_against_hf(model_dir, {"r": pp}, {"r": first + decode.run_until_done()["r"]})
