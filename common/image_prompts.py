@@ -1,5 +1,5 @@
 """The token ids one image placeholder becomes, for families whose processor wraps or interleaves its
-context tokens: InternVL (<img> + context tokens + </img>) and SmolVLM (per tile a row/column marker
+context tokens: InternVL (<img> + context tokens + </img>) and SmolVLM / Idefics3 (per tile a row/column marker
 and its context tokens, then the global image).
 
 Each family's own processor writes the text (its `replace_image_token`, fed the tiling its image
@@ -14,8 +14,8 @@ from functools import lru_cache
 from typing import Any, Callable
 
 # Families whose processor expands a video unlike an image (InternVL: "FrameN:" lines without tiling;
-# SmolVLM: timestamps and one global view per frame): mserve does not take their videos.
-IMAGE_ONLY_MODEL_TYPES = ("internvl", "smolvlm")
+# SmolVLM: timestamps and one global view per frame; Idefics3 has none): mserve does not take their videos.
+IMAGE_ONLY_MODEL_TYPES = ("internvl", "smolvlm", "idefics3")
 
 
 def _internvl_text(processor: Any, width: int, height: int) -> str:
@@ -32,6 +32,7 @@ def _smolvlm_text(processor: Any, width: int, height: int) -> str:
 _TEXT: dict[str, Callable[[Any, int, int], str]] = {
     "internvl": _internvl_text,
     "smolvlm": _smolvlm_text,
+    "idefics3": _smolvlm_text,  # the same tiling and text as SmolVLM
 }
 
 

@@ -21,7 +21,7 @@ from PIL import Image
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next",
-                      "internvl", "smolvlm")
+                      "internvl", "smolvlm", "idefics3")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "gemma3": "attention that is bidirectional among one image's tokens and sliding-window layers "

@@ -52,6 +52,7 @@ NESTED_TEXT_TYPES = {
     "llava": "llama",
     "internvl": "qwen2",
     "smolvlm": "llama",
+    "idefics3": "llama",
 }
 
 # What transformers' config classes default to when a config.json leaves a key out (published llava-hf

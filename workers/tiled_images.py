@@ -1,4 +1,4 @@
-"""Vision inputs and per-image features for families that cut an image into tiles (InternVL, SmolVLM).
+"""Vision inputs and per-image features for families that cut an image into tiles (InternVL, SmolVLM, Idefics3).
 
 Their image processors batch tiles, not images, and their `get_image_features` returns features per
 tile (InternVL) or per batch sample (SmolVLM): this module gives the runner one tensor per image,
@@ -13,9 +13,9 @@ import torch
 
 
 def image_inputs(image_processor: Any, model_type: str, images: Sequence) -> Any:
-    """The image processor's tensors for `images`; SmolVLM gets one sample per image, so that its
+    """The image processor's tensors for `images`; SmolVLM and Idefics3 get one sample per image, so that its
     features come back one entry per image."""
-    if model_type == "smolvlm":
+    if model_type in ("smolvlm", "idefics3"):
         return image_processor(images=[[im] for im in images], return_tensors="pt")
     return image_processor(images=list(images), return_tensors="pt")
 

@@ -11,7 +11,7 @@ from mserve.common.tiny_families.base import TinyFamily
 from mserve.common.tiny_families.internvl import INTERNVL
 from mserve.common.tiny_families.llava import LLAVA, LLAVA_NEXT
 from mserve.common.tiny_families.qwen import QWEN2_5_VL, QWEN2_VL
-from mserve.common.tiny_families.smolvlm import SMOLVLM
+from mserve.common.tiny_families.smolvlm import IDEFICS3, SMOLVLM
 
 FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN2_5_VL,
-                                                 INTERNVL, SMOLVLM)}
+                                                 INTERNVL, SMOLVLM, IDEFICS3)}

@@ -14,7 +14,7 @@ from PIL import Image
 from mserve.common.prompt import PromptBuilder
 from tests.helpers import make_frames, make_image
 
-ARCHS = ["internvl", "smolvlm"]
+ARCHS = ["internvl", "smolvlm", "idefics3"]
 # Tiny, square, wide, tall, extreme, exactly one tile, just over one tile, large.
 SIZES = [(20, 20), (56, 56), (57, 57), (100, 60), (60, 100), (113, 57), (300, 40), (40, 300), (1000, 30),
          (200, 150), (500, 500), (64, 700)]

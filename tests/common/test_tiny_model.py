@@ -13,16 +13,20 @@ from PIL import Image
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
-               "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>"}
+               "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
+               "idefics3": "<image>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                "internvl": "InternVLForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}
+                "internvl": "InternVLForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
+                "idefics3": "Idefics3ForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
              "qwen2_5_vl": "Qwen2_5_VLProcessor", "internvl": "InternVLProcessor",
-             "smolvlm": "SmolVLMProcessor"}
-# Families whose processor owns a video processor (torchvision) and whose placeholders it wraps itself.
-BUILT_FROM_PARTS = ("internvl", "smolvlm")
+             "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor"}
+# Families whose test inputs come from mserve's processor build (common/processor.py), and those among
+# them whose processor owns a video processor (torchvision: AutoProcessor cannot build it here).
+BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3")
+OWN_VIDEO_PROCESSOR = ("internvl", "smolvlm")
 CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "internvl")  # eos [<|im_end|>, <|endoftext|>]
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
@@ -102,7 +106,7 @@ def test_config_ids_match_tokenizer(loaded):
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
     if arch in CHATML_EOS:
         assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    elif arch == "smolvlm":
+    elif arch in ("smolvlm", "idefics3"):
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     else:
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("</s>")
@@ -115,6 +119,8 @@ def test_chat_template_renders_image_token(loaded):
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
     if arch == "internvl":
         assert prompt == "<|im_start|>user\n<IMG_CONTEXT>\nWhat is shown in this image?<|im_end|>\n<|im_start|>assistant\n"
+    elif arch == "idefics3":
+        assert prompt == "<|begin_of_text|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
     elif arch == "smolvlm":
         assert prompt == "<|im_start|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
     elif not arch.startswith("qwen"):
@@ -143,7 +149,7 @@ def test_image_processing_shapes(loaded):
         # 200x150 -> the best canvas of at most 6 tiles of 56 px is 3x2, plus the thumbnail: 7 tiles of 4 tokens
         assert tuple(inputs["pixel_values"].shape) == (7, 3, 56, 56)
         assert n_image_tokens == 7 * 4
-    elif arch == "smolvlm":
+    elif arch in ("smolvlm", "idefics3"):
         # 200x150 -> rescaled to a 168 px longest edge (168x126) -> 3x3 tiles of 56 px plus the global view
         assert tuple(inputs["pixel_values"].shape) == (1, 10, 3, 56, 56)
         assert n_image_tokens == 10 * 4
@@ -168,7 +174,7 @@ def test_auto_processor(tiny):
     from transformers import AutoProcessor
 
     arch, path = tiny
-    if (arch.startswith("qwen") or arch in BUILT_FROM_PARTS) and not HAS_TORCHVISION:
+    if (arch.startswith("qwen") or arch in OWN_VIDEO_PROCESSOR) and not HAS_TORCHVISION:
         # Documented limitation: Qwen2VLProcessor requires Qwen2VLVideoProcessor -> torchvision.
         with pytest.raises(ImportError, match="Torchvision"):
             AutoProcessor.from_pretrained(path)

@@ -11,7 +11,7 @@ from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import request_mix
 
 pytestmark = pytest.mark.slow
-FAMILIES = ["llava_next", "qwen2_5_vl", "internvl", "smolvlm"]
+FAMILIES = ["llava_next", "qwen2_5_vl", "internvl", "smolvlm", "idefics3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

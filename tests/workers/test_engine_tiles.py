@@ -1,4 +1,4 @@
-"""Tile-splitting families (InternVL, SmolVLM): the engine gives exactly HF generate()'s greedy ids.
+"""Tile-splitting families (InternVL, SmolVLM, Idefics3): the engine gives exactly HF generate()'s greedy ids.
 
 One image is several tiles here, and its placeholders can be several runs with text tokens between
 them (SmolVLM's row/column markers): ragged batches of differently tiled images, chunks that end
@@ -46,10 +46,20 @@ def check_against_hf(model_dir, requests, results):
 
 
 def test_ragged_batch_of_differently_tiled_images(model_dir, builder):
+    check_ragged_batch(model_dir, builder)
+
+
+def test_idefics3_ragged_batch_with_chunks(tiny_model_dirs):
+    """Idefics3 runs SmolVLM's code path with its own classes: one ragged batch, prefilled in small chunks."""
+    model_dir = str(tiny_model_dirs["idefics3"])
+    check_ragged_batch(model_dir, PromptBuilder(model_dir), max_num_batched_tokens=48)
+
+
+def check_ragged_batch(model_dir: str, builder: PromptBuilder, **overrides) -> None:
     requests = {f"r{i}": prepared(builder, i, i % 3) for i in range(4)}
     counts = {builder.family.visual_token_count(s) for s in SIZES}
     assert len(counts) >= 3  # the sizes really tile differently
-    engine = new_engine(model_dir)
+    engine = new_engine(model_dir, **overrides)
     for rid, pp in requests.items():
         engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
     widest, results = 0, {}
