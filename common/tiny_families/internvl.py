@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mserve.common.tiny_families.llava import _drop_nested_image_processor
 from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
 from mserve.common.tiny_families.qwen import _VideoProcessorConfig
 
@@ -77,6 +78,8 @@ def save_internvl_processor(out: Path, dims: dict, tok, layout: str) -> None:
     processor.save_pretrained(out)
     if layout != "processor":
         image_processor.save_pretrained(out)
+    if layout == "preprocessor":
+        _drop_nested_image_processor(out)
 
 
 def generation_config(tok):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mserve.common.tiny_families.llava import _drop_nested_image_processor
 from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
 from mserve.common.tiny_families.qwen import _VideoProcessorConfig
 
@@ -83,6 +84,8 @@ def save_smolvlm_processor(out: Path, dims: dict, tok, layout: str) -> None:
     processor.save_pretrained(out)
     if layout != "processor":
         image_processor.save_pretrained(out)
+    if layout == "preprocessor":
+        _drop_nested_image_processor(out)
 
 
 def save_idefics3_processor(out: Path, dims: dict, tok, layout: str) -> None:
@@ -93,6 +96,8 @@ def save_idefics3_processor(out: Path, dims: dict, tok, layout: str) -> None:
                       chat_template=IDEFICS3_CHAT_TEMPLATE).save_pretrained(out)
     if layout != "processor":
         image_processor.save_pretrained(out)
+    if layout == "preprocessor":
+        _drop_nested_image_processor(out)
 
 
 def _tiling_image_processor(cls, dims: dict):
