@@ -225,11 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("make-tiny-model", help="build a random-weight llava or qwen2_vl checkpoint offline",
+    p = sub.add_parser("make-tiny-model", help="build a random-weight checkpoint of a served family offline",
                        description="Write a complete save_pretrained folder (config, safetensors, trained byte-level "
                                    "BPE tokenizer, image processor, chat template) with random weights.")
     p.add_argument("out_dir", help="folder to write (created if missing)")
-    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl"], default="llava", help="model family (default: llava)")
+    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "internvl", "smolvlm", "idefics3"],
+                   default="llava", help="model family (default: llava)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
                    help="tiny (~1M params, tests) or small (~31M params, benchmarks); default tiny")
     p.add_argument("--seed", type=int, default=0, help="weight and tokenizer seed (default 0)")

@@ -197,3 +197,14 @@ def test_same_seed_same_bytes(tiny, tmp_path):
 def test_unknown_arch_or_size(tmp_path, arch, size):
     with pytest.raises(ValueError, match="unknown (arch|size)"):
         make_tiny_model(tmp_path, arch, size)
+
+
+def test_cli_offers_every_family():
+    """`mserve make-tiny-model --arch` lists exactly the registered families (the CLI does not import torch)."""
+    import argparse
+
+    from mserve.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    arch = next(a for a in sub.choices["make-tiny-model"]._actions if "--arch" in a.option_strings)
+    assert tuple(arch.choices) == TINY_MODEL_ARCHS
