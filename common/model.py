@@ -22,7 +22,8 @@ from mserve.common.families import FamilyRules, rules_for
 
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3")
+SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "internvl", "smolvlm",
+                      "idefics3")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
@@ -265,7 +266,8 @@ class ModelFamily:
 
     def image_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """(start, length) of each run of one placeholder token (image or video), in order. One image may
-        cover several consecutive runs (a Pixtral image: one run per row; see hashing.item_spans)."""
+        cover several consecutive runs (a Pixtral image: one run per row; SmolVLM: one per tile;
+        see hashing.item_spans)."""
         spans: list[tuple[int, int]] = []
         ids = self.placeholder_ids
         i, n = 0, len(token_ids)

@@ -66,7 +66,7 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        kwargs.update(processor(images=pil, return_tensors="pt", **_image_kwargs(model.config)))
+        kwargs.update(_model_image_inputs(model, processor(images=pil, return_tensors="pt", **_image_kwargs(model.config))))
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     if model.config.model_type == "gemma3":  # as Gemma3Processor returns them: 1 on image soft tokens
@@ -87,6 +87,15 @@ def _image_kwargs(config) -> dict:
     if config.model_type == "mistral3":
         return {"patch_size": config.vision_config.patch_size * config.spatial_merge_size}
     return {}
+
+
+def _model_image_inputs(model, inputs) -> dict:
+    """The image processor's outputs the model's forward takes (pixel_values and image_grid_thw / image_sizes
+    / pixel_attention_mask), without its bookkeeping (InternVL's num_patches, SmolVLM's rows and cols)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {k: v for k, v in inputs.items() if k in params}
 
 
 def hf_generate_visual(model_dir: str, prompt_ids: Sequence[int], items: Sequence, max_new_tokens: int) -> list[int]:
@@ -120,7 +129,7 @@ def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tupl
     else:
         images = [_pil(x) for x in items if not isinstance(x, tuple)]
     if images:
-        kwargs.update(processor(images=images, return_tensors="pt", **_image_kwargs(model.config)))
+        kwargs.update(_model_image_inputs(model, processor(images=images, return_tensors="pt", **_image_kwargs(model.config))))
     if videos:
         kwargs.update(qwen_video_inputs(processor, family, videos))
     if family.uses_mrope:

@@ -20,6 +20,7 @@ from mserve.common.model import ModelFamily, load_family
 from mserve.workers import paged_attention
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
+from mserve.workers.tiled_images import features_per_image
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,16 @@ def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
 # The parts a stage needs: an encoder runs the vision tower + projector only; prefill and decode the
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
 # multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
-# Qwen2-VL: visual).
+# Qwen2-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector).
+# The language model is `language_model`, or `text_model` in SmolVLM.
 PARTS = ("all", "vision", "text")
-_VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual")
+_VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual", "vision_model", "connector")
+_TEXT_MODULES = ("language_model", "text_model")
+
+
+def text_module_name(model: torch.nn.Module) -> str:
+    """The attribute of `model.model` that holds the language model."""
+    return next(name for name in _TEXT_MODULES if hasattr(model.model, name))
 
 
 def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | None = None, parts: str = "all"):
@@ -62,13 +70,14 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
             if getattr(model.model, name, None) is not None:
                 setattr(model.model, name, None)
     elif parts == "vision":
-        model.model.language_model = None
+        setattr(model.model, text_module_name(model), None)
         model.lm_head = None
     gc.collect()
     model.to(device).eval()
-    if model.model.language_model is not None:
+    language_model = getattr(model.model, text_module_name(model))
+    if language_model is not None:
         # Only the language model reads the paged pool; the vision tower keeps its own attention.
-        model.model.language_model.config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
+        language_model.config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
     return model
 
 
@@ -86,7 +95,7 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
-        self.language_model = self.model.model.language_model
+        self.language_model = getattr(self.model.model, text_module_name(self.model))
         if self.language_model is None:  # an encoder: no KV pool, no text embeddings
             self.embed_tokens, self.kv = None, None
         else:
@@ -122,7 +131,7 @@ class ModelRunner:
             out = self.model.model.get_image_features(**kwargs, return_dict=True)
         grid = inputs.get("image_grid_thw")
         grids = [tuple(int(x) for x in g) for g in grid.tolist()] if grid is not None else [None] * len(images)
-        embeds = [e.reshape(-1, self.hidden_size) for e in out.pooler_output]
+        embeds = features_per_image(out.pooler_output, inputs, self.hidden_size)
         if self.pruner is not None:  # keep each image's top tokens by [CLS] attention, in order
             embeds = self.pruner.select(embeds, scores)
         return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]

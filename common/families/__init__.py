@@ -39,6 +39,7 @@ class FamilyRules:
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import gemma3, pixtral
+    from mserve.common.families import gemma3, pixtral, tiled
 
-    return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES}.get(model_type or "", FamilyRules())
+    return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "internvl": tiled.INTERNVL, "smolvlm": tiled.SMOLVLM,
+            "idefics3": tiled.IDEFICS3}.get(model_type or "", FamilyRules())

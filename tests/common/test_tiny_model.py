@@ -13,18 +13,25 @@ from PIL import Image
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
-               "mistral3": "[IMG]", "gemma3": "<image_soft_token>"}
+               "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
+               "idefics3": "<image>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                 "mistral3": "Mistral3ForConditionalGeneration",
-                "gemma3": "Gemma3ForConditionalGeneration"}
+                "gemma3": "Gemma3ForConditionalGeneration",
+                "internvl": "InternVLForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
+                "idefics3": "Idefics3ForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
              "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor",
-             "gemma3": "Gemma3Processor"}
+             "gemma3": "Gemma3Processor", "internvl": "InternVLProcessor",
+             "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor"}
 # Processors transformers' AutoProcessor hands out only with torchvision installed (a video processor, or
 # PixtralProcessor's module importing a helper from the torchvision image processor).
-NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "mistral3")
+NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "mistral3", "internvl", "smolvlm")
+# Families whose test inputs come from mserve's processor build (common/processor.py).
+BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3")
+CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "internvl")  # eos [<|im_end|>, <|endoftext|>]
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
@@ -69,6 +76,11 @@ def _model_inputs(arch, path, tokenizer, image_processor, image) -> dict:
 
         processor = build_processor(path, arch)
         return dict(processor(images=image, text=_prompt(tokenizer), return_tensors="pt", add_special_tokens=False))
+    if arch in BUILT_FROM_PARTS:
+        from mserve.common.processor import build_processor
+
+        processor = build_processor(path, arch)
+        return dict(processor(images=[image], text=_prompt(tokenizer), return_tensors="pt"))
     if not arch.startswith("qwen"):
         from transformers import AutoProcessor
 
@@ -102,11 +114,14 @@ def test_config_ids_match_tokenizer(loaded):
         for attr, token in [("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
                             ("vision_end_token_id", "<|vision_end|>")]:
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
+    if arch in CHATML_EOS:
         assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
     elif arch == "gemma3":
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
         for attr, token in [("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>")]:
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
+    elif arch in ("smolvlm", "idefics3"):
+        assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     else:
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("</s>")
 
@@ -123,6 +138,12 @@ def test_chat_template_renders_image_token(loaded):
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
     if arch == "mistral3":
         assert prompt == "<s>[INST][IMG]What is shown in this image?[/INST]"
+    elif arch == "internvl":
+        assert prompt == "<|im_start|>user\n<IMG_CONTEXT>\nWhat is shown in this image?<|im_end|>\n<|im_start|>assistant\n"
+    elif arch == "idefics3":
+        assert prompt == "<|begin_of_text|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
+    elif arch == "smolvlm":
+        assert prompt == "<|im_start|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
     elif not arch.startswith("qwen"):
         assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
         assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
@@ -155,6 +176,14 @@ def test_image_processing_shapes(loaded):
         assert tuple(inputs["pixel_values"].shape) == (1, 3, 112, 112)
         assert n_image_tokens == 16
         assert inputs["token_type_ids"].sum() == 16
+    elif arch == "internvl":
+        # 200x150 -> the best canvas of at most 6 tiles of 56 px is 3x2, plus the thumbnail: 7 tiles of 4 tokens
+        assert tuple(inputs["pixel_values"].shape) == (7, 3, 56, 56)
+        assert n_image_tokens == 7 * 4
+    elif arch in ("smolvlm", "idefics3"):
+        # 200x150 -> rescaled to a 168 px longest edge (168x126) -> 3x3 tiles of 56 px plus the global view
+        assert tuple(inputs["pixel_values"].shape) == (1, 10, 3, 56, 56)
+        assert n_image_tokens == 10 * 4
     else:
         # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]
@@ -199,3 +228,14 @@ def test_same_seed_same_bytes(tiny, tmp_path):
 def test_unknown_arch_or_size(tmp_path, arch, size):
     with pytest.raises(ValueError, match="unknown (arch|size)"):
         make_tiny_model(tmp_path, arch, size)
+
+
+def test_cli_offers_every_family():
+    """`mserve make-tiny-model --arch` lists exactly the registered families (the CLI does not import torch)."""
+    import argparse
+
+    from mserve.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    arch = next(a for a in sub.choices["make-tiny-model"]._actions if "--arch" in a.option_strings)
+    assert tuple(arch.choices) == TINY_MODEL_ARCHS

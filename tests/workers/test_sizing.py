@@ -27,7 +27,11 @@ QWEN2_VL_7B = {"model_type": "qwen2_vl", "hidden_size": 3584, "intermediate_size
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model_dirs) -> dict[str, Path]:
     """The tiny checkpoints sized here; models/tiny-llava (what `make demo` builds) when it is there."""
-    dirs = {arch: tiny_model_dirs[arch] for arch in ("llava", "qwen2_vl", "mistral3", "gemma3")}  # built on first use
+    class Dirs(dict):  # built on first use, like tiny_model_dirs (a plain copy would hold only those built so far)
+        def __missing__(self, arch: str) -> Path:
+            return tiny_model_dirs[arch]
+
+    dirs = Dirs()
     if (REPO / "models/tiny-llava/config.json").is_file():
         dirs["llava"] = REPO / "models/tiny-llava"
     return dirs
@@ -40,7 +44,7 @@ def _settings(model: Path, **kw) -> WorkerSettings:
 # --------------------------------------------------------------------------- geometry and weights
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "gemma3", "internvl", "smolvlm"])
 def test_geometry_is_the_checkpoints_text_model(checkpoints, arch):
     cfg = json.loads((checkpoints[arch] / "config.json").read_text())
     text = cfg["text_config"]  # the tiny families are saved with a nested text_config
@@ -96,7 +100,7 @@ def test_unknown_text_key_names_it():
         sizing.text_geometry({"model_type": "bert"})
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "internvl", "smolvlm"])
 def test_weight_split_matches_what_each_role_loads(checkpoints, arch):
     """The safetensors header count per part equals the parameters load_vlm keeps for that part."""
     from mserve.workers.model_runner import load_vlm
