@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Sequence
 import torch
 
 from mserve.common.model import ModelFamily, load_family
+from mserve.common.video import seconds_per_grid
 from mserve.workers import paged_attention
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
@@ -129,8 +131,6 @@ class ModelRunner:
 
     @property
     def _image_feature_inputs(self) -> frozenset[str]:
-        import inspect
-
         return frozenset(inspect.signature(self.model.model.get_image_features).parameters)
 
     @torch.inference_mode()
@@ -166,10 +166,12 @@ class ModelRunner:
         return [EncodedImage(e.reshape(-1, self.hidden_size).contiguous(), g) for e, g in zip(out.pooler_output, grids)]
 
     @torch.inference_mode()
-    def mrope_positions(self, prompt_ids: Sequence[int], grids: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
+    def mrope_positions(self, prompt_ids: Sequence[int], grids: Sequence[tuple[int, int, int]],
+                        fps: Sequence[float | None] = ()) -> tuple[torch.Tensor, int]:
         """Qwen2-VL 3-D positions of the prompt [3, P] and the rope delta decode adds to text positions.
 
-        `grids` has one (t, h, w) per placeholder run, in prompt order; the run's token says image or video."""
+        `grids` has one (t, h, w) per placeholder run, in prompt order; the run's token says image or video.
+        `fps`: each run's sampled frame rate (a video's), for rope indexes that space time by it (Qwen2.5-VL)."""
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
         video_id = self.family.video_token_id
         types = (ids == self.family.image_token_id).int() + 2 * (ids == video_id).int() if video_id is not None \
@@ -178,8 +180,14 @@ class ModelRunner:
         kinds = [prompt_ids[start] == video_id for start, _ in runs]
         image_grids = [g for g, v in zip(grids, kinds) if not v]
         video_grids = [g for g, v in zip(grids, kinds) if v]
+        timing = {}
+        if video_grids and "second_per_grid_ts" in inspect.signature(self.model.model.get_rope_index).parameters:
+            tps = self.family.video_config["temporal_patch_size"]
+            rates = [r for r, v in zip(list(fps) or [None] * len(grids), kinds) if v]
+            # a float32 tensor, as the processor's BatchFeature hands it to generate()
+            timing["second_per_grid_ts"] = torch.tensor([seconds_per_grid(tps, r) for r in rates])
         pos, delta = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=types,
+            ids, mm_token_type_ids=types, **timing,
             image_grid_thw=torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
             video_grid_thw=torch.tensor(video_grids, dtype=torch.long) if video_grids else None)
         return pos[:, 0], int(delta.reshape(-1)[0])
