@@ -67,7 +67,7 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         kwargs.update(processor(images=pil, return_tensors="pt"))  # pixel_values and image_grid_thw / image_sizes
-    if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+    if model.config.model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     config = copy.deepcopy(model.generation_config)
     config.max_new_tokens, config.do_sample = max_new_tokens, False

@@ -10,5 +10,6 @@ from __future__ import annotations
 from mserve.common.tiny_families.base import TinyFamily
 from mserve.common.tiny_families.llava import LLAVA, LLAVA_NEXT
 from mserve.common.tiny_families.qwen import QWEN2_5_VL, QWEN2_VL
+from mserve.common.tiny_families.qwen3_vl import QWEN3_VL
 
-FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN2_5_VL)}
+FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN2_5_VL, QWEN3_VL)}

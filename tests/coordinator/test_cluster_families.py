@@ -11,7 +11,7 @@ from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import request_mix
 
 pytestmark = pytest.mark.slow
-FAMILIES = ["llava_next", "qwen2_5_vl"]
+FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
