@@ -12,12 +12,15 @@ from PIL import Image
 
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
-IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>"}
+IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
+               "qwen3_vl": "<|image_pad|>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
-                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
-             "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+             "qwen2_5_vl": "Qwen2_5_VLProcessor",
+             "qwen3_vl": "Qwen3VLProcessor"}
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
@@ -66,7 +69,10 @@ def _model_inputs(arch, path, tokenizer, image_processor, image) -> dict:
     pixels = image_processor(images=[image], return_tensors="pt")
     n_tokens = int(pixels["image_grid_thw"][0].prod()) // image_processor.merge_size**2
     text = _prompt(tokenizer).replace("<|image_pad|>", "<|image_pad|>" * n_tokens)
-    return {**tokenizer(text, return_tensors="pt"), **pixels}
+    inputs = {**tokenizer(text, return_tensors="pt"), **pixels}
+    if arch == "qwen3_vl":  # its processor marks the image tokens for the rope index; generate() needs them
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).int()
+    return inputs
 
 
 def test_folder_has_checkpoint_files(tiny):
@@ -102,6 +108,10 @@ def test_chat_template_renders_image_token(loaded):
     if not arch.startswith("qwen"):
         assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
         assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
+    elif arch == "qwen3_vl":  # no default system turn in Qwen3-VL's template
+        assert prompt.startswith("<|im_start|>user\n<|vision_start|>")
+        assert "<|vision_start|><|image_pad|><|vision_end|>What is shown" in prompt
+        assert prompt.endswith("<|im_start|>assistant\n")
     else:
         assert prompt.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
         assert "<|vision_start|><|image_pad|><|vision_end|>What is shown" in prompt
@@ -121,6 +131,11 @@ def test_image_processing_shapes(loaded):
         assert inputs["image_sizes"].tolist() == [[150, 200]]
         # base view 4x4 = 16; the 8x8 tile grid unpadded to 150/200 of its height: 6 rows of 8, a newline each
         assert n_image_tokens == 16 + 6 * 8 + 6
+    elif arch == "qwen3_vl":
+        # 150x200 -> smart_resize (16 px patches, 2x2 merge: factor 32) -> 160x192 = 10x12 patches -> 30 tokens
+        assert inputs["image_grid_thw"].tolist() == [[1, 10, 12]]
+        assert tuple(inputs["pixel_values"].shape) == (120, 3 * 2 * 16 * 16)
+        assert n_image_tokens == 30
     else:
         # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]
