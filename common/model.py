@@ -23,7 +23,10 @@ from mserve.common.families import FamilyRules, rules_for
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "internvl", "smolvlm",
-                      "idefics3")
+                      "idefics3", "qwen3_vl")
+# Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
+# second_per_grid_ts, from its frame rate, in the M-RoPE index).
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
@@ -160,8 +163,9 @@ class ModelFamily:
             return self.rules.no_video
         if self.video_as_frames:
             return None
-        if self.model_type != "qwen2_vl":  # Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts)
-            return f"video input is not supported for model_type {self.model_type} (only qwen2_vl and llava)"
+        if self.model_type not in VIDEO_MODEL_TYPES:
+            return (f"video input is not supported for model_type {self.model_type} "
+                    f"(video is served for {', '.join(VIDEO_MODEL_TYPES)} and the families that take frames as images)")
         if self.video_config is None:
             return "this checkpoint has no video processor settings"
         return None

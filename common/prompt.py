@@ -100,7 +100,7 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
                 images.append(image_bytes_from_part(part, allow_paths))
                 parts.append({"type": "image"})
             elif kind == "video":
-                images.append(video_part_from_value(part.get("video"), allow_paths))
+                images.append(video_part_from_value(part.get("video"), allow_paths, part.get("fps")))
                 parts.append({"type": "video"})
             else:
                 raise ValueError(f"messages[{i}] has an unsupported content part type {kind!r}")

@@ -66,11 +66,14 @@ class VideoError(ImageError):
 @dataclass(frozen=True)
 class VideoPart:
     """One video of a request: `frames` (image bytes each), or `data` (a video file) of which the frames at
-    `indices` (decode order = presentation order) are used; `indices` is set at admission."""
+    `indices` (decode order = presentation order) are used; `indices` is set at admission. `fps` is the
+    rate of the frames the model sees (the part's own "fps" for frames; a file's rate times the share
+    of frames kept), None when unknown: Qwen2.5-VL's M-RoPE spaces a video's temporal positions by it."""
 
     frames: tuple[bytes, ...] | None = None
     data: bytes | None = None
     indices: tuple[int, ...] | None = None
+    fps: float | None = None
 
     @property
     def is_file(self) -> bool:
@@ -117,13 +120,29 @@ def payload_bytes(value: Any, what: str, allow_paths: bool) -> bytes:
     raise ValueError(f"{what} is not usable (got {type(value).__name__})")
 
 
-def video_part_from_value(value: Any, allow_paths: bool = True) -> VideoPart:
-    """The "video" value of a content part: a list of frames, or one video file (bytes, data URL, path)."""
+def video_part_from_value(value: Any, allow_paths: bool = True, fps: Any = None) -> VideoPart:
+    """The "video" value of a content part: a list of frames, or one video file (bytes, data URL, path).
+    `fps` (the part's "fps"): the rate the frames of a list were taken at; a file's comes from its container."""
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError("video part has no frames")
-        return VideoPart(frames=tuple(payload_bytes(f, f"video frame {i}", allow_paths) for i, f in enumerate(value)))
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < 1e4):
+            raise ValueError(f"video part fps must be a number of frames per second over 0, got {fps!r}")
+        return VideoPart(frames=tuple(payload_bytes(f, f"video frame {i}", allow_paths) for i, f in enumerate(value)),
+                         fps=None if fps is None else float(fps))
+    if fps is not None:
+        raise ValueError("video part fps is for a list of frames: a video file's rate is read from the file")
     return VideoPart(data=payload_bytes(value, "video", allow_paths))
+
+
+# transformers' VideoMetadata.sampled_fps when a video's rate is unknown (frames given with no fps).
+UNKNOWN_VIDEO_FPS = 24.0
+
+
+def seconds_per_grid(temporal_patch_size: int, fps: float | None) -> float:
+    """Seconds one temporal patch of a video spans: Qwen2.5-VL's second_per_grid_ts, as its processor
+    computes it (temporal_patch_size / the sampled frames' rate)."""
+    return temporal_patch_size / (fps or UNKNOWN_VIDEO_FPS)
 
 
 def video_hash(video: VideoPart) -> str:
@@ -133,6 +152,8 @@ def video_hash(video: VideoPart) -> str:
     if video.frames is not None:
         for f in video.frames:
             h.update(bytes.fromhex(image_hash(f)))
+        if video.fps is not None:  # the same frames at another rate take other M-RoPE positions
+            h.update(f"fps={video.fps!r}".encode())
     else:
         h.update(b"file\0" + bytes.fromhex(image_hash(video.data or b"")))
         h.update(",".join(str(i) for i in video.indices or ()).encode())
@@ -195,7 +216,9 @@ def describe_video(video: VideoPart, target_fps: float = DEFAULT_LIMITS.video_fp
         return video, VideoInfo(len(sizes), *sizes[0])
     probe = probe_video(video.data or b"")
     indices = tuple(sample_indices(probe.total_frames, probe.fps, target_fps, max_frames))
-    return VideoPart(data=video.data, indices=indices), VideoInfo(len(indices), probe.width, probe.height)
+    # transformers' VideoMetadata.sampled_fps: the file's rate times the share of its frames kept.
+    fps = len(indices) / probe.total_frames * probe.fps if probe.fps else None
+    return VideoPart(data=video.data, indices=indices, fps=fps), VideoInfo(len(indices), probe.width, probe.height)
 
 
 def decode_video_file(data: bytes, indices: Sequence[int], max_pixels: int | None = None) -> list[Any]:

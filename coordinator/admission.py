@@ -89,6 +89,7 @@ class AdmittedImage:
     num_tokens: int
     frames: list[bytes] | None = None
     frame_indices: list[int] | None = None
+    fps: float | None = None  # a video's sampled frame rate (VideoPart.fps)
 
     @property
     def is_video(self) -> bool:
@@ -187,5 +188,5 @@ def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart
         raise AdmissionError(f"video {i}: {exc}") from None
     admitted = AdmittedImage(video_hash(part), part.data or b"", (info.width, info.height), tokens,
                              frames=list(part.frames) if part.frames is not None else None,
-                             frame_indices=list(part.indices) if part.indices is not None else None)
+                             frame_indices=list(part.indices) if part.indices is not None else None, fps=part.fps)
     return admitted, info

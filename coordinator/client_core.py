@@ -193,10 +193,11 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
                     raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
             elif kind == "video":  # a list of frames, or one video file; paths are read here too
                 try:
-                    video = video_part_from_value(part.get("video"))
+                    video = video_part_from_value(part.get("video"), fps=part.get("fps"))
                 except ValueError as exc:
                     raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
-                parts.append({"type": "video", "video": list(video.frames) if video.frames is not None else video.data})
+                parts.append({"type": "video", "video": list(video.frames) if video.frames is not None else video.data,
+                              **({"fps": video.fps} if video.fps is not None else {})})
             else:
                 raise ValueError(f"messages[{i}].content[{j}] has an unsupported part type {kind!r} "
                                  "(expected 'text', 'image', 'image_url' or 'video')")

@@ -242,7 +242,8 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False, part:
     `trace`: the stage span's traceparent, when tracing is on."""
     a, req = st.admitted, st.admitted.request
     ids = {"request_id": st.rid, "attempt": st.attempt, "trace": trace}
-    images = [ImageRef(hash=im.hash, data=im.data, frames=im.frames, frame_indices=im.frame_indices) for im in a.images]
+    images = [ImageRef(hash=im.hash, data=im.data, frames=im.frames, frame_indices=im.frame_indices,
+                       fps=im.fps) for im in a.images]
     classes = {"priority": req.priority, "latency_class": req.latency_class}
     tokens = 0
     if stage == Stage.ENCODE:
@@ -250,6 +251,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False, part:
     elif stage == Stage.PREFILL:
         msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
+                          item_fps=[im.fps for im in a.images] if any(im.is_video for im in a.images) else None,
                           **embedding_parts(st), **classes)
         tokens = len(a.prompt_ids)
     elif stage == Stage.DECODE:

@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a complete save_pretrained folder (config, safetensors, trained byte-level "
                                    "BPE tokenizer, image processor, chat template) with random weights.")
     p.add_argument("out_dir", help="folder to write (created if missing)")
-    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3", "gemma3", "internvl",
+    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3", "internvl",
                                       "smolvlm", "idefics3"],
                    default="llava", help="model family (default: llava)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",

@@ -67,7 +67,7 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         kwargs.update(_model_image_inputs(model, processor(images=pil, return_tensors="pt", **_image_kwargs(model.config))))
-    if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+    if model.config.model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     if model.config.model_type == "gemma3":  # as Gemma3Processor returns them: 1 on image soft tokens
         kwargs["token_type_ids"] = (ids == model.config.image_token_id).int()
@@ -98,13 +98,32 @@ def _model_image_inputs(model, inputs) -> dict:
     return {k: v for k, v in inputs.items() if k in params}
 
 
-def hf_generate_visual(model_dir: str, prompt_ids: Sequence[int], items: Sequence, max_new_tokens: int) -> list[int]:
+def hf_generate_visual(model_dir: str, prompt_ids: Sequence[int], items: Sequence, max_new_tokens: int,
+                       video_metadata: Sequence[dict] | None = None) -> list[int]:
     """hf_generate for prompts with videos. `items`: image bytes, or a video as a list of frame bytes, in
     prompt order. Qwen2-VL gets each video as pixel_values_videos / video_grid_thw
     (built by mserve's own video preprocessing: transformers' video processor needs torchvision) and
-    mm_token_type_ids 2 on video tokens; LLaVA gets every frame as an image, in order."""
+    mm_token_type_ids 2 on video tokens; LLaVA gets every frame as an image, in order. Qwen2.5-VL also
+    gets second_per_grid_ts as its processor computes it from each video's transformers VideoMetadata
+    (`video_metadata`, one dict per video; default: what transformers assumes for a bare frame list)."""
     key = tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in items)
-    return list(_hf_generate_visual(str(model_dir), tuple(prompt_ids), key, max_new_tokens))
+    meta = tuple(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in m.items()))
+                 for m in video_metadata or ())
+    return list(_hf_generate_visual(str(model_dir), tuple(prompt_ids), key, max_new_tokens, meta))
+
+
+def _second_per_grid_ts(videos: list, metadata: tuple, temporal_patch_size: int) -> torch.Tensor:
+    """Qwen2_5_VLProcessor._process_videos's rule: temporal_patch_size / the VideoMetadata's sampled_fps
+    (its own make_batched_metadata default for a frame list without metadata)."""
+    from transformers.video_utils import VideoMetadata
+
+    out = []
+    for k, frames in enumerate(videos):
+        md = dict(metadata[k]) if k < len(metadata) else {"total_num_frames": len(frames),
+                                                           "frames_indices": list(range(len(frames)))}
+        md = {key: list(v) if isinstance(v, tuple) else v for key, v in md.items()}
+        out.append(temporal_patch_size / VideoMetadata(**md).sampled_fps)
+    return torch.tensor(out)
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -112,7 +131,8 @@ def _pil(data: bytes) -> Image.Image:
 
 
 @lru_cache(maxsize=256)
-def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tuple, max_new_tokens: int):
+def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tuple, max_new_tokens: int,
+                        metadata: tuple = ()):
     import copy
 
     from mserve.common.model import load_family
@@ -132,6 +152,8 @@ def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tupl
         kwargs.update(_model_image_inputs(model, processor(images=images, return_tensors="pt", **_image_kwargs(model.config))))
     if videos:
         kwargs.update(qwen_video_inputs(processor, family, videos))
+        if family.model_type == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = _second_per_grid_ts(videos, metadata, family.video_config["temporal_patch_size"])
     if family.uses_mrope:
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()
     config = copy.deepcopy(model.generation_config)

@@ -122,7 +122,7 @@ class Engine:
                     encoded: Sequence[EncodedImage | None] | None = None, image_hashes: Sequence[str] | None = None,
                     sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
                     output_ids: Sequence[int] = (), latency_class: str = "interactive",
-                    item_tokens: Sequence[int] | None = None) -> Seq:
+                    item_tokens: Sequence[int] | None = None, item_fps: Sequence[float | None] | None = None) -> Seq:
         """Queue a request. Images come as bytes (encoded here) or already encoded elsewhere.
 
         An `encoded` entry may be None: that image is still being encoded elsewhere and comes later
@@ -130,6 +130,8 @@ class Engine:
         the first image still awaited, its KV blocks reserved on admission.
         `output_ids` resumes a request whose first tokens were already delivered (a re-run after a
         worker died): they are recomputed like a preempted request's, and generation continues.
+        `item_fps`: each item's sampled frame rate (a video's; images None), for encoded items (taken
+        from the VideoParts otherwise).
         """
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt (no token ids)")
@@ -139,6 +141,7 @@ class Engine:
         if encoded is None:
             encoded = self.encode(images)
             image_hashes = [visual_hash(d) for d in images]
+            item_fps = [d.fps if isinstance(d, VideoPart) else None for d in images]
         hashes = list(image_hashes or [f"anon-{request_id}-{i}" for i in range(len(encoded))])
         if any(e is None for e in encoded) and (item_tokens is None or len(item_tokens) != len(encoded)):
             raise ValueError(f"request {request_id}: images still to come need item_tokens, one per image")
@@ -153,12 +156,13 @@ class Engine:
         seq = Seq(request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling or SamplingParams(),
                   images=spans, image_embeds=embeds, priority=priority, latency_class=latency_class,
                   eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids),
-                  awaiting=awaiting, item_grids=[e.grid_thw if e is not None else None for e in encoded])
+                  awaiting=awaiting, item_grids=[e.grid_thw if e is not None else None for e in encoded],
+                  item_fps=list(item_fps or [None] * len(encoded)))
         if self.family.uses_mrope:
             if awaiting:
                 seq.positions_pending = True  # computed once every grid is in (attach_embeddings)
             else:
-                seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids)
+                seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids, seq.item_fps)
         self.scheduler.add(seq)
         return seq
 
@@ -180,7 +184,7 @@ class Engine:
             offset += n
         seq.item_grids[item] = encoded.grid_thw
         if seq.positions_pending and not seq.awaiting:
-            seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids)
+            seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids, seq.item_fps)
             seq.positions_pending = False
         return True
 

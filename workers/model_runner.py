@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -17,7 +18,9 @@ from typing import Sequence
 import torch
 
 from mserve.common.model import ModelFamily, load_family
+from mserve.common.video import seconds_per_grid
 from mserve.workers import paged_attention
+from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
 from mserve.workers.tiled_images import features_per_image
@@ -29,7 +32,7 @@ log = logging.getLogger(__name__)
 class EncodedImage:
     """One image after the vision tower + projector: what prefill scatters into the prompt."""
 
-    embeds: torch.Tensor  # [num_visual_tokens, hidden]
+    embeds: torch.Tensor  # [num_visual_tokens, hidden]; Qwen3-VL: DeepStack features as extra columns (deepstack.py)
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid; None for LLaVA
 
 
@@ -42,7 +45,7 @@ def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
 # The parts a stage needs: an encoder runs the vision tower + projector only; prefill and decode the
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
 # multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
-# Qwen2-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector).
+# Qwen2-VL, Qwen3-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector).
 # The language model is `language_model`, or `text_model` in SmolVLM.
 PARTS = ("all", "vision", "text")
 _VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual", "vision_model", "connector")
@@ -95,6 +98,7 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
+        self.deepstack_layers = deepstack_layers(self.model)  # Qwen3-VL; 0 for every other family
         self.language_model = getattr(self.model.model, text_module_name(self.model))
         if self.language_model is None:  # an encoder: no KV pool, no text embeddings
             self.embed_tokens, self.kv = None, None
@@ -134,12 +138,11 @@ class ModelRunner:
         embeds = features_per_image(out.pooler_output, inputs, self.hidden_size)
         if self.pruner is not None:  # keep each image's top tokens by [CLS] attention, in order
             embeds = self.pruner.select(embeds, scores)
+        embeds = pack(embeds, getattr(out, "deepstack_features", None))
         return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]
 
     @property
     def _image_feature_inputs(self) -> frozenset[str]:
-        import inspect
-
         return frozenset(inspect.signature(self.model.model.get_image_features).parameters)
 
     @torch.inference_mode()
@@ -172,13 +175,17 @@ class ModelRunner:
         pixels = inputs["pixel_values_videos"].to(self.device, self.dtype)
         out = self.model.model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid, return_dict=True)
         grids = [tuple(int(x) for x in g) for g in grid.tolist()]
-        return [EncodedImage(e.reshape(-1, self.hidden_size).contiguous(), g) for e, g in zip(out.pooler_output, grids)]
+        embeds = pack([e.reshape(-1, self.hidden_size) for e in out.pooler_output],
+                      getattr(out, "deepstack_features", None))
+        return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]
 
     @torch.inference_mode()
-    def mrope_positions(self, prompt_ids: Sequence[int], grids: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
+    def mrope_positions(self, prompt_ids: Sequence[int], grids: Sequence[tuple[int, int, int]],
+                        fps: Sequence[float | None] = ()) -> tuple[torch.Tensor, int]:
         """Qwen2-VL 3-D positions of the prompt [3, P] and the rope delta decode adds to text positions.
 
-        `grids` has one (t, h, w) per placeholder run, in prompt order; the run's token says image or video."""
+        `grids` has one (t, h, w) per placeholder run, in prompt order; the run's token says image or video.
+        `fps`: each run's sampled frame rate (a video's), for rope indexes that space time by it (Qwen2.5-VL)."""
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
         video_id = self.family.video_token_id
         types = (ids == self.family.image_token_id).int() + 2 * (ids == video_id).int() if video_id is not None \
@@ -187,8 +194,14 @@ class ModelRunner:
         kinds = [prompt_ids[start] == video_id for start, _ in runs]
         image_grids = [g for g, v in zip(grids, kinds) if not v]
         video_grids = [g for g, v in zip(grids, kinds) if v]
+        timing = {}
+        if video_grids and "second_per_grid_ts" in inspect.signature(self.model.model.get_rope_index).parameters:
+            tps = self.family.video_config["temporal_patch_size"]
+            rates = [r for r, v in zip(list(fps) or [None] * len(grids), kinds) if v]
+            # a float32 tensor, as the processor's BatchFeature hands it to generate()
+            timing["second_per_grid_ts"] = torch.tensor([seconds_per_grid(tps, r) for r in rates])
         pos, delta = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=types,
+            ids, mm_token_type_ids=types, **timing,
             image_grid_thw=torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
             video_grid_thw=torch.tensor(video_grids, dtype=torch.long) if video_grids else None)
         return pos[:, 0], int(delta.reshape(-1)[0])
@@ -206,38 +219,43 @@ class ModelRunner:
             pos = [h + row[prompt_end - start :] for h, row in zip(head, pos)]
         return pos
 
-    def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed input embeddings [1, T, hidden] (images scattered in) and position ids."""
+    def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Packed input embeddings [1, T, hidden] (images scattered in), position ids, and the text
+        model's DeepStack inputs for the image rows of this step (Qwen3-VL; else {})."""
         ids: list[int] = []
         positions: list = []
         for c in chunks:
             ids.extend(c.seq.token_ids[c.start : c.end])
             positions.append(self._positions(c))
         embeds = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
+        deepstack = DeepstackRows(self.hidden_size, self.deepstack_layers)
         offset = 0
         for c in chunks:
             for span, image in zip(c.seq.images, c.seq.image_embeds):
                 lo, hi = max(c.start, span.start), min(c.end, span.end)
                 if lo < hi:
                     dst = offset + lo - c.start
-                    embeds[dst : dst + hi - lo] = image[lo - span.start : hi - span.start].to(embeds.dtype)
+                    rows = image[lo - span.start : hi - span.start]
+                    embeds[dst : dst + hi - lo] = rows[:, : self.hidden_size].to(embeds.dtype)
+                    if self.deepstack_layers:
+                        deepstack.add(dst, rows)
             offset += c.num_tokens
         if self.family.uses_mrope:
             pos = torch.tensor([sum((p[r] for p in positions), []) for r in range(3)], device=self.device)[:, None]
         else:
             pos = torch.tensor(sum(positions, []), device=self.device)[None]
-        return embeds[None], pos
+        return embeds[None], pos, deepstack.kwargs(len(ids), self.device, embeds.dtype)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """One packed forward; returns logits [num completing chunks, vocab] in chunk order."""
-        embeds, positions = self._inputs(chunks)
+        embeds, positions, visual = self._inputs(chunks)
         runs = ([[(span.start, span.end) for span in c.seq.images] for c in chunks]
                 if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
                                  self.device, image_runs=runs)
         hidden = self.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
-                                     mserve_batch=batch).last_hidden_state[0]
+                                     mserve_batch=batch, **visual).last_hidden_state[0]
         last_rows, offset = [], 0
         for c in chunks:
             offset += c.num_tokens

@@ -86,6 +86,7 @@ class Sequence:
     # Qwen2-VL: 3-D positions wait for every image's grid; until then only the text before the first image runs.
     positions_pending: bool = False
     item_grids: list[Any] = field(default_factory=list)  # each item's (t, h, w) grid as it arrives (M-RoPE)
+    item_fps: list[float | None] = field(default_factory=list)  # each video's sampled frame rate (Qwen2.5-VL M-RoPE)
 
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.protocol.client import Sampling
 from mserve.common.protocol.core import MsgType
-from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_int, as_list, as_map, as_str, list_of,
-                                          nested, one_of, optional, wire)
+from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_float, as_int, as_list, as_map, as_str,
+                                          list_of, nested, one_of, optional, wire)
 
 
 @dataclass
@@ -25,6 +25,7 @@ class ImageRef(Message):
     data: bytes = wire(as_bytes)
     frames: list[bytes] | None = wire(optional(list_of(as_bytes)), None)
     frame_indices: list[int] | None = wire(optional(list_of(as_int)), None)
+    fps: float | None = wire(optional(as_float), None)  # a video's sampled frame rate (None: unknown)
 
     @property
     def is_video(self) -> bool:
@@ -75,6 +76,9 @@ class PrefillTask(Message):
     pending_images: list[int] = wire(list_of(as_int), [])
     image_tokens: list[int] = wire(list_of(as_int), [])
     trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
+    # Each image's sampled frame rate (a video's; None for an image or an unknown rate): Qwen2.5-VL's
+    # M-RoPE spaces a video's temporal positions by it (second_per_grid_ts). None: no video.
+    item_fps: list[float | None] | None = wire(optional(list_of(optional(as_float))), None)
 
 
 @dataclass

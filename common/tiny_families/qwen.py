@@ -96,7 +96,8 @@ class _VideoProcessorConfig(dict):
     _auto_class = None
 
 
-def _qwen2_vl_processor(image_processor, tok, video_config: dict, processor_class: str = "Qwen2VLProcessor"):
+def _qwen2_vl_processor(image_processor, tok, video_config: dict, processor_class: str = "Qwen2VLProcessor",
+                        chat_template: str = QWEN2_VL_CHAT_TEMPLATE):
     """A real Qwen2VLProcessor (or Qwen2_5_VLProcessor) whose video processor is the `_VideoProcessorConfig` stand-in.
 
     ProcessorMixin.__init__ type-checks every sub-processor, and without torchvision the video
@@ -108,7 +109,7 @@ def _qwen2_vl_processor(image_processor, tok, video_config: dict, processor_clas
     check = processor.check_argument_for_proper_class
     processor.check_argument_for_proper_class = (
         lambda name, arg: dict if name == "video_processor" else check(name, arg))
-    processor.__init__(image_processor=image_processor, tokenizer=tok, chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    processor.__init__(image_processor=image_processor, tokenizer=tok, chat_template=chat_template,
                        video_processor=_VideoProcessorConfig(video_config))
     del processor.check_argument_for_proper_class
     return processor

@@ -44,16 +44,27 @@ def test_engine_refuses_before_loading_weights(tmp_path):
         ModelRunner(config_only(tmp_path, "paligemma"))
 
 
-def test_video_to_a_family_without_video_support_is_refused_naming_it(tiny_model_dirs):
-    """Qwen2.5-VL's M-RoPE needs each video's timing (second_per_grid_ts): refused at admission, not guessed."""
+def test_video_to_a_family_without_video_support_is_refused_naming_it():
+    """A family with a video token whose video path is not verified is refused at admission, naming it."""
+    from mserve.common.model import ModelFamily
+
+    family = ModelFamily(model_type="some_vl", image_token_id=1, text_config={}, processor_config={},
+                         vision_config={}, video_token_id=2, video_config={})
+    assert family.video_unsupported() == ("video input is not supported for model_type some_vl (video is served "
+                                          "for qwen2_vl, qwen2_5_vl and the families that take frames as images)")
+
+
+def test_qwen2_5_vl_takes_video(tiny_model_dirs):
     from mserve.common.prompt import PromptBuilder
     from tests.helpers import make_frames
 
     builder = PromptBuilder(tiny_model_dirs["qwen2_5_vl"])
-    video = [{"role": "user", "content": [{"type": "video", "video": make_frames(56, 56, 2)},
+    video = [{"role": "user", "content": [{"type": "video", "video": make_frames(56, 56, 2), "fps": 1},
                                           {"type": "text", "text": "What happens?"}]}]
-    with pytest.raises(ValueError, match="video input is not supported for model_type qwen2_5_vl"):
-        builder.prepare(video)
+    pp = builder.prepare(video)
+    assert pp.images[0].fps == 1.0 and pp.prompt_ids.count(builder.family.video_token_id) == 4
+    with pytest.raises(ValueError, match="video part fps must be a number of frames per second over 0, got 0"):
+        builder.prepare([{"role": "user", "content": [{**video[0]["content"][0], "fps": 0}]}])
 
 
 def test_mserve_up_refuses_before_starting_anything(tmp_path, caplog):

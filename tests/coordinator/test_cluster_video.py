@@ -58,6 +58,31 @@ def test_qwen_video_and_image_1e1p1d(tiny_model_dirs, redis_url):
     assert again.token_ids == video_res.token_ids and again.cache_hits["embedding"] == 1  # the video's key hit
 
 
+def test_qwen2_5_video_timing_1e1p1d(tiny_model_dirs, redis_url):
+    """Qwen2.5-VL: each video's frame rate travels from admission to the prefill worker's M-RoPE index (a
+    frame list's own fps, and a file's sampled rate), next to an image in the same prompt."""
+    model = str(tiny_model_dirs["qwen2_5_vl"])
+    frames, image = make_frames(120, 90, 4, seed=31), make_image(100, 150, seed=32)
+    req = [{"role": "user", "content": [{"type": "image", "image": image},
+                                        {"type": "video", "video": frames, "fps": 0.5},
+                                        {"type": "text", "text": PROMPTS[3]}]}]
+    clip = make_video_file(make_frames(112, 84, 6, seed=24), fps=4) if importlib.util.find_spec("av") else None
+    file_req = [video_chat(PROMPTS[4], clip)] if clip is not None else []
+    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_url, transfer="tcp") as cluster:
+        res, *file_res = asyncio.run(generate_all(cluster.address, [req] + file_req))
+    builder = PromptBuilder(model)
+    pp = builder.prepare(req)
+    meta = [{"total_num_frames": 4, "fps": 0.5}]
+    assert res.token_ids == hf_generate_visual(model, pp.prompt_ids, [image, frames], MAX_TOKENS, meta)
+    if clip is not None:
+        from mserve.common.video import decode_video_file
+
+        pp = builder.prepare(file_req[0])
+        decoded = [png(f) for f in decode_video_file(clip, pp.images[0].indices)]
+        meta = [{"total_num_frames": 6, "fps": 4.0, "frames_indices": list(pp.images[0].indices)}]
+        assert file_res[0].token_ids == hf_generate_visual(model, pp.prompt_ids, [decoded], MAX_TOKENS, meta)
+
+
 def test_llava_video_as_frames_1e1p1d(tiny_model_dirs, redis_url):
     model = str(tiny_model_dirs["llava"])
     frames = make_frames(100, 80, 4, seed=23)

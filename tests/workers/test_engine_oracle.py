@@ -9,7 +9,7 @@ from tests.helpers import PROMPTS, hf_generate, make_image
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.sequence import SamplingParams
 
-ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3"]
+ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3", "qwen3_vl"]
 MAX_NEW = 10
 
 

@@ -62,6 +62,45 @@ def test_qwen_video_matches_hf(qwen, n_frames):
     assert run_one(qwen, pp) == hf_generate_visual(qwen, pp.prompt_ids, [frames], MAX_NEW)
 
 
+@pytest.mark.parametrize("fps", [None, 2.0, 0.5], ids=["fps-unknown", "fps-2", "fps-0.5"])
+def test_qwen2_5_video_spaced_by_its_frame_rate(tiny_model_dirs, fps):
+    """Qwen2.5-VL: the video's temporal positions are spaced by second_per_grid_ts = temporal_patch_size /
+    the frames' rate (24 when none is given, as transformers assumes), in one prompt with an image, prefilled
+    in chunks; HF gets second_per_grid_ts from transformers' own VideoMetadata of the same frames."""
+    model_dir = str(tiny_model_dirs["qwen2_5_vl"])
+    builder = PromptBuilder(model_dir)
+    frames = make_frames(120, 90, 6, seed=21)
+    video = {"type": "video", "video": frames, **({"fps": fps} if fps is not None else {})}
+    pp = video_prompt(builder, [{"type": "image", "image": make_image(90, 120, seed=2)}, video], PROMPTS[0])
+    assert pp.images[1].fps == fps
+    meta = [{"total_num_frames": 6, "fps": fps}] if fps is not None else None
+    expected = hf_generate_visual(model_dir, pp.prompt_ids, [pp.images[0], frames], MAX_NEW, meta)
+    assert run_one(model_dir, pp, max_num_batched_tokens=16) == expected
+    if fps == 0.5:  # not vacuous: the rate moves the positions, and the tiny model's tokens with them
+        assert expected != hf_generate_visual(model_dir, pp.prompt_ids, [pp.images[0], frames], MAX_NEW)
+
+
+def test_qwen2_5_video_file_rate_is_the_sampled_frames(tiny_model_dirs):
+    """A file at 4 fps sampled to 2 fps: the rate that spaces positions is transformers' sampled_fps of
+    VideoMetadata(total frames, the file's fps, the indices kept)."""
+    from mserve.common.video import decode_video_file
+
+    pytest.importorskip("av")
+    model_dir = str(tiny_model_dirs["qwen2_5_vl"])
+    data = make_video_file(make_frames(112, 84, 9, seed=5), fps=4)
+    builder = PromptBuilder(model_dir)
+    pp = video_prompt(builder, [{"type": "video", "video": data}], PROMPTS[5])
+    part = pp.images[0]
+    assert part.indices == (0, 1, 3, 5, 7) and part.fps == pytest.approx(5 / 9 * 4)
+    frames = []
+    for image in decode_video_file(data, part.indices):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        frames.append(buf.getvalue())
+    meta = [{"total_num_frames": 9, "fps": 4.0, "frames_indices": list(part.indices)}]
+    assert run_one(model_dir, pp) == hf_generate_visual(model_dir, pp.prompt_ids, [frames], MAX_NEW, meta)
+
+
 def test_the_oracle_sees_the_frames_and_their_order(qwen):
     """Not vacuous: the tiny model's tokens change with the frames' content and with their order."""
     builder = PromptBuilder(qwen)
@@ -97,7 +136,7 @@ def test_llava_video_is_its_frames_as_images(tiny_model_dirs, arch):
     assert run_one(llava, pp) == hf_generate_visual(llava, pp.prompt_ids, [frames], MAX_NEW)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "llava", "llava_next"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"])
 def test_video_encoded_elsewhere_then_kv_handed_off(tiny_model_dirs, arch):
     """The disaggregated path in-process: encode on one engine, prefill on a second, decode on a third."""
     model_dir = str(tiny_model_dirs[arch])
@@ -108,15 +147,25 @@ def test_video_encoded_elsewhere_then_kv_handed_off(tiny_model_dirs, arch):
     encoded = new_engine(model_dir).encode([video])
     prefill, decode = new_engine(model_dir), new_engine(model_dir, num_blocks=200)
     prefill.add_request("r", pp.prompt_ids, encoded=encoded, image_hashes=[visual_hash(video)],
-                        sampling=SamplingParams(max_tokens=MAX_NEW), prefill_only=True)
+                        sampling=SamplingParams(max_tokens=MAX_NEW), prefill_only=True, item_fps=[video.fps])
     first = []
     while prefill.has_unfinished():
         first += [o.new_token_ids[0] for o in prefill.step()]
     payload = prefill.export_kv("r")
-    assert len(payload.state.images) == (1 if arch == "qwen2_vl" else 4)  # one placeholder run per frame on LLaVA
+    assert len(payload.state.images) == (1 if arch.startswith("qwen") else 4)  # one placeholder run per frame on LLaVA
     decode.import_kv(payload)
     out = first + decode.run_until_done()["r"]
     assert out == hf_generate_visual(model_dir, pp.prompt_ids, [frames], MAX_NEW)
+
+
+def test_a_video_reference_keeps_its_frame_rate():
+    """The wire's ImageRef -> the engine's VideoPart (encode and unified workers) keeps the rate."""
+    from mserve.common.protocol.to_worker import ImageRef
+    from mserve.workers.roles.encode import visual_input
+
+    frames = ImageRef.parse(ImageRef(hash="h", data=b"", frames=[b"x"], fps=0.5).fields(), "ImageRef")
+    assert visual_input(frames) == VideoPart(frames=(b"x",), fps=0.5)
+    assert visual_input(ImageRef(hash="h", data=b"v", frame_indices=[0, 3], fps=1.5)).fps == 1.5
 
 
 def test_video_hash_keys_frames_and_order():
@@ -125,6 +174,8 @@ def test_video_hash_keys_frames_and_order():
     assert visual_hash(VideoPart(frames=tuple(a))) != visual_hash(VideoPart(frames=tuple(a[::-1])))
     assert visual_hash(VideoPart(frames=tuple(a))) != visual_hash(VideoPart(frames=tuple(b)))
     assert visual_hash(VideoPart(data=b"x", indices=(0, 2))) != visual_hash(VideoPart(data=b"x", indices=(0, 1)))
+    # the same frames at another rate take other M-RoPE positions (Qwen2.5-VL): another key
+    assert visual_hash(VideoPart(frames=tuple(a), fps=2.0)) != visual_hash(VideoPart(frames=tuple(a)))
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])

@@ -60,9 +60,9 @@ class EmbeddingCache:
 def visual_input(ref: ImageRef) -> bytes | VideoPart:
     """What the engine decodes for one ImageRef: image bytes, or a video (frames, or a file and its frames)."""
     if ref.frames is not None:
-        return VideoPart(frames=tuple(ref.frames))
+        return VideoPart(frames=tuple(ref.frames), fps=ref.fps)
     if ref.frame_indices is not None:
-        return VideoPart(data=ref.data, indices=tuple(ref.frame_indices))
+        return VideoPart(data=ref.data, indices=tuple(ref.frame_indices), fps=ref.fps)
     return ref.data
 
 

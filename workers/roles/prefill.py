@@ -79,7 +79,8 @@ class PrefillWorker(SteppingWorker):
         return self.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
                                          sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
                                          prefill_only=True, output_ids=task.output_ids,
-                                         latency_class=task.latency_class, item_tokens=task.image_tokens or None)
+                                         latency_class=task.latency_class, item_tokens=task.image_tokens or None,
+                                         item_fps=task.item_fps)
 
     def report(self, outputs: list[StepOutput]) -> None:
         for out in outputs:  # a prefill's one output ends its stage here
