@@ -18,7 +18,7 @@ logger = logging.getLogger("mserve.coordinator.launcher")
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local checkpoint folder (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL)")
+    parser.add_argument("--model", required=True, help="local checkpoint folder of a served family (README, \"Model families\")")
     parser.add_argument("--encode", type=int, default=None, help="encode workers (default 1; 0 with --unified)")
     parser.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 with --unified)")
     parser.add_argument("--decode", type=int, default=None, help="decode workers (default 1; 0 with --unified)")
