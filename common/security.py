@@ -11,7 +11,7 @@ ROUTER, every worker's data-plane ROUTER) is a CURVE server: it holds its secret
 connects is a CURVE client: it holds its own keypair and the server's public key. A peer whose key
 is not in the folder is refused during the handshake (ZAP, RFC 27) and never gets a message through.
 
-The folder is re-read when its modification time changes (a key added or removed applies to the
+The folder is re-read when a key file in it is added, removed or changed (a key applies to the
 next connection; connections already made stay up). Nothing here imports torch or anything above
 ``mserve.common``.
 """
@@ -176,12 +176,19 @@ def check_curve_settings(what: str, **paths: str | None) -> bool:
 # --------------------------------------------------------------------------- the server side: ZAP
 
 
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:  # removed meanwhile
+        return None
+
+
 class _AuthorizedKeys:
     """The public keys in one folder, re-read whenever the folder changes; the ZAP callback."""
 
     def __init__(self, folder: Path, what: str) -> None:
         self.folder, self.what = folder, what
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple | None = None
         self._keys: frozenset[bytes] = frozenset()
         self._warned: dict[bytes, float] = {}
         self._reload()
@@ -190,16 +197,19 @@ class _AuthorizedKeys:
 
     def _reload(self) -> None:
         try:
-            st = os.stat(self.folder)
+            paths = sorted(self.folder.glob(f"*{PUBLIC_SUFFIX}"))
+            # Each key file's size and time, not only the folder's: a scan that met a key file still
+            # being written must see it again once it is complete (the folder's time moves only once).
+            stamp = (os.stat(self.folder).st_ino,
+                     tuple((p.name, st.st_size, st.st_mtime_ns) for p in paths if (st := _stat(p)) is not None))
         except OSError as exc:
             log.error("%s: authorized keys folder %s unreadable (%s): refusing every peer", self.what, self.folder, exc)
             self._stamp, self._keys = None, frozenset()
             return
-        stamp = (st.st_mtime_ns, st.st_ino)
         if stamp == self._stamp:
             return
         keys = set()
-        for path in sorted(self.folder.glob(f"*{PUBLIC_SUFFIX}")):
+        for path in paths:
             try:
                 keys.add(load_public_key(path, "authorized key"))
             except SecurityError as exc:
