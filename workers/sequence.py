@@ -86,6 +86,10 @@ class Sequence:
     # Qwen2-VL: 3-D positions wait for every image's grid; until then only the text before the first image runs.
     positions_pending: bool = False
     item_grids: list[Any] = field(default_factory=list)  # each item's (t, h, w) grid as it arrives (M-RoPE)
+    # Items not encoded because the cached prefix held their whole placeholder range (workers/prefix_skip.py):
+    # item index -> the image to encode should it be needed after all, or None (only another worker can).
+    # They also sit in `awaiting`, so nothing reads their missing embeddings.
+    deferred: dict[int, Any] = field(default_factory=dict)
 
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
