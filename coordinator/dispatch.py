@@ -23,8 +23,8 @@ from mserve.common.policy import request_blocks
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
                                         RequestTable, Stage, stage_message)
-from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
-                                        route_unified, spread_encode)
+from mserve.coordinator.routing import (WorkerView, alive, pipeline_for, prefix_covered, route_decode, route_encode,
+                                        route_prefill, route_unified, spread_encode)
 from mserve.coordinator.stage_queues import StageQueues, takers
 
 
@@ -56,6 +56,8 @@ class Dispatcher:
             route = pipeline_for(self.members.routable(), st.has_images)
             if route is not None:
                 st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
+                if st.next_stage == Stage.ENCODE and self._skip_covered_images(st):
+                    st.next_stage = Stage.PREFILL  # the prefix holds every image: nothing to encode
                 self._wait(st, st.next_stage, since=w.since)
         cap = self.settings.max_stages_per_worker
         for stage in reversed(STAGE_ROLE):  # later stages first: their messages go out first
@@ -71,10 +73,31 @@ class Dispatcher:
                 st.deadline = now + self.settings.stage_timeout_s
                 self._send_stage(st, stage, worker, ws, holders)
 
+    def _skip_covered_images(self, st: RequestState) -> bool:
+        """Plan which images need no encode: those the prefix blocks of the prefill worker this request
+        will likely go to hold whole (workers/prefix_skip.py). True when that is every image."""
+        a, block_size = st.admitted, self.members.block_size
+        if st.prefix_skip_off or not self.settings.prefix_skip or not any(im.skippable for im in a.images):
+            return False
+        hits = self.lookups.prefix_hits(a, block_size)
+        prefill = hits and route_prefill(self._draw(alive(self.members.routable(), "prefill"), set(hits)),
+                                         len(a.prompt_ids), hits, block_size)
+        if not prefill:
+            return False
+        covered = prefix_covered([im.end if im.skippable else None for im in a.images], len(a.prompt_ids),
+                                 hits.get(prefill.worker_id, 0), block_size)
+        if covered:
+            st.skipped_images, st.skip_prefill = covered, prefill.worker_id
+        return len(covered) == len(a.images)
+
     def _send_stage(self, st: RequestState, stage: Stage, worker: WorkerView, ws: list[WorkerView],
                     holders: dict[str, set[str]]) -> None:
         shares: list[tuple[WorkerView, list[int] | None]] = [(worker, None)]
-        if stage == Stage.ENCODE and self.settings.spread_encode and len(st.admitted.images) > 1:
+        if stage == Stage.ENCODE and st.skipped_images:  # only the images the prefix does not hold, as one part
+            rest = [i for i in range(len(st.admitted.images)) if i not in st.skipped_images]
+            st.parts = [EncodePart(worker.worker_id, rest)]
+            shares = [(worker, rest)]
+        elif stage == Stage.ENCODE and self.settings.spread_encode and len(st.admitted.images) > 1:
             spread = spread_encode(worker, ws, [im.hash for im in st.admitted.images], holders)
             if len(spread) > 1:
                 st.parts = [EncodePart(w.worker_id, idx) for w, idx in spread]
@@ -103,6 +126,9 @@ class Dispatcher:
             return route_encode(self._draw(ws, set().union(*holders.values())), hashes, holders)
         block_size = self.members.block_size
         if st.next_stage == Stage.PREFILL:
+            pinned = next((w for w in ws if w.worker_id == st.skip_prefill), None)
+            if pinned is not None:  # it holds the prefix the skipped images are in (elsewhere: a retry encodes them)
+                return pinned
             hits = self.lookups.prefix_hits(a, block_size)
             return route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
         if st.next_stage == Stage.DECODE:

@@ -45,6 +45,9 @@ class CoordinatorSettings(BaseSettings):
     # A request with several images that the chosen encoder would have to encode shares them with
     # idle encode workers, which encode their parts at the same time (coordinator/dispatch.py).
     spread_encode: bool = True
+    # Images whose placeholders the chosen prefill worker's cached prefix holds whole are neither encoded
+    # nor fetched (coordinator/dispatch.py, workers/prefix_skip.py).
+    prefix_skip: bool = True
     # How often the worker loads are read from Redis, on top of the heartbeats that carry them (0: never;
     # with many workers and shards, heartbeats alone at 1 Hz are the cheaper source).
     load_poll_s: float = Field(0.25, ge=0.0)

@@ -87,7 +87,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "video_fps", "client_api_key", "curve_secret_key",
                                                                "curve_authorized_keys", "visual_token_pruning",
                                                                "kv_hand_back", "max_stages_per_worker",
-                                                               "class_aging_s", "spread_encode", "shard_id", "advertise", "route_choices",
+                                                               "class_aging_s", "spread_encode", "prefix_skip", "shard_id", "advertise", "route_choices",
                                                                "load_poll_s", "token_report_every",
                                                                "worker_advertise"])
     from mserve.common.pruning import PruningError

@@ -123,17 +123,19 @@ class Engine:
             return [decode_image(f, limit) for f in item.frames]
         return decode_video_file(item.data or b"", item.indices or (), limit)
 
-    def encode_cached(self, images: Sequence[bytes | VideoPart], hashes: Sequence[str]) -> list[EncodedImage]:
-        """`encode`, reading the embedding tiers first and filling them after, when the engine has them."""
+    def encode_cached(self, images: Sequence[bytes | VideoPart], hashes: Sequence[str]) -> tuple[list[EncodedImage], int]:
+        """`encode`, reading the embedding tiers first and filling them after, when the engine has them;
+        also how many images the tiers had."""
         out: list[EncodedImage | None] = [self.tiers.lookup(h) if self.tiers is not None else None for h in hashes]
-        self.counters["embedding_cache_hits"] += sum(e is not None for e in out)
+        hits = sum(e is not None for e in out)
+        self.counters["embedding_cache_hits"] += hits
         missing = [i for i, e in enumerate(out) if e is None]
         if missing:
             for i, enc in zip(missing, self.encode([images[i] for i in missing])):
                 out[i] = enc
                 if self.tiers is not None:
                     self.tiers.put(hashes[i], enc)
-        return out  # type: ignore[return-value]
+        return out, hits  # type: ignore[return-value]
 
     def _prefix_covered(self, prompt_ids: Sequence[int], output_ids: Sequence[int], runs: Sequence[tuple[int, int]],
                         images: Sequence[bytes | VideoPart], hashes: Sequence[str]) -> dict[int, Any]:
@@ -177,14 +179,14 @@ class Engine:
         if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request {request_id}: already in this engine")
         runs = self.family.image_spans(prompt_ids)
-        deferred = dict(deferred or {})
+        deferred, embedding_hits = dict(deferred or {}), 0
         known_grids = list(grids or [None] * len(encoded or images))
         if encoded is None:
             image_hashes = [visual_hash(d) for d in images]
             skip = self._prefix_covered(prompt_ids, output_ids, runs, images, image_hashes)
-            fresh = iter(self.encode_cached([d for i, d in enumerate(images) if i not in skip],
-                                            [h for i, h in enumerate(image_hashes) if i not in skip]))
-            encoded = [None if i in skip else next(fresh) for i in range(len(images))]
+            fresh, embedding_hits = self.encode_cached([d for i, d in enumerate(images) if i not in skip],
+                                                       [h for i, h in enumerate(image_hashes) if i not in skip])
+            encoded = [None if i in skip else fresh.pop(0) for i in range(len(images))]
             item_tokens = [runs[i][1] if i in skip else 0 for i in range(len(images))]
             deferred = {i: images[i] for i in skip}
             known_grids = [skip.get(i) for i in range(len(images))]
@@ -203,7 +205,7 @@ class Engine:
         seq = Seq(request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling or SamplingParams(),
                   images=spans, image_embeds=embeds, priority=priority, latency_class=latency_class,
                   eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids),
-                  awaiting=awaiting, deferred=deferred,
+                  awaiting=awaiting, deferred=deferred, embedding_hits=embedding_hits,
                   item_grids=[e.grid_thw if e is not None else known_grids[i] for i, e in enumerate(encoded)])
         if self.family.uses_mrope:
             if any(seq.item_grids[i] is None for i in awaiting):
@@ -283,7 +285,9 @@ class Engine:
                 self._unresolved.append(seq.request_id)
                 continue
             hashes = [seq.images[seq.awaiting[i][0]].image_hash for i in items]
-            for i, enc in zip(items, self.encode_cached([seq.deferred[i] for i in items], hashes)):
+            encoded, hits = self.encode_cached([seq.deferred[i] for i in items], hashes)
+            seq.embedding_hits += hits
+            for i, enc in zip(items, encoded):
                 self.attach_embeddings(seq.request_id, i, enc)
             self.counters["encodes_skipped_by_prefix"] -= len(items)
             self.counters["prefix_skip_fallbacks"] += len(items)

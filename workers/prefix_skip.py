@@ -15,6 +15,10 @@ from mserve.common.hashing import ImageSpan, prompt_block_hashes
 from mserve.workers.block_pool import BlockPool
 from mserve.workers.sequence import Sequence as Seq, SeqStatus
 
+# The FAILED message's lead words when a request's skipped images are needed after all and only a
+# re-run with its images encoded can bring them (the coordinator's restart then encodes every image).
+PREFIX_SKIP_MISSED = "prefix blocks evicted"
+
 
 def cached_tokens(pool: BlockPool, prompt_ids: Sequence[int], output_ids: Sequence[int],
                   spans: Sequence[ImageSpan]) -> int:

@@ -90,6 +90,7 @@ class Sequence:
     # item index -> the image to encode should it be needed after all, or None (only another worker can).
     # They also sit in `awaiting`, so nothing reads their missing embeddings.
     deferred: dict[int, Any] = field(default_factory=dict)
+    embedding_hits: int = 0  # images read from the embedding tiers instead of encoded (unified)
 
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -73,6 +73,9 @@ class PrefillTask(Message):
     # visual tokens (so the prompt's placeholder runs map to images before they arrive).
     pending_images: list[int] = wire(list_of(as_int), [])
     image_tokens: list[int] = wire(list_of(as_int), [])
+    # Images not encoded: the chosen worker's cached prefix holds their placeholders (workers/prefix_skip.py).
+    # With `image_tokens`, and `grids` for M-RoPE; should the blocks be gone, the prefill fails retryably.
+    skipped_images: list[int] = wire(list_of(as_int), [])
 
 
 @dataclass
