@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spread-encode", choices=("on", "off"), default=None,
                    help="share a multi-image request's images with idle encode workers, which encode their parts "
                         "at the same time (default on)")
+    p.add_argument("--prefix-skip", choices=("on", "off"), default=None,
+                   help="do not encode (or fetch) images whose placeholders the chosen prefill worker's cached "
+                        "prefix holds whole (default on)")
     p.add_argument("--max-waiting-requests", type=int,
                    help="requests waiting for their first token, at most; past it the lowest class is shed with an "
                         "overloaded error and a retry-after hint (default 256)")

@@ -280,6 +280,8 @@ class Engine:
             items = prefix_skip.needed(seq, self.pool)
             if not items:
                 continue
+            self.counters["encodes_skipped_by_prefix"] -= len(items)  # not skipped after all
+            self.counters["prefix_skip_fallbacks"] += len(items)
             if any(seq.deferred[i] is None for i in items):
                 self.scheduler.abort(seq)
                 self._unresolved.append(seq.request_id)
@@ -289,8 +291,6 @@ class Engine:
             seq.embedding_hits += hits
             for i, enc in zip(items, encoded):
                 self.attach_embeddings(seq.request_id, i, enc)
-            self.counters["encodes_skipped_by_prefix"] -= len(items)
-            self.counters["prefix_skip_fallbacks"] += len(items)
 
     def take_unresolved(self) -> list[str]:
         """The requests dropped since the last call because embeddings they skipped are needed after all."""
