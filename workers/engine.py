@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from mserve.common.model import decode_image, image_size_from_header
+from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
@@ -137,25 +137,6 @@ class Engine:
                     self.tiers.put(hashes[i], enc)
         return out, hits  # type: ignore[return-value]
 
-    def _prefix_covered(self, prompt_ids: Sequence[int], output_ids: Sequence[int], runs: Sequence[tuple[int, int]],
-                        images: Sequence[bytes | VideoPart], hashes: Sequence[str]) -> dict[int, Any]:
-        """The images whose whole placeholder run the cached prefix holds now: {item: its grid (M-RoPE) or None}.
-        Videos, and any image whose grid cannot be known without decoding it, are always encoded."""
-        if not self.config.enable_prefix_caching or len(runs) != len(images) \
-                or any(isinstance(im, VideoPart) for im in images):
-            return {}
-        spans = [ImageSpan(start, length, h) for (start, length), h in zip(runs, hashes)]
-        cached = prefix_skip.cached_tokens(self.pool, prompt_ids, output_ids, spans)
-        out: dict[int, Any] = {}
-        for i in prefix_skip.covered(spans, cached):
-            grid = None
-            if self.family.uses_mrope:
-                grid = self.family.image_grid(image_size_from_header(images[i]))  # type: ignore[arg-type]
-                if grid is None or grid[0] * grid[1] * grid[2] // self.family.merge_size ** 2 != spans[i].length:
-                    continue
-            out[i] = grid
-        return out
-
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes | VideoPart] = (),
                     encoded: Sequence[EncodedImage | None] | None = None, image_hashes: Sequence[str] | None = None,
@@ -183,7 +164,8 @@ class Engine:
         known_grids = list(grids or [None] * len(encoded or images))
         if encoded is None:
             image_hashes = [visual_hash(d) for d in images]
-            skip = self._prefix_covered(prompt_ids, output_ids, runs, images, image_hashes)
+            skip = prefix_skip.covered_images(self.pool, self.family, prompt_ids, output_ids, runs, images, image_hashes) \
+                if self.config.enable_prefix_caching else {}
             fresh, embedding_hits = self.encode_cached([d for i, d in enumerate(images) if i not in skip],
                                                        [h for i, h in enumerate(image_hashes) if i not in skip])
             encoded = [None if i in skip else fresh.pop(0) for i in range(len(images))]

@@ -9,9 +9,10 @@ when it has the image (unified), or reports it (prefill, decode) so the coordina
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
+from mserve.common.model import image_size_from_header
 from mserve.workers.block_pool import BlockPool
 from mserve.workers.sequence import Sequence as Seq, SeqStatus
 
@@ -31,6 +32,25 @@ def cached_tokens(pool: BlockPool, prompt_ids: Sequence[int], output_ids: Sequen
 def covered(spans: Sequence[ImageSpan], cached: int) -> list[int]:
     """Indices of the spans wholly inside the first `cached` tokens (a partly covered one is not)."""
     return [i for i, s in enumerate(spans) if s.end <= cached]
+
+
+def covered_images(pool: BlockPool, family: Any, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                   runs: Sequence[tuple[int, int]], images: Sequence[Any], hashes: Sequence[str]) -> dict[int, Any]:
+    """The images (bytes, one placeholder run each) whose whole run the pool's cached prefix holds now:
+    {item: its (t, h, w) grid on an M-RoPE family, else None}. Videos, and an image whose grid cannot be
+    known without decoding it, are always encoded."""
+    if len(runs) != len(images) or any(not isinstance(im, bytes) for im in images):
+        return {}
+    spans = [ImageSpan(start, length, h) for (start, length), h in zip(runs, hashes)]
+    out: dict[int, Any] = {}
+    for i in covered(spans, cached_tokens(pool, prompt_ids, output_ids, spans)):
+        grid = None
+        if family.uses_mrope:
+            grid = family.image_grid(image_size_from_header(images[i]))
+            if grid is None or grid[0] * grid[1] * grid[2] // family.merge_size ** 2 != spans[i].length:
+                continue
+        out[i] = grid
+    return out
 
 
 def needed(seq: Seq, pool: BlockPool) -> list[int]:
