@@ -7,6 +7,10 @@ calls `dispatch_waiting`, which takes the queues stage by stage, best class firs
 request among the workers that can take it now (coordinator/routing.py), and sends the stage. An
 ENCODE of several images that would miss the chosen encoder's caches is shared with idle encoders
 (`spread_encode`): each encodes its part at the same time, and the prefill worker fetches every part.
+Before a request's ENCODE is queued, images whose placeholders the likely prefill worker's cached
+prefix holds whole (Redis prefix index) are taken out of it (`_skip_covered_images`): the ENCODE
+carries only the others (none: it is skipped), and the PREFILL goes to that worker, which fetches
+nothing for them; if its blocks are gone by then, it fails the attempt and the re-run encodes all.
 
 With `route_choices` N (power of N choices) a stage is routed among N workers of its role drawn at
 random, plus every worker holding its cached images or prompt prefix, instead of among all of them.
