@@ -64,6 +64,7 @@ COMPARE_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("image encodes / conversation", ("encodes_per_conversation",)),
     ("prefix cache hit rate", ("cache_hit_rate", "prefix")),
     ("embedding cache hit rate", ("cache_hit_rate", "encoder")),
+    ("images skipped by prefix rate", ("cache_hit_rate", "prefix_skip")),
 )
 
 
@@ -246,14 +247,16 @@ def headline_summary(summary: dict[str, Any], records: list[Any], slos: dict[str
 
 
 def multiturn_groups(records: list[Any], duration: float, slos: dict[str, float]) -> dict[str, Any]:
-    """First turns vs later turns, and how many images were encoded per conversation (misses of the
-    embedding cache: 1 per image is the ideal, one per image per turn is no cache at all)."""
+    """First turns vs later turns, and how many images were encoded per conversation (neither read from
+    an embedding cache nor skipped for a cached prefix: 1 per image is the ideal, one per image per turn
+    is no cache at all)."""
     from mserve.bench.metrics import summarize_group
 
     encodes: dict[str, float] = {}
     for r in records:
         hits, images = r.cache_hits.get("encoder", (0, 0)) if r.ok else (0, 0)
-        encodes[r.conversation_id] = encodes.get(r.conversation_id, 0) + images - hits
+        skipped = r.cache_hits.get("prefix_skip", (0, 0))[0] if r.ok else 0
+        encodes[r.conversation_id] = encodes.get(r.conversation_id, 0) + images - hits - skipped
     return {"first_turn": summarize_group([r for r in records if r.turn == 0], duration, slos or None),
             "later_turns": summarize_group([r for r in records if r.turn > 0], duration, slos or None),
             "encodes_per_conversation": sum(encodes.values()) / len(encodes) if encodes else None}

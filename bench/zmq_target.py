@@ -64,6 +64,7 @@ class ZmqTarget(Target):
             rec.cache_hits = {"prefix": (int(res.cache_hits.get("prefix_tokens", 0)), res.prompt_tokens)}
             if n_images:
                 rec.cache_hits["encoder"] = (int(res.cache_hits.get("embedding", 0)), n_images)
+                rec.cache_hits["prefix_skip"] = (int(res.cache_hits.get("skipped_by_prefix", 0)), n_images)
         except MServeError as exc:
             rec.error, rec.error_type = exc.message or str(exc), type(exc).__name__
         except Exception as exc:  # record, never crash the run

@@ -181,6 +181,24 @@ class ModelFamily:
         h, w = smart_resize(video.height, video.width, factor, cfg["min_pixels"], self.video_max_pixels(video.num_frames))
         return -(-video.num_frames // tps), h // patch, w // patch
 
+    @property
+    def merge_size(self) -> int:
+        """Patches merged per side into one visual token (Qwen2-VL); 1 for a family without merging."""
+        return int(self.processor_config.get("merge_size") or 1)
+
+    def image_grid(self, image_size: tuple[int, int]) -> tuple[int, int, int] | None:
+        """Qwen2-VL (t, h, w) patch grid of one image of (width, height), as its image processor resizes it;
+        None for a family without grids (or settings this rule does not know)."""
+        cfg = self.processor_config
+        size = cfg.get("size") or {}
+        low, high = cfg.get("min_pixels") or size.get("shortest_edge"), cfg.get("max_pixels") or size.get("longest_edge")
+        if not self.uses_mrope or "patch_size" not in cfg or not low or not high:
+            return None
+        patch = int(cfg["patch_size"])
+        width, height = image_size
+        h, w = smart_resize(height, width, patch * self.merge_size, int(low), int(high))
+        return 1, h // patch, w // patch
+
     def video_max_pixels(self, num_frames: int) -> int:
         """Qwen2VLVideoProcessor.resize's pixel bound for one frame of a video of `num_frames` frames."""
         cfg = self.video_config or {}

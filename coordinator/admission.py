@@ -90,6 +90,11 @@ class AdmittedImage:
     frames: list[bytes] | None = None
     frame_indices: list[int] | None = None
     fps: float | None = None  # a video's sampled frame rate (VideoPart.fps)
+    end: int = 0  # where its placeholder range ends in the prompt
+    grid: list[int] | None = None  # an image's (t, h, w) patch grid on an M-RoPE family (ModelFamily.image_grid)
+    # A prefill can do without its embeddings when the cached prefix holds its placeholders: an image (a
+    # video is always encoded) whose grid is known where positions need one (workers/prefix_skip.py).
+    skippable: bool = False
 
     @property
     def is_video(self) -> bool:
@@ -160,7 +165,23 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
         raise AdmissionError(f"prompt is {len(prompt.prompt_ids)} tokens ({sum(i.num_tokens for i in admitted_images)} "
                              f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}",
                              ErrorCode.TOO_LARGE)
+    _place(builder.family, prompt.prompt_ids, admitted_images)
     return Admitted(req.to_wire(), prompt.prompt_ids, admitted_images)
+
+
+def _place(family: Any, prompt_ids: list[int], images: list[AdmittedImage]) -> None:
+    """Each item's placeholder end in the prompt, and an image's M-RoPE grid (for a prefix-cache skip)."""
+    runs = iter(family.image_spans(prompt_ids))
+    for im in images:
+        covered = 0
+        while covered < im.num_tokens and (run := next(runs, None)) is not None:
+            covered += run[1]
+            im.end = run[0] + run[1]
+        if not im.is_video and family.uses_mrope:
+            grid = family.image_grid(im.size)
+            if grid is not None and grid[0] * grid[1] * grid[2] // family.merge_size ** 2 == im.num_tokens:
+                im.grid = list(grid)
+        im.skippable = not im.is_video and (im.grid is not None or not family.uses_mrope)
 
 
 def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart) -> tuple[AdmittedImage, VideoInfo]:

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "encoded waits for that encode and reads it back from its holder (default on)")
     p.add_argument("--no-encode-single-flight", dest="encode_single_flight", action="store_const", const="off",
                    help="--encode-single-flight off")
+    p.add_argument("--prefix-skip", choices=("on", "off"), default=None,
+                   help="do not encode (or fetch) images whose placeholders the chosen prefill worker's cached "
+                        "prefix holds whole (default on)")
     p.add_argument("--max-waiting-requests", type=int,
                    help="requests waiting for their first token, at most; past it the lowest class is shed with an "
                         "overloaded error and a retry-after hint (default 256)")

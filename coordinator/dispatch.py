@@ -9,6 +9,10 @@ ENCODE of several images that would miss the chosen encoder's caches is shared w
 (`spread_encode`): each encodes its part at the same time, and the prefill worker fetches every part.
 With single-flight encodes on (coordinator/single_flight.py), an ENCODE whose image another request is
 encoding right now is parked until that encode ends, and then reads the image back from its holder.
+Before a request's ENCODE is queued, images whose placeholders the likely prefill worker's cached
+prefix holds whole (Redis prefix index) are taken out of it (`_skip_covered_images`): the ENCODE
+carries only the others (none: it is skipped), and the PREFILL goes to that worker, which fetches
+nothing for them; if its blocks are gone by then, it fails the attempt and the re-run encodes all.
 
 With `route_choices` N (power of N choices) a stage is routed among N workers of its role drawn at
 random, plus every worker holding its cached images or prompt prefix, instead of among all of them.
@@ -25,9 +29,9 @@ from mserve.common.policy import request_blocks
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
                                         RequestTable, Stage, stage_message)
+from mserve.coordinator.routing import (WorkerView, alive, pipeline_for, prefix_covered, route_decode, route_encode,
+                                        route_prefill, route_unified, spread_encode)
 from mserve.coordinator.single_flight import Parked, SingleFlight
-from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
-                                        route_unified, spread_encode)
 from mserve.coordinator.stage_queues import StageQueues, takers
 
 
@@ -81,6 +85,8 @@ class Dispatcher:
             route = pipeline_for(self.members.routable(), st.has_images)
             if route is not None:
                 st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
+                if st.next_stage == Stage.ENCODE and self._skip_covered_images(st):
+                    st.next_stage = Stage.PREFILL  # the prefix holds every image: nothing to encode
                 self._wait(st, st.next_stage, since=w.since)
         cap = self.settings.max_stages_per_worker
         for stage in reversed(STAGE_ROLE):  # later stages first: their messages go out first
@@ -90,7 +96,8 @@ class Dispatcher:
                 st = self.requests[w.rid]
                 holders = self._holders([im.hash for im in st.admitted.images]) if stage == Stage.ENCODE else {}
                 if stage == Stage.ENCODE and self.flights is not None and not self.flights.may_encode(
-                        st.rid, [im.hash for im in st.admitted.images], holders, since=w.since):
+                        st.rid, [im.hash for i, im in enumerate(st.admitted.images) if i not in st.skipped_images],
+                        holders, since=w.since):  # the images it will encode: not those its prefix holds
                     continue  # parked until the encode of one of its images, in flight elsewhere, ends
                 worker = self._route(st, ws, holders)
                 if stage == Stage.ENCODE and self.flights is not None:
@@ -101,10 +108,31 @@ class Dispatcher:
                 st.deadline = now + self.settings.stage_timeout_s
                 self._send_stage(st, stage, worker, ws, holders, queued_s=now - w.since)
 
+    def _skip_covered_images(self, st: RequestState) -> bool:
+        """Plan which images need no encode: those the prefix blocks of the prefill worker this request
+        will likely go to hold whole (workers/prefix_skip.py). True when that is every image."""
+        a, block_size = st.admitted, self.members.block_size
+        if st.prefix_skip_off or not self.settings.prefix_skip or not any(im.skippable for im in a.images):
+            return False
+        hits = self.lookups.prefix_hits(a, block_size)
+        prefill = hits and route_prefill(self._draw(alive(self.members.routable(), "prefill"), set(hits)),
+                                         len(a.prompt_ids), hits, block_size)
+        if not prefill:
+            return False
+        covered = prefix_covered([im.end if im.skippable else None for im in a.images], len(a.prompt_ids),
+                                 hits.get(prefill.worker_id, 0), block_size)
+        if covered:
+            st.skipped_images, st.skip_prefill = covered, prefill.worker_id
+        return len(covered) == len(a.images)
+
     def _send_stage(self, st: RequestState, stage: Stage, worker: WorkerView, ws: list[WorkerView],
                     holders: dict[str, set[str]], queued_s: float = 0.0) -> None:
         shares: list[tuple[WorkerView, list[int] | None]] = [(worker, None)]
-        if stage == Stage.ENCODE and self.settings.spread_encode and len(st.admitted.images) > 1:
+        if stage == Stage.ENCODE and st.skipped_images:  # only the images the prefix does not hold, as one part
+            rest = [i for i in range(len(st.admitted.images)) if i not in st.skipped_images]
+            st.parts = [EncodePart(worker.worker_id, rest)]
+            shares = [(worker, rest)]
+        elif stage == Stage.ENCODE and self.settings.spread_encode and len(st.admitted.images) > 1:
             spread = spread_encode(worker, ws, [im.hash for im in st.admitted.images], holders)
             if len(spread) > 1:
                 st.parts = [EncodePart(w.worker_id, idx) for w, idx in spread]
@@ -138,6 +166,9 @@ class Dispatcher:
             return route_encode(self._draw(ws, set().union(*holders.values())), hashes, holders)
         block_size = self.members.block_size
         if st.next_stage == Stage.PREFILL:
+            pinned = next((w for w in ws if w.worker_id == st.skip_prefill), None)
+            if pinned is not None:  # it holds the prefix the skipped images are in (elsewhere: a retry encodes them)
+                return pinned
             hits = self.lookups.prefix_hits(a, block_size)
             return route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
         if st.next_stage == Stage.DECODE:

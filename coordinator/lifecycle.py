@@ -47,6 +47,8 @@ class Lifecycle:
         st.deadline = 0.0
         st.embeddings = st.kv = st.embeddings_from = st.kv_from = None
         st.parts = []
+        if st.skipped_images:  # the skip may be why it failed (the prefix blocks were gone): encode every image
+            st.prefix_skip_off, st.skipped_images, st.skip_prefill = True, [], None
         st.next_stage = Stage.START
         self.dispatch.advance(st)
 

@@ -93,6 +93,7 @@ class MachineSettings:
     # stage queues, best class first, and bind to whichever worker frees first.
     max_stages_per_worker: int = 0
     spread_encode: bool = True  # share a multi-image ENCODE with idle encoders (dispatch.py)
+    prefix_skip: bool = True  # images the chosen prefill worker's cached prefix holds are not encoded (dispatch.py)
     # 0: score every worker of the role; N: N drawn at random plus the cache holders (dispatch.py)
     route_choices: int = 0
     # > 1: decode and unified workers report tokens this often, streaming them to clients that
@@ -159,6 +160,11 @@ class RequestState:
     parts: list[EncodePart] = field(default_factory=list)
     encode_started: float = 0.0  # when its ENCODE went out (a spread one's prefill may start before it ends)
     trace: RequestTrace | None = None  # its open spans while tracing is on (coordinator/tracing.py)
+    # Images not encoded because `skip_prefill`'s cached prefix holds them (routing.prefix_covered); its
+    # PREFILL goes there. `prefix_skip_off`: an attempt's skip failed (the blocks were gone), so re-runs encode all.
+    skipped_images: list[int] = field(default_factory=list)
+    skip_prefill: str | None = None
+    prefix_skip_off: bool = False
 
     @property
     def client_rid(self) -> str:
@@ -253,6 +259,12 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False, part:
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
                           item_fps=[im.fps for im in a.images] if any(im.is_video for im in a.images) else None,
                           **embedding_parts(st), **classes)
+        if st.skipped_images:
+            grids = list(st.image_grids or [None] * len(a.images))
+            for i in st.skipped_images:
+                grids[i] = a.images[i].grid
+            msg.skipped_images, msg.grids = list(st.skipped_images), grids
+            msg.image_tokens = [im.num_tokens for im in a.images]
         tokens = len(a.prompt_ids)
     elif stage == Stage.DECODE:
         msg = DecodeTask(**ids, descriptor=st.kv["descriptor"], state=st.kv["state"], hand_back=hand_back,

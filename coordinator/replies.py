@@ -105,6 +105,7 @@ class StageReplies:
         st.timings["transfer_s"] += msg.fetch_s
         st.timings["worker_s"] += msg.worker_s
         st.cache_hits["prefix_tokens"] += msg.cached_tokens
+        self._count_skipped(st, msg.skipped_images)
         self.life.emit(st, [msg.token_id])
         if msg.finish_reason != "prefilled":
             return self.life.end(st, finish_reason=msg.finish_reason)
@@ -137,10 +138,18 @@ class StageReplies:
             st.timings["worker_s"] += item.worker_s or 0.0
             self.life.stage_done(st, "decode_s")
             st.cache_hits["prefix_tokens"] += item.cached_tokens or 0
+            st.cache_hits["embedding"] += item.embedding_hits or 0  # unified: its own embedding tiers
+            self._count_skipped(st, item.skipped_images or 0)
             if item.hand_back and st.kv_from and self.members.is_alive(st.kv_from):
                 # The reply's KV blocks go to the prefill worker holding the prompt's, for the next turn.
                 self.outbox.to_worker(st.kv_from, MsgType.ADOPT, {"request_id": st.rid, **item.hand_back.fields()})
             self.life.end(st, finish_reason=item.finish_reason or "stop")
+
+    def _count_skipped(self, st: RequestState, skipped: int) -> None:
+        """Images the request's prefill did without encoding: the cached prefix held them."""
+        if skipped:
+            st.cache_hits["skipped_by_prefix"] = st.cache_hits.get("skipped_by_prefix", 0) + skipped
+            self.stats["encodes_skipped_by_prefix"] += skipped
 
     def on_failed(self, worker_id: str, msg: Failed) -> None:
         st = self.requests.get(msg.request_id)

@@ -77,12 +77,13 @@ class RequestMachine:
                  visual_token_pruning: float | None = None, kv_hand_back: bool = False, max_stages_per_worker: int = 0,
                  class_aging_s: float = 10.0, spread_encode: bool = True, route_choices: int = 0,
                  seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
-                 encode_leases: Leases | None = None, shard_id: str = "coordinator") -> None:
+                 encode_leases: Leases | None = None, shard_id: str = "coordinator",
+                 prefix_skip: bool = True) -> None:
         self.settings = MachineSettings(
             stage_timeout_s=stage_timeout_s, dead_after_s=dead_after_s, max_attempts=max_attempts,
             max_waiting_requests=max_waiting_requests, kv_hand_back=kv_hand_back,
             max_stages_per_worker=max_stages_per_worker, spread_encode=spread_encode, route_choices=route_choices,
-            token_report_every=token_report_every, visual_token_pruning=visual_token_pruning)
+            token_report_every=token_report_every, visual_token_pruning=visual_token_pruning, prefix_skip=prefix_skip)
         self.rng = random.Random(seed)
         self.first_tokens = FirstTokenRate()
         self.telemetry = Telemetry()
@@ -90,7 +91,8 @@ class RequestMachine:
         self.raise_errors = raise_errors
         self._refused: dict[str, float | None] = {}  # worker -> the ratio it was refused for (logged once)
         self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0,
-                      "spread_encodes": 0, "token_items": 0, "encode_deduplicated": 0}
+                      "spread_encodes": 0, "token_items": 0, "encode_deduplicated": 0,
+                      "encodes_skipped_by_prefix": 0}
         self.outbox = Outbox()
         self.members = Membership()
         self.requests = RequestTable()

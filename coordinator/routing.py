@@ -9,7 +9,7 @@ cheaper than encoding it again (see route_encode).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from mserve.common.policy import DEFAULT_ENGINE
 from mserve.common.hashing import host_member
@@ -115,6 +115,14 @@ def route_prefill(workers: Iterable[WorkerView], prompt_tokens: int,
         return (w.inflight_tokens + prompt_tokens - saved + 64 * w.queue_len, w.worker_id)
 
     return min(candidates, key=cost)
+
+
+def prefix_covered(ends: Sequence[int | None], prompt_tokens: int, hit_blocks: int, block_size: int) -> list[int]:
+    """The images (by index) whose whole placeholder range, ending at `ends[i]` (None: never skipped), lies
+    in the `hit_blocks` leading prompt blocks a prefill worker holds: it needs no embeddings for them.
+    A worker never reuses the block holding the prompt's last token, so neither does this count."""
+    usable = min(hit_blocks, (prompt_tokens - 1) // block_size) * block_size
+    return [i for i, end in enumerate(ends) if end is not None and 0 < end <= usable]
 
 
 def route_decode(workers: Iterable[WorkerView], blocks_needed: int) -> WorkerView | None:

@@ -102,7 +102,7 @@ class Coordinator:
             stage_timeout_s=settings.stage_timeout_s, dead_after_s=settings.dead_after_s,
             max_attempts=settings.max_attempts, max_waiting_requests=settings.max_waiting_requests,
             kv_hand_back=settings.kv_hand_back, max_stages_per_worker=settings.max_stages_per_worker,
-            class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode,
+            class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode, prefix_skip=settings.prefix_skip,
             route_choices=settings.route_choices, token_report_every=settings.token_report_every,
             detokenize=self.builder.decode, visual_token_pruning=settings.visual_token_pruning,
             encode_single_flight=settings.encode_single_flight, shard_id=self.shard_id or uuid.uuid4().hex,

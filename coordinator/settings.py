@@ -49,6 +49,9 @@ class CoordinatorSettings(BaseSettings):
     # an image another one is encoding waits for it and reads it back from its holder
     # (coordinator/single_flight.py); `encode_deduplicated` in the stats counts the encodes saved.
     encode_single_flight: bool = True
+    # Images whose placeholders the chosen prefill worker's cached prefix holds whole are neither encoded
+    # nor fetched (coordinator/dispatch.py, workers/prefix_skip.py).
+    prefix_skip: bool = True
     # How often the worker loads are read from Redis, on top of the heartbeats that carry them (0: never;
     # with many workers and shards, heartbeats alone at 1 Hz are the cheaper source).
     load_poll_s: float = Field(0.25, ge=0.0)

@@ -45,7 +45,7 @@ class Telemetry:
         names = [*_STAGES.values(), "ttft", "tpot", "e2e"]
         self.histograms = {name: Histogram() for name in names}
         self.counters = {"prompt_tokens": 0, "visual_tokens": 0, "generation_tokens": 0, "images": 0,
-                         "embedding_cache_hits": 0, "prefix_cache_hit_tokens": 0}
+                         "embedding_cache_hits": 0, "prefix_cache_hit_tokens": 0, "images_skipped_by_prefix": 0}
 
     def on_result(self, timings: dict[str, float], *, arrived: float, first_token_at: float | None, now: float,
                   prompt_tokens: int, visual_tokens: int, output_tokens: int, images: int,
@@ -67,6 +67,7 @@ class Telemetry:
         c["images"] += images
         c["embedding_cache_hits"] += int(cache_hits.get("embedding", 0))
         c["prefix_cache_hit_tokens"] += int(cache_hits.get("prefix_tokens", 0))
+        c["images_skipped_by_prefix"] += int(cache_hits.get("skipped_by_prefix", 0))
 
     def on_request(self, st: Any, now: float) -> None:
         """``on_result`` for a finished RequestState (coordinator/records.py)."""

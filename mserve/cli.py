@@ -87,7 +87,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "video_fps", "client_api_key", "curve_secret_key",
                                                                "curve_authorized_keys", "visual_token_pruning",
                                                                "kv_hand_back", "max_stages_per_worker",
-                                                               "class_aging_s", "spread_encode", "encode_single_flight", "shard_id", "advertise", "route_choices",
+                                                               "class_aging_s", "spread_encode", "encode_single_flight", "prefix_skip",
+                                                               "shard_id", "advertise", "route_choices",
                                                                "load_poll_s", "token_report_every",
                                                                "worker_advertise", "otlp_endpoint"])
     from mserve.common.pruning import PruningError

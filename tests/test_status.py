@@ -265,7 +265,9 @@ def test_status_of_a_real_cluster(tiny_model_dirs, redis_url):
     from tests.helpers import chat, make_image
 
     model = str(tiny_model_dirs["llava"])
-    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_url) as cluster:
+    # Prefix skips off: the second request must reach the encoder to show its embedding-cache hit.
+    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_url,
+                      extra_coordinator_args=["--prefix-skip", "off"]) as cluster:
         args = ("--coordinator", cluster.address, "--redis", redis_url)
         before = json.loads(run_status(*args, "--json").stdout)
         assert before["coordinator"]["reachable"] and before["redis"]["read"]

@@ -18,6 +18,7 @@ from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
+from mserve.workers import prefix_skip
 from mserve.workers.block_pool import BlockPool
 from mserve.common.protocol.to_worker import KVState
 from mserve.workers.hand_back import KVExport, ReplyBlocks, adopt_blocks, reply_blocks
@@ -91,7 +92,13 @@ class Engine:
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.counters = {"encoded_images": 0, "visual_tokens": 0, "embedding_cache_hits": 0,
                          "embedding_l1_hits": 0, "embedding_l2_hits": 0, "prefill_tokens": 0,
-                         "decode_tokens": 0, "steps": 0}
+                         "decode_tokens": 0, "steps": 0, "encodes_skipped_by_prefix": 0,
+                         "prefix_skip_fallbacks": 0}
+        # The embedding tiers (workers/embedding_tiers.py) the unified role reads before encoding; None: none.
+        self.tiers: Any = None
+        # Requests dropped because a deferred image's embeddings were needed and cannot be made here
+        # (prefill, decode): the worker reports them (take_unresolved) so the coordinator encodes again.
+        self._unresolved: list[str] = []
         self.last_batch_size = 0  # sequences in the latest step
 
     # -- encode ---------------------------------------------------------------------------------
@@ -117,12 +124,27 @@ class Engine:
             return [decode_image(f, limit) for f in item.frames]
         return decode_video_file(item.data or b"", item.indices or (), limit)
 
+    def encode_cached(self, images: Sequence[bytes | VideoPart], hashes: Sequence[str]) -> tuple[list[EncodedImage], int]:
+        """`encode`, reading the embedding tiers first and filling them after, when the engine has them;
+        also how many images the tiers had."""
+        out: list[EncodedImage | None] = [self.tiers.lookup(h) if self.tiers is not None else None for h in hashes]
+        hits = sum(e is not None for e in out)
+        self.counters["embedding_cache_hits"] += hits
+        missing = [i for i, e in enumerate(out) if e is None]
+        if missing:
+            for i, enc in zip(missing, self.encode([images[i] for i in missing])):
+                out[i] = enc
+                if self.tiers is not None:
+                    self.tiers.put(hashes[i], enc)
+        return out, hits  # type: ignore[return-value]
+
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes | VideoPart] = (),
                     encoded: Sequence[EncodedImage | None] | None = None, image_hashes: Sequence[str] | None = None,
                     sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
                     output_ids: Sequence[int] = (), latency_class: str = "interactive",
-                    item_tokens: Sequence[int] | None = None, item_fps: Sequence[float | None] | None = None) -> Seq:
+                    item_tokens: Sequence[int] | None = None, item_fps: Sequence[float | None] | None = None,
+                    deferred: dict[int, Any] | None = None, grids: Sequence[Any] | None = None) -> Seq:
         """Queue a request. Images come as bytes (encoded here) or already encoded elsewhere.
 
         An `encoded` entry may be None: that image is still being encoded elsewhere and comes later
@@ -132,16 +154,29 @@ class Engine:
         worker died): they are recomputed like a preempted request's, and generation continues.
         `item_fps`: each item's sampled frame rate (a video's; images None), for encoded items (taken
         from the VideoParts otherwise).
+        Images given as bytes whose placeholders the cached prefix holds are not encoded
+        (workers/prefix_skip.py); `deferred` lists the `encoded` None entries skipped so elsewhere
+        (item -> None), with their `grids` for M-RoPE.
         """
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt (no token ids)")
         if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request {request_id}: already in this engine")
         runs = self.family.image_spans(prompt_ids)
+        deferred, embedding_hits = dict(deferred or {}), 0
+        known_grids = list(grids or [None] * len(encoded or images))
         if encoded is None:
-            encoded = self.encode(images)
             image_hashes = [visual_hash(d) for d in images]
             item_fps = [d.fps if isinstance(d, VideoPart) else None for d in images]
+            skip = prefix_skip.covered_images(self.pool, self.family, prompt_ids, output_ids, runs, images, image_hashes) \
+                if self.config.enable_prefix_caching else {}
+            fresh, embedding_hits = self.encode_cached([d for i, d in enumerate(images) if i not in skip],
+                                                       [h for i, h in enumerate(image_hashes) if i not in skip])
+            encoded = [None if i in skip else fresh.pop(0) for i in range(len(images))]
+            item_tokens = [runs[i][1] if i in skip else 0 for i in range(len(images))]
+            deferred = {i: images[i] for i in skip}
+            known_grids = [skip.get(i) for i in range(len(images))]
+        self.counters["encodes_skipped_by_prefix"] += len(deferred)
         hashes = list(image_hashes or [f"anon-{request_id}-{i}" for i in range(len(encoded))])
         if any(e is None for e in encoded) and (item_tokens is None or len(item_tokens) != len(encoded)):
             raise ValueError(f"request {request_id}: images still to come need item_tokens, one per image")
@@ -156,10 +191,11 @@ class Engine:
         seq = Seq(request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling or SamplingParams(),
                   images=spans, image_embeds=embeds, priority=priority, latency_class=latency_class,
                   eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, output_ids=list(output_ids),
-                  awaiting=awaiting, item_grids=[e.grid_thw if e is not None else None for e in encoded],
+                  awaiting=awaiting, deferred=deferred, embedding_hits=embedding_hits,
+                  item_grids=[e.grid_thw if e is not None else known_grids[i] for i, e in enumerate(encoded)],
                   item_fps=list(item_fps or [None] * len(encoded)))
         if self.family.uses_mrope:
-            if awaiting:
+            if any(seq.item_grids[i] is None for i in awaiting):
                 seq.positions_pending = True  # computed once every grid is in (attach_embeddings)
             else:
                 seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids, seq.item_fps)
@@ -177,13 +213,14 @@ class Engine:
             raise ValueError(f"request {request_id}: image {item} has {encoded.embeds.shape[0]} visual tokens, "
                              f"its placeholders {sum(seq.images[i].length for i in runs)}")
         del seq.awaiting[item]
+        seq.deferred.pop(item, None)
         offset = 0
         for i in runs:
             n = seq.images[i].length
             seq.image_embeds[i] = encoded.embeds[offset : offset + n]
             offset += n
         seq.item_grids[item] = encoded.grid_thw
-        if seq.positions_pending and not seq.awaiting:
+        if seq.positions_pending and all(seq.item_grids[i] is not None for i in seq.awaiting):
             seq.mrope_positions, seq.rope_delta = self.runner.mrope_positions(seq.prompt_ids, seq.item_grids, seq.item_fps)
             seq.positions_pending = False
         return True
@@ -200,6 +237,7 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        self._resolve_deferred()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -221,6 +259,30 @@ class Engine:
                 self.scheduler.free(seq)
             outputs.append(out)
         return outputs
+
+    def _resolve_deferred(self) -> None:
+        """Skipped images that are needed after all (their prefix blocks were evicted before admission,
+        or the request was preempted): encode them here, or drop the request for the worker to report."""
+        for seq in self.scheduler.waiting + self.scheduler.running:
+            items = prefix_skip.needed(seq, self.pool)
+            if not items:
+                continue
+            self.counters["encodes_skipped_by_prefix"] -= len(items)  # not skipped after all
+            self.counters["prefix_skip_fallbacks"] += len(items)
+            if any(seq.deferred[i] is None for i in items):
+                self.scheduler.abort(seq)
+                self._unresolved.append(seq.request_id)
+                continue
+            hashes = [seq.images[seq.awaiting[i][0]].image_hash for i in items]
+            encoded, hits = self.encode_cached([seq.deferred[i] for i in items], hashes)
+            seq.embedding_hits += hits
+            for i, enc in zip(items, encoded):
+                self.attach_embeddings(seq.request_id, i, enc)
+
+    def take_unresolved(self) -> list[str]:
+        """The requests dropped since the last call because embeddings they skipped are needed after all."""
+        out, self._unresolved = self._unresolved, []
+        return out
 
     def run_until_done(self) -> dict[str, list[int]]:
         """Step until every queued request is finished; returns output ids per request."""
@@ -257,12 +319,12 @@ class Engine:
             spec = {"kv": (kv_cache.export_shape(n_blocks), kv_cache.dtype)}
             if mrope is not None:
                 spec["mrope"] = (tuple(mrope.shape), mrope.dtype)
-            spec.update({f"emb{i}": (tuple(e.shape), e.dtype) for i, e in enumerate(embeds)})
+            spec.update({f"emb{i}": (tuple(e.shape), e.dtype) for i, e in enumerate(embeds) if e is not None})
             out = alloc(spec)
             kv = kv_cache.export_blocks(block_ids, out=out["kv"])
             if mrope is not None:
                 mrope = out["mrope"].copy_(mrope)
-            embeds = [out[f"emb{i}"].copy_(e) for i, e in enumerate(embeds)]
+            embeds = [out[f"emb{i}"].copy_(e) if e is not None else None for i, e in enumerate(embeds)]
         state = KVState(request_id=seq.request_id, prompt_ids=seq.prompt_ids, output_ids=seq.output_ids,
                         num_computed_tokens=seq.num_computed_tokens, block_size=self.pool.block_size,
                         images=[[s.start, s.length, s.image_hash] for s in seq.images],
@@ -288,6 +350,9 @@ class Engine:
                   rope_delta=state.rope_delta, priority=state.priority, eos_token_ids=self.eos_token_ids,
                   latency_class=state.latency_class)
         seq.output_ids = list(state.output_ids)
+        for i, e in enumerate(seq.image_embeds):  # skipped by the prefill's prefix hit: only a re-run can bring it
+            if e is None:
+                seq.awaiting[i], seq.deferred[i] = [i], None
         n_computed = state.num_computed_tokens
         self.pool.allocate(seq.block_table, max(n_computed, seq.num_tokens))
         kv = export.kv

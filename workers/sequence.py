@@ -87,6 +87,11 @@ class Sequence:
     positions_pending: bool = False
     item_grids: list[Any] = field(default_factory=list)  # each item's (t, h, w) grid as it arrives (M-RoPE)
     item_fps: list[float | None] = field(default_factory=list)  # each video's sampled frame rate (Qwen2.5-VL M-RoPE)
+    # Items not encoded because the cached prefix held their whole placeholder range (workers/prefix_skip.py):
+    # item index -> the image to encode should it be needed after all, or None (only another worker can).
+    # They also sit in `awaiting`, so nothing reads their missing embeddings.
+    deferred: dict[int, Any] = field(default_factory=dict)
+    embedding_hits: int = 0  # images read from the embedding tiers instead of encoded (unified)
 
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -33,8 +33,8 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens
     max_prefill_tokens: int = DEFAULT_ENGINE.max_prefill_tokens  # the chunk cap (common/policy.py says why)
     enable_prefix_caching: bool = True
-    embedding_cache_mb: float = 512  # L1: this encode worker's own memory
-    # L2: encoded images shared by every encode worker on this host (tmpfs files, outliving a
+    embedding_cache_mb: float = 512  # L1: this encode or unified worker's own memory
+    # L2: encoded images shared by every encode and unified worker on this host (tmpfs files, outliving a
     # worker's restart); 0 turns it off. The directory defaults to /dev/shm/mserve-embeddings.
     host_embedding_cache_mb: float = 1024
     host_embedding_cache_dir: str | None = None

@@ -385,7 +385,8 @@ class Worker:
 
 # Cache counters that Redis load stats carry too (hit rates per tier, for `mserve status` and autoscalers).
 CACHE_COUNTERS = ("embedding_l1_hits", "embedding_l2_hits", "encoded_images", "prefix_hits", "prefix_queries",
-                  "cached_blocks", "indexed_blocks", "prefix_evictions")
+                  "cached_blocks", "indexed_blocks", "prefix_evictions", "encodes_skipped_by_prefix",
+                  "prefix_skip_fallbacks")
 
 
 def redis_load(load: dict[str, Any]) -> dict[str, Any]:

@@ -83,6 +83,7 @@ class Prefilled(Message):
     descriptor: dict[str, Any] | None = wire(optional(as_map), None)  # the KV, when "prefilled"
     state: KVState | None = wire(optional(nested(KVState)), None)  # the request, when "prefilled"
     worker_s: float = wire(as_float, 0.0)
+    skipped_images: int = wire(as_int, 0)  # images not encoded: the cached prefix held them (prefix_skip.py)
 
 
 @dataclass
@@ -110,6 +111,9 @@ class TokenItem(Message):
     worker_s: float | None = wire(optional(as_float), None)  # with the last tokens
     cached_tokens: int | None = wire(optional(as_int), None)  # with the last tokens
     hand_back: HandBack | None = wire(optional(nested(HandBack)), None)  # last tokens of a DECODE that asked
+    # Unified, with the last tokens: images not encoded for the cached prefix, and those read from an embedding cache.
+    skipped_images: int | None = wire(optional(as_int), None)
+    embedding_hits: int | None = wire(optional(as_int), None)
 
 
 @dataclass

@@ -79,6 +79,9 @@ class PrefillTask(Message):
     # Each image's sampled frame rate (a video's; None for an image or an unknown rate): Qwen2.5-VL's
     # M-RoPE spaces a video's temporal positions by it (second_per_grid_ts). None: no video.
     item_fps: list[float | None] | None = wire(optional(list_of(optional(as_float))), None)
+    # Images not encoded: the chosen worker's cached prefix holds their placeholders (workers/prefix_skip.py).
+    # With `image_tokens`, and `grids` for M-RoPE; should the blocks be gone, the prefill fails retryably.
+    skipped_images: list[int] = wire(list_of(as_int), [])
 
 
 @dataclass

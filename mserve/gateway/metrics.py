@@ -38,6 +38,11 @@ WORKER_COUNTERS = {
                           "counter"),
     "embedding_l2_hits": ("mserve_worker_embedding_l2_hits", "Images served from the host's shared cache (L2)",
                           "counter"),
+    "encodes_skipped_by_prefix": ("mserve_worker_encodes_skipped_by_prefix",
+                                  "Images not encoded: the cached prefix held their placeholders", "counter"),
+    "prefix_skip_fallbacks": ("mserve_worker_prefix_skip_fallbacks",
+                              "Images skipped for the prefix, then encoded after all (its blocks were evicted)",
+                              "counter"),
     "prefill_tokens": ("mserve_worker_prefill_tokens", "Prompt tokens prefilled", "counter"),
     "decode_tokens": ("mserve_worker_decode_tokens", "Tokens decoded", "counter"),
     "steps": ("mserve_worker_engine_steps", "Engine steps (forward passes)", "counter"),
@@ -66,6 +71,7 @@ _TELEMETRY_COUNTERS = {
     "images": "Images in completed requests",
     "embedding_cache_hits": "Images of completed requests whose embeddings came from a cache",
     "prefix_cache_hit_tokens": "Prompt tokens of completed requests whose KV came from the prefix cache",
+    "images_skipped_by_prefix": "Images of completed requests not encoded: the cached prefix held them",
 }
 
 

@@ -76,8 +76,10 @@ def test_concurrent_batch_matches_hf(tiny_model_dirs, redis_url, arch, pools, tr
 
 @pytest.fixture(scope="module")
 def llava_cluster(tiny_model_dirs, redis_server):
-    """1 encode, 2 prefill, 2 decode workers; shared by the tests that do not break it."""
-    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=2, decode=2, redis_url=redis_server.url) as c:
+    """1 encode, 2 prefill, 2 decode workers; shared by the tests that do not break it. Prefix skips off:
+    repeated prompts here test the embedding cache, which a prefix hit would bypass."""
+    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=2, decode=2, redis_url=redis_server.url,
+                      extra_coordinator_args=["--prefix-skip", "off"]) as c:
         yield c
 
 

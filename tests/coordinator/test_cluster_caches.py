@@ -56,7 +56,9 @@ def test_every_cache_tier_hit_is_exact_and_the_prefix_index_is_exact(tiny_model_
     entry_mb = (tokens * cfg.get("text_config", cfg)["hidden_size"] * 4 + 64) / 2**20
     with LocalCluster(model, encode=2, prefill=1, decode=1, redis_url=redis_url,
                       extra_worker_args=["--embedding-cache-mb", f"{2.5 * entry_mb:.6f}", "--host-embedding-cache-mb",
-                                         f"{3.5 * entry_mb:.6f}", "--num-blocks", "64"]) as cluster:
+                                         f"{3.5 * entry_mb:.6f}", "--num-blocks", "64"],
+                      # the same image leads every prompt: a prefix hit would skip the encode tiers tested here
+                      extra_coordinator_args=["--prefix-skip", "off"]) as cluster:
         run = lambda reqs: asyncio.run(generate_all(cluster.address, reqs))  # noqa: E731
         store = RedisStore(cluster.redis_url)
         ask = ("Describe the picture in detail, please.", [a])

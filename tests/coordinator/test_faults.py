@@ -272,7 +272,9 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
     from mserve.common.redis_server import free_port
 
     with RedisServer(port=free_port()) as redis_srv:  # a fixed port: the restart comes back on it
-        with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_srv.url) as cluster:
+        # Prefix skips off: the repeated requests must reach the encoder, to show the republished embedding index.
+        with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_srv.url,
+                          extra_coordinator_args=["--prefix-skip", "off"]) as cluster:
             first = asyncio.run(generate_all(cluster.address, requests))
             store = RedisStore(redis_srv.url)
             encode = cluster.worker_names("encode")[0]

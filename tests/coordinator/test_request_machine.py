@@ -774,3 +774,47 @@ def test_a_part_still_encoding_after_prefill_started_can_fail_the_request():
     only(h.encoded("e1", e1), MsgType.PREFILL, "p0")  # prefill started with e1's part; e0 still encodes
     out = h.failed("e0", e0, retryable=False)
     assert kinds(out) == [("CANCEL", "e1"), ("CANCEL", "p0"), ("ERROR", CLIENT)]
+
+
+# -- images the cached prefix holds -------------------------------------------------------------------
+
+class PrefixHits:
+    def __init__(self, hits: dict[str, int]) -> None:
+        self.hits = hits
+
+    def embedding_holders(self, image_hash: str) -> set[str]:
+        return set()
+
+    def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]:
+        return self.hits
+
+
+def two_images_ending_at_20_and_50() -> Admitted:
+    adm = make_admitted("skip", images=2, prompt_len=80)
+    for im, end in zip(adm.images, (20, 50)):
+        im.end, im.skippable = end, True
+    return adm
+
+
+def test_images_in_the_prefill_workers_cached_prefix_are_not_encoded_and_prefill_goes_there():
+    h = Harness(*DISAGG, lookups=PrefixHits({"p1": 2}))  # 32 tokens held on p1: the first image only
+    out = h.submit(two_images_ending_at_20_and_50())
+    enc = only(out, MsgType.ENCODE)
+    assert [im["hash"] for im in enc.body["images"]] == ["img-skip-1"]
+    pre = only(h.encoded(enc.worker_id, enc), MsgType.PREFILL)
+    assert pre.worker_id == "p1" and pre.body["skipped_images"] == [0] and pre.body["image_tokens"] == [4, 4]
+    assert [p["images"] for p in pre.body["embedding_parts"]] == [[1]]
+    dec = only(h.prefilled("p1", pre, 7, skipped_images=1), MsgType.DECODE)
+    res = only(h.step(dec.worker_id, dec, [8], finished=True), MsgType.RESULT)
+    assert res.body["cache_hits"]["skipped_by_prefix"] == 1 and h.m.stats["encodes_skipped_by_prefix"] == 1
+
+
+def test_every_image_held_skips_encode_and_a_prefill_without_the_blocks_reruns_with_every_image_encoded():
+    h = Harness(*DISAGG, lookups=PrefixHits({"p0": 4}))  # 64 tokens held on p0: both images
+    pre = only(h.submit(two_images_ending_at_20_and_50()), MsgType.PREFILL)
+    assert pre.worker_id == "p0" and pre.body["skipped_images"] == [0, 1] and not pre.body.get("embeddings")
+    # p0 evicted the blocks meanwhile: it fails the attempt, retryable; the re-run encodes both images.
+    enc = only(h.failed("p0", pre), MsgType.ENCODE)
+    assert [im["hash"] for im in enc.body["images"]] == ["img-skip-0", "img-skip-1"] and enc.body["attempt"] == 1
+    pre = only(h.encoded(enc.worker_id, enc), MsgType.PREFILL)
+    assert pre.body["skipped_images"] == [] and pre.body["embeddings"] is not None

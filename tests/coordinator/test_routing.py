@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mserve.coordinator.routing import (WorkerView, pipeline_for, route_decode, route_encode, route_prefill,
+from mserve.coordinator.routing import (WorkerView, pipeline_for, prefix_covered, route_decode, route_encode, route_prefill,
                                         route_unified, spread_encode)
 
 
@@ -76,3 +76,12 @@ def test_spread_encode_deals_the_misses_to_idle_encoders_and_keeps_held_images_o
     # Helpers are the idle encoders measured fastest first.
     slow, fast = w("e1", "encode", encode_s_per_image=0.5), w("e2", "encode", encode_s_per_image=0.05)
     assert ids(spread_encode(e0, [e0, slow, fast], ["a", "b"], {})) == [("e0", [0]), ("e2", [1])]
+
+
+def test_prefix_covered_counts_only_images_whole_in_the_reusable_blocks():
+    # Images ending at 40, 70 and 100 in a 120-token prompt; the worker holds 4 blocks of 16 (64 tokens).
+    assert prefix_covered([40, 70, 100], 120, 4, 16) == [0]  # the second ends past 64: partly held, encoded
+    assert prefix_covered([40, None, 100], 120, 7, 16) == [0, 2]  # None: never skipped (a video)
+    # The block holding the prompt's last token is never reused: 7 blocks held, 6 usable (96 tokens).
+    assert prefix_covered([40, 100], 100, 7, 16) == [0]
+    assert prefix_covered([40], 120, 0, 16) == []

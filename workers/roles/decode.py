@@ -36,7 +36,8 @@ class DecodeWorker(SteppingWorker):
             keep = (lambda t: t.clone()) if view.zero_copy else (lambda t: t)
             mrope = tensors.get("mrope")
             export = KVExport(task.state, tensors["kv"], keep(mrope) if mrope is not None else None,
-                              [keep(tensors[f"emb{i}"]) for i in range(len(task.state.images)) if f"emb{i}" in tensors])
+                              [keep(tensors[f"emb{i}"]) if f"emb{i}" in tensors else None  # None: skipped by a prefix hit
+                               for i in range(len(task.state.images))])
             seq = self.engine.import_kv(export, request_id=rid)
         seq.hand_back = task.hand_back
         return seq

@@ -9,52 +9,17 @@ from collections import OrderedDict
 from typing import Any
 
 from mserve.common.model import ImageError
-from mserve.common.pruning import cache_namespace
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
 from mserve.common.policy import encode_batch
 from mserve.common.protocol.to_worker import EncodeTask, ImageRef
-from mserve.common.transfer.host_store import HostEmbeddingStore, default_root, host_member
 from mserve.common.video import VideoPart
+from mserve.workers.embedding_tiers import embedding_tiers
 from mserve.workers.engine import EngineConfig
 from mserve.workers.model_runner import EncodedImage
 from mserve.workers.settings import WorkerSettings
 from mserve.workers.worker import Worker
 
 log = logging.getLogger("mserve.worker")
-
-
-class EmbeddingCache:
-    """Encoded images by hash, least recently used evicted first, bounded by bytes."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity = capacity_bytes
-        self.used = 0
-        self._items: OrderedDict[str, EncodedImage] = OrderedDict()
-
-    def get(self, key: str) -> EncodedImage | None:
-        item = self._items.get(key)
-        if item is not None:
-            self._items.move_to_end(key)
-        return item
-
-    def keys(self) -> list[str]:
-        return list(self._items)
-
-    def put(self, key: str, item: EncodedImage) -> list[str]:
-        """Insert; returns the keys evicted to make room. An item over the whole bound is not kept."""
-        size = item.embeds.numel() * item.embeds.element_size()
-        if size > self.capacity:
-            return []
-        if (old_item := self._items.pop(key, None)) is not None:
-            self.used -= old_item.embeds.numel() * old_item.embeds.element_size()
-        evicted = []
-        while self._items and self.used + size > self.capacity:
-            old_key, old = self._items.popitem(last=False)
-            self.used -= old.embeds.numel() * old.embeds.element_size()
-            evicted.append(old_key)
-        self._items[key] = item
-        self.used += size
-        return evicted
 
 
 def visual_input(ref: ImageRef) -> bytes | VideoPart:
@@ -78,10 +43,7 @@ class EncodeWorker(Worker):
 
     def __init__(self, settings: WorkerSettings) -> None:
         super().__init__(settings)
-        self.cache = EmbeddingCache(int(settings.embedding_cache_mb * 2**20))  # L1: this process
-        self.host_cache = HostEmbeddingStore(settings.host_embedding_cache_dir or default_root(),
-                                             self.embedding_namespace(), int(settings.host_embedding_cache_mb * 2**20))
-        self.host_member = host_member(self.transfer.host_id)  # the L2 entries' holder in the Redis index
+        self.tiers = embedding_tiers(self)
         self.queue: list[EncodeTask] = []
         self.encode_s_per_image = 0.0  # measured (EWMA): the coordinator weighs re-encoding against it
         # Each request's latest embeddings publication, so a CANCEL frees it before its expiry (bounded:
@@ -91,10 +53,6 @@ class EncodeWorker(Worker):
 
     def load(self) -> dict[str, Any]:
         return {**super().load(), "encode_s_per_image": round(self.encode_s_per_image, 5)}
-
-    def embedding_namespace(self) -> str:
-        """What an embedding depends on besides the image: entries of another namespace never mix."""
-        return cache_namespace(self.model_name, self.s.visual_token_pruning)
 
     def engine_config(self, s: WorkerSettings) -> EngineConfig:
         return dataclasses.replace(super().engine_config(s), num_blocks=16)  # an encoder keeps no KV
@@ -110,39 +68,14 @@ class EncodeWorker(Worker):
 
     def lookup(self, h: str) -> EncodedImage | None:
         """The image's embeddings from L1, or from L2 (copied into L1); None on a miss."""
-        enc = self.cache.get(h)
-        if enc is not None:
-            return enc
-        stored = self.host_cache.get(h)
-        if stored is None:
-            return None
-        enc = EncodedImage(stored.embeds, stored.grid_thw)
-        self._l1_put(h, enc)
-        self.engine.counters["embedding_l2_hits"] += 1
-        return enc
-
-    def _l1_put(self, h: str, enc: EncodedImage) -> None:
-        if not self.cache.capacity:
-            return
-        for gone in self.cache.put(h, enc):
-            if self.store:
-                self.store.remove_embedding(self.model_name, gone, self.worker_id)
-        if self.store:
-            self.store.add_embedding(self.model_name, h, self.worker_id)
+        return self.tiers.lookup(h)
 
     def republish_indexes(self) -> int:
-        hashes, shared = self.cache.keys(), self.host_cache.keys()
-        if self.store is not None:
-            if hashes:
-                self.store.add_embeddings(self.model_name, hashes, self.worker_id)
-            if shared:
-                self.store.add_embeddings(self.model_name, shared, self.host_member)
-        return len(hashes) + len(shared) + super().republish_indexes()
+        return self.tiers.republish() + super().republish_indexes()
 
     def drop_indexes(self) -> None:
-        super().drop_indexes()  # the host's L2 entries stay: they outlive this process
-        if self.store is not None:
-            self.store.drop_worker_embeddings(self.worker_id, self.model_name, self.cache.keys())
+        super().drop_indexes()
+        self.tiers.drop()
 
     def busy(self) -> bool:
         return bool(self.queue)
@@ -212,12 +145,7 @@ class EncodeWorker(Worker):
         self.encode_s_per_image = per_image if not self.encode_s_per_image else \
             0.7 * self.encode_s_per_image + 0.3 * per_image
         for h, enc in zip(pending, encoded):
-            self._l1_put(h, enc)
-            evicted = self.host_cache.put(h, enc.embeds, enc.grid_thw)
-            if self.store and self.host_cache.enabled:
-                self.store.add_embedding(self.model_name, h, self.host_member)
-                if evicted:
-                    self.store.drop_worker_embeddings(self.host_member, self.model_name, evicted)
+            self.tiers.put(h, enc)
         self.engine.counters["encoded_images"] += len(pending)
         self.engine.counters["visual_tokens"] += sum(int(enc.embeds.shape[0]) for enc in encoded)
         if self.store:

@@ -76,7 +76,13 @@ class PrefillWorker(SteppingWorker):
             # Encoded on several encoders: the parts in so far; the pending ones follow as EMBEDDINGS.
             got = self._fetch_parts(rec, task.embedding_parts or [], task.grids)
             encoded = [got.get(i) for i in range(len(task.image_hashes))]
+        elif task.skipped_images:
+            encoded = [None] * len(task.image_hashes)
+        # Skipped images come from nowhere: should this pool lack their prefix blocks after all, the
+        # engine drops the request and the worker reports it (stepping.py) for a re-run that encodes them.
+        deferred = {i: None for i in task.skipped_images}
         return self.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
+                                       deferred=deferred, grids=task.grids,
                                          sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
                                          prefill_only=True, output_ids=task.output_ids,
                                          latency_class=task.latency_class, item_tokens=task.image_tokens or None,
@@ -94,7 +100,8 @@ class PrefillWorker(SteppingWorker):
         rid, attempt = rec.request_id, rec.attempt
         msg = Prefilled(request_id=rid, attempt=attempt, token_id=out.new_token_ids[0],
                         finish_reason=out.finish_reason or "stop", fetch_s=rec.take_fetch_s() or 0.0,
-                        cached_tokens=rec.cached_tokens, worker_s=rec.worker_s())
+                        cached_tokens=rec.cached_tokens, worker_s=rec.worker_s(),
+                        skipped_images=len(rec.seq.deferred) if rec.seq is not None else 0)
         if out.finish_reason == "prefilled":
             # The KV blocks are gathered straight into the transfer's buffer (a pooled shm
             # segment for shm/auto): publishing then copies nothing.

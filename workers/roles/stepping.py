@@ -10,6 +10,7 @@ import torch
 
 from mserve.common.protocol.to_coordinator import StepTokens, TokenItem
 from mserve.common.protocol.typed import Message
+from mserve.workers.prefix_skip import PREFIX_SKIP_MISSED
 from mserve.workers.engine import StepOutput
 from mserve.workers.requests import WorkerRequest
 from mserve.workers.sequence import Sequence
@@ -75,6 +76,11 @@ class SteppingWorker(Worker):
                                 retryable=True)
             return
         self.report(outputs)
+        for rid in self.engine.take_unresolved():  # workers/prefix_skip.py: the coordinator encodes them again
+            rec = self.requests.get(rid)
+            if rec is not None:
+                self.failed(rid, rec.attempt, f"{PREFIX_SKIP_MISSED}: images skipped for the cached prefix must be "
+                            "encoded after all", retryable=True)
 
     def finishing(self, rec: WorkerRequest, item: TokenItem, out: StepOutput) -> None:
         """A request's last tokens are about to go out: a role may add to them."""
