@@ -811,6 +811,7 @@ def test_images_in_the_prefill_workers_cached_prefix_are_not_encoded_and_prefill
 
 def test_every_image_held_skips_encode_and_a_prefill_without_the_blocks_reruns_with_every_image_encoded():
     h = Harness(*DISAGG, lookups=PrefixHits({"p0": 4}))  # 64 tokens held on p0: both images
+    h.m.settings.spread_encode = False  # the re-run's one ENCODE carries both images (not spread over e0, e1)
     pre = only(h.submit(two_images_ending_at_20_and_50()), MsgType.PREFILL)
     assert pre.worker_id == "p0" and pre.body["skipped_images"] == [0, 1] and not pre.body.get("embeddings")
     # p0 evicted the blocks meanwhile: it fails the attempt, retryable; the re-run encodes both images.
