@@ -176,17 +176,18 @@ class ModelFamily:
                              int(cfg["min_pixels"] * 1.05))
         return max_pixels
 
-    def video_token_count(self, video: VideoInfo) -> int:
+    def video_token_count(self, video: VideoInfo, keep_ratio: float | None = None) -> int:
         """Exact number of placeholder tokens one video becomes (as frames: one image's count per frame)."""
         if self.video_as_frames:
-            return video.num_frames * self.visual_token_count((video.width, video.height))
+            return video.num_frames * self.visual_token_count((video.width, video.height), keep_ratio)
         t, h, w = self.video_grid(video)
         return t * h * w // (self.video_config["merge_size"] ** 2)
 
-    def visual_token_count(self, image_size: tuple[int, int] | VideoInfo) -> int:
-        """Exact number of placeholder tokens one image of (width, height), or one video, becomes."""
+    def visual_token_count(self, image_size: tuple[int, int] | VideoInfo, keep_ratio: float | None = None) -> int:
+        """Exact number of placeholder tokens one image of (width, height), or one video, becomes.
+        `keep_ratio`: one request's own pruning ratio (SLO-adaptive pruning), else the family's."""
         if isinstance(image_size, VideoInfo):
-            return self.video_token_count(image_size)
+            return self.video_token_count(image_size, keep_ratio)
         from mserve.common.processor import image_token_count
 
         width, height = image_size
@@ -194,10 +195,11 @@ class ModelFamily:
             if max(height, width) / max(min(height, width), 1) > 200:
                 raise ImageError(f"image aspect ratio {width}x{height} is over 200:1")
         count = image_token_count(self.processor, width, height)
-        if self.visual_keep_ratio is not None:
+        ratio = self.visual_keep_ratio if keep_ratio is None else keep_ratio
+        if ratio is not None:
             from mserve.common.pruning import kept_tokens
 
-            return kept_tokens(count, self.visual_keep_ratio)
+            return kept_tokens(count, ratio)
         return count
 
     @property
@@ -215,8 +217,8 @@ class ModelFamily:
                 out.append(item)
         return out
 
-    def expand_placeholders(self, token_ids: Sequence[int],
-                            image_sizes: Sequence[tuple[int, int] | VideoInfo]) -> list[int]:
+    def expand_placeholders(self, token_ids: Sequence[int], image_sizes: Sequence[tuple[int, int] | VideoInfo],
+                            keep_ratio: float | None = None) -> list[int]:
         """Replace each image (video) token by as many copies as that image (video) has visual tokens.
 
         `image_sizes` has one entry per placeholder, in prompt order: (width, height) for an image
@@ -232,7 +234,7 @@ class ModelFamily:
                 if isinstance(size, VideoInfo) != (kind == "video"):
                     raise ValueError(f"the chat template placed the images and videos in another order than "
                                      f"the request (a {kind} placeholder where the request has another kind)")
-                out.extend([tok] * self.visual_token_count(size))
+                out.extend([tok] * self.visual_token_count(size, keep_ratio))
             else:
                 out.append(tok)
         if next(images, None) is not None:

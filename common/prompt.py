@@ -163,9 +163,9 @@ class PromptBuilder:
         return self.prepare_normalized(norm, sizes, items)
 
     def prepare_normalized(self, norm: list[dict[str, Any]], sizes: Sequence[tuple[int, int] | VideoInfo],
-                           images: Sequence[bytes | VideoPart]) -> PreparedPrompt:
+                           images: Sequence[bytes | VideoPart], keep_ratio: float | None = None) -> PreparedPrompt:
         """Messages already split from their images and videos (see normalize_messages), sizes known
-        (a VideoInfo for each video)."""
+        (a VideoInfo for each video). `keep_ratio`: this request's pruning ratio, else the builder's."""
         if not any(p.get("text", "").strip() for m in norm for p in m["content"] if p["type"] == "text") and not images:
             raise ValueError("prompt is empty: no text and no image")
         if any(isinstance(s, VideoInfo) for s in sizes):
@@ -179,7 +179,7 @@ class PromptBuilder:
         # template does not, and its model was trained with the BOS its tokenizer adds: keep it.
         if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
-        return PreparedPrompt(self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes)),
+        return PreparedPrompt(self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes), keep_ratio),
                               list(images), list(sizes), text)
 
     def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.protocol.client import Sampling
 from mserve.common.protocol.core import MsgType
-from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_int, as_list, as_map, as_str, list_of,
-                                          nested, one_of, optional, wire)
+from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_float, as_int, as_list, as_map, as_str,
+                                          list_of, nested, one_of, optional, wire)
 
 
 @dataclass
@@ -45,6 +45,8 @@ class EncodeTask(Message):
     priority: int = wire(as_int, 0)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
+    # This request's own pruning ratio (SLO-adaptive pruning); None: the worker's --visual-token-pruning.
+    keep_ratio: float | None = wire(optional(as_float), None)
 
 
 @dataclass
