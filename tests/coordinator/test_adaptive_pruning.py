@@ -111,3 +111,14 @@ def test_below_its_objective_and_with_a_unified_worker_nothing_is_pruned():
     h.submit(make_admitted("r", images=1))
     h.advance(0.1)
     assert h.m.adaptive.governor.pruning("interactive") and h.m.adaptive.keep_ratio("interactive") is None
+
+
+def test_a_pruned_request_never_runs_on_a_unified_worker():
+    h = Harness(("u0", "unified"))
+    h.t = 1.0
+    pruned = make_admitted("p", images=1)
+    pruned.keep_ratio = 0.5
+    assert h.submit(pruned) == []  # waits for the stage pools: a unified worker cannot prune per request
+    assert only(h.submit(make_admitted("q", images=1)), MsgType.RUN).worker_id == "u0"
+    out = [m for wid, role in DISAGG for m in h.join(wid, role)]  # its pools are up: it goes on
+    assert only(out, MsgType.ENCODE).body["keep_ratio"] == 0.5
