@@ -210,17 +210,18 @@ class ModelFamily:
                              int(cfg["min_pixels"] * 1.05))
         return max_pixels
 
-    def video_token_count(self, video: VideoInfo) -> int:
+    def video_token_count(self, video: VideoInfo, keep_ratio: float | None = None) -> int:
         """Exact number of placeholder tokens one video becomes (as frames: one image's count per frame)."""
         if self.video_as_frames:
-            return video.num_frames * self.visual_token_count((video.width, video.height))
+            return video.num_frames * self.visual_token_count((video.width, video.height), keep_ratio)
         t, h, w = self.video_grid(video)
         return t * h * w // (self.video_config["merge_size"] ** 2)
 
-    def visual_token_count(self, image_size: tuple[int, int] | VideoInfo) -> int:
-        """Exact number of placeholder tokens one image of (width, height), or one video, becomes."""
+    def visual_token_count(self, image_size: tuple[int, int] | VideoInfo, keep_ratio: float | None = None) -> int:
+        """Exact number of placeholder tokens one image of (width, height), or one video, becomes.
+        `keep_ratio`: one request's own pruning ratio (SLO-adaptive pruning), else the family's."""
         if isinstance(image_size, VideoInfo):
-            return self.video_token_count(image_size)
+            return self.video_token_count(image_size, keep_ratio)
         from mserve.common.processor import image_token_count
 
         width, height = image_size
@@ -228,10 +229,11 @@ class ModelFamily:
             if max(height, width) / max(min(height, width), 1) > 200:
                 raise ImageError(f"image aspect ratio {width}x{height} is over 200:1")
         count = image_token_count(self.processor, width, height)
-        if self.visual_keep_ratio is not None:
+        ratio = self.visual_keep_ratio if keep_ratio is None else keep_ratio
+        if ratio is not None:
             from mserve.common.pruning import kept_tokens
 
-            return kept_tokens(count, self.visual_keep_ratio)
+            return kept_tokens(count, ratio)
         return count
 
     @property
@@ -249,8 +251,8 @@ class ModelFamily:
                 out.append(item)
         return out
 
-    def expand_placeholders(self, token_ids: Sequence[int],
-                            image_sizes: Sequence[tuple[int, int] | VideoInfo]) -> list[int]:
+    def expand_placeholders(self, token_ids: Sequence[int], image_sizes: Sequence[tuple[int, int] | VideoInfo],
+                            keep_ratio: float | None = None) -> list[int]:
         """Replace each image (video) token by as many copies as that image (video) has visual tokens.
 
         `image_sizes` has one entry per placeholder, in prompt order: (width, height) for an image
@@ -266,18 +268,20 @@ class ModelFamily:
                 if isinstance(size, VideoInfo) != (kind == "video"):
                     raise ValueError(f"the chat template placed the images and videos in another order than "
                                      f"the request (a {kind} placeholder where the request has another kind)")
-                out.extend(self.image_placeholder(size) if kind == "image" else [tok] * self.visual_token_count(size))
+                out.extend(self.image_placeholder(size, keep_ratio) if kind == "image"
+                           else [tok] * self.visual_token_count(size, keep_ratio))
             else:
                 out.append(tok)
         if next(images, None) is not None:
             raise ValueError("prompt has fewer image placeholders than images")
         return out
 
-    def image_placeholder(self, size: tuple[int, int]) -> list[int]:
+    def image_placeholder(self, size: tuple[int, int], keep_ratio: float | None = None) -> list[int]:
         """The token ids one image placeholder becomes: its visual tokens, as one run of the image token
-        unless the family lays them out otherwise (rows with separators: common/families/)."""
-        if self.rules.image_placeholder is None or self.visual_keep_ratio is not None:
-            return [self.image_token_id] * self.visual_token_count(size)
+        unless the family lays them out otherwise (rows with separators: common/families/). Pruning is
+        LLaVA's (common/pruning.py): a pruned image is always one run."""
+        if self.rules.image_placeholder is None or self.visual_keep_ratio is not None or keep_ratio is not None:
+            return [self.image_token_id] * self.visual_token_count(size, keep_ratio)
         return self.rules.image_placeholder(self.processor, size)
 
     def image_inputs(self, images: Sequence[Any]) -> Any:

@@ -163,9 +163,9 @@ class PromptBuilder:
         return self.prepare_normalized(norm, sizes, items)
 
     def prepare_normalized(self, norm: list[dict[str, Any]], sizes: Sequence[tuple[int, int] | VideoInfo],
-                           images: Sequence[bytes | VideoPart]) -> PreparedPrompt:
+                           images: Sequence[bytes | VideoPart], keep_ratio: float | None = None) -> PreparedPrompt:
         """Messages already split from their images and videos (see normalize_messages), sizes known
-        (a VideoInfo for each video)."""
+        (a VideoInfo for each video). `keep_ratio`: this request's pruning ratio, else the builder's."""
         if not any(p.get("text", "").strip() for m in norm for p in m["content"] if p["type"] == "text") and not images:
             raise ValueError("prompt is empty: no text and no image")
         if any(isinstance(s, VideoInfo) for s in sizes):
@@ -185,7 +185,7 @@ class PromptBuilder:
         if expanded_text is not text:
             self._check_runs(ids, sizes)
         else:
-            ids = self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes))
+            ids = self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes), keep_ratio)
         return PreparedPrompt(ids, list(images), list(sizes), text)
 
     def _check_runs(self, ids: list[int], sizes: Sequence[tuple[int, int] | VideoInfo]) -> None:

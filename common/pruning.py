@@ -131,6 +131,14 @@ def cache_namespace(model_name: str, ratio: float | None) -> str:
     return model_name if normalized(ratio) == 1.0 else f"{model_name}#keep={ratio:g}"
 
 
+def pruned_hash(image_hash: str, ratio: float | None) -> str:
+    """The key of one image's embeddings when one request prunes it at its own `ratio` (SLO-adaptive
+    pruning, coordinator/adaptive_pruning.py): `hash#k0.5`, so every cache keyed by image hash (the
+    encoders' embedding caches, the Redis embedding index, single-flight leases, prefix blocks) keeps
+    them apart from the image's unpruned embeddings. None: the hash itself."""
+    return image_hash if ratio is None else f"{image_hash}#k{ratio:g}"
+
+
 def _flag_value(value: str) -> str:
     """argparse type: checked here (a clean usage error), parsed later by the settings."""
     try:

@@ -11,7 +11,7 @@ limit is enforced with a message that names it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_from_header
 from mserve.common.policy import LATENCY_CLASSES, Limits
 from mserve.common.prompt import PromptBuilder, normalize_messages
+from mserve.common.pruning import pruned_hash
 from mserve.common.video import VideoPart, describe_video, video_hash
 from mserve.common.protocol import ErrorCode
 from mserve.common.protocol.client import Generate, Sampling
@@ -107,6 +108,10 @@ class Admitted:
     prompt_ids: list[int]
     images: list[AdmittedImage]
     admission_s: float = 0.0  # how long admission took (the trace's admission span)
+    # The request's own keep ratio (SLO-adaptive pruning): its placeholders are counted at it, its
+    # image hashes carry it (common/pruning.py: pruned_hash) and its encoder prunes to it. None: as
+    # the cluster's --visual-token-pruning.
+    keep_ratio: float | None = None
 
     @property
     def visual_tokens(self) -> int:
@@ -121,7 +126,10 @@ def _pydantic_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Admitted:
+def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
+          keep_ratio: Callable[[str], float | None] | None = None) -> Admitted:
+    """`keep_ratio`: the pruning ratio a request of this latency class gets now (SLO-adaptive pruning),
+    None for the cluster's own; asked only of requests with images."""
     try:
         req = GenerateIn.model_validate(payload)
     except ValidationError as exc:
@@ -135,11 +143,12 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
     n_images = sum(1 for x in images if not isinstance(x, VideoPart))
     if n_images > limits.max_images_per_request:
         raise AdmissionError(f"{n_images} images is over the limit max_images_per_request={limits.max_images_per_request}")
+    ratio = keep_ratio(req.latency_class) if keep_ratio is not None and images else None
     admitted_images: list[AdmittedImage] = []
     sizes: list[tuple[int, int] | VideoInfo] = []
     for i, data in enumerate(images):
         if isinstance(data, VideoPart):
-            video, info = _admit_video(builder, limits, i, data)
+            video, info = _admit_video(builder, limits, i, data, ratio)
             admitted_images.append(video)
             sizes.append(info)
             continue
@@ -151,13 +160,13 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
             if w * h > limits.max_image_pixels:
                 raise AdmissionError(f"image {i} is {w}x{h} = {w * h} pixels, over the limit "
                                      f"max_image_pixels={limits.max_image_pixels}", ErrorCode.TOO_LARGE)
-            tokens = builder.family.visual_token_count((w, h))
+            tokens = builder.family.visual_token_count((w, h), ratio)
         except ImageError as exc:
             raise AdmissionError(f"image {i}: {exc}") from None
-        admitted_images.append(AdmittedImage(image_hash(data), data, (w, h), tokens))
+        admitted_images.append(AdmittedImage(pruned_hash(image_hash(data), ratio), data, (w, h), tokens))
         sizes.append((w, h))
     try:
-        prompt = builder.prepare_normalized(messages, sizes, images)
+        prompt = builder.prepare_normalized(messages, sizes, images, ratio)
     except (ValueError, TemplateError) as exc:  # templates reject some conversations (roles, order)
         raise AdmissionError(f"the chat template rejected the messages: {exc}" if isinstance(exc, TemplateError)
                              else str(exc)) from None
@@ -166,7 +175,7 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any]) -> Ad
                              f"visual), over the limit max_prompt_tokens={limits.max_prompt_tokens}",
                              ErrorCode.TOO_LARGE)
     _place(builder.family, prompt.prompt_ids, admitted_images)
-    return Admitted(req.to_wire(), prompt.prompt_ids, admitted_images)
+    return Admitted(req.to_wire(), prompt.prompt_ids, admitted_images, keep_ratio=ratio)
 
 
 def _place(family: Any, prompt_ids: list[int], images: list[AdmittedImage]) -> None:
@@ -184,7 +193,8 @@ def _place(family: Any, prompt_ids: list[int], images: list[AdmittedImage]) -> N
         im.skippable = not im.is_video and (im.grid is not None or not family.uses_mrope)
 
 
-def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart) -> tuple[AdmittedImage, VideoInfo]:
+def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart,
+                 ratio: float | None = None) -> tuple[AdmittedImage, VideoInfo]:
     """Check one video against the limits and count its tokens, decoding no pixel (a file is demuxed only)."""
     if (why := builder.family.video_unsupported()) is not None:
         raise AdmissionError(f"video {i}: {why}")
@@ -204,10 +214,10 @@ def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart
         if info.width * info.height > limits.max_image_pixels:
             raise AdmissionError(f"video {i} frames are {info.width}x{info.height} = {info.width * info.height} "
                                  f"pixels, over the limit max_image_pixels={limits.max_image_pixels}", ErrorCode.TOO_LARGE)
-        tokens = builder.family.visual_token_count(info)
+        tokens = builder.family.visual_token_count(info, ratio)
     except ImageError as exc:
         raise AdmissionError(f"video {i}: {exc}") from None
-    admitted = AdmittedImage(video_hash(part), part.data or b"", (info.width, info.height), tokens,
+    admitted = AdmittedImage(pruned_hash(video_hash(part), ratio), part.data or b"", (info.width, info.height), tokens,
                              frames=list(part.frames) if part.frames is not None else None,
                              frame_indices=list(part.indices) if part.indices is not None else None, fps=part.fps)
     return admitted, info

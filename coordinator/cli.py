@@ -83,5 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve-authorized-keys", metavar="DIR",
                    help="folder of the public keys (*.key) of the workers allowed in; any other is refused")
     add_tracing_argument(p)
+    p.add_argument("--adaptive-pruning", metavar="CLASS=RATIO,...",
+                   help="opt-in SLO-adaptive visual-token pruning: the keep ratio each listed latency class's new "
+                        "requests get while its predicted TTFT breaks its --ttft-slo-ms objective, e.g. "
+                        "interactive=0.5,batch=0.25 (LLaVA; requests through encode workers; default off)")
+    p.add_argument("--ttft-slo-ms", metavar="CLASS=MS,...",
+                   help="TTFT objective per latency class for --adaptive-pruning, e.g. interactive=2000,batch=10000")
+    p.add_argument("--adaptive-pruning-hold-s", type=float,
+                   help="adaptive pruning lifts once the predicted TTFT stays below 0.7x the objective this long "
+                        "(default 2)")
     add_pruning_argument(p, "Admission counts placeholders at this ratio; encode and unified workers with "
                             "another are refused.")

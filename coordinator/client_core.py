@@ -143,6 +143,7 @@ class GenerateResult:
     timings: dict[str, float] = field(default_factory=dict)  # queue_s, encode_s, ..., total_s
     cache_hits: dict[str, int] = field(default_factory=dict)  # embedding, prefix_tokens
     attempts: int = 1
+    visual_keep_ratio: float | None = None  # set when SLO-adaptive pruning pruned this request's images
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> GenerateResult:
@@ -152,7 +153,7 @@ class GenerateResult:
     def from_reply(cls, r: Result) -> GenerateResult:
         return cls(request_id=r.request_id, token_ids=r.token_ids, text=r.text, finish_reason=r.finish_reason,
                    prompt_tokens=r.prompt_tokens, visual_tokens=r.visual_tokens, timings=r.timings,
-                   cache_hits=r.cache_hits, attempts=r.attempts)
+                   cache_hits=r.cache_hits, attempts=r.attempts, visual_keep_ratio=r.visual_keep_ratio)
 
 
 # --------------------------------------------------------------------------- request building

@@ -83,6 +83,8 @@ class Dispatcher:
         for w in self.queues.ordered(Stage.START, now):  # no pipeline yet: choose one once its pools are up
             st = self.requests[w.rid]
             route = pipeline_for(self.members.routable(), st.has_images)
+            if route == "unified" and st.admitted.keep_ratio is not None:
+                route = None  # pruned at its own ratio (SLO-adaptive pruning): only encode workers can
             if route is not None:
                 st.next_stage = Stage.RUN if route == "unified" else (Stage.ENCODE if st.has_images else Stage.PREFILL)
                 if st.next_stage == Stage.ENCODE and self._skip_covered_images(st):

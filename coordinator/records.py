@@ -253,7 +253,8 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False, part:
     classes = {"priority": req.priority, "latency_class": req.latency_class}
     tokens = 0
     if stage == Stage.ENCODE:
-        msg = EncodeTask(**ids, images=[images[i] for i in part] if part is not None else images, **classes)
+        msg = EncodeTask(**ids, images=[images[i] for i in part] if part is not None else images, **classes,
+                         keep_ratio=a.keep_ratio)
     elif stage == Stage.PREFILL:
         msg = PrefillTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                           image_hashes=[im.hash for im in a.images], embeddings=st.embeddings, grids=st.image_grids,
@@ -311,4 +312,5 @@ def result_body(st: RequestState, finish_reason: str, text: str, now: float) -> 
     timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(now - st.arrived, 6)}
     return Result(request_id=st.client_rid, token_ids=st.output_ids, text=text, finish_reason=finish_reason,
                   prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
-                  timings=timings, cache_hits=st.cache_hits, attempts=st.attempt + 1).fields()
+                  timings=timings, cache_hits=st.cache_hits, attempts=st.attempt + 1,
+                  visual_keep_ratio=st.admitted.keep_ratio).fields()

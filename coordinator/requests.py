@@ -30,6 +30,7 @@ from mserve.common.protocol import ROLES, ErrorCode, Message, MsgType, ProtocolE
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
                                                    WorkerInfo)
 from mserve.common.pruning import mismatch as pruning_mismatch
+from mserve.coordinator.adaptive_pruning import AdaptivePruning
 from mserve.coordinator.admission import Admitted
 from mserve.coordinator.dispatch import Dispatcher
 from mserve.coordinator.drain import holds_work, waiting_by_role
@@ -78,7 +79,7 @@ class RequestMachine:
                  class_aging_s: float = 10.0, spread_encode: bool = True, route_choices: int = 0,
                  seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
                  encode_leases: Leases | None = None, shard_id: str = "coordinator",
-                 prefix_skip: bool = True) -> None:
+                 prefix_skip: bool = True, adaptive_pruning: AdaptivePruning | None = None) -> None:
         self.settings = MachineSettings(
             stage_timeout_s=stage_timeout_s, dead_after_s=dead_after_s, max_attempts=max_attempts,
             max_waiting_requests=max_waiting_requests, kv_hand_back=kv_hand_back,
@@ -92,7 +93,8 @@ class RequestMachine:
         self._refused: dict[str, float | None] = {}  # worker -> the ratio it was refused for (logged once)
         self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0,
                       "spread_encodes": 0, "token_items": 0, "encode_deduplicated": 0,
-                      "encodes_skipped_by_prefix": 0}
+                      "encodes_skipped_by_prefix": 0, "pruned_adaptive": 0}
+        self.adaptive = adaptive_pruning  # SLO-adaptive pruning: admission asks it a request's keep ratio
         self.outbox = Outbox()
         self.members = Membership()
         self.requests = RequestTable()
@@ -128,6 +130,7 @@ class RequestMachine:
                                       admission_s=admitted.admission_s)
         self.requests.add(st)
         self.stats["admitted"] += 1
+        self.stats["pruned_adaptive"] += admitted.keep_ratio is not None
         log.info("%s admitted: %d prompt tokens (%d visual, %d images), max_tokens %d", st.client_rid,
                  len(admitted.prompt_ids), admitted.visual_tokens, len(admitted.images),
                  admitted.request.sampling.max_tokens)
@@ -235,6 +238,8 @@ class RequestMachine:
                     self.life.restart(st, reason=f"{st.stage} stage timed out on {st.worker_id}")
         self.dispatch.poll_flights()
         self._release_drained()
+        if self.adaptive is not None:
+            self.adaptive.observe(self.requests, self.members.routable(), now)
 
     def apply_loads(self, loads: dict[str, dict[str, Any]]) -> None:
         """Loads the workers published elsewhere (Redis), fresher than their last heartbeat. Only the
@@ -252,7 +257,8 @@ class RequestMachine:
                 "stats": dict(self.stats),
                 "encode_parked": len(self.dispatch.flights.parked) if self.dispatch.flights else 0, "telemetry": self.telemetry.snapshot(), "queued": self.queues.counts(),
                 "waiting": waiting_by_role(self.requests, {w.role for w in self.members.routable()},
-                                           self.outbox.now)}
+                                           self.outbox.now),
+                **({"adaptive_pruning": self.adaptive.status()} if self.adaptive is not None else {})}
 
     def unknown(self, client: bytes, request_ids: list[str]) -> list[str]:
         """Which of a client's request ids this coordinator does not hold (it restarted, or they ended)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from mserve.common import pruning
 from mserve.common.hashing import item_spans, prompt_block_hashes
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
@@ -27,6 +28,7 @@ from mserve.common.security import CurveKeys, Gate, check_curve_settings
 from mserve.common.shards import SHARD_REFRESH_S, ShardRegistry, advertised
 from mserve.common.serde import WireError, decode
 from mserve.common.sockets import make_socket, send
+from mserve.coordinator.adaptive_pruning import AdaptivePruning
 from mserve.coordinator.admission import Admitted, AdmissionError, Limits, admit
 from mserve.coordinator.requests import Out, RequestMachine, ToClient
 from mserve.coordinator.settings import CoordinatorSettings
@@ -107,9 +109,21 @@ class Coordinator:
             detokenize=self.builder.decode, visual_token_pruning=settings.visual_token_pruning,
             encode_single_flight=settings.encode_single_flight, shard_id=self.shard_id or uuid.uuid4().hex,
             encode_leases=RedisEncodeLeases(self.store, self.model_name) if self.store else None,
-            lookups=RedisLookups(self.store, self.builder, self.model_name) if self.store else None)
+            lookups=RedisLookups(self.store, self.builder, self.model_name) if self.store else None,
+            adaptive_pruning=self._adaptive_pruning(settings))
         self._running = True
         self._next_redis_sync = 0.0
+
+    def _adaptive_pruning(self, settings: CoordinatorSettings) -> AdaptivePruning | None:
+        """SLO-adaptive pruning when configured (PruningError at start-up for a family that cannot prune)."""
+        objectives = settings.pruning_objectives()
+        if not objectives:
+            return None
+        if (why := pruning.unsupported(self.builder.family)) is not None:
+            raise pruning.PruningError(f"--adaptive-pruning (adaptive_pruning): {why}")
+        log.info("SLO-adaptive visual-token pruning on: %s", ", ".join(
+            f"{c}: keep {o.max_keep_ratio:g} while predicted TTFT > {o.ttft_s * 1000:g} ms" for c, o in objectives.items()))
+        return AdaptivePruning(objectives, configured=settings.visual_token_pruning)
 
     # -- loop --------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -235,7 +249,8 @@ class Coordinator:
         rid = rid_in if isinstance(rid_in, str) else None
         started = time.perf_counter()
         try:
-            admitted = admit(self.builder, self.limits, payload)
+            adaptive = self.machine.adaptive
+            admitted = admit(self.builder, self.limits, payload, adaptive.keep_ratio if adaptive else None)
             admitted.admission_s = time.perf_counter() - started
         except AdmissionError as exc:
             self._send(self.machine.reject(client, rid, str(exc), exc.code, now=time.monotonic()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mserve.common.policy import DEFAULT_LIMITS, Limits
@@ -86,6 +86,13 @@ class CoordinatorSettings(BaseSettings):
     # Opt-in FasterVLM visual-token pruning (common/pruning.py): admission counts each image's
     # placeholders at this keep ratio; encode and unified workers must run the same one (checked at READY).
     visual_token_pruning: float | None = None
+    # Opt-in SLO-adaptive pruning (coordinator/adaptive_pruning.py): per latency class, the keep ratio
+    # its new requests get while the predicted TTFT breaks the class's objective in ttft_slo_ms
+    # ("interactive=0.5,batch=0.25" and "interactive=2000"); lifted once the prediction stays below
+    # 0.7 x the objective for adaptive_pruning_hold_s. None: off. LLaVA only; disaggregated requests only.
+    adaptive_pruning: str | None = None
+    ttft_slo_ms: str | None = None
+    adaptive_pruning_hold_s: float = Field(2.0, ge=0.0)
     # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
     otlp_endpoint: str | None = None
 
@@ -95,6 +102,18 @@ class CoordinatorSettings(BaseSettings):
         from mserve.common.pruning import parse_ratio
 
         return parse_ratio(v)
+
+    @model_validator(mode="after")
+    def _adaptive_pruning(self) -> CoordinatorSettings:
+        self.pruning_objectives()  # refuses a bad value at start-up, naming the setting
+        return self
+
+    def pruning_objectives(self) -> dict:
+        """{class: ClassObjective} of SLO-adaptive pruning; {} when off."""
+        from mserve.coordinator.adaptive_pruning import objectives, parse_per_class
+
+        return objectives(parse_per_class(self.adaptive_pruning, "adaptive_pruning"),
+                          parse_per_class(self.ttft_slo_ms, "ttft_slo_ms"), self.adaptive_pruning_hold_s)
 
     @field_validator("route_choices")
     @classmethod

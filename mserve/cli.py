@@ -90,7 +90,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "class_aging_s", "spread_encode", "encode_single_flight", "prefix_skip",
                                                                "shard_id", "advertise", "route_choices",
                                                                "load_poll_s", "token_report_every",
-                                                               "worker_advertise", "otlp_endpoint"])
+                                                               "worker_advertise", "otlp_endpoint",
+                                                               "adaptive_pruning", "ttft_slo_ms",
+                                                               "adaptive_pruning_hold_s"])
     from mserve.common.pruning import PruningError
 
     _start_tracing("mserve-coordinator", settings.otlp_endpoint, shard=settings.shard_id)

@@ -113,6 +113,21 @@ class ModelRunner:
             from mserve.workers.pruning import ClsAttentionPruner
 
             self.pruner = ClsAttentionPruner(self.model, self.family, ratio)
+        self._adaptive_pruner = None  # made on the first request that brings its own keep ratio
+
+    def pruner_for(self, keep_ratio: float | None):
+        """The pruner for one vision forward: the worker's fixed one, or, for a request with its own keep
+        ratio (SLO-adaptive pruning), one built on first use (PruningError for a family that cannot prune)."""
+        if keep_ratio is None or self.pruner is not None:
+            return self.pruner
+        if self._adaptive_pruner is None:
+            from mserve.common import pruning
+            from mserve.workers.pruning import ClsAttentionPruner
+
+            if (why := pruning.unsupported(self.family)) is not None:
+                raise pruning.PruningError(f"a request asked for visual-token pruning: {why}")
+            self._adaptive_pruner = ClsAttentionPruner(self.model, self.family, None)
+        return self._adaptive_pruner
 
     # -- encode stage ------------------------------------------------------------------------
     @property
@@ -122,22 +137,24 @@ class ModelRunner:
         return self.family.processor.image_processor
 
     @torch.inference_mode()
-    def encode_images(self, images: Sequence) -> list[EncodedImage]:
+    def encode_images(self, images: Sequence, keep_ratio: float | None = None) -> list[EncodedImage]:
         """PIL images -> one embedding tensor per image, all images in one vision forward through the
-        model's own get_image_features (given every input its image processor produced that it takes)."""
+        model's own get_image_features (given every input its image processor produced that it takes).
+        `keep_ratio`: these images' own pruning ratio (SLO-adaptive pruning), else the worker's."""
         if not images:
             return []
         inputs = self.family.image_inputs(images)
         kwargs = {k: v for k, v in inputs.items() if k in self._image_feature_inputs}
         kwargs["pixel_values"] = kwargs["pixel_values"].to(self.device, self.dtype)
         kwargs.update({k: v.to(self.device) for k, v in kwargs.items() if k != "pixel_values" and torch.is_tensor(v)})
-        with self.pruner.capture() if self.pruner else contextlib.nullcontext() as scores:
+        pruner = self.pruner_for(keep_ratio)
+        with pruner.capture() if pruner else contextlib.nullcontext() as scores:
             out = self.model.model.get_image_features(**kwargs, return_dict=True)
         grid = inputs.get("image_grid_thw")
         grids = [tuple(int(x) for x in g) for g in grid.tolist()] if grid is not None else [None] * len(images)
         embeds = features_per_image(out.pooler_output, inputs, self.hidden_size)
-        if self.pruner is not None:  # keep each image's top tokens by [CLS] attention, in order
-            embeds = self.pruner.select(embeds, scores)
+        if pruner is not None:  # keep each image's top tokens by [CLS] attention, in order
+            embeds = pruner.select(embeds, scores, keep_ratio)
         embeds = pack(embeds, getattr(out, "deepstack_features", None))
         return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]
 
@@ -146,19 +163,20 @@ class ModelRunner:
         return frozenset(inspect.signature(self.model.model.get_image_features).parameters)
 
     @torch.inference_mode()
-    def encode_visuals(self, items: Sequence) -> list[EncodedImage]:
+    def encode_visuals(self, items: Sequence, keep_ratio: float | None = None) -> list[EncodedImage]:
         """PIL images and videos (lists of PIL frames), in order -> one EncodedImage each. Qwen2-VL runs
         the videos through its video path (one forward for all of them); LLaVA encodes every frame as an
-        image, in the images' forward, and a video's embeddings are its frames' one after another."""
+        image, in the images' forward, and a video's embeddings are its frames' one after another.
+        `keep_ratio`: their own pruning ratio (LLaVA; SLO-adaptive pruning), else the worker's."""
         is_video = [isinstance(x, list) for x in items]
         videos = [x for x, v in zip(items, is_video) if v]
         if self.family.video_as_frames:
             flat = [x for x, v in zip(items, is_video) if not v] + [f for video in videos for f in video]
-            encoded = iter(self.encode_images(flat))
+            encoded = iter(self.encode_images(flat, keep_ratio))
             images = [next(encoded) for v in is_video if not v]
             encoded_videos = [EncodedImage(torch.cat([next(encoded).embeds for _ in video])) for video in videos]
         else:
-            images = self.encode_images([x for x, v in zip(items, is_video) if not v])
+            images = self.encode_images([x for x, v in zip(items, is_video) if not v], keep_ratio)
             encoded_videos = self.encode_videos(videos)
         image_iter, video_iter = iter(images), iter(encoded_videos)
         return [next(video_iter) if v else next(image_iter) for v in is_video]

@@ -35,7 +35,9 @@ def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 class ClsAttentionPruner:
     """Keeps the `ratio` share of each image's visual tokens with the highest [CLS] attention."""
 
-    def __init__(self, model: torch.nn.Module, family: ModelFamily, ratio: float) -> None:
+    def __init__(self, model: torch.nn.Module, family: ModelFamily, ratio: float | None) -> None:
+        """`ratio`: the worker's fixed keep ratio; None for one that prunes only the requests that
+        bring their own (SLO-adaptive pruning: `select(..., ratio)`)."""
         tower = model.model.vision_tower
         vision_model = getattr(tower, "vision_model", tower)
         layers = vision_model.encoder.layers
@@ -44,7 +46,8 @@ class ClsAttentionPruner:
         # "default" drops CLS from the features (the score row then skips it too); "full" keeps it.
         self.skip_cls = family.vision_feature_select_strategy == "default"
         self.ratio = ratio
-        log.info("visual-token pruning on: %s; ranking by vision layer %d of %d", pruning.describe(ratio),
+        log.info("visual-token pruning %s; ranking by vision layer %d of %d",
+                 f"on: {pruning.describe(ratio)}" if ratio is not None else "per request (SLO-adaptive)",
                  self.layer, len(layers))
 
     @contextlib.contextmanager
@@ -62,21 +65,23 @@ class ClsAttentionPruner:
         finally:
             handle.remove()
 
-    def keep_indices(self, scores: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Sorted indices of the tokens one image keeps, from its [T] score row."""
+    def keep_indices(self, scores: torch.Tensor, num_tokens: int, ratio: float | None = None) -> torch.Tensor:
+        """Sorted indices of the tokens one image keeps, from its [T] score row (at `ratio`, else the worker's)."""
         row = scores[1:] if self.skip_cls else scores
         if row.shape[0] != num_tokens:
             raise RuntimeError(f"visual-token pruning: {row.shape[0]} attention scores for {num_tokens} visual tokens")
-        keep = pruning.kept_tokens(num_tokens, self.ratio)
+        keep = pruning.kept_tokens(num_tokens, self.ratio if ratio is None else ratio)
         return torch.topk(row, keep).indices.sort().values
 
-    def select(self, embeds: Sequence[torch.Tensor], scores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Each image's [N, hidden] embeddings -> its kept rows [ceil(ratio * N), hidden], order kept."""
+    def select(self, embeds: Sequence[torch.Tensor], scores: Sequence[torch.Tensor],
+               ratio: float | None = None) -> list[torch.Tensor]:
+        """Each image's [N, hidden] embeddings -> its kept rows [ceil(ratio * N), hidden], order kept
+        (`ratio`: one request's own, else the worker's)."""
         rows = torch.cat(list(scores)) if scores else torch.empty(0)
         if rows.shape[0] != len(embeds):
             raise RuntimeError(f"visual-token pruning: scores for {rows.shape[0]} images, {len(embeds)} encoded")
         out = []
         for e, s in zip(embeds, rows):
-            idx = self.keep_indices(s, e.shape[0]).to(e.device)
+            idx = self.keep_indices(s, e.shape[0], ratio).to(e.device)
             out.append(e.index_select(0, idx).contiguous())
         return out

@@ -85,6 +85,9 @@ class Result(Message):
     visual_tokens: int = wire(as_int, 0)
     cache_hits: dict[str, int] = wire(as_map, {})  # embedding, prefix_tokens
     attempts: int = wire(as_int, 1)
+    # The keep ratio this request's images were pruned to when SLO-adaptive pruning chose one (its
+    # class broke its TTFT objective); None: not pruned adaptively (the cluster's fixed ratio, if any).
+    visual_keep_ratio: float | None = wire(optional(as_float), None)
 
 
 @dataclass

@@ -46,6 +46,8 @@ class EncodeTask(Message):
     priority: int = wire(as_int, 0)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
+    # This request's own pruning ratio (SLO-adaptive pruning); None: the worker's --visual-token-pruning.
+    keep_ratio: float | None = wire(optional(as_float), None)
 
 
 @dataclass

@@ -27,8 +27,8 @@ from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
 from mserve.gateway.metrics import GatewayMetrics
-from mserve.gateway.openai_api import (ApiError, ChatRequest, chat_response, chunk, completion_id,
-                                       parse_chat_request, status_for_code, usage_of)
+from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
+                                       parse_chat_request, pruned_marker, status_for_code, usage_of)
 from mserve.gateway.settings import GatewaySettings
 from mserve.gateway.textstream import Detokenizer, StopMatcher
 
@@ -87,6 +87,7 @@ class Generation:
         self._chunks = self.stream.chunks()
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
+        self.visual_keep_ratio: float | None = None  # from the RESULT: SLO-adaptive pruning pruned it
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
 
@@ -100,6 +101,7 @@ class Generation:
             res = self.stream.result
             assert res is not None
             self.prompt_tokens, self.finish_reason = res.prompt_tokens, res.finish_reason
+            self.visual_keep_ratio = res.visual_keep_ratio
             tail = self.stops.feed(self.detok.finish(res.text))
             tail += self.stops.flush()
             if self.stops.stopped:
@@ -223,7 +225,10 @@ class Gateway:
         assert gen.finish_reason is not None
         body = chat_response(completion_id(), self.model_name, "".join(text), gen.finish_reason, usage,
                              gen.detok.ids if gen.req.return_token_ids else None)
-        return JSONResponse(body)
+        if gen.visual_keep_ratio is None:
+            return JSONResponse(body)
+        body["mserve"] = pruned_marker(gen.visual_keep_ratio)
+        return JSONResponse(body, headers={KEEP_RATIO_HEADER: f"{gen.visual_keep_ratio:g}"})
 
     async def _sse(self, gen: Generation, first: tuple[str, list[int]] | None) -> AsyncIterator[str]:
         cid, created, model, req = completion_id(), int(time.time()), self.model_name, gen.req
@@ -243,8 +248,11 @@ class Gateway:
                     yield event(chunk(cid, created, model, {"content": text}, include_usage=req.include_usage,
                                       token_ids=ids if with_ids else None))
                 piece = await gen.next_delta()
-            yield event(chunk(cid, created, model, {}, gen.finish_reason, include_usage=req.include_usage,
-                              token_ids=[] if with_ids else None))
+            last = chunk(cid, created, model, {}, gen.finish_reason, include_usage=req.include_usage,
+                         token_ids=[] if with_ids else None)
+            if gen.visual_keep_ratio is not None:  # headers are gone: the finishing chunk says it
+                last["mserve"] = pruned_marker(gen.visual_keep_ratio)
+            yield event(last)
             if req.include_usage:
                 yield event(chunk(cid, created, model, None, usage=usage_of(gen.prompt_tokens, gen.completion_tokens),
                                   include_usage=True))

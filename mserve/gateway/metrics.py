@@ -63,6 +63,7 @@ _COORDINATOR_STATS = {
     "completed": "Requests that ended with a result", "failed": "Requests that ended with an error after admission",
     "reruns": "Stages re-run after a worker failed or went silent", "shed": "Requests shed with an overloaded error",
     "encode_deduplicated": "Images a request read back from another request's encode instead of encoding again",
+    "pruned_adaptive": "Requests admitted with their images pruned by SLO-adaptive pruning",
 }
 _TELEMETRY_COUNTERS = {
     "prompt_tokens": "Prompt tokens of completed requests (visual included)",

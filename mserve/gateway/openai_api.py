@@ -19,8 +19,8 @@ from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.prompt import CHAT_ROLES
 from mserve.common.protocol import ErrorCode
 
-__all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of",
-           "error_body", "status_for_code"]
+__all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of", "KEEP_RATIO_HEADER",
+           "pruned_marker", "error_body", "status_for_code"]
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 
@@ -266,6 +266,15 @@ def completion_id() -> str:
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+# SLO-adaptive pruning (docs/operations.md): a reply whose images were pruned says so, in this header
+# (non-streaming) and in an `mserve` object on the body (the finishing chunk when streaming).
+KEEP_RATIO_HEADER = "X-MServe-Visual-Keep-Ratio"
+
+
+def pruned_marker(keep_ratio: float) -> dict[str, Any]:
+    return {"visual_keep_ratio": keep_ratio}
 
 
 def chat_response(cid: str, model: str, text: str, finish_reason: str, usage: dict[str, int],

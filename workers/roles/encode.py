@@ -96,6 +96,7 @@ class EncodeWorker(Worker):
         started = time.time_ns()
         found: dict[str, EncodedImage] = {}
         pending: dict[str, Any] = {}
+        ratios: dict[str, float | None] = {}  # a pruned image's hash carries its ratio: one per hash
         failed: set[str] = set()
         for task in batch:
             for im in task.images:
@@ -106,13 +107,14 @@ class EncodeWorker(Worker):
                     continue
                 try:
                     pending[im.hash] = self.engine.decode_visual(visual_input(im))
+                    ratios[im.hash] = task.keep_ratio
                 except ImageError as exc:
                     failed.add(task.request_id)
                     self.failed(task.request_id, task.attempt, str(exc), retryable=False)
                     break
         decoded = time.time_ns()
         if pending:
-            encoded = self._encode(pending, [t for t in batch if t.request_id not in failed])
+            encoded = self._encode(pending, [t for t in batch if t.request_id not in failed], ratios)
             if encoded is None:
                 return
             found.update(encoded)
@@ -131,11 +133,19 @@ class EncodeWorker(Worker):
         if images:
             rec.span("encode.compute", decoded, None, **{"mserve.batch_images": images})
 
-    def _encode(self, pending: dict[str, Any], batch: list[EncodeTask]) -> dict[str, EncodedImage] | None:
-        """One vision forward over the decoded images; None when it failed (its requests then retry)."""
+    def _encode(self, pending: dict[str, Any], batch: list[EncodeTask],
+                ratios: dict[str, float | None]) -> dict[str, EncodedImage] | None:
+        """One vision forward over the decoded images (one per keep ratio, when requests pruned at their
+        own ratios are among them); None when it failed (its requests then retry)."""
         t0 = time.perf_counter()
         try:
-            encoded = self.engine.runner.encode_visuals(list(pending.values()))
+            by_ratio: dict[float | None, list[str]] = {}
+            for h in pending:
+                by_ratio.setdefault(ratios.get(h), []).append(h)
+            out: dict[str, EncodedImage] = {}
+            for ratio, hashes in by_ratio.items():
+                out.update(zip(hashes, self.engine.runner.encode_visuals([pending[h] for h in hashes], ratio)))
+            encoded = [out[h] for h in pending]
         except Exception as exc:  # the vision tower failed on this batch: its requests try elsewhere
             log.exception("vision forward failed for %d images", len(pending))
             for task in batch:
