@@ -224,7 +224,7 @@ class ModelRunner:
         """One packed forward; returns logits [num completing chunks, vocab] in chunk order."""
         embeds, positions = self._inputs(chunks)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
-                                 self.device)
+                                 self.device, exact=paged_attention.exact_lengths(self.dtype))
         hidden = self.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                                      mserve_batch=batch).last_hidden_state[0]
         last_rows, offset = [], 0

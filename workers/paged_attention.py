@@ -91,10 +91,13 @@ class AttentionGroup:
     # Every request has max_q tokens and the group is the whole packed batch in order: queries and
     # outputs are reshaped instead of gathered and scattered.
     whole_uniform: bool = False
+    # Exact-length attention (reduced precision): each request's context length. Requests of one
+    # length attend together over exactly their keys, never over masked padding (see _attend).
+    key_lens: tuple[int, ...] | None = None
 
     @classmethod
     def build(cls, chunks: Sequence[tuple[Sequence[int], int, int, int]], bs: int, total: int,
-              device: torch.device) -> "AttentionGroup":
+              device: torch.device, exact: bool = False) -> "AttentionGroup":
         """`chunks`: per request (block ids, first position, number of tokens, offset in the packed T)."""
         max_q = max(n for _, _, n, _ in chunks)
         max_blocks = max(len(b) for b, _, _, _ in chunks)
@@ -113,7 +116,8 @@ class AttentionGroup:
         return cls(block_tables=torch.tensor(tables, dtype=torch.long, device=device),
                    query_index=torch.tensor(q_index, dtype=torch.long, device=device), mask=mask[:, None],
                    out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
-                   dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole)
+                   dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole,
+                   key_lens=tuple(start + n for _, start, n, _ in chunks) if exact else None)
 
 
 @dataclass
@@ -129,8 +133,10 @@ class PagedBatch:
     groups: list[AttentionGroup]
 
     @classmethod
-    def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device) -> "PagedBatch":
-        """`chunks`: per request (block ids, first position computed, number of tokens)."""
+    def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
+              exact: bool = False) -> "PagedBatch":
+        """`chunks`: per request (block ids, first position computed, number of tokens). `exact`:
+        attend over each request's exact key count (exact_lengths says when that is needed)."""
         bs = kv.block_size
         slots, by_len = [], {}
         packed = 0
@@ -142,7 +148,7 @@ class PagedBatch:
         return cls(
             kv=kv,
             slots=torch.tensor(slots, dtype=torch.long, device=device),
-            groups=[AttentionGroup.build(g, bs, packed, device) for g in by_len.values()],
+            groups=[AttentionGroup.build(g, bs, packed, device, exact) for g in by_len.values()],
         )
 
 
@@ -166,10 +172,47 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
         q = query.view(heads, g, max_q, d).transpose(0, 1)
     else:
         q = query[:, group.query_index].transpose(0, 1)  # [G, heads, max_q, head_dim]
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    if group.key_lens is None:
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        out = _attend_exact(group, q, k.to(q.dtype), v.to(q.dtype), scaling)
     out = out.transpose(1, 2).reshape(g * max_q, heads, d)
     return out if group.whole_uniform else out[group.out_rows]
+
+
+def exact_lengths(dtype: torch.dtype) -> bool:
+    """Whether attention must run over each request's exact key count to give HF generate's tokens.
+
+    SDPA's CPU kernel sums a row's softmax in vector lanes over the keys it is given: masked padding
+    keys add zeros but regroup the sum, so a request padded to its batch's longest context can land
+    one ulp away from HF's unpadded call (measured, torch 2.13 CPU/AVX2: 1 call in ~12 whenever the
+    length is not a multiple of 8). In float32 such an ulp has not changed a token; bf16 logits tie
+    often enough that it does (tests/workers/test_engine_bf16.py). So reduced precision attends
+    request by request (one SDPA call per distinct context length and layer); float32 keeps the
+    one padded call per group."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _attend_exact(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scaling: float | None) -> torch.Tensor:
+    """The group's SDPA output [G, heads, max_q, head_dim], each request over exactly its own keys.
+
+    Called as HF calls SDPA without padding: no mask where a query sees every key (decode), and
+    `is_causal` for a whole prompt in one chunk (on CUDA a mask would also pick another kernel)."""
+    out = q.new_empty(q.shape)
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(group.key_lens):
+        by_len.setdefault(n, []).append(i)
+    max_q = q.shape[2]
+    for n, rows in by_len.items():
+        sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=q.device)
+        whole_prompt = n == max_q > 1  # first chunk of a prompt: causal over exactly its own tokens
+        mask = None if max_q == 1 or whole_prompt else group.mask[sel, :, :, :n]
+        out[sel] = F.scaled_dot_product_attention(q[sel], k[sel, :, :n], v[sel, :, :n], attn_mask=mask,
+                                                  is_causal=whole_prompt, scale=scaling,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+    return out
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
