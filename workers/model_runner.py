@@ -65,7 +65,12 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
         model.model.language_model = None
         model.lm_head = None
     gc.collect()
-    model.to(device).eval()
+    return use_paged_attention(model.to(device).eval())
+
+
+def use_paged_attention(model):
+    """The model's language model reads and writes the paged pool (a model built in memory, e.g. by
+    bench/gpu_big.py, is made ready for the engine the same way as a loaded one)."""
     if model.model.language_model is not None:
         # Only the language model reads the paged pool; the vision tower keeps its own attention.
         model.model.language_model.config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
