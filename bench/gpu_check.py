@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=9, help="requests per family for exact and cluster (default 9)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per exactness request (default 16)")
     p.add_argument("--transfers", default="torch", help="cluster transfer backends, comma-separated (default torch)")
-    p.add_argument("--cluster-timeout", type=float, default=180.0, help="seconds for a cluster to start and answer")
+    p.add_argument("--cluster-timeout", type=float, default=75.0,
+                   help="seconds for a cluster's requests to be answered (default 75; a cluster start has its own 120)")
     p.add_argument("--big", default=None, choices=sorted(gpu_big.BIG_SIZES),
                    help="size of the throughput model: 7b (default on cuda) or tiny (default on cpu)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
