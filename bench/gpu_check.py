@@ -217,6 +217,10 @@ def check_big(work: Path, args) -> dict[str, Any]:
     prompts = gpu_big.text_prompts(max(batches), args.prompt_tokens, builder.tokenizer, engine.family.image_token_id)
     gpu_big.engine_batch(engine, prompts[:2], 4, args.device)  # warm-up
     result["engine"] = {b: gpu_big.engine_batch(engine, prompts[:b], args.bench_new_tokens, args.device) for b in batches}
+    engine.runner.exact_attention = False  # the same engine, one padded SDPA call per group: what exactness costs
+    result["engine_padded"] = {b: gpu_big.engine_batch(engine, prompts[:b], args.bench_new_tokens, args.device)
+                               for b in batches}
+    engine.runner.exact_attention = True
     result["memory_after_engine"] = gpu_big.memory_snapshot(args.device)
     pad = engine.runner.model.generation_config.pad_token_id or 0
     gpu_big.hf_batch(model, prompts[:2], 2, args.device, pad)  # warm-up

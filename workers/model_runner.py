@@ -80,7 +80,8 @@ def use_paged_attention(model):
 class ModelRunner:
     def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  num_blocks: int = 1024, block_size: int = 16, model: torch.nn.Module | None = None,
-                 parts: str = "all", visual_token_pruning: float | None = None) -> None:
+                 parts: str = "all", visual_token_pruning: float | None = None,
+                 exact_attention: bool | None = None) -> None:
         from mserve.common import pruning
 
         self.device = torch.device(device)
@@ -89,6 +90,7 @@ class ModelRunner:
         ratio = pruning.apply(self.family, visual_token_pruning)
         self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
+        self.exact_attention = paged_attention.exact_lengths(self.dtype) if exact_attention is None else exact_attention
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
         self.language_model = self.model.model.language_model
@@ -229,7 +231,7 @@ class ModelRunner:
         """One packed forward; returns logits [num completing chunks, vocab] in chunk order."""
         embeds, positions = self._inputs(chunks)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
-                                 self.device, exact=paged_attention.exact_lengths(self.dtype))
+                                 self.device, exact=self.exact_attention)
         hidden = self.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                                      mserve_batch=batch).last_hidden_state[0]
         last_rows, offset = [], 0

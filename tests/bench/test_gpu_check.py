@@ -20,7 +20,8 @@ def test_dry_run_checks_exactness_and_measures_the_stand_in(tmp_path, capsys):
         assert exact["requests"] == exact["equal"] == 3 and not exact["mismatches"], exact
         assert exact["kv_dtype"] == "torch.bfloat16"
     big = report["big"]
-    assert big["size"] == "tiny" and set(big["engine"]) == set(big["hf_generate"]) == {"1", "2"}
+    assert big["size"] == "tiny"
+    assert set(big["engine"]) == set(big["engine_padded"]) == set(big["hf_generate"]) == {"1", "2"}
     assert all(v["tokens"] == int(b) * 4 for b, v in big["engine"].items())
     assert big["serving"]["requests"] == 4 and big["serving"]["image_requests"] == 2
     assert big["memory_after_serving"]["rss_mib"] > 0
