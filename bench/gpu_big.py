@@ -20,10 +20,13 @@ import torch
 log = logging.getLogger("mserve.bench.gpu_check")
 
 # llava-hf/llava-1.5-7b-hf's shapes: CLIP ViT-L/14 at 336 px and a Llama-2-7B (Vicuna) text model.
-# "tiny" stands in on a CPU dry run (the same code path, a model that builds in a second).
+# "tiny" stands in on a CPU dry run (the same code path, a model that builds in a second), "small" for CPU figures.
 BIG_SIZES: dict[str, dict[str, int]] = {
     "7b": dict(v_hidden=1024, v_inter=4096, v_layers=24, v_heads=16, image_size=336,
                hidden=4096, inter=11008, layers=32, heads=32, kv_heads=32, vocab=32064),
+    # `mserve make-tiny-model --size small`'s shapes (the CPU benchmark model, ~31M parameters).
+    "small": dict(v_hidden=256, v_inter=1024, v_layers=4, v_heads=4, image_size=336,
+                  hidden=512, inter=1376, layers=8, heads=8, kv_heads=4, vocab=4000),
     "tiny": dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, image_size=112,
                  hidden=64, inter=128, layers=2, heads=4, kv_heads=2, vocab=1000),
 }
@@ -66,11 +69,12 @@ def part_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def text_prompts(n: int, length: int, tokenizer, image_token_id: int, seed: int = 0) -> list[list[int]]:
-    """n random text prompts of `length` ids from the tokenizer's vocabulary, no special or image token."""
+    """n random text prompts of ragged lengths (`length` / 2 to 3 `length` / 2, so a decode batch holds
+    many context lengths, as in serving) from the tokenizer's vocabulary, no special or image token."""
     rng = random.Random(seed)
     specials = set(tokenizer.all_special_ids) | {image_token_id}
     pool = [t for t in range(len(tokenizer)) if t not in specials]
-    return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
+    return [[rng.choice(pool) for _ in range(length // 2 + rng.randrange(max(length, 1)))] for _ in range(n)]
 
 
 def _sync(device: str) -> None:

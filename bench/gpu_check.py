@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--big", default=None, choices=sorted(gpu_big.BIG_SIZES),
                    help="size of the throughput model: 7b (default on cuda) or tiny (default on cpu)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="text prompt length for throughput (default 128)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="mean text prompt length for throughput (default 128)")
     p.add_argument("--bench-new-tokens", type=int, default=64, help="tokens per request for throughput (default 64)")
     p.add_argument("--serve-requests", type=int, default=48, help="requests in the serving run (default 48)")
     p.add_argument("--serve-rate", type=float, default=8.0, help="their Poisson rate, req/s (default 8)")
