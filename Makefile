@@ -5,7 +5,7 @@ MSERVE := $(VENV)/bin/mserve
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: install demo test test-quick bench-engine clean image image-offline test-deploy
+.PHONY: install demo test test-quick bench-engine gpu-wheels clean image image-offline test-deploy
 
 install: $(VENV)/.installed
 
@@ -52,6 +52,10 @@ image-offline:
 # images, runs tests/deploy/test_compose.py (never collected by `make test`).
 test-deploy: install
 	PYTHON=$(PY) MSERVE_IMAGE=mserve:offline deploy/offline.sh test
+
+# The wheels the GPU machine's image lacks, for bench/gpu_check.py (bench/gpu_check.md): into .whl/.
+gpu-wheels:
+	bench/gpu_wheels.sh .whl
 
 clean:
 	rm -rf $(VENV) models

@@ -37,31 +37,32 @@ PROMPTS = [
 ]
 
 
-@lru_cache(maxsize=4)
-def reference_model(model_dir: str):
-    """A separate, untouched copy of the checkpoint for Hugging Face generate()."""
+@lru_cache(maxsize=8)
+def reference_model(model_dir: str, dtype: str = "float32"):
+    """A separate, untouched copy of the checkpoint for Hugging Face generate(), loaded in `dtype`."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     return model, processor
 
 
 def hf_generate(model_dir: str, prompt_ids: Sequence[int], images: Sequence[bytes], max_new_tokens: int,
-                ignore_eos: bool = False) -> list[int]:
+                ignore_eos: bool = False, dtype: str = "float32") -> list[int]:
     """Greedy token ids from transformers' own generate() on the same prompt ids and images.
 
     ignore_eos: EOS does not stop generation (it can still be picked), as in vLLM and our engine.
+    dtype: the reference model's weights ("bfloat16" for the engine's bf16 path).
     """
-    return list(_hf_generate(str(model_dir), tuple(prompt_ids), tuple(images), max_new_tokens, ignore_eos))
+    return list(_hf_generate(str(model_dir), tuple(prompt_ids), tuple(images), max_new_tokens, ignore_eos, dtype))
 
 
 @lru_cache(maxsize=1024)
 def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[bytes, ...], max_new_tokens: int,
-                 ignore_eos: bool):
+                 ignore_eos: bool, dtype: str = "float32"):
     import copy
 
-    model, processor = reference_model(model_dir)
+    model, processor = reference_model(model_dir, dtype)
     ids = torch.tensor([list(prompt_ids)])
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if images:

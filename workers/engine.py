@@ -47,6 +47,9 @@ class EngineConfig:
     threads: int | None = None
     parts: str = "all"  # "vision" (encode), "text" (prefill/decode) or "all": which weights stay loaded
     visual_token_pruning: float | None = None  # FasterVLM keep ratio on the encode path; None = off (common/pruning.py)
+    # Attention over each request's exact key count (workers/paged_attention.exact_lengths); None: on in
+    # bf16/fp16, where it keeps HF's tokens. False trades that for one padded SDPA call per group.
+    exact_attention: bool | None = None
 
 
 @dataclass
@@ -78,7 +81,8 @@ class Engine:
         self.config = config
         self.runner = ModelRunner(config.model_dir, device=config.device, dtype=config.dtype,
                                   num_blocks=config.num_blocks, block_size=config.block_size, model=model,
-                                  parts=config.parts, visual_token_pruning=config.visual_token_pruning)
+                                  parts=config.parts, visual_token_pruning=config.visual_token_pruning,
+                                  exact_attention=config.exact_attention)
         self.family = self.runner.family
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,

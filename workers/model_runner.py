@@ -76,7 +76,12 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
         setattr(model.model, text_module_name(model), None)
         model.lm_head = None
     gc.collect()
-    model.to(device).eval()
+    return use_paged_attention(model.to(device).eval())
+
+
+def use_paged_attention(model):
+    """The model's language model reads and writes the paged pool (a model built in memory, e.g. by
+    bench/gpu_big.py, is made ready for the engine the same way as a loaded one)."""
     language_model = getattr(model.model, text_module_name(model))
     if language_model is not None:
         # Only the language model reads the paged pool; the vision tower keeps its own attention.
@@ -87,7 +92,8 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
 class ModelRunner:
     def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  num_blocks: int = 1024, block_size: int = 16, model: torch.nn.Module | None = None,
-                 parts: str = "all", visual_token_pruning: float | None = None) -> None:
+                 parts: str = "all", visual_token_pruning: float | None = None,
+                 exact_attention: bool | None = None) -> None:
         from mserve.common import pruning
 
         self.device = torch.device(device)
@@ -96,6 +102,7 @@ class ModelRunner:
         ratio = pruning.apply(self.family, visual_token_pruning)
         self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
+        self.exact_attention = paged_attention.exact_lengths(self.dtype) if exact_attention is None else exact_attention
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
         self.deepstack_layers = deepstack_layers(self.model)  # Qwen3-VL; 0 for every other family
@@ -271,7 +278,7 @@ class ModelRunner:
         runs = ([[(span.start, span.end) for span in c.seq.images] for c in chunks]
                 if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
-                                 self.device, image_runs=runs)
+                                 self.device, image_runs=runs, exact=self.exact_attention)
         hidden = self.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                                      mserve_batch=batch, **visual).last_hidden_state[0]
         last_rows, offset = [], 0

@@ -92,6 +92,10 @@ class AttentionGroup:
     # outputs are reshaped instead of gathered and scattered.
     whole_uniform: bool = False
     query_pos: torch.Tensor | None = None  # [G, max_q] each query's position in its sequence
+    # Exact-length attention (reduced precision): each request's context length. Requests of one
+    # length attend together over exactly their keys, never over masked padding (see _attend). None
+    # with bidirectional image runs, whose mask is not the causal one.
+    key_lens: tuple[int, ...] | None = None
     _windowed: dict = field(default_factory=dict)  # sliding window -> mask, built on first use
 
     def windowed_mask(self, window: int) -> torch.Tensor:
@@ -105,7 +109,7 @@ class AttentionGroup:
 
     @classmethod
     def build(cls, chunks: Sequence[tuple[Sequence[int], int, int, int, Sequence[tuple[int, int]]]], bs: int,
-              total: int, device: torch.device) -> "AttentionGroup":
+              total: int, device: torch.device, exact: bool = False) -> "AttentionGroup":
         """`chunks`: per request (block ids, first position, number of tokens, offset in the packed T,
         the (start, end) runs of its images whose tokens attend to each other both ways)."""
         max_q = max(c[2] for c in chunks)
@@ -127,7 +131,8 @@ class AttentionGroup:
         return cls(block_tables=torch.tensor(tables, dtype=torch.long, device=device),
                    query_index=torch.tensor(q_index, dtype=torch.long, device=device), mask=mask[:, None],
                    out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
-                   dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole, query_pos=qp)
+                   dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole, query_pos=qp,
+                   key_lens=tuple(c[1] + c[2] for c in chunks) if exact and not any(c[4] for c in chunks) else None)
 
 
 def _same_image(chunks: Sequence[tuple], num_keys: int, query_pos: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -155,10 +160,11 @@ class PagedBatch:
 
     @classmethod
     def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
-              image_runs: Sequence[Sequence[tuple[int, int]]] | None = None) -> "PagedBatch":
+              image_runs: Sequence[Sequence[tuple[int, int]]] | None = None, exact: bool = False) -> "PagedBatch":
         """`chunks`: per request (block ids, first position computed, number of tokens). `image_runs`:
         per request, the (start, end) of each image whose tokens attend to each other both ways
-        (families with bidirectional images; None: all attention is causal)."""
+        (families with bidirectional images; None: all attention is causal). `exact`: attend over each
+        request's exact key count (exact_lengths says when that is needed)."""
         bs = kv.block_size
         slots, by_len = [], {}
         packed = 0
@@ -172,7 +178,7 @@ class PagedBatch:
         return cls(
             kv=kv,
             slots=torch.tensor(slots, dtype=torch.long, device=device),
-            groups=[AttentionGroup.build(g, bs, packed, device) for g in by_len.values()],
+            groups=[AttentionGroup.build(g, bs, packed, device, exact) for g in by_len.values()],
         )
 
 
@@ -201,6 +207,40 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
                                          enable_gqa=q.shape[1] != k.shape[1])
     out = out.transpose(1, 2).reshape(g * max_q, heads, d)
     return out if group.whole_uniform else out[group.out_rows]
+
+
+def exact_lengths(dtype: torch.dtype) -> bool:
+    """Whether attention must run over each request's exact key count to give HF generate's tokens.
+
+    SDPA's CPU kernel sums a row's softmax in vector lanes over the keys it is given: masked padding
+    keys add zeros but regroup the sum, so a request padded to its batch's longest context can land
+    one ulp away from HF's unpadded call (measured, torch 2.13 CPU/AVX2: 1 call in ~12 whenever the
+    length is not a multiple of 8). In float32 such an ulp has not changed a token; bf16 logits tie
+    often enough that it does (tests/workers/test_engine_bf16.py). So reduced precision attends
+    request by request (one SDPA call per distinct context length and layer); float32 keeps the
+    one padded call per group."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _attend_exact(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scaling: float | None) -> torch.Tensor:
+    """The group's SDPA output [G, heads, max_q, head_dim], each request over exactly its own keys.
+
+    Called as HF calls SDPA without padding: no mask where a query sees every key (decode), and
+    `is_causal` for a whole prompt in one chunk (on CUDA a mask would also pick another kernel)."""
+    out = q.new_empty(q.shape)
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(group.key_lens):
+        by_len.setdefault(n, []).append(i)
+    max_q = q.shape[2]
+    for n, rows in by_len.items():
+        sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=q.device)
+        whole_prompt = n == max_q > 1  # first chunk of a prompt: causal over exactly its own tokens
+        mask = None if max_q == 1 or whole_prompt else group.mask[sel, :, :, :n]
+        out[sel] = F.scaled_dot_product_attention(q[sel], k[sel, :, :n], v[sel, :, :n], attn_mask=mask,
+                                                  is_causal=whole_prompt, scale=scaling,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+    return out
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

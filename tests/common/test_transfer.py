@@ -32,6 +32,10 @@ def make_tensors(seed: int) -> dict[str, torch.Tensor]:
         "hidden": torch.randn(768, 1024, generator=g),  # 3 MiB float32
         "ids": torch.randint(-(2**62), 2**62, (1000,), generator=g, dtype=torch.int64),
         "kv_bf16": torch.randn(64, 33, generator=g).to(torch.bfloat16),
+        # Every bf16 bit pattern (NaNs, infinities, -0, subnormals) in an exported KV block's 6-D
+        # shape [layers, 2, blocks, block_size, kv_heads, head_dim], rolled by the seed.
+        "kv_bf16_all_bits": torch.arange(-(2**15), 2**15, dtype=torch.int32).roll(seed).to(torch.int16)
+        .view(torch.bfloat16).view(2, 2, 8, 16, 8, 16),
         "empty": torch.empty(0, 7),
         "scalar": torch.tensor(seed + 0.5),
         "transposed": torch.randn(40, 96, generator=g).t(),  # non-contiguous input
@@ -43,7 +47,10 @@ def assert_same(got: dict[str, torch.Tensor], seed: int) -> None:
     assert list(got) == list(want)
     for name, t in want.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
-        assert torch.equal(got[name], t), name
+        if t.dtype == torch.bfloat16:  # bit for bit: NaN != NaN, and numpy has no bf16 to lean on
+            assert torch.equal(got[name].view(torch.int16), t.view(torch.int16)), name
+        else:
+            assert torch.equal(got[name], t), name
 
 
 # --------------------------------------------------------------------------- sender process

@@ -1,0 +1,128 @@
+"""The engine in bfloat16 (the CUDA default) gives exactly the tokens of Hugging Face generate in bfloat16.
+
+On the CPU both sides run the same bf16 kernels: the same weights, the same SDPA over the same keys
+(ours read back from a bf16 pool), so a ragged batch and a prefill -> decode hand-off of bf16 KV
+blocks and embeddings must reproduce HF's greedy ids exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mserve.common.prompt import PromptBuilder
+from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.sequence import SamplingParams
+from tests.helpers import hf_generate, request_mix
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+def model_dir(request, tiny_model_dirs) -> str:
+    return str(tiny_model_dirs[request.param])
+
+
+@pytest.fixture(scope="module")
+def requests(model_dir):
+    """Nine prompts of ragged lengths: text-only, one image and two images of varied sizes. On
+    qwen2_vl, r2's fourth token is an exact tie in HF's bf16 logits: attention over padded keys
+    broke it the other way (exact_lengths in workers/paged_attention.py says why)."""
+    builder = PromptBuilder(model_dir)
+    out = {f"r{i}": builder.prepare_text(text, images) for i, (text, images) in enumerate(request_mix(9, seed=5))}
+    assert len({len(p.prompt_ids) for p in out.values()}) >= 5
+    return out
+
+
+def bf16_engine(model_dir: str, **overrides) -> Engine:
+    cfg = {"dtype": "bfloat16", "num_blocks": 512, "block_size": 16, "max_num_batched_tokens": 4096, **overrides}
+    return Engine(EngineConfig(model_dir, **cfg))
+
+
+def hf_bf16(model_dir, pp) -> list[int]:
+    return hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW, dtype="bfloat16")
+
+
+def test_ragged_batch_in_bf16_matches_hf_bf16(model_dir, requests):
+    engine = bf16_engine(model_dir)
+    assert engine.runner.dtype == torch.bfloat16 and engine.runner.kv.dtype == torch.bfloat16
+    seqs = [engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+            for rid, pp in requests.items()]
+    assert all(e.dtype == torch.bfloat16 for s in seqs for e in s.image_embeds)
+    widest, results = 0, {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        widest = max(widest, len(outs))
+        for o in outs:
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert widest == len(requests)  # one forward carried every request
+    for rid, pp in requests.items():
+        assert results[rid] == hf_bf16(model_dir, pp), rid
+    engine.pool.check_integrity()
+
+
+def test_bf16_kv_and_embeddings_hand_off_between_engines(model_dir, requests):
+    """Prefill in one bf16 engine, export its KV blocks, M-RoPE positions and embeddings into
+    freshly allocated buffers (as the transfer engine's are), decode in another: HF bf16's tokens."""
+    chosen = {rid: requests[rid] for rid in ("r1", "r2", "r4")}  # one and two images
+    prefill, decode = bf16_engine(model_dir), bf16_engine(model_dir, num_blocks=300)
+    for rid, pp in chosen.items():
+        prefill.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW),
+                            prefill_only=True)
+    first = {o.request_id: o.new_token_ids[0] for o in prefill_outputs(prefill)}
+    specs = []
+
+    def alloc(spec):
+        specs.append(spec)
+        return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+
+    for rid in chosen:
+        decode.import_kv(prefill.export_kv(rid, alloc=alloc))
+    assert specs and all(spec["kv"][1] == torch.bfloat16 for spec in specs)
+    assert all(dtype == torch.bfloat16 for spec in specs for name, (_, dtype) in spec.items() if name.startswith("emb"))
+    results = decode.run_until_done()
+    for rid, pp in chosen.items():
+        assert [first[rid]] + results[rid] == hf_bf16(model_dir, pp), rid
+    assert prefill.pool.num_used_blocks == 0
+
+
+def prefill_outputs(engine: Engine):
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    assert all(o.finish_reason == "prefilled" for o in outs)
+    return outs
+
+
+def test_bf16_decode_attends_over_exact_key_counts():
+    """A decode group of contexts of lengths that are not multiples of the vector width gives, row for
+    row, the bits of an unpadded SDPA call per request (what HF's decode step runs)."""
+    import torch.nn.functional as F
+
+    from mserve.workers.paged_attention import KVCache, PagedBatch, exact_lengths, paged_attention_forward
+
+    assert exact_lengths(torch.bfloat16) and not exact_lengths(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, bs = 4, 2, 32, 16
+    kv = KVCache(1, 128, kv_heads, bs, d, dtype=torch.bfloat16)
+    for cache in (kv.k[0], kv.v[0]):
+        cache.copy_(torch.randn(cache.shape, generator=g).to(torch.bfloat16))
+    lengths = [37, 150, 91, 150, 13, 122, 61, 99]  # context lengths with the new token (padded: 1 row off)
+    tables, next_block = [], 0
+    for n in lengths:
+        tables.append(list(range(next_block, next_block + -(-n // bs))))
+        next_block += len(tables[-1])
+    batch = PagedBatch.build(kv, [(t, n - 1, 1) for t, n in zip(tables, lengths)], torch.device("cpu"), exact=True)
+    query = torch.randn(1, heads, len(lengths), d, generator=g).to(torch.bfloat16)
+    new_k = torch.randn(1, kv_heads, len(lengths), d, generator=g).to(torch.bfloat16)
+    new_v = torch.randn(1, kv_heads, len(lengths), d, generator=g).to(torch.bfloat16)
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    out, _ = paged_attention_forward(layer, query, new_k, new_v, None, scaling=d ** -0.5, mserve_batch=batch)
+    for i, (table, n) in enumerate(zip(tables, lengths)):
+        keys = kv.k[0][table].reshape(-1, kv_heads, d)[:n].transpose(0, 1)[None]
+        values = kv.v[0][table].reshape(-1, kv_heads, d)[:n].transpose(0, 1)[None]
+        assert torch.equal(keys[0, :, -1], new_k[0, :, i])  # the new token's K went into the pool
+        want = F.scaled_dot_product_attention(query[:, :, i : i + 1], keys.contiguous(), values.contiguous(),
+                                              scale=d ** -0.5, enable_gqa=True)
+        assert torch.equal(out[0, i], want[0, :, 0]), f"request {i} (context {n})"
