@@ -202,9 +202,14 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
         q = query.view(heads, g, max_q, d).transpose(0, 1)
     else:
         q = query[:, group.query_index].transpose(0, 1)  # [G, heads, max_q, head_dim]
-    mask = group.mask if window is None else group.windowed_mask(window)
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    # A window shorter than a context makes the mask not the causal one (a window as long as every
+    # context, like the 32k one Qwen2-VL passes on every layer, restricts nothing).
+    if group.key_lens is None or (window is not None and window < max(group.key_lens)):
+        mask = group.mask if window is None else group.windowed_mask(window)
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        out = _attend_exact(group, q, k.to(q.dtype), v.to(q.dtype), scaling)
     out = out.transpose(1, 2).reshape(g * max_q, heads, d)
     return out if group.whole_uniform else out[group.out_rows]
 
