@@ -28,7 +28,7 @@ demo: install models/tiny-llava/config.json
 	$(PY) -m mserve.demo --model models/tiny-llava
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-quick: install
 	$(PY) -m pytest -q -m "not slow"
