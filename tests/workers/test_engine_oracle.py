@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mserve.common.prompt import PromptBuilder
@@ -18,7 +20,7 @@ MECHANICS_ARCHS = ("llava", "qwen2_vl")
 
 
 def mechanics_only(model_dir) -> None:
-    if model_dir.name not in MECHANICS_ARCHS:
+    if Path(model_dir).name not in MECHANICS_ARCHS:
         pytest.skip(f"scheduler mechanics: run on {' and '.join(MECHANICS_ARCHS)}")
 MAX_NEW = 10
 
