@@ -37,9 +37,14 @@ PROMPTS = [
 ]
 
 
-@lru_cache(maxsize=8)
 def reference_model(model_dir: str, dtype: str = "float32"):
-    """A separate, untouched copy of the checkpoint for Hugging Face generate(), loaded in `dtype`."""
+    """A separate, untouched copy of the checkpoint for Hugging Face generate(), loaded in `dtype`: one
+    object per (folder, dtype), however it is asked for (a test may patch the very model generate runs)."""
+    return _reference_model(str(model_dir), dtype)
+
+
+@lru_cache(maxsize=8)
+def _reference_model(model_dir: str, dtype: str):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()

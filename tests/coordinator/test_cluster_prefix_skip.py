@@ -106,7 +106,9 @@ def test_disaggregated_turn_two_skips_encode_and_fetch_and_a_stale_index_reruns(
         stale = ask(cluster, messages)
         assert stale.token_ids == hf_tokens(model, messages, fresh)
         assert stale.attempts == 2 and "skipped_by_prefix" not in stale.cache_hits
-        seen = wait_for(lambda: (c := counters(cluster))[encoder]["encoded_images"] == 2 and c,
-                        what="the re-run's encode")
+        # Each worker's counters arrive with its own heartbeat: wait for both reports.
+        seen = wait_for(lambda: (c := counters(cluster))[encoder]["encoded_images"] == 2
+                        and c[prefill].get("prefix_skip_fallbacks") == 1 and c,
+                        what="the re-run's encode and the prefill worker's fallback in their counters")
         assert seen[prefill]["encodes_skipped_by_prefix"] == 1 and seen[prefill]["prefix_skip_fallbacks"] == 1
         store.close()
