@@ -102,6 +102,8 @@ class Dispatcher:
                         holders, since=w.since):  # the images it will encode: not those its prefix holds
                     continue  # parked until the encode of one of its images, in flight elsewhere, ends
                 worker = self._route(st, ws, holders)
+                if worker is not None and stage in (Stage.PREFILL, Stage.RUN):  # its blocks are there next turn
+                    self.lookups.placed(st.admitted, self.members.block_size, worker.worker_id)
                 if stage == Stage.ENCODE and self.flights is not None:
                     self.stats["encode_deduplicated"] += self.flights.deduplicated(st.rid, holders)
                 assert worker is not None, (stage, ws)
@@ -159,7 +161,8 @@ class Dispatcher:
     def _route(self, st: RequestState, ws: list[WorkerView], holders: dict[str, set[str]]) -> WorkerView | None:
         a = st.admitted
         if st.next_stage == Stage.RUN:
-            return route_unified(self._draw(ws))
+            hits = self.lookups.prefix_hits(a, self.members.block_size)
+            return route_unified(self._draw(ws, set(hits)), len(a.prompt_ids), hits, self.members.block_size)
         if st.next_stage == Stage.ENCODE:
             hashes = [im.hash for im in a.images]
             prefer = self.flights.prefer(st.rid, holders) if self.flights is not None else set()

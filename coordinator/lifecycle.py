@@ -111,6 +111,7 @@ class Lifecycle:
         if w is None:
             return
         log.warning("worker %s (%s) is gone: %s", worker_id, w.role, why)
+        self.dispatch.lookups.forget(worker_id)  # the prompts routed to it are cached nowhere now
         for st in self.requests.values():
             # Its stage ran there, or data it still needs (embeddings, prefilled KV) was parked there.
             if st.needs(worker_id):

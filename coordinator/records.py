@@ -110,6 +110,12 @@ class Lookups(Protocol):
 
     def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]: ...
 
+    def placed(self, admitted: Admitted, block_size: int, worker_id: str) -> None:
+        """The request's prompt was just sent to `worker_id` to prefill: it will hold those blocks."""
+
+    def forget(self, worker_id: str) -> None:
+        """The worker is gone: credit it with nothing any more."""
+
 
 class NoLookups:
     def embedding_holders(self, image_hash: str) -> set[str]:
@@ -117,6 +123,12 @@ class NoLookups:
 
     def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]:
         return {}
+
+    def placed(self, admitted: Admitted, block_size: int, worker_id: str) -> None:
+        pass
+
+    def forget(self, worker_id: str) -> None:
+        pass
 
 
 @dataclass

@@ -136,9 +136,21 @@ def route_decode(workers: Iterable[WorkerView], blocks_needed: int) -> WorkerVie
     return max(candidates, key=lambda w: (w.spare_blocks, -w.busy, w.worker_id))
 
 
-def route_unified(workers: Iterable[WorkerView]) -> WorkerView | None:
+def route_unified(workers: Iterable[WorkerView], prompt_tokens: int = 0,
+                  prefix_hits: Mapping[str, int] | None = None,
+                  block_size: int = DEFAULT_ENGINE.block_size) -> WorkerView | None:
+    """Least pending work, less the prompt tokens a worker already holds as cached prefix blocks (as
+    route_prefill), its running sequences counted too: a unified worker decodes them between prefills."""
     candidates = alive(workers, "unified")
-    return min(candidates, key=lambda w: (w.busy, w.worker_id)) if candidates else None
+    if not candidates:
+        return None
+    hits = prefix_hits or {}
+
+    def cost(w: WorkerView) -> tuple[float, float, str]:
+        saved = min(hits.get(w.worker_id, 0) * block_size, prompt_tokens)
+        return (w.inflight_tokens + prompt_tokens - saved + 64 * (w.queue_len + w.running), w.busy, w.worker_id)
+
+    return min(candidates, key=cost)
 
 
 def pipeline_for(workers: Iterable[WorkerView], has_images: bool) -> str | None:

@@ -29,6 +29,7 @@ from mserve.common.shards import SHARD_REFRESH_S, ShardRegistry, advertised
 from mserve.common.serde import WireError, decode
 from mserve.common.sockets import make_socket, send
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
+from mserve.coordinator.recent_prefixes import RecentPrefixes, merge_hits
 from mserve.coordinator.admission import Admitted, AdmissionError, Limits, admit
 from mserve.coordinator.requests import Out, RequestMachine, ToClient
 from mserve.coordinator.settings import CoordinatorSettings
@@ -41,17 +42,32 @@ class RedisLookups:
 
     def __init__(self, store: RedisStore, builder: Any, model_name: str) -> None:
         self.store, self.builder, self.model_name = store, builder, model_name
+        self.recent = RecentPrefixes()  # prompts routed here but maybe not yet in the Redis index
 
     def embedding_holders(self, image_hash: str) -> set[str]:
         return self.store.lookup_embedding(self.model_name, image_hash) if self.store.healthy else set()
 
     def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]:
-        ids = admitted.prompt_ids
-        if not self.store.healthy or len(ids) < 2 * block_size:
+        """Who holds the prompt's leading blocks: the Redis index, and where this coordinator just sent them."""
+        hashes = self._block_hashes(admitted, block_size)
+        if not hashes:
             return {}
+        published = self.store.match_prefix(self.model_name, hashes) if self.store.healthy else {}
+        return merge_hits(published, self.recent.match(hashes))
+
+    def placed(self, admitted: Admitted, block_size: int, worker_id: str) -> None:
+        self.recent.placed(self._block_hashes(admitted, block_size), worker_id)
+
+    def forget(self, worker_id: str) -> None:
+        self.recent.forget(worker_id)
+
+    def _block_hashes(self, admitted: Admitted, block_size: int) -> list[str]:
+        ids = admitted.prompt_ids
+        if len(ids) < 2 * block_size:
+            return []
         # Same keys as the workers' block hashes: each image's hash and offset, not just its placeholder ids.
         spans = item_spans(self.builder.family.image_spans(ids), [(im.hash, im.num_tokens) for im in admitted.images])
-        return self.store.match_prefix(self.model_name, prompt_block_hashes(ids, block_size, spans)[:64])
+        return prompt_block_hashes(ids, block_size, spans)[:64]
 
 
 class RedisEncodeLeases:

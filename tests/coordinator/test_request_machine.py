@@ -13,6 +13,7 @@ import pytest
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.client import Generate, Sampling
 from mserve.coordinator.admission import Admitted, AdmittedImage
+from mserve.coordinator.records import NoLookups
 from mserve.coordinator.requests import RequestMachine, Stage, ToClient, ToWorker
 
 CLIENT = b"client-1"
@@ -778,7 +779,7 @@ def test_a_part_still_encoding_after_prefill_started_can_fail_the_request():
 
 # -- images the cached prefix holds -------------------------------------------------------------------
 
-class PrefixHits:
+class PrefixHits(NoLookups):
     def __init__(self, hits: dict[str, int]) -> None:
         self.hits = hits
 

@@ -85,3 +85,10 @@ def test_prefix_covered_counts_only_images_whole_in_the_reusable_blocks():
     # The block holding the prompt's last token is never reused: 7 blocks held, 6 usable (96 tokens).
     assert prefix_covered([40, 100], 100, 7, 16) == [0]
     assert prefix_covered([40], 120, 0, 16) == []
+
+
+def test_unified_routing_credits_the_cached_prefix_against_load():
+    idle, holder = w("u0", "unified"), w("u1", "unified", running=2, inflight_tokens=100)
+    assert route_unified([idle, holder], 700).worker_id == "u0"  # no hits: the idle one
+    assert route_unified([idle, holder], 700, {"u1": 42}, 16).worker_id == "u1"  # 672 tokens held there
+    assert route_unified([idle, holder], 700, {"u1": 5}, 16).worker_id == "u0"  # 80 held: not worth the wait
