@@ -190,6 +190,13 @@ class Dispatcher:
         drawn = {w.worker_id for w in self.rng.sample(ws, n)}
         return [w for w in ws if w.worker_id in drawn or w.worker_id in keep or host_member(w.host_id) in keep]
 
+    def prefill_done(self, st: RequestState) -> None:
+        """A unified RUN gave its first token: its stage stays open (decoding), its prompt tokens no longer
+        count as prefill work queued on the worker (route_unified weighs running sequences apart)."""
+        for w, tokens in st.charged:
+            self.members.uncharge_tokens(w, tokens)
+        st.charged = [(w, 0) for w, _ in st.charged]
+
     def uncharge(self, st: RequestState, worker_id: str | None = None, keep: set[str] = frozenset()) -> None:
         """Take back what the request's open stages charged their workers: only `worker_id`'s share
         when given, never that of the workers in `keep`."""

@@ -143,6 +143,12 @@ class Membership:
             w.inflight = max(0, w.inflight - 1)
             w.inflight_tokens = max(0, w.inflight_tokens - tokens)
 
+    def uncharge_tokens(self, worker_id: str, tokens: int) -> None:
+        """The stage stays open on the worker, but its prompt tokens are done."""
+        w = self.get(worker_id)
+        if w is not None:
+            w.inflight_tokens = max(0, w.inflight_tokens - tokens)
+
     def status(self) -> tuple[dict[str, Any], dict[str, int]]:
         """(per-worker role/liveness/load, live workers per role) as STATUS_REPLY shows them."""
         roles: dict[str, int] = {}

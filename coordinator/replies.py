@@ -26,6 +26,8 @@ class Staging(Protocol):
 
     def uncharge(self, st: RequestState, worker_id: str | None = None, keep: set[str] = frozenset()) -> None: ...
 
+    def prefill_done(self, st: RequestState) -> None: ...
+
 
 class Lifecycle(Protocol):
     """What a reply may do to its request's life (lifecycle.Lifecycle)."""
@@ -132,6 +134,7 @@ class StageReplies:
         if stage == Stage.RUN and item.first:  # unified: time to the first token is its prefill
             st.timings["prefill_s"] += now - st.stage_started
             st.stage_started = now
+            self.staging.prefill_done(st)  # its prompt is no longer work waiting on that worker
         # Direct tokens: the worker streamed these to the client itself; here they are only recorded.
         self.life.emit(st, item.token_ids, relay=not direct_tokens(st, self.settings.token_report_every))
         if item.finished:

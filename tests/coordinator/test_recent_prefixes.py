@@ -82,3 +82,20 @@ def test_a_dead_worker_gets_no_credit_for_what_it_was_sent():
     assert not h.m.members.is_alive(run1.worker_id)
     assert h.m.dispatch.lookups.prefix_hits(admitted("t2", range(100, 500)), 16) == {}
     assert only(h.submit(admitted("t2", range(100, 500))), MsgType.RUN).worker_id == other
+
+
+def test_a_unified_request_that_decodes_no_longer_weighs_as_prefill_work():
+    h = Harness(("u0", "unified"), ("u1", "unified"), lookups=RecentOnly())
+    run1 = only(h.submit(admitted("t1", range(100, 300))), MsgType.RUN)
+    first = run1.worker_id
+    h.step(first, run1, [7], finished=True)
+    long = only(h.submit(admitted("long", range(6000, 6600))), MsgType.RUN)
+    assert long.worker_id == first
+    view = h.m.members.get(first)
+    assert (view.inflight, view.inflight_tokens) == (1, 600)
+    h.step(first, long, [1], first=True)  # its first token: prefilled, now decoding
+    assert (view.inflight, view.inflight_tokens) == (1, 0)
+    # Turn 2 goes where turn 1's blocks are: behind one decoding sequence, not behind 600 prompt tokens.
+    assert only(h.submit(admitted("t2", range(100, 500))), MsgType.RUN).worker_id == first
+    h.step(first, long, [2], finished=True)
+    assert (view.inflight, view.inflight_tokens) == (1, 400)  # t2's charge only: nothing went negative
