@@ -8,6 +8,11 @@ Configurations (comma-separated, the first is the baseline of the ratios):
 * ``openai:URL``     an already running OpenAI-compatible server (e.g. vLLM), not launched here
 * ``zmq://HOST:PORT`` an already running MServe coordinator, not launched here
 
+An ``openai:`` configuration may end in ``@model=NAME``: the model its requests name (else --openai-model),
+so one server's model group and one of its variants compare side by side in one run, e.g.
+``openai:http://gw:8000/v1@model=llava,openai:http://gw:8000/v1@model=llava-large``. When the servers say
+which model answered, the table counts the requests each served model answered, overall and per class.
+
 Every launched configuration gets --threads torch threads per worker/server (default 1), is stopped
 before the next one starts, and sees the identical trace (saved as trace.jsonl in --out).
 """
@@ -56,6 +61,12 @@ COMPARE_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("image TTFT p99 ms", ("image", "ttft_ms", "p99")),
     ("text-only goodput req/s", ("text", "goodput")),
     ("image goodput req/s", ("image", "goodput")),
+    ("interactive TTFT p50 ms", ("interactive", "ttft_ms", "p50")),
+    ("interactive TTFT p99 ms", ("interactive", "ttft_ms", "p99")),
+    ("batch TTFT p50 ms", ("batch", "ttft_ms", "p50")),
+    ("batch TTFT p99 ms", ("batch", "ttft_ms", "p99")),
+    ("interactive goodput req/s", ("interactive", "goodput")),
+    ("batch goodput req/s", ("batch", "goodput")),
     ("generator lag p99 ms", ("loadgen", "dispatch_lag_ms", "p99")),
     # multiturn traces only (a dash elsewhere): what the caches save from turn 2 on
     ("turn 1 TTFT p50 ms", ("first_turn", "ttft_ms", "p50")),
@@ -76,6 +87,7 @@ class ConfigSpec:
     url: str | None = None
     worker_args: tuple[str, ...] = ()  # from "@flag=value" suffixes: worker settings of this configuration...
     coordinator_args: tuple[str, ...] = ()  # ...and coordinator settings (flags that name one)
+    request_model: str | None = None  # openai: the model its requests name (from "@model=NAME")
 
 
 def parse_config(text: str) -> ConfigSpec:
@@ -84,7 +96,8 @@ def parse_config(text: str) -> ConfigSpec:
     A cluster configuration may end in settings, `@flag=value` each, e.g.
     `unified:2@max-prefill-tokens=256` or `disagg:1e1p1d@max-stages-per-worker=2`, so settings compare
     side by side in one run. A flag that names a coordinator setting goes to the coordinator; any other
-    to every worker."""
+    to every worker. An `openai:` configuration takes one setting, `@model=NAME`: the model its requests
+    name (a group of variants, or one variant)."""
     from mserve.coordinator.settings import CoordinatorSettings
 
     text = text.strip()
@@ -97,8 +110,13 @@ def parse_config(text: str) -> ConfigSpec:
         side = "coordinator" if flag.replace("-", "_") in CoordinatorSettings.model_fields else "worker"
         args[side] += [f"--{flag}", value]
     spec = _parse_base(base, text)
+    if spec.kind == "http" and args["coordinator"] + args["worker"]:
+        if args["coordinator"][:1] != ["--model"] or len(overrides) != 1:
+            raise ValueError(f"{text!r}: an openai: configuration takes one setting, @model=NAME")
+        return dataclasses.replace(spec, request_model=args["coordinator"][1])
     if overrides and spec.kind != "cluster":
-        raise ValueError(f"{text!r}: @settings apply to disagg: and unified: configurations only")
+        raise ValueError(f"{text!r}: @settings apply to disagg: and unified: configurations only "
+                         "(and @model=NAME to openai:)")
     return dataclasses.replace(spec, worker_args=tuple(args["worker"]), coordinator_args=tuple(args["coordinator"]))
 
 
@@ -202,7 +220,7 @@ def launched(spec: ConfigSpec, args: argparse.Namespace, log_dir: Path) -> Itera
         finally:
             _stop_group(proc)
     elif spec.kind == "http":
-        model = args.openai_model
+        model = spec.request_model or args.openai_model
         if model is None:
             try:
                 model = _http_get_json(spec.url.rstrip("/") + "/models")["data"][0]["id"]
@@ -240,6 +258,8 @@ def headline_summary(summary: dict[str, Any], records: list[Any], slos: dict[str
     out = dict(summary.get("overall", {}))
     out["text"] = summarize_group([r for r in records if r.modality == "text"], duration, slos or None)
     out["image"] = summarize_group([r for r in records if r.modality != "text"], duration, slos or None)
+    for cls in ("interactive", "batch"):
+        out[cls] = summarize_group([r for r in records if r.latency_class == cls], duration, slos or None)
     out["loadgen"] = loadgen
     if any(getattr(r, "turn", 0) for r in records):
         out.update(multiturn_groups(records, duration, slos))
@@ -260,6 +280,30 @@ def multiturn_groups(records: list[Any], duration: float, slos: dict[str, float]
     return {"first_turn": summarize_group([r for r in records if r.turn == 0], duration, slos or None),
             "later_turns": summarize_group([r for r in records if r.turn > 0], duration, slos or None),
             "encodes_per_conversation": sum(encodes.values()) / len(encodes) if encodes else None}
+
+
+def served_model_rows(rows: list[tuple[str, dict[str, Any]]]) -> tuple[list[tuple[str, dict[str, Any]]],
+                                                                        list[tuple[str, tuple[str, ...]]]]:
+    """(the rows with every model any row saw in each one's `served_models`, 0 where it answered none;
+    the table metrics that count them: overall, interactive, batch). Nothing added when no target said
+    which model answered; a configuration that failed (an empty summary) stays empty."""
+    models = sorted({m for _, summ in rows for m in (summ.get("served_models") or {})})
+    if not models:
+        return rows, []
+    groups = (("", None), ("interactive ", "interactive"), ("batch ", "batch"))
+    filled = []
+    for label, summ in rows:
+        if summ:
+            summ = dict(summ)
+            for _, key in groups:
+                group = summ if key is None else dict(summ.get(key) or {})
+                group["served_models"] = {m: (group.get("served_models") or {}).get(m, 0) for m in models}
+                if key is not None:
+                    summ[key] = group
+        filled.append((label, summ))
+    metrics = [(f"{prefix}answered by {m}", (*((key,) if key else ()), "served_models", m))
+               for prefix, key in groups for m in models]
+    return filled, metrics
 
 
 def slug(label: str) -> str:
@@ -297,7 +341,8 @@ def main(args: argparse.Namespace) -> int:
         t0, load_before = time.perf_counter(), os.getloadavg()[0]
         try:
             with launched(spec, args, sub / "logs") as (url, http_model):
-                target = make_target(url, http_model, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout)
+                target = make_target(url, http_model, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout,
+                                     send_classes=args.send_classes)
                 records, lg = asyncio.run(run_trace(
                     target, trace, max_concurrency=args.max_concurrency, warmup=args.warmup, max_tokens=max_tokens,
                     progress_label=None if args.no_progress else spec.label))
@@ -310,7 +355,8 @@ def main(args: argparse.Namespace) -> int:
                 "num_requests": len(trace), "rate": None if args.trace_file else json_rate(args.rate),
                 "burstiness": args.burstiness, "seed": args.seed,
                 "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "threads": args.threads,
-                "dead_after_s": args.dead_after_s,
+                "dead_after_s": args.dead_after_s, "http_model": http_model, "send_classes": args.send_classes,
+                "interactive_share": None if args.trace_file else args.interactive_share,
                 # Other tenants of a small host show up here: compare against the configuration's own load.
                 "host_loadavg_1m": {"start": load_before, "end": os.getloadavg()[0]}}
         summary, _ = finish_run(sub, trace, records, lg, meta, args.slo, plots=not args.no_plots)
@@ -320,10 +366,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"   {spec.label}: {summary['overall']['completed']}/{len(trace)} ok in "
               f"{time.perf_counter() - t0:.0f}s (incl. start/stop) -> {sub}", file=sys.stderr, flush=True)
 
-    table = compare_table(rows, COMPARE_METRICS)
+    rows, served = served_model_rows(rows)
+    table = compare_table(rows, (*COMPARE_METRICS, *served))
     load = (f"trace `{trace_name}`, {len(trace)} requests, rate {args.rate} req/s (burstiness {args.burstiness}), "
             f"max_tokens {args.max_tokens}{' (ignore_eos)' if args.ignore_eos else ''}, seed {args.seed}, "
-            f"{args.threads} torch thread(s) per worker/server"
+            + ("" if args.trace_file else f"interactive share {args.interactive_share:g}, ")
+            + ("priority and class sent over HTTP, " if args.send_classes else "")
+            + f"{args.threads} torch thread(s) per worker/server"
             + (f", coordinator --dead-after-s {args.dead_after_s:g}" if args.dead_after_s is not None else "")
             + (f", SLOs {args.slo} ms" if args.slo else ""))
     md = "\n".join([

@@ -35,6 +35,9 @@ class HttpOptions:
     timeout_s: float = 6 * 3600.0  # vLLM's bench default; long runs at overload are legitimate
     extra_body: dict[str, Any] = field(default_factory=dict)
     max_error_body: int = 4096
+    # Send each request's priority and latency_class in the body (MServe's gateway reads both; vLLM takes
+    # priority only with --scheduling-policy priority, so peers get neither unless asked).
+    send_classes: bool = False
 
 
 class StreamError(Exception):
@@ -87,7 +90,9 @@ def to_openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def build_payload(model: str, req: TraceRequest, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_payload(model: str, req: TraceRequest, extra_body: dict[str, Any] | None = None, *,
+                  classes: bool = False) -> dict[str, Any]:
+    """The chat completion body; with `classes`, the request's priority and latency_class too."""
     payload: dict[str, Any] = {
         "model": model,
         "messages": to_openai_messages(req.messages),
@@ -96,6 +101,8 @@ def build_payload(model: str, req: TraceRequest, extra_body: dict[str, Any] | No
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if classes:
+        payload.update(priority=req.priority, latency_class=req.latency_class)
     payload.update(extra_body or {})
     return payload
 
@@ -239,6 +246,8 @@ async def _consume_stream(events: AsyncIterator[tuple[float, str]], rec: Request
             err = obj["error"]
             raise StreamError("ServerError", str(err.get("message", err) if isinstance(err, dict) else err))
         rec.end_s = ts  # like vLLM: end-to-end ends at the last data event, not at [DONE]
+        if isinstance(obj.get("model"), str):
+            rec.served_model = obj["model"]  # the model that answered: a group's variant, not the name asked for
         for choice in obj.get("choices") or []:
             delta = choice.get("delta") or {}
             # Reasoning models stream thinking tokens separately; they are still generated tokens. A chunk
@@ -284,7 +293,7 @@ async def record_request(opts: HttpOptions, base_url: str, model: str, req: Trac
     """run_request into a record the caller made (e.g. a subclass with more fields); never raises either."""
     try:
         # Encoding happens before start_s, as in vLLM, so base64 of big images is not billed to TTFT.
-        body = json.dumps(build_payload(model, req, opts.extra_body)).encode()
+        body = json.dumps(build_payload(model, req, opts.extra_body, classes=opts.send_classes)).encode()
     except (TypeError, ValueError) as exc:
         rec.error, rec.error_type = f"cannot encode request: {exc}", "BadRequest"
         return
@@ -310,9 +319,11 @@ class HttpTarget(Target):
     (as in vLLM), so a whole trace's base64 bodies are never held at once.
     """
 
-    def __init__(self, base_url: str, model: str, *, ignore_eos: bool, timeout_s: float) -> None:
+    def __init__(self, base_url: str, model: str, *, ignore_eos: bool, timeout_s: float,
+                 send_classes: bool = False) -> None:
         self.base_url, self.model = base_url.rstrip("/"), model
-        self.opts = HttpOptions(timeout_s=timeout_s, extra_body={"ignore_eos": True} if ignore_eos else {})
+        self.opts = HttpOptions(timeout_s=timeout_s, extra_body={"ignore_eos": True} if ignore_eos else {},
+                                send_classes=send_classes)
 
     async def run(self, req: TraceRequest, prepared: None, rec: RequestRecord) -> None:
         await record_request(self.opts, self.base_url, self.model, req, rec)

@@ -10,6 +10,8 @@ import numpy as np
 
 PERCENTILES: tuple[float, ...] = (50, 90, 99)
 CLASS_FIELDS: tuple[str, ...] = ("modality", "priority", "latency_class")
+# Grouped by too, when the target says which model answered (a group of variants routes among several).
+SERVED_MODEL_FIELD = "served_model"
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2e")
 # vLLM spells the end-to-end SLO "e2el"; accept both so goodput flags carry over.
 _SLO_ALIASES = {"e2el": "e2e"}
@@ -23,7 +25,9 @@ class RequestRecord:
     included (as OpenAI `usage.prompt_tokens` does); visual_tokens is the part
     of it that came from images (0 if unknown). cache_hits maps a cache name to
     (hits, lookups), e.g. {"prefix": (cached_tokens, prompt_tokens),
-    "encoder": (images_hit, images)}; a bare number x means (x, 1).
+    "encoder": (images_hit, images)}; a bare number x means (x, 1). served_model is
+    the model the server says answered (the `model` of an OpenAI response, of an
+    MServe result): with a group of model variants, the variant it was routed to.
     """
 
     request_id: str
@@ -38,6 +42,7 @@ class RequestRecord:
     visual_tokens: int = 0
     output_tokens: int = 0
     cache_hits: dict[str, Any] = field(default_factory=dict)
+    served_model: str | None = None  # None: the target did not say
     error: str | None = None
     error_type: str | None = None
 
@@ -167,7 +172,13 @@ def summarize_group(
         out["good_requests"] = good
         out["goodput"] = _rate(good, duration_s)
     out["cache_hit_rate"] = {k: (h / n if n else None) for k, (h, n) in sorted(hits.items())}
+    out["served_models"] = served_models(done)
     return out
+
+
+def served_models(records: Iterable[RequestRecord]) -> dict[str, int]:
+    """{model: requests it answered}, over the records whose target said which model answered."""
+    return dict(sorted(Counter(r.served_model for r in records if r.served_model is not None).items()))
 
 
 def summarize(
@@ -178,17 +189,21 @@ def summarize(
     percentiles: Sequence[float] = PERCENTILES,
     class_fields: Sequence[str] = CLASS_FIELDS,
 ) -> dict[str, Any]:
-    """Overall metrics plus the same metrics for each value of each class field.
+    """Overall metrics plus the same metrics for each value of each class field (and of served_model,
+    when any record has one).
 
     Result: {"overall": {...}, "by_class": {"modality": {"image": {...}}, "priority": {"0": {...}}, ...}}.
     Class values become strings so the dict survives a JSON round trip unchanged.
     """
     records = list(records)
+    if any(r.served_model is not None for r in records) and SERVED_MODEL_FIELD not in class_fields:
+        class_fields = (*class_fields, SERVED_MODEL_FIELD)
     by_class: dict[str, dict[str, Any]] = {}
     for fld in class_fields:
         groups: dict[str, list[RequestRecord]] = {}
         for r in records:
-            groups.setdefault(str(getattr(r, fld)), []).append(r)
+            value = getattr(r, fld)
+            groups.setdefault("unknown" if value is None else str(value), []).append(r)
         by_class[fld] = {
             value: summarize_group(group, duration_s, slos, percentiles)
             for value, group in sorted(groups.items(), key=lambda kv: _class_sort_key(kv[0]))

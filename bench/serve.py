@@ -38,6 +38,13 @@ def parse_rate(text: str) -> float:
     return rate
 
 
+def parse_share(text: str) -> float:
+    share = float(text)
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"share must be in [0, 1], got {text}")
+    return share
+
+
 def parse_slo(text: str | None) -> dict[str, float]:
     """"ttft=500,tpot=50" -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
     out: dict[str, float] = {}
@@ -77,11 +84,18 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64, help="words of text per user turn (default 64)")
     p.add_argument("--image-share", type=float, default=0.5,
                    help="share of requests (multiturn: conversations) with an image (mixed, multiturn; 0.5)")
+    p.add_argument("--interactive-share", type=parse_share, default=0.5, metavar="F",
+                   help="share of requests (multiturn: conversations) in latency class interactive, the rest "
+                        "batch (default 0.5); the report and compare tables split by class")
     p.add_argument("--turns", type=int, default=None,
                    help="multiturn: turns per conversation (default: 2-4, drawn per conversation)")
     p.add_argument("--resolutions", default=None, metavar="WxH,...",
                    help="image sizes to draw from, equally weighted (default: the trace's realistic mix)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (fixed output lengths)")
+    p.add_argument("--send-classes", action="store_true",
+                   help="HTTP targets: send each request's priority and latency_class in the body (MServe's gateway "
+                        "routes by them; a vLLM peer takes priority only with --scheduling-policy priority). "
+                        "ZeroMQ targets always send them")
     p.add_argument("--slo", type=parse_slo, default={}, metavar="ttft=MS,tpot=MS",
                    help="SLOs for goodput: ttft, tpot, itl, e2e in ms")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent first (default 2)")
@@ -284,7 +298,8 @@ def build_trace(args: argparse.Namespace) -> list[Any]:
         return load_trace(args.trace_file)
     try:
         return make_trace(args.trace, args.num_requests, args.seed, rate=args.rate, burstiness=args.burstiness,
-                          image_share=args.image_share, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+                          image_share=args.image_share, interactive_share=getattr(args, "interactive_share", 0.5),
+                          max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
                           resolutions=parse_resolutions(args.resolutions), turns=getattr(args, "turns", None))
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -362,13 +377,16 @@ def main(args: argparse.Namespace) -> int:
     trace_name = Path(args.trace_file).stem if args.trace_file else args.trace
     out = Path(args.out) if args.out else default_out("serve", trace_name)
     save_trace(trace, out / "trace.jsonl")
-    target = make_target(args.target, args.model, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout)
+    target = make_target(args.target, args.model, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout,
+                         send_classes=args.send_classes)
     max_tokens = max((r.max_tokens for r in trace), default=8)
     records, lg = asyncio.run(run_trace(target, trace, max_concurrency=args.max_concurrency, warmup=args.warmup,
                                         max_tokens=max_tokens, progress_label=None if args.no_progress else "serve"))
     meta = {"target": args.target, "model": args.model, "trace": trace_name, "num_requests": len(trace),
             "rate": None if args.trace_file else json_rate(args.rate), "burstiness": args.burstiness,
-            "seed": args.seed, "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos}
+            "seed": args.seed, "interactive_share": None if args.trace_file else args.interactive_share,
+            "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos,
+            "send_classes": args.send_classes}
     summary, paths = finish_run(out, trace, records, lg, meta, args.slo, plots=not args.no_plots)
     from mserve.bench.report import render_markdown
 

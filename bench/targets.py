@@ -45,8 +45,10 @@ ZMQ_SCHEMES = ("zmq://", "tcp://", "ipc://", "redis://", "rediss://")  # redis: 
 HTTP_SCHEMES = ("http://", "https://")
 
 
-def make_target(url: str, model: str | None, *, ignore_eos: bool, timeout_s: float) -> Target:
-    """ZmqTarget for zmq:// (tcp://, ipc://) URLs, HttpTarget for http(s)://; SystemExit otherwise."""
+def make_target(url: str, model: str | None, *, ignore_eos: bool, timeout_s: float,
+                send_classes: bool = False) -> Target:
+    """ZmqTarget for zmq:// (tcp://, ipc://) URLs, HttpTarget for http(s)://; SystemExit otherwise.
+    `send_classes`: an HttpTarget sends each request's priority and latency_class (a ZmqTarget always does)."""
     if url.startswith(ZMQ_SCHEMES):
         from mserve.bench.zmq_target import ZmqTarget
 
@@ -56,5 +58,5 @@ def make_target(url: str, model: str | None, *, ignore_eos: bool, timeout_s: flo
             raise SystemExit("error: --model NAME is required for an HTTP target")
         from mserve.bench.http_target import HttpTarget
 
-        return HttpTarget(url, model, ignore_eos=ignore_eos, timeout_s=timeout_s)
+        return HttpTarget(url, model, ignore_eos=ignore_eos, timeout_s=timeout_s, send_classes=send_classes)
     raise SystemExit(f"error: --target {url!r}: expected zmq://HOST:PORT or http://HOST:PORT/v1")

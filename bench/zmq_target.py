@@ -20,6 +20,13 @@ from mserve.bench.targets import Target
 POLL_INTERVAL_S = 0.005
 
 
+def served_model(result: Any) -> str | None:
+    """The model a RESULT says answered it (with a group of variants, the one it was routed to); None from
+    a coordinator whose RESULT does not name one (a single-model coordinator)."""
+    model = getattr(result, "model", None)
+    return model if isinstance(model, str) and model else None
+
+
 class ZmqTarget(Target):
     """MServe's AsyncClient: one DEALER (per coordinator shard) for all requests; each TOKENS message's arrival
     is timestamped. ``address``: zmq:// (or tcp://, ipc://), comma-separated for shards, or redis://..."""
@@ -60,6 +67,7 @@ class ZmqTarget(Target):
             rec.output_tokens = len(res.token_ids)
             rec.prompt_tokens, rec.visual_tokens = res.prompt_tokens, res.visual_tokens
             rec.finish_reason, rec.timings = res.finish_reason, dict(res.timings)
+            rec.served_model = served_model(res)
             n_images = len(req.images()) + len(req.videos() if hasattr(req, "videos") else [])
             rec.cache_hits = {"prefix": (int(res.cache_hits.get("prefix_tokens", 0)), res.prompt_tokens)}
             if n_images:
