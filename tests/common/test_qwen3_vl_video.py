@@ -1,0 +1,156 @@
+"""Qwen3-VL video at admission, checked against transformers' own Qwen3-VL processor and video processor.
+
+Qwen3VLVideoProcessor needs torchvision (not installed here) for its pixels; its frame sampling, its
+smart_resize and its patch count are torch-free and are called directly (module imported with
+torchvision stubbed out). The prompt oracle is Qwen3VLProcessor's own text expansion
+(`replace_video_token` / `replace_image_token` / `get_text_with_replacements`) fed the grids and the
+VideoMetadata that transformers computes, then its tokenizer: mserve's admission count must equal it.
+"""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mserve.common.families import qwen3_vl
+from mserve.common.model import VideoInfo
+from mserve.common.prompt import PromptBuilder
+from mserve.common.video import VideoPart, describe_video
+from tests.helpers import PROMPTS, import_without_torchvision, make_frames, make_image, make_video_file
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_model_dirs) -> PromptBuilder:
+    return PromptBuilder(str(tiny_model_dirs["qwen3_vl"]))
+
+
+@pytest.fixture(scope="module")
+def hf_module():
+    return import_without_torchvision("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+
+
+def hf_settings(cfg: dict, **overrides) -> SimpleNamespace:
+    """The video processor's settings as `self` for its torch-free methods."""
+    settings = {"size": {"shortest_edge": cfg["min_pixels"], "longest_edge": cfg["max_pixels"]},
+                "patch_size": cfg["patch_size"], "merge_size": cfg["merge_size"],
+                "temporal_patch_size": cfg["temporal_patch_size"], "fps": cfg["fps"], "min_frames": cfg["min_frames"],
+                "max_frames": cfg["max_frames"], "num_frames": None, "cap_pixels_per_frame": False,
+                "max_video_tokens": cfg["max_video_tokens"], **overrides}
+    return SimpleNamespace(**settings, _merge_and_standardize_kwargs=lambda **kw: {**settings, **kw})
+
+
+def hf_grid(hf_module, cfg: dict, num_frames: int, width: int, height: int) -> list[int]:
+    factor = cfg["patch_size"] * cfg["merge_size"]
+    h, w = hf_module.smart_resize(num_frames, height, width, temporal_factor=cfg["temporal_patch_size"],
+                                  factor=factor, min_pixels=cfg["min_pixels"], max_pixels=cfg["max_pixels"])
+    return [-(-num_frames // cfg["temporal_patch_size"]), h // cfg["patch_size"], w // cfg["patch_size"]]
+
+
+@pytest.mark.parametrize("total,fps", [(9, 4.0), (100, 30.0), (7, None), (3, 2.0), (61, 29.97), (2000, 25.0)])
+def test_file_sampling_is_the_video_processors(builder, hf_module, total, fps):
+    from transformers.video_utils import VideoMetadata
+
+    cfg = builder.family.video_config
+    theirs = hf_module.Qwen3VLVideoProcessor.sample_frames(hf_settings(cfg), VideoMetadata(total, fps), fps=2.0)
+    assert qwen3_vl.sample_indices(cfg, total, fps, 2.0, 10**6) == theirs.tolist()
+    # over the server's frame limit: the processor's own linspace with num_frames=limit
+    capped = hf_module.Qwen3VLVideoProcessor.sample_frames(hf_settings(cfg), VideoMetadata(total, fps), num_frames=3)
+    assert qwen3_vl.sample_indices(cfg, total, fps, 2.0, 3) == (theirs if len(theirs) <= 3 else capped).tolist()
+
+
+@pytest.mark.parametrize("cap", [False, True])
+@pytest.mark.parametrize("num_frames", [2, 3, 4, 7, 16])
+@pytest.mark.parametrize("size", [(120, 90), (20, 300), (1920, 1080), (64, 64)])
+def test_token_count_is_the_video_processors(builder, hf_module, num_frames, size, cap):
+    cfg = {**builder.family.video_config, "cap_pixels_per_frame": cap}
+    patches = hf_module.Qwen3VLVideoProcessor.get_num_of_video_patches(
+        hf_settings(cfg, cap_pixels_per_frame=cap), num_frames, size[1], size[0], {})
+    t, h, w = qwen3_vl.video_grid(cfg, num_frames, *size)
+    assert t * h * w == patches
+
+
+def test_one_frame_is_refused_naming_the_temporal_patch(builder):
+    with pytest.raises(ValueError, match="at least temporal_patch_size=2 frames"):
+        builder.family.video_token_count(VideoInfo(1, 120, 90, (0.0,)))
+
+
+def processor_ids(builder: PromptBuilder, content: list, images: list, videos: list[tuple[int, int, int, object]]) -> list[int]:
+    """Qwen3VLProcessor's own input_ids for one user turn. `images`: PIL images; `videos`: (num_frames, width,
+    height, VideoMetadata) each, as its video processor hands them on."""
+    import copy
+
+    from mserve.common.prompt import normalize_messages
+
+    proc = copy.copy(builder.family.processor)
+    cfg = builder.family.video_config
+    proc.video_processor = SimpleNamespace(merge_size=cfg["merge_size"], temporal_patch_size=cfg["temporal_patch_size"])
+    norm, _ = normalize_messages([{"role": "user", "content": content}])
+    text = builder.render(norm)
+    image_inputs = proc.image_processor(images=images, return_tensors="pt") if images else {}
+    image_texts = [proc.replace_image_token(image_inputs, i) for i in range(len(images))]
+    hf = import_without_torchvision("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+    video_inputs = {"video_grid_thw": torch.tensor([hf_grid(hf, cfg, n, w, h) for n, w, h, _ in videos]),
+                    "video_metadata": [m for *_, m in videos]}
+    video_texts = [proc.replace_video_token(video_inputs, i) for i in range(len(videos))]
+    expanded, _ = proc.get_text_with_replacements([text], image_texts, video_texts)
+    return proc.tokenizer(expanded[0], add_special_tokens=False)["input_ids"]
+
+
+def pil(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+@pytest.mark.parametrize("n,size,fps", [(4, (120, 90), 2.0), (5, (64, 200), None), (8, (320, 240), 0.5),
+                                        (2, (33, 33), 29.97), (11, (90, 120), 7.0)])
+def test_frames_prompt_equals_the_processors(builder, n, size, fps):
+    """A list of frames is the video as seen (the processor's do_sample_frames=False with its fps)."""
+    from transformers.video_utils import VideoMetadata
+
+    frames = make_frames(*size, n, seed=n)
+    image = make_image(100, 70, seed=1)
+    content = [{"type": "image", "image": image}, {"type": "video", "video": frames, **({"fps": fps} if fps else {})},
+               {"type": "text", "text": PROMPTS[0]}]
+    pp = builder.prepare([{"role": "user", "content": content}])
+    meta = VideoMetadata(total_num_frames=n, fps=fps, frames_indices=list(range(n)))
+    assert pp.prompt_ids == processor_ids(builder, content, [pil(image)], [(n, *size, meta)])
+    info = pp.image_sizes[1]
+    assert pp.prompt_ids.count(builder.family.video_token_id) == builder.family.video_token_count(info)
+
+
+@pytest.mark.parametrize("total,fps", [(9, 4), (20, 10), (5, 1)])
+def test_file_prompt_equals_the_processors(builder, hf_module, total, fps):
+    """A file: sampled as the video processor samples it, timestamps from the kept frames' indices."""
+    pytest.importorskip("av")
+    from transformers.video_utils import VideoMetadata
+
+    data = make_video_file(make_frames(96, 64, total, seed=total), fps=fps)
+    content = [{"type": "video", "video": data}, {"type": "text", "text": PROMPTS[1]}]
+    pp = builder.prepare([{"role": "user", "content": content}])
+    cfg = builder.family.video_config
+    meta = VideoMetadata(total_num_frames=total, fps=float(fps))
+    meta.frames_indices = hf_module.Qwen3VLVideoProcessor.sample_frames(hf_settings(cfg), meta, fps=2.0)
+    assert list(pp.images[0].indices) == meta.frames_indices.tolist()
+    assert pp.prompt_ids == processor_ids(builder, content, [], [(len(meta.frames_indices), 96, 64, meta)])
+
+
+def test_timestamps_follow_the_rate(builder):
+    """Not vacuous: the same frames at another rate give other timestamp text (and so other ids)."""
+    frames = make_frames(64, 64, 4, seed=3)
+    ids = [builder.prepare([{"role": "user", "content": [{"type": "video", "video": frames, "fps": r},
+                                                          {"type": "text", "text": "x"}]}]).prompt_ids
+           for r in (1.0, 4.0)]
+    assert ids[0] != ids[1]
+    text = builder.tokenizer.decode(ids[0])
+    assert "<0.5 seconds>" in text and "<2.5 seconds>" in text
+
+
+def test_describe_video_keeps_every_listed_frame(builder):
+    part = VideoPart(frames=tuple(make_frames(64, 64, 6)), fps=3.0)
+    same, info = describe_video(part, family=builder.family)
+    assert same is part and info.frame_seconds == tuple(i / 3.0 for i in range(6))
+    assert np.isclose(info.frame_seconds[-1], 5 / 3)
