@@ -177,6 +177,9 @@ class ModelFamily:
                     f"(video is served for {', '.join(VIDEO_MODEL_TYPES)} and the families that take frames as images)")
         if self.video_config is None:
             return "this checkpoint has no video processor settings"
+        if self.timestamped_video and self.video_config.get("num_frames") is not None:
+            return (f"this checkpoint's video processor samples a fixed num_frames={self.video_config['num_frames']}, "
+                    "which mserve does not (it samples a file by video_fps)")
         return None
 
     def video_grid(self, video: VideoInfo) -> tuple[int, int, int]:

@@ -63,9 +63,6 @@ def read_video_settings(model_dir: str | os.PathLike, timestamped_defaults: dict
         for key in ("min_frames", "max_frames"):
             proc[key] = _positive_int(proc.get(key, defaults[key]), key, where)
         proc["do_sample_frames"] = bool(proc.get("do_sample_frames", defaults["do_sample_frames"]))
-        if proc.get("num_frames") is not None:
-            raise CheckpointError(f"{where}: num_frames={proc['num_frames']!r} (a fixed frame count) is not "
-                                  "supported: mserve samples by fps")
     _pixel_bounds(proc, defaults["size"], where)
     proc["cap_pixels_per_frame"] = bool(proc.get("cap_pixels_per_frame"))
     return proc

@@ -154,3 +154,35 @@ def test_describe_video_keeps_every_listed_frame(builder):
     same, info = describe_video(part, family=builder.family)
     assert same is part and info.frame_seconds == tuple(i / 3.0 for i in range(6))
     assert np.isclose(info.frame_seconds[-1], 5 / 3)
+
+
+@pytest.mark.parametrize("layout", ["processor", "preprocessor"])
+def test_video_settings_are_read_where_transformers_reads_them(tmp_path, layout):
+    """Both tiny layouts (nested in processor_config.json, or the hub's video_preprocessor_config.json):
+    the settings transformers' video processor would load, Qwen3-VL's class defaults for missing keys."""
+    import json
+
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    from mserve.common.model import load_family
+    from mserve.common.tiny_model import make_tiny_model
+
+    d = tmp_path / layout
+    make_tiny_model(d, arch="qwen3_vl", layout=layout)
+    theirs, _ = BaseVideoProcessor.get_video_processor_dict(str(d))
+    cfg = load_family(d).video_config
+    assert (cfg["min_pixels"], cfg["max_pixels"]) == (theirs["size"]["shortest_edge"], theirs["size"]["longest_edge"])
+    assert {k: cfg[k] for k in ("patch_size", "fps", "min_frames", "max_frames", "do_sample_frames")} == \
+        {k: theirs[k] for k in ("patch_size", "fps", "min_frames", "max_frames", "do_sample_frames")}
+    # keys left out take Qwen3VLVideoProcessor's class defaults, not Qwen2-VL's
+    path = d / ("video_preprocessor_config.json" if layout == "preprocessor" else "processor_config.json")
+    data = json.loads(path.read_text())
+    video = data if layout == "preprocessor" else data["video_processor"]
+    for key in ("size", "patch_size", "min_frames"):
+        video.pop(key)
+    video["num_frames"] = 8
+    path.write_text(json.dumps(data))
+    family = load_family(d)
+    assert (family.video_config["min_pixels"], family.video_config["max_pixels"]) == (128 * 32 * 32, 32 * 32 * 768)
+    assert (family.video_config["patch_size"], family.video_config["min_frames"]) == (16, 4)
+    assert "samples a fixed num_frames=8" in family.video_unsupported()

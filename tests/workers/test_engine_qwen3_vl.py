@@ -174,3 +174,23 @@ def test_video_admission_counts_and_limits(builder):
         admit(builder, Limits(max_image_pixels=100 * 100), request(frames))
     with pytest.raises(AdmissionError, match="video 0: Qwen3-VL needs at least temporal_patch_size=2 frames"):
         admit(builder, Limits(), request(frames[:1]))
+
+
+def test_video_file_sampled_by_its_processor_rule(model_dir, builder):
+    """A 4 fps file of 9 frames: the coordinator's sampling (the video processor's linspace, 4 frames) is
+    what the encode worker decodes, and the tokens are HF's on those frames."""
+    import io
+
+    from mserve.common.video import decode_video_file
+    from tests.helpers import make_video_file
+
+    pytest.importorskip("av")
+    data = make_video_file(make_frames(112, 84, 9, seed=5), fps=4)
+    pp = video_prompt(builder, [{"type": "video", "video": data}], PROMPTS[5])
+    assert pp.images[0].indices == (0, 3, 5, 8)
+    frames = []
+    for image in decode_video_file(data, pp.images[0].indices):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        frames.append(buf.getvalue())
+    assert run(model_dir, pp)[0] == hf_generate_visual(model_dir, pp.prompt_ids, [frames], MAX_NEW)
