@@ -123,8 +123,8 @@ class ModelFamily:
     `processor` is the checkpoint's own transformers processor (common/processor.py): image token
     counts are its `_get_num_multimodal_tokens`. `processor_config` holds the image processor's saved
     settings and `processor_source` the file they came from. `video_config` holds Qwen2-VL's video
-    processor settings (resolved as transformers' Qwen2VLVideoProcessor resolves them; None when the
-    checkpoint has none); a family without a video token takes a video as its frames, each one an image."""
+    processor settings (resolved as transformers' Qwen2VLVideoProcessor resolves them, or
+    Qwen3VLVideoProcessor for Qwen3-VL; None when the checkpoint has none); a family without a video token takes a video as its frames, each one an image."""
 
     model_type: str
     image_token_id: int

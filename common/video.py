@@ -2,9 +2,9 @@
 
 A video part is ``{"type": "video", "video": [frame, frame, ...]}`` (each frame image bytes or a data URL,
 as an image part carries) or ``{"type": "video", "video": <bytes of a video file>}``. A file is sampled
-at admission without decoding a pixel: its packets are counted (demux only) and `sample_indices` picks
-the frames the model will see, so the exact token count is known there; the encode worker decodes the
-file and keeps exactly those frames. Files need PyAV (``pip install 'mserve[video]'``); frame lists do not.
+at admission without decoding a pixel: its packets are counted (demux only) and `sample_indices` (for
+Qwen3-VL its processor's own rule, common/families/qwen3_vl.py) picks the frames the model will see, so
+the exact token count is known there; the encode worker decodes the file and keeps exactly those frames. Files need PyAV (``pip install 'mserve[video]'``); frame lists do not.
 No torch here: the coordinator uses this at admission.
 """
 
