@@ -231,6 +231,8 @@ def describe_video(video: VideoPart, target_fps: float = DEFAULT_LIMITS.video_fp
                                  "all frames of a video must have the same size")
         return video, VideoInfo(len(sizes), *sizes[0], frame_seconds(range(len(sizes)), video.fps))
     probe = probe_video(video.data or b"")
+    if probe.total_frames < 1:
+        raise VideoError("video file has no frames")
     if family is not None and family.timestamped_video and family.video_config is not None:
         from mserve.common.families import qwen3_vl
 

@@ -62,7 +62,7 @@ def test_bad_input_ends_with_an_error_naming_the_limit_or_family_and_the_cluster
     assert [r.token_ids for r in after] == expected(model, request_mix(2, seed=3))
 
 
-def test_qwen3_vl_video_with_a_prefix_hit_and_chunked_prefill(family_cluster):
+def test_timestamped_video_with_a_prefix_hit_and_chunked_prefill(family_cluster):
     """Qwen3-VL's video (timestamped frame groups, DeepStack at the video rows) with an image, prefilled in
     chunks; the same video under another question then hits the prefix cache. The coordinator's visual
     token count is its processor's (tests/common/test_qwen3_vl_video.py) and the tokens are HF's."""
