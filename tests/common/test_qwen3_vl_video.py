@@ -2,14 +2,15 @@
 
 Qwen3VLVideoProcessor needs torchvision (not installed here) for its pixels; its frame sampling, its
 smart_resize and its patch count are torch-free and are called directly (module imported with
-torchvision stubbed out). The prompt oracle is Qwen3VLProcessor's own text expansion
-(`replace_video_token` / `replace_image_token` / `get_text_with_replacements`) fed the grids and the
-VideoMetadata that transformers computes, then its tokenizer: mserve's admission count must equal it.
+torchvision stubbed out). The prompt oracle is Qwen3VLProcessor.__call__ itself, with transformers' own
+Qwen3VLVideoProcessor (sampling, metadata, clip sizing, timestamps, expansion, tokenizer); only the
+torchvision pixel resize is stood in for. mserve's prompt ids (and so its admission count) must equal its.
 """
 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,13 +45,6 @@ def hf_settings(cfg: dict, **overrides) -> SimpleNamespace:
     return SimpleNamespace(**settings, _merge_and_standardize_kwargs=lambda **kw: {**settings, **kw})
 
 
-def hf_grid(hf_module, cfg: dict, num_frames: int, width: int, height: int) -> list[int]:
-    factor = cfg["patch_size"] * cfg["merge_size"]
-    h, w = hf_module.smart_resize(num_frames, height, width, temporal_factor=cfg["temporal_patch_size"],
-                                  factor=factor, min_pixels=cfg["min_pixels"], max_pixels=cfg["max_pixels"])
-    return [-(-num_frames // cfg["temporal_patch_size"]), h // cfg["patch_size"], w // cfg["patch_size"]]
-
-
 @pytest.mark.parametrize("total,fps", [(9, 4.0), (100, 30.0), (7, None), (3, 2.0), (61, 29.97), (2000, 25.0)])
 def test_file_sampling_is_the_video_processors(builder, hf_module, total, fps):
     from transformers.video_utils import VideoMetadata
@@ -79,36 +73,56 @@ def test_one_frame_is_refused_naming_the_temporal_patch(builder):
         builder.family.video_token_count(VideoInfo(1, 120, 90, (0.0,)))
 
 
-def processor_ids(builder: PromptBuilder, content: list, images: list, videos: list[tuple[int, int, int, object]]) -> list[int]:
-    """Qwen3VLProcessor's own input_ids for one user turn. `images`: PIL images; `videos`: (num_frames, width,
-    height, VideoMetadata) each, as its video processor hands them on."""
+@pytest.fixture(scope="module")
+def hf_processor(builder, hf_module):
+    """The checkpoint's Qwen3VLProcessor with transformers' own Qwen3VLVideoProcessor (its settings from the
+    checkpoint): frame sampling, metadata, clip sizing, patchify and the prompt expansion are all theirs;
+    only the pixel resize (torchvision's) is stood in for, as pixels do not reach the ids."""
     import copy
+    import json
 
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    class NoTorchvisionResize(BaseVideoProcessor):
+        def resize(self, image, size, resample=None, **kwargs):
+            x = image.float()
+            out = torch.nn.functional.interpolate(x.reshape(-1, *x.shape[-3:]), size=(size.height, size.width))
+            return out.reshape(*x.shape[:-2], size.height, size.width)
+
+    class VideoProcessor(hf_module.Qwen3VLVideoProcessor, NoTorchvisionResize):  # Qwen3-VL's resize, then this
+        pass
+
+    settings = json.loads((Path(builder.model_dir) / "video_preprocessor_config.json").read_text())
+    proc = copy.copy(builder.family.processor)
+    proc.video_processor = VideoProcessor(**{k: v for k, v in settings.items()
+                                             if k not in ("video_processor_type", "processor_class")})
+    return proc
+
+
+def processor_ids(proc, builder: PromptBuilder, content: list, images: list, videos: list, metadata: list,
+                  **video_kwargs) -> list[int]:
+    """Qwen3VLProcessor.__call__'s input_ids for one user turn (`videos`: arrays [frames, h, w, 3])."""
     from mserve.common.prompt import normalize_messages
 
-    proc = copy.copy(builder.family.processor)
-    cfg = builder.family.video_config
-    proc.video_processor = SimpleNamespace(merge_size=cfg["merge_size"], temporal_patch_size=cfg["temporal_patch_size"])
     norm, _ = normalize_messages([{"role": "user", "content": content}])
-    text = builder.render(norm)
-    image_inputs = proc.image_processor(images=images, return_tensors="pt") if images else {}
-    image_texts = [proc.replace_image_token(image_inputs, i) for i in range(len(images))]
-    hf = import_without_torchvision("transformers.models.qwen3_vl.video_processing_qwen3_vl")
-    video_inputs = {"video_grid_thw": torch.tensor([hf_grid(hf, cfg, n, w, h) for n, w, h, _ in videos]),
-                    "video_metadata": [m for *_, m in videos]}
-    video_texts = [proc.replace_video_token(video_inputs, i) for i in range(len(videos))]
-    expanded, _ = proc.get_text_with_replacements([text], image_texts, video_texts)
-    return proc.tokenizer(expanded[0], add_special_tokens=False)["input_ids"]
+    out = proc(text=[builder.render(norm)], images=images or None, videos=videos, video_metadata=metadata,
+               do_convert_rgb=False, do_rescale=False, do_normalize=False, cap_pixels_per_frame=False,
+               **video_kwargs)
+    return list(out["input_ids"][0])
 
 
 def pil(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
+def frames_array(frames: list[bytes]) -> np.ndarray:
+    return np.stack([np.asarray(pil(f)) for f in frames])
+
+
 @pytest.mark.parametrize("n,size,fps", [(4, (120, 90), 2.0), (5, (64, 200), None), (8, (320, 240), 0.5),
                                         (2, (33, 33), 29.97), (11, (90, 120), 7.0)])
-def test_frames_prompt_equals_the_processors(builder, n, size, fps):
-    """A list of frames is the video as seen (the processor's do_sample_frames=False with its fps)."""
+def test_frames_prompt_equals_the_processors(builder, hf_processor, n, size, fps):
+    """A list of frames is the video as seen (the processor's do_sample_frames=False, its fps in the metadata)."""
     from transformers.video_utils import VideoMetadata
 
     frames = make_frames(*size, n, seed=n)
@@ -117,25 +131,27 @@ def test_frames_prompt_equals_the_processors(builder, n, size, fps):
                {"type": "text", "text": PROMPTS[0]}]
     pp = builder.prepare([{"role": "user", "content": content}])
     meta = VideoMetadata(total_num_frames=n, fps=fps, frames_indices=list(range(n)))
-    assert pp.prompt_ids == processor_ids(builder, content, [pil(image)], [(n, *size, meta)])
+    assert pp.prompt_ids == processor_ids(hf_processor, builder, content, [pil(image)], [frames_array(frames)], [meta],
+                                          do_sample_frames=False)
     info = pp.image_sizes[1]
     assert pp.prompt_ids.count(builder.family.video_token_id) == builder.family.video_token_count(info)
 
 
-@pytest.mark.parametrize("total,fps", [(9, 4), (20, 10), (5, 1)])
-def test_file_prompt_equals_the_processors(builder, hf_module, total, fps):
-    """A file: sampled as the video processor samples it, timestamps from the kept frames' indices."""
+@pytest.mark.parametrize("total,fps", [(9, 4), (20, 10), (5, 1), (30, 30)])
+def test_file_prompt_equals_the_processors(builder, hf_processor, total, fps):
+    """A file: sampled as the video processor samples it (fps=2), timestamps from the kept frames' indices."""
     pytest.importorskip("av")
     from transformers.video_utils import VideoMetadata
 
-    data = make_video_file(make_frames(96, 64, total, seed=total), fps=fps)
-    content = [{"type": "video", "video": data}, {"type": "text", "text": PROMPTS[1]}]
+    frames = make_frames(96, 64, total, seed=total)
+    content = [{"type": "video", "video": make_video_file(frames, fps=fps)}, {"type": "text", "text": PROMPTS[1]}]
     pp = builder.prepare([{"role": "user", "content": content}])
-    cfg = builder.family.video_config
     meta = VideoMetadata(total_num_frames=total, fps=float(fps))
-    meta.frames_indices = hf_module.Qwen3VLVideoProcessor.sample_frames(hf_settings(cfg), meta, fps=2.0)
-    assert list(pp.images[0].indices) == meta.frames_indices.tolist()
-    assert pp.prompt_ids == processor_ids(builder, content, [], [(len(meta.frames_indices), 96, 64, meta)])
+    ids = processor_ids(hf_processor, builder, content, [], [frames_array(frames)], [meta], do_sample_frames=True,
+                        fps=2.0)
+    assert pp.prompt_ids == ids
+    theirs = hf_processor.video_processor.sample_frames(meta, fps=2.0)  # what __call__ sampled
+    assert list(pp.images[0].indices) == theirs.tolist()
 
 
 def test_timestamps_follow_the_rate(builder):
