@@ -25,8 +25,9 @@ from mserve.common.families import FamilyRules, rules_for
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "internvl", "smolvlm",
                       "idefics3", "qwen3_vl")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
-# second_per_grid_ts, from its frame rate, in the M-RoPE index).
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL: with its per-frame-group
+# timestamps as text, common/families/qwen3_vl.py).
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
@@ -50,6 +51,9 @@ class VideoInfo:
     num_frames: int
     width: int
     height: int
+    # Each seen frame's time in the video, in seconds (its index / the video's rate, 24 when unknown):
+    # Qwen3-VL prints them as text in the prompt. None for a VideoInfo made without them.
+    frame_seconds: tuple[float, ...] | None = None
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -119,8 +123,8 @@ class ModelFamily:
     `processor` is the checkpoint's own transformers processor (common/processor.py): image token
     counts are its `_get_num_multimodal_tokens`. `processor_config` holds the image processor's saved
     settings and `processor_source` the file they came from. `video_config` holds Qwen2-VL's video
-    processor settings (resolved as transformers' Qwen2VLVideoProcessor resolves them; None when the
-    checkpoint has none); a family without a video token takes a video as its frames, each one an image."""
+    processor settings (resolved as transformers' Qwen2VLVideoProcessor resolves them, or
+    Qwen3VLVideoProcessor for Qwen3-VL; None when the checkpoint has none); a family without a video token takes a video as its frames, each one an image."""
 
     model_type: str
     image_token_id: int
@@ -154,6 +158,11 @@ class ModelFamily:
         return self.video_token_id is None
 
     @property
+    def timestamped_video(self) -> bool:
+        """A video is Qwen3-VL's kind: one placeholder run per frame group, each after its "<t seconds>"."""
+        return self.rules.timestamped_video_defaults is not None and self.video_token_id is not None
+
+    @property
     def placeholder_ids(self) -> tuple[int, ...]:
         return (self.image_token_id,) if self.video_token_id is None else (self.image_token_id, self.video_token_id)
 
@@ -168,6 +177,9 @@ class ModelFamily:
                     f"(video is served for {', '.join(VIDEO_MODEL_TYPES)} and the families that take frames as images)")
         if self.video_config is None:
             return "this checkpoint has no video processor settings"
+        if self.timestamped_video and self.video_config.get("num_frames") is not None:
+            return (f"this checkpoint's video processor samples a fixed num_frames={self.video_config['num_frames']}, "
+                    "which mserve does not (it samples a file by video_fps)")
         return None
 
     def video_grid(self, video: VideoInfo) -> tuple[int, int, int]:
@@ -176,6 +188,10 @@ class ModelFamily:
         cfg = self.video_config
         if cfg is None:
             raise ImageError(self.video_unsupported() or "no video settings")
+        if self.timestamped_video:
+            from mserve.common.families import qwen3_vl
+
+            return qwen3_vl.video_grid(cfg, video.num_frames, video.width, video.height)
         patch, merge, tps = cfg["patch_size"], cfg["merge_size"], cfg["temporal_patch_size"]
         factor = patch * merge
         h, w = smart_resize(video.height, video.width, factor, cfg["min_pixels"], self.video_max_pixels(video.num_frames))
@@ -414,7 +430,7 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if video_token_id is not None:
         from mserve.common.video import read_video_settings  # video.py builds on this module
 
-        video_config = read_video_settings(model_dir)
+        video_config = read_video_settings(model_dir, rules.timestamped_video_defaults)
     return ModelFamily(
         model_type=model_type,
         image_token_id=int(image_token_id),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -156,7 +157,7 @@ class PromptBuilder:
         sizes: list[tuple[int, int] | VideoInfo] = []
         for i, item in enumerate(items):
             if isinstance(item, VideoPart):
-                items[i], info = describe_video(item)
+                items[i], info = describe_video(item, family=self.family)
                 sizes.append(info)
             else:
                 sizes.append(image_size_from_header(item))
@@ -177,6 +178,8 @@ class PromptBuilder:
         expanded_text = text
         if self.family.rules.expand_text is not None:  # its processor expands each image as text (Gemma 3)
             expanded_text = self.family.rules.expand_text(text, self.family.processor, len(sizes))
+        elif self.family.timestamped_video and any(isinstance(s, VideoInfo) for s in sizes):
+            expanded_text = self._expand_timestamped(text, sizes, keep_ratio)
         ids = self.tokenizer(expanded_text, add_special_tokens=False)["input_ids"]
         # Templates that emit BOS themselves are tokenized as they are; the published llava-1.5
         # template does not, and its model was trained with the BOS its tokenizer adds: keep it.
@@ -188,13 +191,49 @@ class PromptBuilder:
             ids = self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes), keep_ratio)
         return PreparedPrompt(ids, list(images), list(sizes), text)
 
+    def _expand_timestamped(self, text: str, sizes: Sequence[tuple[int, int] | VideoInfo],
+                            keep_ratio: float | None) -> str:
+        """Qwen3-VL: the rendered prompt with every placeholder expanded as text, as Qwen3VLProcessor does
+        before tokenizing (a video: "<t seconds>" and one vision_start ... vision_end run per frame group,
+        the template's own wrapper around the video collapsed into that)."""
+        from mserve.common.families import qwen3_vl
+
+        proc, family = self.family.processor, self.family
+        text = text.replace(qwen3_vl.video_wrapper(proc), proc.video_token)
+        pieces = re.split(f"({re.escape(proc.image_token)}|{re.escape(proc.video_token)})", text)
+        items, out = iter(sizes), []
+        for piece in pieces:
+            if piece not in (proc.image_token, proc.video_token):
+                out.append(piece)
+                continue
+            kind, size = ("video" if piece == proc.video_token else "image"), next(items, None)
+            if size is None or isinstance(size, VideoInfo) != (kind == "video"):
+                raise ValueError(f"the chat template placed a {kind} placeholder where the request has "
+                                 f"{'no more items' if size is None else 'another kind'}")
+            if kind == "image":
+                out.append(piece * family.visual_token_count(size, keep_ratio))
+                continue
+            if size.frame_seconds is None or len(size.frame_seconds) != size.num_frames:
+                raise ValueError("a Qwen3-VL video needs each frame's time (VideoInfo.frame_seconds)")
+            t, h, w = family.video_grid(size)
+            out.append(qwen3_vl.video_text(proc, size.frame_seconds, family.video_config["temporal_patch_size"],
+                                           h * w // family.video_config["merge_size"] ** 2))
+        if next(items, None) is not None:
+            raise ValueError("prompt has fewer image and video placeholders than images and videos")
+        return "".join(out)
+
     def _check_runs(self, ids: list[int], sizes: Sequence[tuple[int, int] | VideoInfo]) -> None:
-        """A prompt expanded as text has one placeholder run per image, each of that image's count."""
-        runs = [n for _, n in self.family.image_spans(ids)]
+        """A prompt expanded as text has one placeholder run per image (a Qwen3-VL video: consecutive runs,
+        one per frame group), adding up to that item's count."""
+        from mserve.common.hashing import item_spans
+
+        runs = self.family.image_spans(ids)
         expected = [self.family.visual_token_count(s) for s in sizes]
-        if runs != expected:
-            raise ValueError(f"{self.family.model_type}: the prompt's image placeholder runs {runs} do not match "
-                             f"its images' token counts {expected}")
+        try:
+            item_spans(runs, [("", n) for n in expected])
+        except ValueError:
+            raise ValueError(f"{self.family.model_type}: the prompt's image placeholder runs {[n for _, n in runs]} "
+                             f"do not match its images' token counts {expected}") from None
 
     def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:
         """One user turn: the images first, then the text (the llava-1.5 / Qwen2-VL convention)."""

@@ -2,9 +2,9 @@
 
 A video part is ``{"type": "video", "video": [frame, frame, ...]}`` (each frame image bytes or a data URL,
 as an image part carries) or ``{"type": "video", "video": <bytes of a video file>}``. A file is sampled
-at admission without decoding a pixel: its packets are counted (demux only) and `sample_indices` picks
-the frames the model will see, so the exact token count is known there; the encode worker decodes the
-file and keeps exactly those frames. Files need PyAV (``pip install 'mserve[video]'``); frame lists do not.
+at admission without decoding a pixel: its packets are counted (demux only) and `sample_indices` (for
+Qwen3-VL its processor's own rule, common/families/qwen3_vl.py) picks the frames the model will see, so
+the exact token count is known there; the encode worker decodes the file and keeps exactly those frames. Files need PyAV (``pip install 'mserve[video]'``); frame lists do not.
 No torch here: the coordinator uses this at admission.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mserve.common.model import (IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, CheckpointError, ImageError, VideoInfo,
-                                 _pixel_bounds, _positive_int, _read_json, image_hash, image_size_from_header)
+from mserve.common.model import (IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, CheckpointError, ImageError, ModelFamily,
+                                 VideoInfo, _pixel_bounds, _positive_int, _read_json, image_hash, image_size_from_header)
 from mserve.common.policy import DEFAULT_LIMITS
 
 VIDEO_EXTRA = "video"  # the optional dependency group that installs PyAV
@@ -30,12 +30,14 @@ QWEN_VIDEO_DEFAULTS = {"patch_size": 14, "merge_size": 2, "temporal_patch_size":
                        "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}}
 
 
-def read_video_settings(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+def read_video_settings(model_dir: str | os.PathLike, timestamped_defaults: dict[str, Any] | None = None
+                        ) -> dict[str, Any] | None:
     """Qwen2-VL's video processor settings, or None when the checkpoint has none. Found where
     BaseVideoProcessor.get_video_processor_dict finds them (the "video_processor" entry of
     processor_config.json, else video_preprocessor_config.json, else preprocessor_config.json: the hub's
     Qwen2-VL checkpoints) and resolved as Qwen2VLVideoProcessor.__init__ does (class defaults for missing
-    keys; min_pixels / max_pixels override size)."""
+    keys; min_pixels / max_pixels override size). `timestamped_defaults`: Qwen3VLVideoProcessor's class
+    defaults instead (it reads no min_pixels / max_pixels, and samples frames by its own settings)."""
     d = Path(model_dir)
     processor = _read_json(d / PROCESSOR_FILE)
     found = None
@@ -52,9 +54,16 @@ def read_video_settings(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     if found is None:
         return None
     proc, where = found
+    defaults = timestamped_defaults or QWEN_VIDEO_DEFAULTS
     for key in ("patch_size", "merge_size", "temporal_patch_size", "max_video_tokens"):
-        proc[key] = _positive_int(proc.get(key, QWEN_VIDEO_DEFAULTS[key]), key, where)
-    _pixel_bounds(proc, QWEN_VIDEO_DEFAULTS["size"], where)
+        proc[key] = _positive_int(proc.get(key, defaults[key]), key, where)
+    if timestamped_defaults is not None:
+        for key in ("min_pixels", "max_pixels"):
+            proc.pop(key, None)
+        for key in ("min_frames", "max_frames"):
+            proc[key] = _positive_int(proc.get(key, defaults[key]), key, where)
+        proc["do_sample_frames"] = bool(proc.get("do_sample_frames", defaults["do_sample_frames"]))
+    _pixel_bounds(proc, defaults["size"], where)
     proc["cap_pixels_per_frame"] = bool(proc.get("cap_pixels_per_frame"))
     return proc
 
@@ -203,22 +212,38 @@ def probe_video(data: bytes) -> VideoProbe:
     return VideoProbe(total, float(rate) if rate else None, int(width), int(height))
 
 
+def frame_seconds(indices: Sequence[int], fps: float | None) -> tuple[float, ...]:
+    """Each frame's time: its index / the video's rate (24 when unknown, as transformers assumes)."""
+    return tuple(i / (fps or UNKNOWN_VIDEO_FPS) for i in indices)
+
+
 def describe_video(video: VideoPart, target_fps: float = DEFAULT_LIMITS.video_fps,
-                   max_frames: int = DEFAULT_LIMITS.max_video_frames) -> tuple[VideoPart, VideoInfo]:
+                   max_frames: int = DEFAULT_LIMITS.max_video_frames,
+                   family: ModelFamily | None = None) -> tuple[VideoPart, VideoInfo]:
     """(the part with its frame choice fixed, what its token count depends on). Frames: every one must
-    be the same size; a file: probed and sampled."""
+    be the same size, and all are seen (already sampled); a file: probed and sampled (by the family's
+    own rule for a Qwen3-VL `family`, else `sample_indices`)."""
     if video.frames is not None:
         sizes = [image_size_from_header(f) for f in video.frames]
         for i, size in enumerate(sizes):
             if size != sizes[0]:
                 raise VideoError(f"video frame {i} is {size[0]}x{size[1]} but frame 0 is {sizes[0][0]}x{sizes[0][1]}: "
                                  "all frames of a video must have the same size")
-        return video, VideoInfo(len(sizes), *sizes[0])
+        return video, VideoInfo(len(sizes), *sizes[0], frame_seconds(range(len(sizes)), video.fps))
     probe = probe_video(video.data or b"")
-    indices = tuple(sample_indices(probe.total_frames, probe.fps, target_fps, max_frames))
+    if probe.total_frames < 1:
+        raise VideoError("video file has no frames")
+    if family is not None and family.timestamped_video and family.video_config is not None:
+        from mserve.common.families import qwen3_vl
+
+        indices = tuple(qwen3_vl.sample_indices(family.video_config, probe.total_frames, probe.fps, target_fps,
+                                                max_frames))
+    else:
+        indices = tuple(sample_indices(probe.total_frames, probe.fps, target_fps, max_frames))
     # transformers' VideoMetadata.sampled_fps: the file's rate times the share of its frames kept.
     fps = len(indices) / probe.total_frames * probe.fps if probe.fps else None
-    return VideoPart(data=video.data, indices=indices, fps=fps), VideoInfo(len(indices), probe.width, probe.height)
+    return (VideoPart(data=video.data, indices=indices, fps=fps),
+            VideoInfo(len(indices), probe.width, probe.height, frame_seconds(indices, probe.fps)))
 
 
 def decode_video_file(data: bytes, indices: Sequence[int], max_pixels: int | None = None) -> list[Any]:

@@ -210,7 +210,7 @@ def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart
         raise AdmissionError(f"video {i} is {len(part.data or b'')} bytes, over the limit "
                              f"max_image_bytes={limits.max_image_bytes}", ErrorCode.TOO_LARGE)
     try:
-        part, info = describe_video(part, limits.video_fps, limits.max_video_frames)
+        part, info = describe_video(part, limits.video_fps, limits.max_video_frames, builder.family)
         if info.width * info.height > limits.max_image_pixels:
             raise AdmissionError(f"video {i} frames are {info.width}x{info.height} = {info.width * info.height} "
                                  f"pixels, over the limit max_image_pixels={limits.max_image_pixels}", ErrorCode.TOO_LARGE)

@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          ("max-video-frames", f"{limits.max_video_frames}; a video file is sampled down to it")):
         p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
     p.add_argument("--video-fps", type=float,
-                   help=f"frames sampled per second of a video file (default {limits.video_fps:g})")
+                   help=f"frames sampled per second of a video file (Qwen3-VL: by its video processor's own "
+                        f"rule with this fps; default {limits.video_fps:g})")
     p.add_argument("--client-api-key", help="require this key in every client message (default: "
                                             "$MSERVE_CLIENT_API_KEY, else none; better set the variable than put a "
                                             "key on a command line)")

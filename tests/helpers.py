@@ -229,3 +229,24 @@ def wait_for(condition, timeout_s: float = 10.0, what: str = "a condition", ever
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(every_s)
+
+
+def import_without_torchvision(name: str):
+    """A transformers video processor module, imported with torchvision (not installed here) stubbed out:
+    only its torch-only functions (patch counts, frame sampling, patchify) may be called."""
+    import importlib
+    import sys
+    import types
+
+    for dep in ("transformers.video_processing_utils", "transformers.video_utils", "transformers.processing_utils",
+                "transformers.image_utils"):
+        importlib.import_module(dep)  # their torchvision checks run before the stub exists
+    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional"]
+    if any(n in sys.modules for n in names):  # torchvision is really there
+        return importlib.import_module(name)
+    sys.modules.update({n: types.ModuleType(n) for n in names})
+    try:
+        return importlib.import_module(name)
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)

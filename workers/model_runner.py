@@ -215,8 +215,7 @@ class ModelRunner:
         video_id = self.family.video_token_id
         types = (ids == self.family.image_token_id).int() + 2 * (ids == video_id).int() if video_id is not None \
             else (ids == self.family.image_token_id).int()
-        runs = self.family.image_spans(prompt_ids)
-        kinds = [prompt_ids[start] == video_id for start, _ in runs]
+        kinds = self._item_kinds(prompt_ids, grids)
         image_grids = [g for g, v in zip(grids, kinds) if not v]
         video_grids = [g for g, v in zip(grids, kinds) if v]
         timing = {}
@@ -230,6 +229,20 @@ class ModelRunner:
             image_grid_thw=torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
             video_grid_thw=torch.tensor(video_grids, dtype=torch.long) if video_grids else None)
         return pos[:, 0], int(delta.reshape(-1)[0])
+
+    def _item_kinds(self, prompt_ids: Sequence[int], grids: Sequence[tuple[int, int, int]]) -> list[bool]:
+        """Whether each item is a video, from its first placeholder run; an item covers the runs its grid's
+        tokens fill (a Qwen3-VL video: one run per frame group)."""
+        runs, kinds, r = self.family.image_spans(prompt_ids), [], 0
+        merge = self.family.video_config["merge_size"] if self.family.video_config else self.family.merge_size
+        for t, h, w in grids:
+            start = runs[r][0]
+            video = prompt_ids[start] == self.family.video_token_id
+            need, covered = t * h * w // (merge if video else self.family.merge_size) ** 2, 0
+            while covered < need and r < len(runs):
+                covered, r = covered + runs[r][1], r + 1
+            kinds.append(video)
+        return kinds
 
     # -- prefill / decode step ---------------------------------------------------------------
     def _positions(self, chunk: ScheduledChunk) -> list[int] | list[list[int]]:

@@ -27,13 +27,17 @@ VIDEO_FRAME_DEFAULTS = {"resample": 3, "image_mean": [0.48145466, 0.4578275, 0.4
                         "image_std": [0.26862954, 0.26130258, 0.27577711], "rescale_factor": 1 / 255,
                         "do_resize": True, "do_rescale": True, "do_normalize": True}
 
+# Qwen3VLVideoProcessor's (IMAGENET_STANDARD_MEAN / _STD).
+QWEN3_VIDEO_FRAME_DEFAULTS = {**VIDEO_FRAME_DEFAULTS, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
 
 def frame_kwargs(family: ModelFamily, num_frames: int) -> dict[str, Any]:
     """The image processor call arguments that make it process one frame as the video processor would."""
     cfg = family.video_config
     if cfg is None:
         raise ImageError(family.video_unsupported() or "no video settings")
-    out = {k: v if cfg.get(k) is None else cfg[k] for k, v in VIDEO_FRAME_DEFAULTS.items()}
+    defaults = VIDEO_FRAME_DEFAULTS if not family.timestamped_video else QWEN3_VIDEO_FRAME_DEFAULTS
+    out = {k: v if cfg.get(k) is None else cfg[k] for k, v in defaults.items()}
     out.update(size={"shortest_edge": cfg["min_pixels"], "longest_edge": family.video_max_pixels(num_frames)},
                patch_size=cfg["patch_size"], merge_size=cfg["merge_size"],
                temporal_patch_size=cfg["temporal_patch_size"])
@@ -63,7 +67,16 @@ def qwen_video_inputs(image_processor: Any, family: ModelFamily, videos: Sequenc
             raise ImageError(f"video {v} has no frames")
         if any(f.size != frames[0].size for f in frames):
             raise ImageError(f"video {v}: all frames of a video must have the same size")
-        out = image_processor(images=list(frames), return_tensors="np", **frame_kwargs(family, len(frames)))
+        kwargs = frame_kwargs(family, len(frames))
+        if family.timestamped_video:
+            # Qwen3-VL sizes the clip as a whole (common/families/qwen3_vl.py): every frame is resized to
+            # that size here, and the image processor only rescales, normalizes and patchifies.
+            from mserve.common.families import qwen3_vl
+
+            h, w = qwen3_vl.resized_size(cfg, len(frames), *frames[0].size)
+            frames = [f.resize((w, h), resample=kwargs["resample"]) for f in frames]
+            kwargs["do_resize"] = False
+        out = image_processor(images=list(frames), return_tensors="np", **kwargs)
         grid = np.asarray(out["image_grid_thw"])
         patches, t = temporal_patches(np.asarray(out["pixel_values"], dtype=np.float32), len(frames), 3,
                                       cfg["temporal_patch_size"], cfg["patch_size"])

@@ -36,10 +36,14 @@ class FamilyRules:
     # (rendered prompt, processor, number of images) -> the prompt with each image's placeholder
     # expanded as text, for a processor that expands before tokenizing (neighbouring text merges).
     expand_text: Callable[[str, Any, int], str] | None = None
+    # The video processor's class defaults when a video is Qwen3-VL's kind: sampled by the checkpoint's
+    # own rule, sized as one clip, and expanded as text with per-frame-group timestamps
+    # (common/families/qwen3_vl.py). None: Qwen2-VL's video (one run, common/video.py defaults).
+    timestamped_video_defaults: dict | None = None
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import gemma3, pixtral, tiled
+    from mserve.common.families import gemma3, pixtral, qwen3_vl, tiled
 
     return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "internvl": tiled.INTERNVL, "smolvlm": tiled.SMOLVLM,
-            "idefics3": tiled.IDEFICS3}.get(model_type or "", FamilyRules())
+            "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES}.get(model_type or "", FamilyRules())

@@ -212,6 +212,9 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 parts.append({"type": "image", "image": load_image_url(url, media_root, f"{pwhere}.image_url")})
             elif kind == "video_url":  # a video file, as vLLM takes it
                 url = part.get("video_url")
+                if isinstance(url, dict) and url.get("fps") is not None:
+                    raise _bad(f"{pwhere}.video_url.fps", "a video file's rate is read from the file: fps is for "
+                               "a video given as its frames ({\"type\": \"video\", \"video\": [...], \"fps\": ...})")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
                     raise _bad(f"{pwhere}.video_url", f"{pwhere}.video_url.url must be a string")
@@ -220,8 +223,12 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 frames = part.get("video")
                 if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
                     raise _bad(f"{pwhere}.video", f"{pwhere}.video must be a non-empty list of image URLs (the frames)")
+                fps = part.get("fps")  # optional: the rate the frames were taken at (Qwen2.5-VL / Qwen3-VL use it)
+                if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < 1e4):
+                    raise _bad(f"{pwhere}.fps", f"{pwhere}.fps must be a number of frames per second over 0")
                 parts.append({"type": "video", "video": [load_image_url(f, media_root, f"{pwhere}.video[{k}]")
-                                                         for k, f in enumerate(frames)]})
+                                                         for k, f in enumerate(frames)],
+                              **({"fps": float(fps)} if fps is not None else {})})
             else:
                 raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url, video_url, video)")
         out.append({"role": role, "content": parts})

@@ -7,10 +7,8 @@ standing in for torchvision.transforms.v2.functional (never called), and those t
 
 from __future__ import annotations
 
-import importlib
 import io
 import sys
-import types
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +19,7 @@ from PIL import Image
 from mserve.common.model import VideoInfo, load_family
 from mserve.common.video import VideoError, VideoPart, describe_video, sample_indices, video_part_from_value
 from mserve.workers.video_processing import qwen_video_inputs, temporal_patches
-from tests.helpers import make_frames, make_image
+from tests.helpers import import_without_torchvision, make_frames, make_image
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +37,7 @@ def image_processor(qwen):
 @pytest.fixture(scope="module")
 def hf_video_module():
     """transformers.models.qwen2_vl.video_processing_qwen2_vl, imported with torchvision stubbed out."""
-    for name in ("transformers.video_processing_utils", "transformers.video_utils", "transformers.processing_utils",
-                 "transformers.image_utils"):
-        importlib.import_module(name)  # their torchvision checks run before the stub exists
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional"]
-    if all(n not in sys.modules for n in names):
-        stubs = {n: types.ModuleType(n) for n in names}
-        sys.modules.update(stubs)
-        try:
-            module = importlib.import_module("transformers.models.qwen2_vl.video_processing_qwen2_vl")
-        finally:
-            for n in names:
-                sys.modules.pop(n, None)
-    else:  # torchvision is really there
-        module = importlib.import_module("transformers.models.qwen2_vl.video_processing_qwen2_vl")
-    return module
+    return import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl")
 
 
 @pytest.mark.parametrize("num_frames", [1, 2, 3, 4, 7, 8])

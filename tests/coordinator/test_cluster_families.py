@@ -15,6 +15,7 @@ from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import chat, make_frames, make_image, request_mix
 
 pytestmark = pytest.mark.slow
+VIDEO_CHUNK = 48
 FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3", "internvl", "smolvlm", "idefics3"]
 
 
@@ -22,7 +23,10 @@ FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3", "inter
 def family_cluster(request, tiny_model_dirs, redis_server):
     """(model folder, cluster): one lean 1e1p1d cluster per family, shared by this module's tests."""
     model = str(tiny_model_dirs[request.param])
-    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_server.url, transfer="tcp") as cluster:
+    # Qwen3-VL's cluster prefills in 48-token chunks: its video request below is cut into several.
+    chunked = ["--max-num-batched-tokens", str(VIDEO_CHUNK)] if request.param == "qwen3_vl" else []
+    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_server.url, transfer="tcp",
+                      extra_worker_args=chunked) as cluster:
         yield model, cluster
 
 
@@ -56,3 +60,35 @@ def test_bad_input_ends_with_an_error_naming_the_limit_or_family_and_the_cluster
 
     after = asyncio.run(run())
     assert [r.token_ids for r in after] == expected(model, request_mix(2, seed=3))
+
+
+def test_timestamped_video_with_a_prefix_hit_and_chunked_prefill(family_cluster):
+    """Qwen3-VL's video (timestamped frame groups, DeepStack at the video rows) with an image, prefilled in
+    chunks; the same video under another question then hits the prefix cache. The coordinator's visual
+    token count is its processor's (tests/common/test_qwen3_vl_video.py) and the tokens are HF's."""
+    model, cluster = family_cluster
+    if load_family(model).model_type != "qwen3_vl":
+        pytest.skip("Qwen3-VL's own video path")
+    from mserve.common.prompt import PromptBuilder
+    from tests.helpers import PROMPTS, hf_generate_visual
+
+    frames, image = make_frames(120, 90, 5, seed=41), make_image(90, 120, seed=42)
+
+    def req(text: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "video", "video": frames, "fps": 2.0},
+                                             {"type": "text", "text": text}]}]
+
+    async def run():
+        async with AsyncClient(cluster.address, timeout_s=120) as client:
+            first = await client.generate(req(PROMPTS[0]), max_tokens=8)
+            return first, await client.generate(req(PROMPTS[6]), max_tokens=8)
+
+    first, second = asyncio.run(run())
+    builder = PromptBuilder(model)
+    for res, text in ((first, PROMPTS[0]), (second, PROMPTS[6])):
+        pp = builder.prepare(req(text))
+        assert len(pp.prompt_ids) > 2 * VIDEO_CHUNK
+        assert res.token_ids == hf_generate_visual(model, pp.prompt_ids, [image, frames], 8)
+        assert res.visual_tokens == sum(builder.family.visual_token_count(s) for s in pp.image_sizes)
+    assert second.cache_hits["prefix_tokens"] >= 16

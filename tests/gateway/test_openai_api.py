@@ -202,6 +202,12 @@ def test_video_parts_become_mserve_video_parts():
         {"type": "text", "text": "What happens?"}]}]))
     assert req.messages[0]["content"] == [{"type": "video", "video": frames}, {"type": "video", "video": clip},
                                           {"type": "text", "text": "What happens?"}]
+    # frames may carry the rate they were taken at, which the server's video part takes as its fps
+    req = parse_chat_request(body(messages=[{"role": "user", "content": [{"type": "video", "video": urls, "fps": 4}]}]))
+    assert req.messages[0]["content"] == [{"type": "video", "video": frames, "fps": 4.0}]
+    from mserve.common.prompt import normalize_messages
+
+    assert normalize_messages(req.messages, allow_paths=False)[1][0].fps == 4.0
 
 
 @pytest.mark.parametrize("part, param", [
@@ -209,6 +215,9 @@ def test_video_parts_become_mserve_video_parts():
     ({"type": "video", "video": DATA_URL}, "messages[0].content[0].video"),
     ({"type": "video", "video": [DATA_URL, "https://example.com/f.png"]}, "messages[0].content[0].video[1]"),
     ({"type": "video_url", "video_url": {}}, "messages[0].content[0].video_url"),
+    ({"type": "video", "video": [DATA_URL], "fps": 0}, "messages[0].content[0].fps"),
+    ({"type": "video", "video": [DATA_URL], "fps": "2"}, "messages[0].content[0].fps"),
+    ({"type": "video_url", "video_url": {"url": DATA_URL, "fps": 2}}, "messages[0].content[0].video_url.fps"),
     ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, "messages[0].content[0].video_url"),
 ])
 def test_bad_video_parts_name_the_field(part, param):

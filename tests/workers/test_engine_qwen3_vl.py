@@ -3,7 +3,8 @@
 The generic oracle (test_engine_oracle.py) runs Qwen3-VL through ragged batches, chunked prefill, prefix
 hits and KV hand-off; these tests pin what is Qwen3-VL's own: a case where the DeepStack features change
 the greedy tokens (so dropping or misplacing them would fail), prefilled in chunks that cut the image, and
-after a prefix hit that ends inside the image.
+after a prefix hit that ends inside the image; and its video (frame groups split by timestamp text, the
+video's DeepStack features at its rows) in chunks, in a ragged batch, after a prefix hit and encoded elsewhere.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 from mserve.common.prompt import PromptBuilder
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.sequence import SamplingParams
-from tests.helpers import PROMPTS, _hf_generate, hf_generate, make_frames, make_image, reference_model
+from tests.helpers import (PROMPTS, _hf_generate, _hf_generate_visual, hf_generate, hf_generate_visual, make_frames,
+                           make_image, reference_model)
 
 MAX_NEW = 10
 
@@ -100,9 +102,95 @@ def test_host_store_keeps_the_columns(tmp_path):
     assert torch.equal(got.embeds, packed) and got.grid_thw == (1, 6, 8)
 
 
-def test_video_is_refused_at_admission_naming_the_family(builder):
+def video_prompt(builder: PromptBuilder, parts: list, text: str):
+    return builder.prepare([{"role": "user", "content": parts + [{"type": "text", "text": text}]}])
+
+
+def test_video_and_image_chunked_with_deepstack_at_the_video_rows(model_dir, builder):
+    """A video (frame groups split by timestamp text, one M-RoPE grid per group) after an image, in 8-token
+    chunks that cut the groups; the video's DeepStack features move the tokens (so they must land)."""
+    image, frames = make_image(90, 120, seed=2), make_frames(120, 90, 5, seed=3)
+    pp = video_prompt(builder, [{"type": "image", "image": image}, {"type": "video", "video": frames, "fps": 2.0}],
+                      PROMPTS[0])
+    runs = builder.family.image_spans(pp.prompt_ids)
+    assert len(runs) == 1 + 3 and builder.tokenizer.decode(pp.prompt_ids).count(" seconds>") == 3
+    expected = hf_generate_visual(model_dir, pp.prompt_ids, [image, frames], MAX_NEW)
+    with deepstack_dropped(model_dir):
+        without = list(_hf_generate_visual.__wrapped__(model_dir, tuple(pp.prompt_ids), (image, tuple(frames)), MAX_NEW))
+    assert without != expected
+    assert run(model_dir, pp)[0] == expected
+    assert run(model_dir, pp, max_num_batched_tokens=8)[0] == expected
+
+
+def test_ragged_batch_of_video_image_and_text(model_dir, builder):
+    frames = make_frames(96, 64, 4, seed=8)
+    prompts = {"video": video_prompt(builder, [{"type": "video", "video": frames}], PROMPTS[2]),
+               "image": builder.prepare_text(PROMPTS[3], [make_image(150, 100, seed=7)]),
+               "text": builder.prepare_text(PROMPTS[4])}
+    engine = Engine(EngineConfig(model_dir, num_blocks=128, block_size=16, max_num_batched_tokens=48))
+    for rid, pp in prompts.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+    out = engine.run_until_done()
+    assert out["video"] == hf_generate_visual(model_dir, prompts["video"].prompt_ids, [frames], MAX_NEW)
+    assert out["image"] == hf_generate(model_dir, prompts["image"].prompt_ids, prompts["image"].images, MAX_NEW)
+    assert out["text"] == hf_generate(model_dir, prompts["text"].prompt_ids, [], MAX_NEW)
+
+
+def test_prefix_hit_inside_the_video_and_encoded_elsewhere(model_dir, builder):
+    frames = make_frames(120, 90, 6, seed=4)
+    first = video_prompt(builder, [{"type": "video", "video": frames}], PROMPTS[1])
+    second = video_prompt(builder, [{"type": "video", "video": frames}], PROMPTS[6])
+    engine = Engine(EngineConfig(model_dir, num_blocks=128, block_size=16))
+    engine.add_request("a", first.prompt_ids, images=first.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+    engine.run_until_done()
+    seq = engine.add_request("b", second.prompt_ids, images=second.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+    out = engine.run_until_done()["b"]
+    runs = builder.family.image_spans(second.prompt_ids)
+    assert runs[0][0] < seq.num_cached_tokens < runs[-1][0] + runs[-1][1]
+    assert out == hf_generate_visual(model_dir, second.prompt_ids, [frames], MAX_NEW)
+    # the disaggregated path: a vision-only engine encodes, a text-only engine prefills and decodes
+    (encoded,) = Engine(EngineConfig(model_dir, num_blocks=16, parts="vision")).encode(second.images)
+    assert encoded.grid_thw == builder.family.video_grid(second.image_sizes[0])
+    prefill = Engine(EngineConfig(model_dir, num_blocks=64, parts="text"))
+    prefill.add_request("r", second.prompt_ids, encoded=[encoded], sampling=SamplingParams(max_tokens=MAX_NEW))
+    assert prefill.run_until_done()["r"] == out
+
+
+def test_video_admission_counts_and_limits(builder):
     from mserve.coordinator.admission import AdmissionError, Limits, admit
 
-    content = [{"type": "video", "video": make_frames(64, 64, 4)}, {"type": "text", "text": "What happens?"}]
-    with pytest.raises(AdmissionError, match="video 0: video input is not supported for model_type qwen3_vl"):
-        admit(builder, Limits(), {"request_id": "x", "messages": [{"role": "user", "content": content}]})
+    def request(frames, **part):
+        content = [{"type": "video", "video": frames, **part}, {"type": "text", "text": "What happens?"}]
+        return {"request_id": "x", "messages": [{"role": "user", "content": content}]}
+
+    frames = make_frames(120, 90, 5, seed=1)
+    admitted = admit(builder, Limits(), request(frames, fps=3.0))
+    pp = video_prompt(builder, [{"type": "video", "video": frames, "fps": 3.0}], "What happens?")
+    assert admitted.prompt_ids == pp.prompt_ids
+    assert admitted.images[0].num_tokens == pp.prompt_ids.count(builder.family.video_token_id)
+    with pytest.raises(AdmissionError, match="video 0 has 5 frames, over the limit max_video_frames=4"):
+        admit(builder, Limits(max_video_frames=4), request(frames))
+    with pytest.raises(AdmissionError, match="over the limit max_image_pixels=10000"):
+        admit(builder, Limits(max_image_pixels=100 * 100), request(frames))
+    with pytest.raises(AdmissionError, match="video 0: Qwen3-VL needs at least temporal_patch_size=2 frames"):
+        admit(builder, Limits(), request(frames[:1]))
+
+
+def test_video_file_sampled_by_its_processor_rule(model_dir, builder):
+    """A 4 fps file of 9 frames: the coordinator's sampling (the video processor's linspace, 4 frames) is
+    what the encode worker decodes, and the tokens are HF's on those frames."""
+    import io
+
+    from mserve.common.video import decode_video_file
+    from tests.helpers import make_video_file
+
+    pytest.importorskip("av")
+    data = make_video_file(make_frames(112, 84, 9, seed=5), fps=4)
+    pp = video_prompt(builder, [{"type": "video", "video": data}], PROMPTS[5])
+    assert pp.images[0].indices == (0, 3, 5, 8)
+    frames = []
+    for image in decode_video_file(data, pp.images[0].indices):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        frames.append(buf.getvalue())
+    assert run(model_dir, pp)[0] == hf_generate_visual(model_dir, pp.prompt_ids, [frames], MAX_NEW)
