@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-PROCESSOR_FILE = "processor_config.json"
+from mserve.common.checkpoint_files import PROCESSOR_FILE
 
 
 class UnsupportedModelError(ValueError):

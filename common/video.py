@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mserve.common.model import (IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, CheckpointError, ImageError, ModelFamily,
-                                 VideoInfo, _pixel_bounds, _positive_int, _read_json, image_hash, image_size_from_header)
+from mserve.common.checkpoint_files import (IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, CheckpointError, pixel_bounds,
+                                            positive_int, read_json)
+from mserve.common.model import ImageError, ModelFamily, VideoInfo, image_hash, image_size_from_header
 from mserve.common.policy import DEFAULT_LIMITS
 
 VIDEO_EXTRA = "video"  # the optional dependency group that installs PyAV
@@ -39,7 +40,7 @@ def read_video_settings(model_dir: str | os.PathLike, timestamped_defaults: dict
     keys; min_pixels / max_pixels override size). `timestamped_defaults`: Qwen3VLVideoProcessor's class
     defaults instead (it reads no min_pixels / max_pixels, and samples frames by its own settings)."""
     d = Path(model_dir)
-    processor = _read_json(d / PROCESSOR_FILE)
+    processor = read_json(d / PROCESSOR_FILE)
     found = None
     if processor is not None and "video_processor" in processor:
         where = f'{d / PROCESSOR_FILE} ("video_processor" entry)'
@@ -47,7 +48,7 @@ def read_video_settings(model_dir: str | os.PathLike, timestamped_defaults: dict
             raise CheckpointError(f"{where} is {type(processor['video_processor']).__name__}, not an object")
         found = dict(processor["video_processor"]), where
     for name in (VIDEO_PROCESSOR_FILE, IMAGE_PROCESSOR_FILE):
-        data = _read_json(d / name) if found is None else None
+        data = read_json(d / name) if found is None else None
         if data is not None:
             found = data, str(d / name)
             break
@@ -56,14 +57,14 @@ def read_video_settings(model_dir: str | os.PathLike, timestamped_defaults: dict
     proc, where = found
     defaults = timestamped_defaults or QWEN_VIDEO_DEFAULTS
     for key in ("patch_size", "merge_size", "temporal_patch_size", "max_video_tokens"):
-        proc[key] = _positive_int(proc.get(key, defaults[key]), key, where)
+        proc[key] = positive_int(proc.get(key, defaults[key]), key, where)
     if timestamped_defaults is not None:
         for key in ("min_pixels", "max_pixels"):
             proc.pop(key, None)
         for key in ("min_frames", "max_frames"):
-            proc[key] = _positive_int(proc.get(key, defaults[key]), key, where)
+            proc[key] = positive_int(proc.get(key, defaults[key]), key, where)
         proc["do_sample_frames"] = bool(proc.get("do_sample_frames", defaults["do_sample_frames"]))
-    _pixel_bounds(proc, defaults["size"], where)
+    pixel_bounds(proc, defaults["size"], where)
     proc["cap_pixels_per_frame"] = bool(proc.get("cap_pixels_per_frame"))
     return proc
 
