@@ -25,12 +25,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def two_models(tiny_model_dirs, redis_server):
+def two_models(tiny_model_dirs, redis_server, tmp_path_factory):
     """(llava folder, qwen2_vl folder, cluster, gateway URL): llava 1e1p2d (the default), qwen2_vl 1e1p1d."""
     llava, qwen = str(tiny_model_dirs["llava"]), str(tiny_model_dirs["qwen2_vl"])
     with LocalCluster(llava, encode=1, prefill=1, decode=2, redis_url=redis_server.url, transfer="tcp",
                       other_models=[(qwen, {"encode": 1, "prefill": 1, "decode": 1})],
-                      extra_coordinator_args=["--dead-after-s", "1.0"]) as cluster:
+                      extra_coordinator_args=["--dead-after-s", "1.0"],
+                      log_dir=str(tmp_path_factory.mktemp("two-models-logs"))) as cluster:
         yield llava, qwen, cluster, cluster.start_gateway()
 
 
