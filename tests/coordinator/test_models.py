@@ -76,3 +76,27 @@ def test_workers_join_their_own_model_made_on_its_first_worker():
     assert table.of_worker("w1") is b and table.of_worker("w2") is b and table.of_worker("w3") is None
     old = table.register("w3", WorkerInfo(worker_id="w3", role="decode", data_address="tcp://x:1", host_id="h"))
     assert old is table.get("a")  # a worker that names no model serves the coordinator's
+
+
+def test_a_flood_on_one_model_sheds_that_models_lowest_class_and_leaves_the_other_alone():
+    from tests.coordinator.test_request_machine import make_admitted
+
+    def make(name: str, path: str) -> ServedModel:
+        return ServedModel(name, path, builder=None, machine=RequestMachine(raise_errors=True, max_waiting_requests=2))
+
+    table = ModelTable(None, None, make)
+    for model in ("a", "b"):
+        for role in ("prefill", "decode"):
+            wid = f"{model}-{role}"
+            info = WorkerInfo(worker_id=wid, role=role, data_address="tcp://x:1", host_id="h", model=model,
+                              model_path=f"/m/{model}")
+            table.register(wid, info).machine.on_worker(wid, MsgType.READY, info, now=0.0)
+    a, b = table.serving("a").machine, table.serving("b").machine
+    for rid in ("a1", "a2"):
+        a.submit(b"client", make_admitted(rid, latency_class="batch"), now=1.0)
+    b.submit(b"client", make_admitted("b1", latency_class="batch"), now=1.0)  # b's own bound: not shed
+    out = a.submit(b"client", make_admitted("a3"), now=2.0)  # interactive, over a's max_waiting_requests
+    shed = [m for m in out if m.kind == MsgType.ERROR]
+    assert len(shed) == 1 and shed[0].body["code"] == ErrorCode.OVERLOADED and shed[0].body["request_id"] == "a1"
+    assert a.status()["stats"]["shed"] == 1 and b.status()["stats"]["shed"] == 0
+    assert b.status()["requests_in_flight"] == 1
