@@ -158,8 +158,27 @@ def merged_status(models: ModelTable, default: str | None) -> dict[str, Any]:
             total["oldest_s"] = max(total["oldest_s"], w["oldest_s"])
     main = default if default in per else next(iter(per), None)
     top = dict(per[main]) if main is not None else {"telemetry": {}, "encode_parked": 0}
-    return {**top, "workers": workers, "roles": roles, "stats": stats, "queued": queued, "waiting": waiting,
+    return {**top, "telemetry": merged_telemetry([st["telemetry"] for st in per.values()]), "workers": workers, "roles": roles, "stats": stats, "queued": queued, "waiting": waiting,
             "requests_in_flight": sum(st["requests_in_flight"] for st in per.values()),
             "encode_parked": sum(st["encode_parked"] for st in per.values()),
             "model": main, "model_path": per[main]["model_path"] if main is not None else None, "models": per,
             "served_models": models.served_names()}
+
+
+def merged_telemetry(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every model's coordinator/telemetry.py snapshot summed: counters added, histograms bucket by bucket
+    (all share the same bounds)."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    counters: dict[str, float] = {}
+    histograms: dict[str, dict[str, Any]] = {}
+    for snap in snapshots:
+        for key, n in (snap.get("counters") or {}).items():
+            counters[key] = counters.get(key, 0) + n
+        for key, h in (snap.get("histograms") or {}).items():
+            total = histograms.setdefault(key, {"le": list(h["le"]), "counts": [0] * len(h["counts"]),
+                                                "sum": 0.0, "count": 0})
+            total["counts"] = [a + b for a, b in zip(total["counts"], h["counts"])]
+            total["sum"] = round(total["sum"] + h["sum"], 6)
+            total["count"] += h["count"]
+    return {"histograms": histograms, "counters": counters}

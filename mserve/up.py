@@ -118,6 +118,9 @@ def run_up(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"MServe cluster up: {cluster._describe()}; clients connect to {cluster.address}", flush=True)
+        if len(cluster.models) > 1:
+            print(f"  models (send one as 'model'): {cluster.models[0]} (the default), "
+                  + ", ".join(cluster.models[1:]), flush=True)
         if http_url:
             print(f"  OpenAI API at {http_url}/v1 (health {http_url}/health, metrics {http_url}/metrics)", flush=True)
         print(f'  try: python -c "from mserve.coordinator.client import Client; '

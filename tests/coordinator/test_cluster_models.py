@@ -88,6 +88,14 @@ def test_the_gateway_lists_and_routes_both_models(two_models):
         assert reply.status_code == 200, reply.text
         assert reply.json()["model"] == model
         assert reply.json()["choices"][0]["token_ids"] == expected(model, requests, 8)[0]
+    scrape = httpx.get(url + "/metrics", timeout=30).text
+    with Client(two_models[2].address, timeout_s=10) as c:
+        status = c.status()
+    for model in (llava, qwen):  # per-model series; the cluster's histograms sum every model's
+        done = status["models"][model]["stats"]["completed"]
+        assert f'mserve_model_requests_completed_total{{model="{model}"}} {float(done)}' in scrape
+    assert status["telemetry"]["histograms"]["e2e"]["count"] == sum(
+        m["telemetry"]["histograms"]["e2e"]["count"] for m in status["models"].values())
     unknown = _gateway_chat(url, "gpt-4", "Hi")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert repr(llava) in unknown.json()["error"]["message"] and repr(qwen) in unknown.json()["error"]["message"]
