@@ -295,7 +295,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += table(["model", "live workers", "in flight", "completed", "shed"],
                        [[name, " ".join(f"{n} {role}" for role, n in sorted(m["roles"].items(), key=lambda x: _role_key(x[0])))
                          or "none", _f(m["requests_in_flight"]), _f(m["completed"]), _f(m["shed"])]
-                        for name, m in c["models"].items()])
+                        for name, m in c["models"].items()], left=2)
     queued = {stage: classes for stage, classes in (c.get("queued") or {}).items() if classes}
     if queued:  # requests waiting at the coordinator for a worker with room (max_stages_per_worker)
         lines.append("  waiting at the coordinator: " + "; ".join(
