@@ -37,8 +37,9 @@ class ServedModel:
     machine: Any  # coordinator/requests.RequestMachine: this model's workers and requests
 
     def live_roles(self) -> set[str]:
-        """Roles with a live worker that takes new work (not draining)."""
-        return {w.role for w in self.machine.members.routable()}
+        """Roles with a live worker, draining ones included: a pool whose last worker drains (a rolling
+        restart, its replacement on the way) parks new requests, as with one model; a dead one refuses them."""
+        return {w.role for w in self.machine.members.views() if w.alive}
 
 
 def missing_text_roles(roles: set[str]) -> list[str]:
@@ -58,16 +59,18 @@ def serving_model(requested: str | None, models: Mapping[str, ServedModel], defa
     first worker joins (a request then waits for it, as a cold start does). A served model with live
     workers but no prefill or decode pool (and no unified one) refuses at once, naming the missing
     role; a missing encode pool only parks image requests, which an autoscaler starts from zero."""
-    live = served(models, default)
-    names = ", ".join(repr(n) for n in sorted(live)) or "none (no worker has registered)"
-    name = requested or default or (next(iter(live)) if len(live) == 1 else None)
-    if name is None:
-        raise ModelUnavailable(ErrorCode.BAD_REQUEST, f"'model' is required: this coordinator serves {names}")
-    model = live.get(name)
-    if model is None:
+    name = requested or default
+    model = models.get(name) if name is not None else None
+    roles = model.live_roles() if model is not None else set()
+    if model is None or not (roles or name == default):  # the rare paths: name the served models
+        live = served(models, default)
+        names = ", ".join(repr(n) for n in sorted(live)) or "none (no worker has registered)"
+        if name is None and len(live) == 1:
+            return serving_model(next(iter(live)), models, default)
+        if name is None:
+            raise ModelUnavailable(ErrorCode.BAD_REQUEST, f"'model' is required: this coordinator serves {names}")
         raise ModelUnavailable(ErrorCode.MODEL_NOT_FOUND,
                                f"the model {name!r} is not served here (no live worker); served models: {names}")
-    roles = model.live_roles()
     if roles and (missing := missing_text_roles(roles)):
         raise ModelUnavailable(ErrorCode.NO_WORKERS,
                                f"the model {name!r} has no live {' or '.join(missing)} worker (live roles: "
