@@ -271,6 +271,10 @@ class Coordinator:
             self._error(client, rid, exc.code, str(exc))
             return
         machine = model.machine
+        if rid is not None and any(not m.machine.unknown(client, [rid]) for m in self.models if m is not model):
+            # Request ids are the client's across models: its replies and ABORTs name no model.
+            self._error(client, rid, ErrorCode.BAD_REQUEST, f"request_id {rid!r} is already in flight for this client")
+            return
         try:
             adaptive = machine.adaptive
             admitted = admit(model.builder, self.limits, payload, adaptive.keep_ratio if adaptive else None)
