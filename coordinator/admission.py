@@ -68,6 +68,7 @@ class GenerateIn(BaseModel):
     # The caller's span (W3C traceparent): the request's trace continues under it. One that does not
     # parse starts a new trace, as W3C Trace Context asks; it never fails the request.
     trace: str | None = Field(None, max_length=128)
+    model: str | None = Field(None, max_length=256)  # which served model (coordinator/models.py chose it already)
 
     def to_wire(self) -> Generate:
         s = self.sampling
@@ -76,7 +77,7 @@ class GenerateIn(BaseModel):
                                           top_p=s.top_p, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
                                           ignore_eos=s.ignore_eos),
                         priority=self.priority, latency_class=self.latency_class, stream=self.stream,
-                        tokens_to=self.tokens_to, trace=self.trace)
+                        tokens_to=self.tokens_to, trace=self.trace, model=self.model)
 
 
 @dataclass

@@ -12,8 +12,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from mserve.common.pruning import add_argument as add_pruning_argument
     from mserve.common.tracing import add_argument as add_tracing_argument
 
-    p.add_argument("--model", help="local checkpoint folder (tokenizer, chat template, processor rules)")
-    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
+    p.add_argument("--model", help="the default model's local checkpoint folder (tokenizer, chat template, processor "
+                                   "rules), for requests that name no model; every other model is served as its "
+                                   "workers register, from the folder each names (docs/operations.md, 'Several "
+                                   "models')")
+    p.add_argument("--model-name", help="the default model's served name and Redis cache key (default: the model "
+                                        "path); workers of this model must use the same --model-name")
     p.add_argument("--bind", help="client address (default tcp://127.0.0.1:5555)")
     p.add_argument("--worker-bind", help="worker address (default tcp://127.0.0.1:5556)")
     p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "

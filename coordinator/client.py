@@ -33,7 +33,7 @@ from mserve.common.protocol.client import Error, StatusReply
 from mserve.common.sockets import bound_address, make_socket, send
 from mserve.coordinator.async_client import AsyncClient, AsyncTokenStream
 from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, BadRequest, GenerateResult, Lost,
-                                            MServeError, NoWorkers, Overloaded, RequestTimeout, ServerError,
+                                            MServeError, ModelNotFound, NoWorkers, Overloaded, RequestTimeout, ServerError,
                                             StreamState, error_from_reply, generate_body, logger, lost_reply,
                                             new_identity, new_request_id, normalize_client_messages, probe_body,
                                             recv_valid, send_abort, status_body)
@@ -41,7 +41,7 @@ from mserve.coordinator.client_core import (SHARD_PROBES_UNANSWERED, Reply, Shar
                                             client_api_key, shard_gone_reply, with_api_key)
 
 __all__ = [
-    "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError", "Lost",
+    "MServeError", "BadRequest", "Overloaded", "NoWorkers", "ModelNotFound", "RequestTimeout", "Aborted", "ServerError", "Lost",
     "GenerateResult", "normalize_client_messages", "error_from_reply", "Client", "AsyncClient",
     "TokenStream", "AsyncTokenStream", "Unauthorized",
 ]
@@ -93,7 +93,8 @@ class Client:
     def generate(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
                  request_id: str | None = None, **sampling: Any) -> GenerateResult:
         """Send one request and wait for its result. ``sampling``: max_tokens=64, temperature=0.0, top_k=0,
-        top_p=1.0, seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive".
+        top_p=1.0, seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive",
+        model=None (a served model's name; None: the coordinator's default).
 
         With sharded coordinators, a request whose shard stopped answering is sent to another shard
         (nothing of it was handed out yet); with one coordinator, ``Lost`` is raised."""

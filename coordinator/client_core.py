@@ -70,6 +70,12 @@ class NoWorkers(MServeError):
     default_code = ErrorCode.NO_WORKERS
 
 
+class ModelNotFound(MServeError):
+    """The request names a model no live worker of this coordinator serves (the message lists the served ones)."""
+
+    default_code = ErrorCode.MODEL_NOT_FOUND
+
+
 class RequestTimeout(MServeError):
     default_code = ErrorCode.TIMEOUT
 
@@ -120,6 +126,7 @@ _ERRORS_BY_CODE: dict[str, type[MServeError]] = {
     ErrorCode.BAD_REQUEST: BadRequest, ErrorCode.BAD_MESSAGE: BadRequest, ErrorCode.TOO_LARGE: BadRequest, ErrorCode.OVERLOADED: Overloaded,
     ErrorCode.NO_WORKERS: NoWorkers, ErrorCode.TIMEOUT: RequestTimeout, ErrorCode.ABORTED: Aborted,
     ErrorCode.INTERNAL: ServerError, ErrorCode.LOST: Lost, ErrorCode.UNAUTHORIZED: Unauthorized,
+    ErrorCode.MODEL_NOT_FOUND: ModelNotFound,
 }
 
 
@@ -210,14 +217,17 @@ def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: b
                   max_tokens: int = Sampling.max_tokens, temperature: float = Sampling.temperature,
                   top_k: int = Sampling.top_k, top_p: float = Sampling.top_p, seed: int | None = Sampling.seed,
                   stop_token_ids: Sequence[int] = (), ignore_eos: bool = Sampling.ignore_eos, priority: int = 0,
-                  latency_class: str = "interactive", trace: str | None = None) -> dict[str, Any]:
+                  latency_class: str = "interactive", trace: str | None = None,
+                  model: str | None = None) -> dict[str, Any]:
     """The GENERATE body; the keyword arguments are the ``**sampling`` options of generate()/stream().
-    `trace`: the caller's span as a W3C traceparent, which the request's trace continues under."""
+    `trace`: the caller's span as a W3C traceparent, which the request's trace continues under.
+    `model`: the served model name (None: the coordinator's default, or the only model it serves)."""
     sampling = Sampling(max_tokens=int(max_tokens), temperature=float(temperature), top_k=int(top_k),
                         top_p=float(top_p), seed=None if seed is None else int(seed),
                         stop_token_ids=[int(t) for t in stop_token_ids], ignore_eos=bool(ignore_eos))
     return Generate(request_id=request_id, messages=normalize_client_messages(messages), sampling=sampling,
-                    priority=int(priority), latency_class=latency_class, stream=stream, trace=trace).to_body()
+                    priority=int(priority), latency_class=latency_class, stream=stream, trace=trace,
+                    model=model).to_body()
 
 
 def status_body() -> dict[str, Any]:

@@ -47,10 +47,16 @@ class LocalCluster:
                  redis_url: str | None = None, port: int | None = None, threads: int = 1, transfer: str = "auto",
                  extra_worker_args: Sequence[str] = (), extra_coordinator_args: Sequence[str] = (),
                  log_dir: str | None = None, client_api_key: str | None = None,
-                 curve_dir: str | os.PathLike[str] | None = None, coordinators: int = 1) -> None:
+                 curve_dir: str | os.PathLike[str] | None = None, coordinators: int = 1,
+                 other_models: Sequence[tuple[str, dict[str, int]]] = ()) -> None:
         counts = {"encode": encode, "prefill": prefill, "decode": decode, "unified": unified}
-        if any(n < 0 for n in counts.values()) or sum(counts.values()) == 0:
-            raise ValueError(f"worker counts must be >= 0 with at least one worker, got {counts}")
+        # Several models in one cluster (coordinator/models.py): `model` is the coordinator's default, its
+        # workers named "decode-0" ...; each of `other_models` (folder, {role: count}) gets workers named
+        # "m1-decode-0" ... for the first, "m2-..." for the next, and is served under its folder path.
+        pools = [(str(model), counts), *((str(m), {r: int(c.get(r, 0)) for r in STAGE_ROLES}) for m, c in other_models)]
+        for folder, pool in pools:
+            if any(n < 0 for n in pool.values()) or sum(pool.values()) == 0:
+                raise ValueError(f"worker counts must be >= 0 with at least one worker, got {pool} for {folder}")
         if coordinators < 1:
             raise ValueError(f"coordinators must be >= 1, got {coordinators}")
         if coordinators > 1 and curve_dir is not None:
@@ -60,6 +66,10 @@ class LocalCluster:
         self.coordinators = coordinators
         self.model = str(model)
         self.counts = counts
+        self.models = [folder for folder, _ in pools]
+        # worker name -> (model folder, role), in start order
+        self._workers = {f"{f'm{k}-' if k else ''}{r}-{i}": (folder, r)
+                         for k, (folder, pool) in enumerate(pools) for r in STAGE_ROLES for i in range(pool[r])}
         self.threads = threads
         self.transfer = transfer
         self.extra_worker_args = list(extra_worker_args)
@@ -118,10 +128,10 @@ class LocalCluster:
     def log_dir(self) -> str | None:
         return self._log_dir
 
-    def worker_names(self, role: str | None = None) -> list[str]:
-        """The worker ids this cluster starts, of one role or all, in start order."""
-        roles = STAGE_ROLES if role is None else (role,)
-        return [f"{r}-{i}" for r in roles for i in range(self.counts.get(r, 0))]
+    def worker_names(self, role: str | None = None, model: str | None = None) -> list[str]:
+        """The worker ids this cluster starts, of one role or all, of one model (folder) or all, in start order."""
+        return [name for name, (folder, r) in self._workers.items()
+                if (role is None or r == role) and (model is None or folder == str(model))]
 
     def log_path(self, name: str) -> Path:
         if self._log_dir is None:
@@ -158,10 +168,10 @@ class LocalCluster:
                 "--redis", self.redis_url, *self.curve_args("coordinator"), *self.extra_coordinator_args]
 
     def worker_command(self, name: str) -> list[str]:
-        role = name.rsplit("-", 1)[0]
+        model, role = self._workers[name]
         # Sharded: the workers find every shard in the shard registry (the cluster's Redis).
         coordinator = self.worker_address if self.coordinators == 1 else self.redis_url
-        return [sys.executable, "-m", "mserve.cli", "worker", "--role", role, "--model", self.model,
+        return [sys.executable, "-m", "mserve.cli", "worker", "--role", role, "--model", model,
                 "--coordinator", coordinator, "--redis", self.redis_url, "--threads", str(self.threads),
                 "--transfer", self.transfer, "--worker-id", name, *self.curve_args(name),
                 *(["--host-embedding-cache-dir", self._host_cache_dir] if self._host_cache_dir else []),
@@ -313,7 +323,9 @@ class LocalCluster:
 
     def _describe(self) -> str:
         shards = f", {self.coordinators} coordinator shards" if self.coordinators > 1 else ""
-        return ", ".join(f"{n} {r}" for r, n in self.counts.items() if n) + shards
+        per_model = [", ".join(f"{n} {r}" for r in STAGE_ROLES if (n := len(self.worker_names(r, m))))
+                     + (f" of {m}" if len(self.models) > 1 else "") for m in self.models]
+        return "; ".join(per_model) + shards
 
     def stop(self) -> None:
         """SIGTERM every child, SIGKILL what is left after the grace period, stop the private redis."""

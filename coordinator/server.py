@@ -1,8 +1,9 @@
 """The coordinator: admits client requests and walks each one through encode -> prefill -> decode.
 
 One thread, one poll loop over two ROUTER sockets (clients, workers). This module is the socket
-side only: it decodes and validates frames, admits GENERATE requests (tokenizing), feeds everything
-to the request state machine (coordinator/requests.py) with the current time, and sends what the
+side only: it decodes and validates frames, admits GENERATE requests (tokenizing, with the requested
+model's tokenizer), feeds everything to that model's request state machine (coordinator/requests.py;
+coordinator/models.py keeps one per served model) with the current time, and sends what the
 machine answers. Tensors move worker-to-worker, never through here; a worker that cannot be reached
 is reported back to the machine, which re-runs its requests elsewhere.
 """
@@ -22,7 +23,7 @@ from mserve.common.hashing import item_spans, prompt_block_hashes
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
 from mserve.common.protocol.client import FROM_CLIENT, Error, Status, StatusReply
-from mserve.common.protocol.to_coordinator import TO_COORDINATOR
+from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, WorkerInfo
 from mserve.common.redis_store import RedisStore
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
 from mserve.common.shards import SHARD_REFRESH_S, ShardRegistry, advertised
@@ -31,6 +32,7 @@ from mserve.common.sockets import make_socket, send
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
 from mserve.coordinator.recent_prefixes import RecentPrefixes, merge_hits
 from mserve.coordinator.admission import Admitted, AdmissionError, Limits, admit
+from mserve.coordinator.models import ModelTable, ModelUnavailable, ServedModel, merged_status
 from mserve.coordinator.requests import Out, RequestMachine, ToClient
 from mserve.coordinator.settings import CoordinatorSettings
 
@@ -88,11 +90,9 @@ class RedisEncodeLeases:
 
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings) -> None:
-        from mserve.common.prompt import PromptBuilder
-
         self.settings = settings
-        self.builder = PromptBuilder(settings.model, visual_token_pruning=settings.visual_token_pruning)
-        self.model_name = settings.model_name or settings.model
+        # The default model: requests that name none go to it (None: workers bring every model).
+        self.model_name = (settings.model_name or settings.model) if settings.model else None
         self.limits = Limits(**settings.limits())
         self.ctx = zmq.Context.instance()
         key = settings.client_api_key
@@ -116,26 +116,37 @@ class Coordinator:
             if self.registry is not None else None
         self._started = time.time()
         self._next_announce = 0.0
-        self.machine = RequestMachine(
+        self._shard_owner = self.shard_id or uuid.uuid4().hex
+        self.models = ModelTable(self.model_name, settings.model, self._serve_model)
+        self._running = True
+        self._next_redis_sync = 0.0
+
+    def _serve_model(self, name: str, path: str) -> ServedModel:
+        """A model's tokenizer and request machine: its own pools, queues, caches (Redis keys per model)."""
+        from mserve.common.prompt import PromptBuilder
+
+        settings = self.settings
+        builder = PromptBuilder(path, visual_token_pruning=settings.visual_token_pruning)
+        machine = RequestMachine(
             stage_timeout_s=settings.stage_timeout_s, dead_after_s=settings.dead_after_s,
             max_attempts=settings.max_attempts, max_waiting_requests=settings.max_waiting_requests,
             kv_hand_back=settings.kv_hand_back, max_stages_per_worker=settings.max_stages_per_worker,
             class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode, prefix_skip=settings.prefix_skip,
             route_choices=settings.route_choices, token_report_every=settings.token_report_every,
-            detokenize=self.builder.decode, visual_token_pruning=settings.visual_token_pruning,
-            encode_single_flight=settings.encode_single_flight, shard_id=self.shard_id or uuid.uuid4().hex,
-            encode_leases=RedisEncodeLeases(self.store, self.model_name) if self.store else None,
-            lookups=RedisLookups(self.store, self.builder, self.model_name) if self.store else None,
-            adaptive_pruning=self._adaptive_pruning(settings))
-        self._running = True
-        self._next_redis_sync = 0.0
+            detokenize=builder.decode, visual_token_pruning=settings.visual_token_pruning,
+            encode_single_flight=settings.encode_single_flight, shard_id=self._shard_owner,
+            encode_leases=RedisEncodeLeases(self.store, name) if self.store else None,
+            lookups=RedisLookups(self.store, builder, name) if self.store else None,
+            adaptive_pruning=self._adaptive_pruning(settings, builder) if name == self.model_name else None)
+        return ServedModel(name, path, builder, machine)
 
-    def _adaptive_pruning(self, settings: CoordinatorSettings) -> AdaptivePruning | None:
-        """SLO-adaptive pruning when configured (PruningError at start-up for a family that cannot prune)."""
+    def _adaptive_pruning(self, settings: CoordinatorSettings, builder: Any) -> AdaptivePruning | None:
+        """SLO-adaptive pruning of the --model when configured (PruningError at start-up for a family that
+        cannot prune). Models that join with their workers run without it."""
         objectives = settings.pruning_objectives()
         if not objectives:
             return None
-        if (why := pruning.unsupported(self.builder.family)) is not None:
+        if (why := pruning.unsupported(builder.family)) is not None:
             raise pruning.PruningError(f"--adaptive-pruning (adaptive_pruning): {why}")
         log.info("SLO-adaptive visual-token pruning on: %s", ", ".join(
             f"{c}: keep {o.max_keep_ratio:g} while predicted TTFT > {o.ttft_s * 1000:g} ms" for c, o in objectives.items()))
@@ -147,8 +158,8 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self.client_sock, zmq.POLLIN)
         poller.register(self.worker_sock, zmq.POLLIN)
-        log.info("coordinator ready: clients %s, workers %s, model %s", self.settings.bind, self.settings.worker_bind,
-                 self.model_name)
+        log.info("coordinator ready: clients %s, workers %s, model %s (others join with their workers)",
+                 self.settings.bind, self.settings.worker_bind, self.model_name)
         if self.shard_id:
             log.info("coordinator shard %r: %s", self.shard_id,
                      f"announced in Redis as clients {self._announced[0]}, workers {self._announced[1]}"
@@ -203,8 +214,10 @@ class Coordinator:
             try:
                 send(self.worker_sock, msg.kind, body(**msg.body), identity=msg.worker_id.encode(), flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker's socket is gone
-                self._send(self.machine.worker_unreachable(msg.worker_id, str(exc), msg.body.get("request_id"),
-                                                           now=time.monotonic()))
+                model = self.models.of_worker(msg.worker_id)
+                if model is not None:
+                    self._send(model.machine.worker_unreachable(msg.worker_id, str(exc), msg.body.get("request_id"),
+                                                                now=time.monotonic()))
 
     def _reply(self, client: bytes, kind: MsgType, payload: Message | dict[str, Any]) -> None:
         try:
@@ -238,10 +251,12 @@ class Coordinator:
         if kind is MsgType.GENERATE:
             self._on_generate(client, payload)
         elif kind is MsgType.ABORT:
-            self._send(self.machine.abort(client, msg.request_id, now=time.monotonic()))
+            for model in self.models:  # a request id is the client's: whichever model holds it ends it
+                self._send(model.machine.abort(client, msg.request_id, now=time.monotonic()))
         elif isinstance(msg, Status):
             if msg.request_ids is not None:  # a client's liveness probe: which of its requests are still here
-                unknown = self.machine.unknown(client, msg.request_ids)
+                unknown = [r for r in msg.request_ids
+                           if all(m.machine.unknown(client, [r]) for m in self.models)]
                 self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers={}, unknown_requests=unknown))
             else:
                 report = self.status()
@@ -264,18 +279,30 @@ class Coordinator:
         rid_in = payload.get("request_id")
         rid = rid_in if isinstance(rid_in, str) else None
         started = time.perf_counter()
+        requested = payload.get("model")
         try:
-            adaptive = self.machine.adaptive
-            admitted = admit(self.builder, self.limits, payload, adaptive.keep_ratio if adaptive else None)
+            model = self.models.serving(requested if isinstance(requested, str) and requested else None)
+        except ModelUnavailable as exc:
+            log.info("%s refused: %s", rid_in, exc)
+            self._error(client, rid, exc.code, str(exc))
+            return
+        machine = model.machine
+        if rid is not None and any(not m.machine.unknown(client, [rid]) for m in self.models if m is not model):
+            # Request ids are the client's across models: its replies and ABORTs name no model.
+            self._error(client, rid, ErrorCode.BAD_REQUEST, f"request_id {rid!r} is already in flight for this client")
+            return
+        try:
+            adaptive = machine.adaptive
+            admitted = admit(model.builder, self.limits, payload, adaptive.keep_ratio if adaptive else None)
             admitted.admission_s = time.perf_counter() - started
         except AdmissionError as exc:
-            self._send(self.machine.reject(client, rid, str(exc), exc.code, now=time.monotonic()))
+            self._send(machine.reject(client, rid, str(exc), exc.code, now=time.monotonic()))
             return
         except Exception as exc:
             log.exception("%s: admission failed unexpectedly", rid_in)
             self._error(client, rid, ErrorCode.INTERNAL, f"admission failed: {exc.__class__.__name__}: {exc}")
             return
-        self._send(self.machine.submit(client, admitted, now=time.monotonic()))
+        self._send(machine.submit(client, admitted, now=time.monotonic()))
 
     # -- workers ----------------------------------------------------------------------------------------
     def _on_worker_frames(self, frames: list) -> None:
@@ -287,20 +314,39 @@ class Coordinator:
             log.error("dropped a bad message from worker %r: %s", identity[:32], exc)
             return
         worker_id = identity.decode(errors="replace")
-        self._send(self.machine.on_worker(worker_id, msg.KIND, msg, now=time.monotonic()))
+        model = self._model_for_worker(worker_id, msg)
+        if model is None:
+            log.warning("message %s from unregistered worker %s ignored", msg.KIND.name, worker_id)
+            return
+        self._send(model.machine.on_worker(worker_id, msg.KIND, msg, now=time.monotonic()))
+
+    def _model_for_worker(self, worker_id: str, msg: Message) -> ServedModel | None:
+        """The model whose machine takes a worker's message: a READY (or a heartbeat carrying the
+        registration) says which model, and joins it; anything else goes where the worker registered."""
+        info = msg if isinstance(msg, WorkerInfo) else msg.registration() if isinstance(msg, Heartbeat) else None
+        current = self.models.of_worker(worker_id)
+        if info is None or (current is not None and isinstance(msg, Heartbeat)
+                            and current.machine.members.is_alive(worker_id)):
+            return current
+        model = self.models.register(worker_id, info)
+        if current is not None and model is not current:  # the same id, restarted for another model
+            self._send(current.machine.worker_unreachable(worker_id, f"re-registered for model {info.model!r}",
+                                                          now=time.monotonic()))
+        return model
 
     # -- housekeeping -------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
-        self._send(self.machine.tick(now=now))
+        for model in self.models:
+            self._send(model.machine.tick(now=now))
         if self.registry is not None and now >= self._next_announce:
             self._next_announce = now + SHARD_REFRESH_S
             self.registry.announce(self.shard_id, *self._announced, started=self._started)
         if self.store is not None and self.settings.load_poll_s > 0 and now >= self._next_redis_sync:
             self._next_redis_sync = now + self.settings.load_poll_s
-            self.machine.apply_loads(self.store.get_loads(self.machine.alive_workers()))
+            for model in self.models:
+                model.machine.apply_loads(self.store.get_loads(model.machine.alive_workers()))
 
     def status(self) -> dict[str, Any]:
-        return {**self.machine.status(), "model": self.model_name, "model_path": self.settings.model,
-                "shard_id": self.shard_id,
+        return {**merged_status(self.models, self.model_name), "shard_id": self.shard_id,
                 "rss_mib": round(resident_mib(), 1),
                 "redis_healthy": bool(self.store and self.store.healthy), "unauthorized": self._unauthorized}

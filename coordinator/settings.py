@@ -13,8 +13,11 @@ from mserve.common.policy import DEFAULT_LIMITS, Limits
 class CoordinatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
 
-    model: str
-    model_name: str | None = None  # key for the Redis caches; defaults to the model path
+    # The default model (requests that name none go to it), loaded at start-up. Workers bring every other
+    # model: each READY names its model and folder, and the coordinator serves it from then on
+    # (coordinator/models.py). None: every model comes with its workers.
+    model: str | None = None
+    model_name: str | None = None  # its served name and Redis cache key; defaults to the model path
     bind: str = "tcp://127.0.0.1:5555"  # clients connect here
     worker_bind: str = "tcp://127.0.0.1:5556"  # workers connect here
     redis: str | None = None

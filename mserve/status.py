@@ -197,6 +197,9 @@ def build_report(coordinator: str, coord: dict[str, Any] | None, coord_error: st
             "requests_in_flight": _int(coord.get("requests_in_flight")) if coord else None,
             # only from a coordinator that reports its class queues (the key is absent otherwise)
             **({"queued": _queued(coord["queued"])} if coord and isinstance(coord.get("queued"), dict) else {}),
+            # only from a coordinator serving several models (coordinator/models.py): each one's pools and counts
+            **({"models": _models(coord["models"])} if coord and isinstance(coord.get("models"), dict)
+               and len(coord["models"]) > 1 else {}),
         },
         "redis": {"url": redis_url, "read": redis_data is not None,
                   "error": None if redis_data is not None else redis_error},
@@ -211,6 +214,17 @@ def build_report(coordinator: str, coord: dict[str, Any] | None, coord_error: st
         },
         "stats": dict(stats) if stats is not None else None,
     }
+
+
+def _models(models: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{model: {roles, requests_in_flight, completed, shed}} from the coordinator's per-model STATUS."""
+    out = {}
+    for name, m in sorted(models.items()):
+        m = m if isinstance(m, dict) else {}
+        stats = m.get("stats") if isinstance(m.get("stats"), dict) else {}
+        out[name] = {"roles": dict(m.get("roles") or {}), "requests_in_flight": _int(m.get("requests_in_flight")),
+                     "completed": _int(stats.get("completed")), "shed": _int(stats.get("shed"))}
+    return out
 
 
 # --------------------------------------------------------------------------- rendering
@@ -276,6 +290,12 @@ def format_report(report: dict[str, Any]) -> str:
                          _kv(p["kv_used"], p["kv_total"]), f"{p['tokens_per_s']:.1f}"] for p in report["pools"]])
     else:
         lines.append("  (no workers)")
+    if c.get("models"):  # several models: each has its own pools, queues and shedding
+        lines += ["", "models"]
+        lines += table(["model", "live workers", "in flight", "completed", "shed"],
+                       [[name, " ".join(f"{n} {role}" for role, n in sorted(m["roles"].items(), key=lambda x: _role_key(x[0])))
+                         or "none", _f(m["requests_in_flight"]), _f(m["completed"]), _f(m["shed"])]
+                        for name, m in c["models"].items()], left=2)
     queued = {stage: classes for stage, classes in (c.get("queued") or {}).items() if classes}
     if queued:  # requests waiting at the coordinator for a worker with room (max_stages_per_worker)
         lines.append("  waiting at the coordinator: " + "; ".join(

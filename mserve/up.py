@@ -18,7 +18,15 @@ logger = logging.getLogger("mserve.coordinator.launcher")
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local checkpoint folder of a served family (README, \"Model families\")")
+    parser.add_argument("--model", action="append", default=None,
+                        help="local checkpoint folder of a served family (README, \"Model families\"); repeat it to "
+                             "serve several models from one cluster, each with the role counts below (the first is "
+                             "the default for requests that name no model; clients name one by its folder path)")
+    parser.add_argument("--models-file", default=None, metavar="FILE",
+                        help="several models with their own role counts, a JSON or YAML file: {\"models\": [{\"model\": "
+                             "FOLDER, \"encode\": N, \"prefill\": N, \"decode\": N, \"unified\": N}, ...]}; a missing "
+                             "count is 1 (0 for unified, and for the stage roles of an entry with only unified); "
+                             "combines with --model, whose models come first")
     parser.add_argument("--encode", type=int, default=None, help="encode workers (default 1; 0 with --unified)")
     parser.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 with --unified)")
     parser.add_argument("--decode", type=int, default=None, help="decode workers (default 1; 0 with --unified)")
@@ -54,6 +62,18 @@ def run_up(args: argparse.Namespace) -> int:
     # With --unified alone, the user asked for a monolithic cluster: no stage pools unless named.
     default_pool = 0 if args.unified and all(getattr(args, r) is None for r in ("encode", "prefill", "decode")) else 1
     pools = {r: default_pool if getattr(args, r) is None else getattr(args, r) for r in ("encode", "prefill", "decode")}
+    try:
+        models = [(m, {**pools, "unified": args.unified}) for m in args.model or []]
+        models += read_models_file(args.models_file) if args.models_file else []
+    except (OSError, ValueError) as exc:
+        logger.error("mserve up failed: %s", exc)
+        return 1
+    if not models:
+        logger.error("mserve up failed: name a model (--model FOLDER, repeatable, or --models-file FILE)")
+        return 1
+    if len({m for m, _ in models}) < len(models):
+        logger.error("mserve up failed: a model is named twice: %s", [m for m, _ in models])
+        return 1
     stop = threading.Event()
     if getattr(args, "otlp_endpoint", None):  # every process of the cluster reads the standard variable
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_endpoint
@@ -64,13 +84,15 @@ def run_up(args: argparse.Namespace) -> int:
     from mserve.common.model import load_family
 
     try:
-        family = load_family(args.model)
-        if pruning is not None:
-            visual_pruning.apply(family, pruning)
+        for model, _ in models:
+            family = load_family(model)
+            if pruning is not None:
+                visual_pruning.apply(family, pruning)
     except (ValueError, FileNotFoundError) as exc:  # UnsupportedModelError, PruningError, CheckpointError
         logger.error("mserve up failed: %s", exc)
         return 1
-    cluster = LocalCluster(args.model, **pools, unified=args.unified, redis_url=args.redis, port=args.port,
+    (first, counts), *others = models
+    cluster = LocalCluster(first, **counts, other_models=others, redis_url=args.redis, port=args.port,
                            threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
                            client_api_key=args.client_api_key, curve_dir=args.curve_dir,
                            extra_worker_args=pruning_args, extra_coordinator_args=pruning_args,
@@ -96,6 +118,9 @@ def run_up(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"MServe cluster up: {cluster._describe()}; clients connect to {cluster.address}", flush=True)
+        if len(cluster.models) > 1:
+            print(f"  models (send one as 'model'): {cluster.models[0]} (the default), "
+                  + ", ".join(cluster.models[1:]), flush=True)
         if http_url:
             print(f"  OpenAI API at {http_url}/v1 (health {http_url}/health, metrics {http_url}/metrics)", flush=True)
         print(f'  try: python -c "from mserve.coordinator.client import Client; '
@@ -107,6 +132,37 @@ def run_up(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         cluster.stop()
+
+
+def read_models_file(path: str) -> list[tuple[str, dict[str, int]]]:
+    """[(folder, {role: count})] from a --models-file (JSON, or YAML when the name ends in .yaml/.yml)."""
+    with open(path) as f:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            doc = yaml.safe_load(f)
+        else:
+            import json
+
+            doc = json.load(f)
+    entries = doc.get("models") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{path}: expected {{\"models\": [{{\"model\": FOLDER, \"decode\": N, ...}}, ...]}}")
+    out = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            raise ValueError(f"{path}: models[{i}] needs \"model\": the checkpoint folder")
+        unknown = set(entry) - {"model", "encode", "prefill", "decode", "unified"}
+        if unknown:
+            raise ValueError(f"{path}: models[{i}] has unknown keys {sorted(unknown)} (model, encode, prefill, "
+                             "decode, unified)")
+        stage_default = 0 if entry.get("unified") and not any(r in entry for r in ("encode", "prefill", "decode")) else 1
+        counts = {r: entry.get(r, stage_default) for r in ("encode", "prefill", "decode")}
+        counts["unified"] = entry.get("unified", 0)
+        if not all(isinstance(n, int) and n >= 0 for n in counts.values()):
+            raise ValueError(f"{path}: models[{i}] role counts must be whole numbers >= 0, got {counts}")
+        out.append((entry["model"], counts))
+    return out
 
 
 def _watch(cluster: LocalCluster, stop: threading.Event) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,6 +66,22 @@ def report(coord=True, redis=True) -> dict:
 
 
 # ---- pure: merging and rendering --------------------------------------------------------------------
+
+
+def test_a_coordinator_serving_two_models_shows_each_ones_pools_and_counts():
+    reply = {**coordinator_reply(), "models": {
+        MODEL: {"roles": {"encode": 1, "prefill": 1, "decode": 2}, "requests_in_flight": 3,
+                "stats": {"completed": 4, "shed": 0}},
+        "models/tiny-qwen": {"roles": {"unified": 1}, "requests_in_flight": 1, "stats": {"completed": 1, "shed": 2}}}}
+    r = build_report("tcp://10.0.0.1:5555", reply, None, None, None, "unset", now=NOW)
+    assert r["coordinator"]["models"]["models/tiny-qwen"] == {"roles": {"unified": 1}, "requests_in_flight": 1,
+                                                              "completed": 1, "shed": 2}
+    text = format_report(r)
+    assert re.search(r"\n  models/tiny-qwen +1 unified +1 +1 +2\n", text), text
+    assert re.search(r"\n  models/tiny-llava +1 encode 1 prefill 2 decode +3 +4 +0\n", text), text
+    one = build_report("tcp://10.0.0.1:5555", {**coordinator_reply(), "models": {MODEL: {}}}, None, None, None,
+                       "unset", now=NOW)
+    assert "models" not in one["coordinator"]  # one model: the report is as before
 
 
 def test_both_sources_merge_into_pools_workers_caches_and_stats():

@@ -13,7 +13,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--role", choices=["encode", "prefill", "decode", "unified"], help="which stage(s) to run")
     p.add_argument("--model", help="local checkpoint folder")
-    p.add_argument("--model-name", help="cache key for Redis indexes (default: the model path)")
+    p.add_argument("--model-name", help="the served model name clients ask for ('model') and the Redis cache key "
+                                        "(default: the model path); one coordinator serves several models, each "
+                                        "by the name its workers give")
     p.add_argument("--heartbeat-s", type=float,
                    help="seconds between heartbeats (with the load) to every coordinator (default 0.25; 1 for a "
                         "cluster of many workers and coordinator shards: each heartbeat costs every shard CPU)")

@@ -17,7 +17,8 @@ class WorkerSettings(BaseSettings):
 
     role: Literal["encode", "prefill", "decode", "unified"]
     model: str
-    model_name: str | None = None  # key for the Redis caches; defaults to the model path
+    # The served name clients ask for ("model") and the Redis cache key; defaults to the model path.
+    model_name: str | None = None
     coordinator: str = "tcp://127.0.0.1:5556"
     redis: str | None = None
     worker_id: str | None = None

@@ -161,7 +161,8 @@ class Worker:
         return WorkerInfo(worker_id=self.worker_id, role=self.role, data_address=self.transfer.address,
                           host_id=self.transfer.host_id, pid=os.getpid(), model=self.model_name,
                           block_size=self.s.block_size, num_blocks=self.engine.pool.num_blocks, load=self.load(),
-                          data_key=self.transfer.key, visual_token_pruning=self.s.visual_token_pruning)
+                          data_key=self.transfer.key, visual_token_pruning=self.s.visual_token_pruning,
+                          model_path=os.path.abspath(self.s.model))
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain())

@@ -45,6 +45,9 @@ class Generate(Message):
     tokens_to: str | None = wire(optional(as_str), None)
     # The caller's span as a W3C traceparent: the request's trace continues under it (common/tracing.py).
     trace: str | None = wire(optional(as_str), None)
+    # The served model name (a worker's --model-name) this request is for; None: the coordinator's default
+    # (its --model, or the only model it serves). coordinator/models.py maps it to that model's pools.
+    model: str | None = wire(optional(as_str), None)
 
 
 @dataclass

@@ -79,4 +79,5 @@ class ErrorCode:
     INTERNAL = "internal"
     ABORTED = "aborted"
     UNAUTHORIZED = "unauthorized"  # the coordinator requires a client API key: `api_key` missing or wrong
+    MODEL_NOT_FOUND = "model_not_found"  # no live worker serves the requested model (message names the served ones)
     LOST = "lost"  # the coordinator no longer holds the request (it restarted): safe to send again

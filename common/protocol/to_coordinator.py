@@ -29,6 +29,9 @@ class WorkerInfo(Message):
     # The FasterVLM keep ratio this worker prunes images to (None: off); the coordinator refuses an
     # encode or unified worker whose ratio differs from its own (common/pruning.py).
     visual_token_pruning: float | None = wire(optional(as_float), None)
+    # The checkpoint folder `model` (the served name) loads from: the coordinator reads that model's
+    # tokenizer and processor rules from it when the model's first worker registers ("": the coordinator's --model).
+    model_path: str = wire(as_str, "")
 
 
 @dataclass
@@ -43,6 +46,8 @@ class Heartbeat(Message):
     host_id: str | None = wire(optional(as_str), None)
     block_size: int | None = wire(optional(as_int), None)
     visual_token_pruning: float | None = wire(optional(as_float), None)
+    model: str | None = wire(optional(as_str), None)  # as in READY
+    model_path: str | None = wire(optional(as_str), None)
 
     def registration(self) -> WorkerInfo | None:
         """The READY this heartbeat repeats, if it carries one."""
@@ -50,7 +55,8 @@ class Heartbeat(Message):
             return None
         return WorkerInfo(worker_id=self.worker_id, role=self.role, data_address=self.data_address,
                           host_id=self.host_id, block_size=self.block_size or 16, load=self.load,
-                          visual_token_pruning=self.visual_token_pruning)
+                          visual_token_pruning=self.visual_token_pruning, model=self.model or "",
+                          model_path=self.model_path or "")
 
 
 @dataclass

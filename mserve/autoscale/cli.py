@@ -126,6 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-min-requests", type=int, default=5, metavar="N",
                    help="judge the SLO only over at least N finished requests per tick (default 5)")
 
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="scale only this served model's pools, in a cluster serving several (its workers' "
+                        "--model-name, default their --model path; one autoscaler per model); the local backend "
+                        "passes it to the workers it starts. Default: the whole cluster, one model")
     g = p.add_argument_group("local backend")
     g.add_argument("--model", help="checkpoint folder the workers load (as the coordinator's --model)")
     g.add_argument("--worker-address", default="tcp://127.0.0.1:5556", metavar="ADDR",
@@ -196,8 +200,9 @@ def build_backend(args: argparse.Namespace, redis_url: str | None) -> Any:
     if args.backend == "local":
         if not args.model:
             raise SystemExit("error: --backend local needs --model (the checkpoint the workers load)")
+        named = ["--model-name", args.model_name] if args.model_name else []
         return backends.LocalBackend(args.model, args.worker_address, redis_url, threads=args.threads,
-                                     transfer=args.transfer, extra_args=args.worker_arg, log_dir=args.log_dir,
+                                     transfer=args.transfer, extra_args=[*named, *args.worker_arg], log_dir=args.log_dir,
                                      dry_run=args.dry_run)
     if args.backend == "compose":
         return backends.ComposeBackend(args.compose_file, args.compose_project,
@@ -216,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
     backend = build_backend(args, redis_url)
     if args.backend == "local":
         log.info("local backend: workers' logs in %s", backend.log_dir)
-    reader = Reader(args.coordinator, redis_url)
+    reader = Reader(args.coordinator, redis_url, model=args.model_name)
     scaler = Autoscaler(config, backend, reader, interval_s=args.interval)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -11,6 +11,9 @@ Two sources, read each tick, either of which may be down:
 * Redis, when the coordinator does not answer: the worker registry and each worker's published load
   (queue, running, KV blocks, draining). No SLO, parked requests or in-flight counts then.
 
+With several models in one cluster (coordinator/models.py), `model_view` narrows both sources to one
+model's workers, telemetry and parked requests: one autoscaler per model (`--model-name`).
+
 `Signals.observe` is pure (tests feed it hand-made dicts); `Reader` does the reading.
 """
 
@@ -64,6 +67,24 @@ def quantile(h: dict[str, Any] | None, q: float) -> float | None:
         if seen >= need and c:
             return float(h["le"][min(i, len(h["le"]) - 1)])
     return float(h["le"][-1]) if h["le"] else None
+
+
+def model_view(status: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """The STATUS of one model of a coordinator serving several: its workers, telemetry and parked requests.
+    `model` None (the whole cluster) or a coordinator without per-model status: `status` as it is."""
+    per_model = status.get("models")
+    if model is None or not isinstance(per_model, dict):
+        return status
+    own = per_model.get(model) if isinstance(per_model.get(model), dict) else {}
+    workers = status.get("workers") if isinstance(status.get("workers"), dict) else {}
+    return {**own, "workers": {wid: w for wid, w in workers.items() if isinstance(w, dict) and w.get("model") == model}}
+
+
+def model_registry(registry: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """Redis's worker registry narrowed to one model's workers (each registered with its READY's `model`)."""
+    if model is None:
+        return registry
+    return {wid: info for wid, info in registry.items() if isinstance(info, dict) and info.get("model") == model}
 
 
 @dataclass
@@ -162,8 +183,9 @@ class Reader:
     """Reads the coordinator's STATUS (client address) and Redis each tick; keeps its connections."""
 
     def __init__(self, coordinator: str | None, redis_url: str | None, *, timeout_s: float = 2.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, model: str | None = None) -> None:
         self.coordinator, self.timeout_s, self.api_key = coordinator, timeout_s, api_key
+        self.model = model  # observe only this served model's pools (None: the whole cluster)
         self._client: Any = None
         self._store: Any = None
         if redis_url:
@@ -182,7 +204,7 @@ class Reader:
                 self._client = Client(self.coordinator, timeout_s=self.timeout_s, api_key=self.api_key)
             reply = self._client.status(timeout_s=self.timeout_s)
             self.last_error = None
-            return reply if isinstance(reply, dict) else None
+            return model_view(reply, self.model) if isinstance(reply, dict) else None
         except MServeError as exc:
             self.last_error = f"coordinator {self.coordinator}: {exc}"
         except Exception as exc:  # a malformed address, a socket error
@@ -195,7 +217,7 @@ class Reader:
     def redis(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         if self._store is None or not self._store.ping():
             return None, None
-        workers = self._store.list_workers()
+        workers = model_registry(self._store.list_workers(), self.model)
         return workers, self._store.get_loads(sorted(workers))
 
     def read(self, signals: Signals, now: float) -> Snapshot:

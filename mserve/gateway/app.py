@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP gateway: FastAPI routes over one AsyncClient to the coordinator.
 
 ``POST /v1/chat/completions`` (SSE streaming exactly as OpenAI sends it, or one JSON body),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. Errors are OpenAI's error JSON with the
+``GET /v1/models`` (every model the coordinator serves: gateway/models.py), ``GET /health``, ``GET /metrics``. Errors are OpenAI's error JSON with the
 status a client expects (400, 401, 404, 413, 429 + Retry-After, 503, 504). A client that goes
 away aborts its request on every stage: the token stream is closed, which sends ABORT.
 """
@@ -27,6 +27,7 @@ from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
 from mserve.gateway.metrics import GatewayMetrics
+from mserve.gateway.models import ModelCatalog
 from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
                                        parse_chat_request, pruned_marker, status_for_code, usage_of)
 from mserve.gateway.settings import GatewaySettings
@@ -77,12 +78,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 class Generation:
     """One chat completion's tokens turned into text deltas, stop strings applied."""
 
-    def __init__(self, gw: Gateway, req: ChatRequest, span: Any = None) -> None:
+    def __init__(self, gw: Gateway, req: ChatRequest, model: str, tokenizer: Any, span: Any = None) -> None:
         self.req = req
         self.span = span  # the request's gateway span while tracing is on (common/tracing.py)
         trace = {"trace": tracing.traceparent(span)} if span is not None else {}
-        self.stream = gw.client.stream(req.messages, timeout_s=gw.settings.request_timeout_s, **req.sampling, **trace)
-        self.detok = Detokenizer(gw.tokenizer)
+        self.stream = gw.client.stream(req.messages, timeout_s=gw.settings.request_timeout_s, model=model,
+                                       **req.sampling, **trace)
+        self.detok = Detokenizer(tokenizer)
         self.stops = StopMatcher(req.stop)
         self._chunks = self.stream.chunks()
         self.finish_reason: str | None = None
@@ -129,8 +131,7 @@ class Gateway:
         self.settings = settings
         self.media_root = Path(settings.allowed_media_path).resolve() if settings.allowed_media_path else None
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
-        self.tokenizer: Any = None
-        self.model_name = settings.served_model_name or ""
+        self.catalog: ModelCatalog = None  # type: ignore[assignment]
         self.metrics = GatewayMetrics()
 
     async def start(self) -> None:
@@ -139,19 +140,13 @@ class Gateway:
         self.client = AsyncClient(self.settings.coordinator, timeout_s=self.settings.request_timeout_s,
                                   poll_interval_s=0.005, api_key=key.get_secret_value() if key else None,
                                   direct_tokens=self.settings.direct_tokens, tokens_host=self.settings.tokens_host)
-        model_path = self.settings.model
-        if model_path is None or not self.model_name:
-            status = await self.client.status(timeout_s=30.0)
-            model_path = model_path or status.get("model_path") or status.get("model")
-            self.model_name = self.model_name or str(status.get("model") or model_path)
-        if not model_path or not Path(model_path).is_dir():
-            raise RuntimeError(f"the gateway needs the checkpoint folder for its tokenizer: {model_path!r} is not a "
-                               "folder here (pass --model)")
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.catalog = ModelCatalog(lambda: self.client.status(timeout_s=30.0), self.settings.served_model_name,
+                                    self.settings.model)
+        await self.catalog.refresh()
+        if self.catalog.default is not None:  # the default model's folder must be readable here: fail at start
+            await self.catalog.tokenizer(self.catalog.default)
         freeze_startup_heap()
-        log.info("gateway for %s (model %r) ready", self.settings.coordinator, self.model_name)
+        log.info("gateway for %s ready, serving %s", self.settings.coordinator, self.catalog.names())
 
     async def close(self) -> None:
         if self.client is not None:
@@ -188,12 +183,11 @@ class Gateway:
         self.check_auth(request)
         req = parse_chat_request(await self.read_json(request), media_root=self.media_root,
                                  default_max_tokens=self.settings.default_max_tokens)
-        if req.model != self.model_name:
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        model = await self.catalog.resolve(req.model)
+        tokenizer = await self.catalog.tokenizer(model)
         span = tracing.start("POST /v1/chat/completions", request.headers.get("traceparent"), kind="server",
                              attributes={"mserve.stream": req.stream}) if tracing.enabled() else None
-        gen = Generation(self, req, span)
+        gen = Generation(self, req, model, tokenizer, span)
         self.metrics.started()
         first = await self._next(request, gen)
         if req.stream:
@@ -223,7 +217,7 @@ class Gateway:
         self._ended(gen)
         usage = usage_of(gen.prompt_tokens, gen.completion_tokens)
         assert gen.finish_reason is not None
-        body = chat_response(completion_id(), self.model_name, "".join(text), gen.finish_reason, usage,
+        body = chat_response(completion_id(), gen.req.model, "".join(text), gen.finish_reason, usage,
                              gen.detok.ids if gen.req.return_token_ids else None)
         if gen.visual_keep_ratio is None:
             return JSONResponse(body)
@@ -231,7 +225,7 @@ class Gateway:
         return JSONResponse(body, headers={KEEP_RATIO_HEADER: f"{gen.visual_keep_ratio:g}"})
 
     async def _sse(self, gen: Generation, first: tuple[str, list[int]] | None) -> AsyncIterator[str]:
-        cid, created, model, req = completion_id(), int(time.time()), self.model_name, gen.req
+        cid, created, model, req = completion_id(), int(time.time()), gen.req.model, gen.req
         with_ids = req.return_token_ids
 
         def event(obj: dict[str, Any]) -> str:
@@ -276,10 +270,14 @@ class Gateway:
                     error=None if error is None else f"{type(error).__name__}: {error}")
 
     # -- the rest -------------------------------------------------------------------------------------
-    def models(self, request: Request) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
         self.check_auth(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mserve"}]}
+        try:
+            await self.catalog.refresh()
+        except MServeError as exc:  # the last list stands; /health says the coordinator is away
+            log.warning("models: coordinator status unavailable: %s", exc)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mserve"}
+                                           for name in self.catalog.names()]}
 
     async def health(self) -> Response:
         try:
@@ -332,7 +330,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        return gw.models(request)
+        return await gw.models(request)
 
     @app.get("/health")
     async def health() -> Response:

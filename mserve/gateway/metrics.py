@@ -124,6 +124,37 @@ class ClusterCollector:
                                  ("e2e", "mserve_e2e_request_latency_seconds", "Arrival to result")):
             if key in hist:
                 yield _histogram(name, help_, hist[key])
+        yield from self._models(status.get("models") or {})
+
+    @staticmethod
+    def _models(models: dict[str, Any]) -> Iterator[Metric]:
+        """The same numbers per served model (coordinator/models.py), labelled `model`: each model has its
+        own pools, queues and shedding, so its SLOs are judged on its own."""
+        alive = GaugeMetricFamily("mserve_model_workers_alive", "Live workers per pool of each model",
+                                  labels=["model", "role"])
+        in_flight = GaugeMetricFamily("mserve_model_requests_in_flight", "Requests admitted and not ended, per model",
+                                      labels=["model"])
+        stats = {key: CounterMetricFamily(f"mserve_model_requests_{key}", f"{help_}, per model", labels=["model"])
+                 for key, help_ in _COORDINATOR_STATS.items()}
+        latency = {key: HistogramMetricFamily(name, f"{help_}, per model", labels=["model"])
+                   for key, name, help_ in (("ttft", "mserve_model_time_to_first_token_seconds", "Arrival to first token"),
+                                            ("e2e", "mserve_model_e2e_request_latency_seconds", "Arrival to result"))}
+        for name, m in sorted(models.items()):
+            if not isinstance(m, dict):
+                continue
+            for role in ("encode", "prefill", "decode", "unified"):
+                alive.add_metric([name, role], (m.get("roles") or {}).get(role, 0))
+            in_flight.add_metric([name], m.get("requests_in_flight", 0))
+            for key, family in stats.items():
+                family.add_metric([name], (m.get("stats") or {}).get(key, 0))
+            hist = (m.get("telemetry") or {}).get("histograms") or {}
+            for key, family in latency.items():
+                if key in hist:
+                    _histogram("", "", hist[key], {"model": name}, family)
+        yield alive
+        yield in_flight
+        yield from stats.values()
+        yield from latency.values()
 
     def _workers(self, workers: dict[str, Any], roles: dict[str, int]) -> Iterator[Metric]:
         alive = GaugeMetricFamily("mserve_workers_alive", "Live workers per pool", labels=["role"])

@@ -64,6 +64,7 @@ _STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
     ErrorCode.NO_WORKERS: (503, "service_unavailable_error"),
+    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.TIMEOUT: (504, "timeout_error"),
     ErrorCode.ABORTED: (499, "aborted"),
     ErrorCode.LOST: (503, "service_unavailable_error"),  # the coordinator restarted mid-request: retry

@@ -85,3 +85,22 @@ def test_redis_fallback_and_nothing_at_all():
     assert (o.pools["encode"].load, o.pools["decode"].ready, o.pools["decode"].draining) == (4.0, 1, 1)
     assert o.pools["decode"].kv_used == 0.5
     assert sig.observe(0.0, None, None, None).source == "none"
+
+
+def test_one_models_view_of_a_coordinator_serving_two_counts_only_its_workers_and_parked_requests():
+    """One autoscaler per model (--model-name): the other model's busy pools and parked images are not its load."""
+    from mserve.autoscale.signals import model_view, model_registry
+
+    a_tel, b_tel = Telemetry(), Telemetry()
+    full = {"workers": {"a-d": {**worker("decode", running=9), "model": "a"},
+                        "b-d": {**worker("decode", running=1), "model": "b"},
+                        "b-p": {**worker("prefill"), "model": "b"}},
+            "waiting": {"encode": {"requests": 4, "oldest_s": 2.0}},
+            "models": {"a": {"waiting": {"encode": {"requests": 4, "oldest_s": 2.0}}, "telemetry": a_tel.snapshot()},
+                       "b": {"waiting": {}, "telemetry": b_tel.snapshot()}}}
+    obs = Signals(SLO()).observe(10.0, model_view(full, "b")).observation
+    assert obs.pools["decode"].ready == 1 and obs.pools["decode"].load == 1.0
+    assert obs.pools["prefill"].ready == 1 and obs.pools["encode"].waiting == 0
+    whole = Signals(SLO()).observe(10.0, model_view(full, None)).observation
+    assert whole.pools["decode"].ready == 2 and whole.pools["encode"].waiting == 4
+    assert model_registry({"a-d": {"model": "a"}, "b-d": {"model": "b"}}, "a") == {"a-d": {"model": "a"}}

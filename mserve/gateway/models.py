@@ -1,0 +1,76 @@
+"""The gateway's model catalog: which names clients may send as "model", and each one's tokenizer.
+
+The coordinator serves every model that has live workers (coordinator/models.py); its STATUS lists
+them (`served_models`) with each one's checkpoint folder (`models`). The catalog reads that list
+again when a request names a model it does not know (one just joined), so /v1/models and routing
+follow the workers. `--served-model-name` renames the coordinator's default model for clients;
+`--model` gives that model's folder when the coordinator's path is not readable here. A tokenizer
+(for the text deltas) is loaded per model on its first request, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from mserve.gateway.openai_api import ApiError
+
+
+class ModelCatalog:
+    def __init__(self, status: Callable[[], Awaitable[dict[str, Any]]], served_model_name: str | None,
+                 default_folder: str | None) -> None:
+        self._status = status  # the coordinator's STATUS (AsyncClient.status)
+        self._alias = served_model_name
+        self._default_folder = default_folder
+        self.default: str | None = None  # the coordinator's default model, as it names it
+        self._folders: dict[str, str] = {}  # coordinator name -> checkpoint folder
+        self._served: list[str] = []  # coordinator names
+        self._tokenizers: dict[str, Any] = {}  # folder -> tokenizer
+
+    async def refresh(self) -> None:
+        status = await self._status()
+        self.default = status.get("model")
+        per_model = status.get("models") or {}
+        folders = {name: str(m.get("model_path") or name) for name, m in per_model.items()}
+        if self.default and self.default not in folders:  # a coordinator older than several models
+            folders[self.default] = str(status.get("model_path") or self.default)
+        if self.default and self._default_folder:
+            folders[self.default] = self._default_folder
+        self._folders = folders
+        self._served = list(status.get("served_models") or ([self.default] if self.default else []))
+
+    def public(self, name: str) -> str:
+        """How clients see a coordinator name (the default one under --served-model-name)."""
+        return self._alias if self._alias and name == self.default else name
+
+    def names(self) -> list[str]:
+        """The names /v1/models lists, the default model first."""
+        order = sorted(self._served, key=lambda n: (n != self.default, n))
+        return [self.public(n) for n in order]
+
+    async def resolve(self, requested: str) -> str:
+        """The coordinator's name for a client's "model"; 404 naming the served ones when none matches."""
+        for attempt in range(2):
+            if self._alias and requested == self._alias and self.default:
+                return self.default
+            if requested in self._served:
+                return requested
+            if attempt == 0:
+                await self.refresh()  # a model whose workers just joined
+        served = ", ".join(repr(n) for n in self.names()) or "none"
+        raise ApiError(404, f"the model {requested!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+
+    async def tokenizer(self, name: str) -> Any:
+        """The tokenizer of a coordinator model name, loaded from its folder the first time."""
+        folder = self._folders.get(name)
+        if folder is None or not Path(folder).is_dir():
+            raise RuntimeError(f"the gateway needs the checkpoint folder of model {name!r} for its tokenizer: "
+                               f"{folder!r} is not a folder here (pass --model for the default model, or run the "
+                               "gateway where the workers' checkpoint folders are)")
+        if folder not in self._tokenizers:
+            from transformers import AutoTokenizer
+
+            self._tokenizers[folder] = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+        return self._tokenizers[folder]

@@ -1,0 +1,40 @@
+"""`mserve up`'s several-models input: --model repeated and --models-file (JSON or YAML), read before anything starts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from mserve.up import _main, read_models_file
+
+
+def test_a_models_file_gives_role_counts_per_model_json_and_yaml(tmp_path):
+    doc = {"models": [{"model": "m/llava", "decode": 2}, {"model": "m/qwen", "unified": 1}]}
+    (tmp_path / "models.json").write_text(json.dumps(doc))
+    (tmp_path / "models.yaml").write_text("models:\n  - model: m/llava\n    decode: 2\n  - model: m/qwen\n    unified: 1\n")
+    want = [("m/llava", {"encode": 1, "prefill": 1, "decode": 2, "unified": 0}),
+            ("m/qwen", {"encode": 0, "prefill": 0, "decode": 0, "unified": 1})]  # only unified: no stage pools
+    assert read_models_file(str(tmp_path / "models.json")) == want
+    assert read_models_file(str(tmp_path / "models.yaml")) == want
+
+
+@pytest.mark.parametrize("doc, why", [
+    ({"models": []}, "expected"), ({"models": [{"decode": 1}]}, 'models[0] needs "model"'),
+    ({"models": [{"model": "m", "decoders": 2}]}, "unknown keys ['decoders']"),
+    ({"models": [{"model": "m", "decode": -1}]}, "whole numbers >= 0"),
+])
+def test_a_bad_models_file_is_refused_naming_the_entry(tmp_path, doc, why):
+    path = tmp_path / "models.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=re.escape(why)):
+        read_models_file(str(path))
+
+
+def test_mserve_up_refuses_a_model_named_twice_or_none_before_starting_anything(caplog):
+    assert _main(["--model", "m/a", "--model", "m/a"]) == 1
+    assert _main([]) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["mserve up failed: a model is named twice: ['m/a', 'm/a']",
+                      "mserve up failed: name a model (--model FOLDER, repeatable, or --models-file FILE)"]
