@@ -113,6 +113,7 @@ class Admitted:
     # image hashes carry it (common/pruning.py: pruned_hash) and its encoder prunes to it. None: as
     # the cluster's --visual-token-pruning.
     keep_ratio: float | None = None
+    model: str | None = None  # the served model that takes it (a group's chosen variant): RESULT names it
 
     @property
     def visual_tokens(self) -> int:

@@ -93,9 +93,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "requests get while its predicted TTFT breaks its --ttft-slo-ms objective, e.g. "
                         "interactive=0.5,batch=0.25 (LLaVA; requests through encode workers; default off)")
     p.add_argument("--ttft-slo-ms", metavar="CLASS=MS,...",
-                   help="TTFT objective per latency class for --adaptive-pruning, e.g. interactive=2000,batch=10000")
+                   help="TTFT objective per latency class for --adaptive-pruning and --variant-groups, e.g. "
+                        "interactive=2000,batch=10000")
     p.add_argument("--adaptive-pruning-hold-s", type=float,
                    help="adaptive pruning lifts once the predicted TTFT stays below 0.7x the objective this long "
                         "(default 2)")
+    p.add_argument("--variant-groups", metavar="GROUP=SMALL,LARGE;...",
+                   help="opt-in model-version routing: a request whose model names GROUP goes to one of its served "
+                        "variants (listed smallest first): batch to the largest live one, interactive to a smaller "
+                        "one while the larger one's predicted TTFT breaks --ttft-slo-ms interactive=MS (required), "
+                        "back up once it stays below 0.7x that for --variant-hold-s; the reply names the variant")
+    p.add_argument("--variant-hold-s", type=float,
+                   help="interactive traffic moves back to a larger variant after its prediction stays below 0.7x "
+                        "the objective this long (default 2)")
     add_pruning_argument(p, "Admission counts placeholders at this ratio; encode and unified workers with "
                             "another are refused.")

@@ -151,6 +151,7 @@ class GenerateResult:
     cache_hits: dict[str, int] = field(default_factory=dict)  # embedding, prefix_tokens
     attempts: int = 1
     visual_keep_ratio: float | None = None  # set when SLO-adaptive pruning pruned this request's images
+    model: str | None = None  # the served model that answered (a group's variant); None: an older coordinator
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> GenerateResult:
@@ -160,7 +161,8 @@ class GenerateResult:
     def from_reply(cls, r: Result) -> GenerateResult:
         return cls(request_id=r.request_id, token_ids=r.token_ids, text=r.text, finish_reason=r.finish_reason,
                    prompt_tokens=r.prompt_tokens, visual_tokens=r.visual_tokens, timings=r.timings,
-                   cache_hits=r.cache_hits, attempts=r.attempts, visual_keep_ratio=r.visual_keep_ratio)
+                   cache_hits=r.cache_hits, attempts=r.attempts, visual_keep_ratio=r.visual_keep_ratio,
+                   model=r.model)
 
 
 # --------------------------------------------------------------------------- request building
@@ -281,6 +283,7 @@ class Assembler:
         self.result: GenerateResult | None = None
         self.finished = False  # the server ended the request (RESULT or ERROR)
         self.prompt_tokens: int | None = None  # from the first TOKENS (streams) or RESULT
+        self.model: str | None = None  # the served model answering: from the first TOKENS or RESULT
 
     def feed(self, kind: int, reply: Reply | dict[str, Any]) -> None:
         if isinstance(reply, dict):  # a body not parsed at a socket (tests, tools)
@@ -293,6 +296,8 @@ class Assembler:
             index, tokens = reply.index, reply.token_ids
             if reply.prompt_tokens is not None:
                 self.prompt_tokens = reply.prompt_tokens
+            if reply.model is not None:
+                self.model = reply.model
             if index > self.num_received:
                 if not self.reorder:
                     # A gap means tokens were lost; the output would be silently wrong, so fail loudly.
@@ -308,6 +313,7 @@ class Assembler:
         elif isinstance(reply, Result):
             self.result = GenerateResult.from_reply(reply)
             self.prompt_tokens = self.result.prompt_tokens
+            self.model = self.result.model or self.model
             if self.result.token_ids[:self.num_received] != self.received:
                 self.finished = True
                 raise ServerError("the streamed tokens differ from the result's", request_id=self.request_id)
@@ -337,6 +343,11 @@ class StreamState:
     def prompt_tokens(self) -> int | None:
         """The prompt's length in tokens (visual included), once the first reply told it."""
         return self._asm.prompt_tokens
+
+    @property
+    def model(self) -> str | None:
+        """The served model answering (a group's chosen variant), once the first reply told it."""
+        return self._asm.model
 
     @property
     def done(self) -> bool:

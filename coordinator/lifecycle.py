@@ -68,7 +68,8 @@ class Lifecycle:
         if st.admitted.request.stream and relay:
             # At index 0 the prompt's size too: a client that stops early (a stop string) still learns it.
             msg = Tokens(request_id=st.client_rid, index=index, token_ids=tokens,
-                         prompt_tokens=len(st.admitted.prompt_ids) if index == 0 else None)
+                         prompt_tokens=len(st.admitted.prompt_ids) if index == 0 else None,
+                         model=st.admitted.model if index == 0 else None)
             self.outbox.to_client(st.client, MsgType.TOKENS, msg.fields())
 
     def end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,

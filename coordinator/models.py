@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from mserve.common.protocol import ErrorCode
 from mserve.common.protocol.to_coordinator import WorkerInfo
+from mserve.coordinator.variant_policy import GroupState, VariantGroup, VariantRule, choose_variant, variant_load
 
 log = logging.getLogger("mserve.coordinator")
 
@@ -78,12 +79,41 @@ def serving_model(requested: str | None, models: Mapping[str, ServedModel], defa
     return model
 
 
+class VariantRouter:
+    """Model-version routing (--variant-groups): the decision is coordinator/variant_policy.py's, made on each
+    variant's own request machine's figures; this keeps each group's state between decisions."""
+
+    def __init__(self, groups: Mapping[str, VariantGroup], rule: VariantRule) -> None:
+        self.groups, self.rule = dict(groups), rule
+        self.states = {name: GroupState() for name in groups}
+        self.chosen: dict[tuple[str, str], int] = {}  # (group, variant) -> requests routed there
+
+    def live(self, group: VariantGroup, models: Mapping[str, ServedModel]) -> list[str]:
+        return [v for v in group.variants if (m := models.get(v)) is not None and m.live_roles()]
+
+    def choose(self, group: VariantGroup, latency_class: str, models: Mapping[str, ServedModel], now: float) -> str:
+        loads = {v: variant_load(models[v].machine.requests.values(), models[v].machine.members.routable())
+                 for v in self.live(group, models)}
+        decision = choose_variant(group, latency_class, loads, self.rule, self.states[group.name], now)
+        moved = decision.state.interactive != self.states[group.name].interactive
+        self.states[group.name] = decision.state
+        if decision.variant is None:
+            raise ModelUnavailable(ErrorCode.NO_WORKERS, f"the model group {group.name!r} has no variant with live "
+                                                         f"workers (variants: {', '.join(group.variants)})")
+        if moved:
+            log.info("variant routing: %s", decision.reason)
+        key = (group.name, decision.variant)
+        self.chosen[key] = self.chosen.get(key, 0) + 1
+        return decision.variant
+
+
 class ModelTable:
     """Served models by name, and which model each worker serves (its READY says)."""
 
     def __init__(self, default_name: str | None, default_path: str | None,
-                 make: Callable[[str, str], ServedModel]) -> None:
+                 make: Callable[[str, str], ServedModel], router: VariantRouter | None = None) -> None:
         self.default = default_name
+        self.router = router
         self._default_path = default_path
         self._make = make  # (name, folder) -> a new ServedModel (loads its tokenizer)
         self._models: dict[str, ServedModel] = {}
@@ -101,9 +131,19 @@ class ModelTable:
         return self._models.get(name)
 
     def served_names(self) -> list[str]:
-        return sorted(served(self._models, self.default))
+        """Served models, and the variant groups with a live variant."""
+        groups = [g.name for g in self.router.groups.values() if self.router.live(g, self._models)] \
+            if self.router is not None else []
+        return sorted([*served(self._models, self.default), *groups])
 
-    def serving(self, requested: str | None) -> ServedModel:
+    def groups(self) -> dict[str, list[str]]:
+        """{group name: its variants, smallest first} (STATUS: the gateway reads which folder a group's tokens use)."""
+        return {g.name: list(g.variants) for g in self.router.groups.values()} if self.router is not None else {}
+
+    def serving(self, requested: str | None, latency_class: str = "interactive", now: float = 0.0) -> ServedModel:
+        """The model that serves a request for `requested`: a model's name, or a group's (a variant chosen)."""
+        if self.router is not None and requested in self.router.groups:
+            requested = self.router.choose(self.router.groups[requested], latency_class, self._models, now)
         return serving_model(requested, self._models, self.default)
 
     def of_worker(self, worker_id: str) -> ServedModel | None:
@@ -165,7 +205,9 @@ def merged_status(models: ModelTable, default: str | None) -> dict[str, Any]:
             "requests_in_flight": sum(st["requests_in_flight"] for st in per.values()),
             "encode_parked": sum(st["encode_parked"] for st in per.values()),
             "model": main, "model_path": per[main]["model_path"] if main is not None else None, "models": per,
-            "served_models": models.served_names()}
+            "served_models": models.served_names(), "variant_groups": models.groups(),
+            "variant_routed": {f"{g}/{v}": n for (g, v), n in sorted(models.router.chosen.items())}
+            if models.router is not None else {}}
 
 
 def merged_telemetry(snapshots: list[dict[str, Any]]) -> dict[str, Any]:

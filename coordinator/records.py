@@ -325,4 +325,4 @@ def result_body(st: RequestState, finish_reason: str, text: str, now: float) -> 
     return Result(request_id=st.client_rid, token_ids=st.output_ids, text=text, finish_reason=finish_reason,
                   prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
                   timings=timings, cache_hits=st.cache_hits, attempts=st.attempt + 1,
-                  visual_keep_ratio=st.admitted.keep_ratio).fields()
+                  visual_keep_ratio=st.admitted.keep_ratio, model=st.admitted.model).fields()

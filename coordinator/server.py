@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from mserve.common import pruning
+from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.hashing import item_spans, prompt_block_hashes
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
@@ -32,7 +33,7 @@ from mserve.common.sockets import make_socket, send
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
 from mserve.coordinator.recent_prefixes import RecentPrefixes, merge_hits
 from mserve.coordinator.admission import Admitted, AdmissionError, Limits, admit
-from mserve.coordinator.models import ModelTable, ModelUnavailable, ServedModel, merged_status
+from mserve.coordinator.models import ModelTable, ModelUnavailable, ServedModel, VariantRouter, merged_status
 from mserve.coordinator.requests import Out, RequestMachine, ToClient
 from mserve.coordinator.settings import CoordinatorSettings
 
@@ -117,7 +118,9 @@ class Coordinator:
         self._started = time.time()
         self._next_announce = 0.0
         self._shard_owner = self.shard_id or uuid.uuid4().hex
-        self.models = ModelTable(self.model_name, settings.model, self._serve_model)
+        routing = settings.variant_routing()
+        self.models = ModelTable(self.model_name, settings.model, self._serve_model,
+                                 VariantRouter(*routing) if routing is not None else None)
         self._running = True
         self._next_redis_sync = 0.0
 
@@ -281,7 +284,10 @@ class Coordinator:
         started = time.perf_counter()
         requested = payload.get("model")
         try:
-            model = self.models.serving(requested if isinstance(requested, str) and requested else None)
+            latency_class = payload.get("latency_class")
+            model = self.models.serving(requested if isinstance(requested, str) and requested else None,
+                                        latency_class if latency_class in LATENCY_CLASSES else "interactive",
+                                        time.monotonic())
         except ModelUnavailable as exc:
             log.info("%s refused: %s", rid_in, exc)
             self._error(client, rid, exc.code, str(exc))
@@ -295,6 +301,7 @@ class Coordinator:
             adaptive = machine.adaptive
             admitted = admit(model.builder, self.limits, payload, adaptive.keep_ratio if adaptive else None)
             admitted.admission_s = time.perf_counter() - started
+            admitted.model = model.name
         except AdmissionError as exc:
             self._send(machine.reject(client, rid, str(exc), exc.code, now=time.monotonic()))
             return

@@ -96,6 +96,12 @@ class CoordinatorSettings(BaseSettings):
     adaptive_pruning: str | None = None
     ttft_slo_ms: str | None = None
     adaptive_pruning_hold_s: float = Field(2.0, ge=0.0)
+    # Opt-in model-version routing (coordinator/variant_policy.py): named groups of served models,
+    # smallest first ("llava=llava-small,llava-large;qwen=..."); a request naming a group goes to one
+    # variant: batch to the largest live one, interactive down while the larger one's predicted TTFT
+    # breaks ttft_slo_ms's interactive objective (needed), back up after variant_hold_s below 0.7 x it.
+    variant_groups: str | None = None
+    variant_hold_s: float = Field(2.0, ge=0.0)
     # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
     otlp_endpoint: str | None = None
 
@@ -110,6 +116,21 @@ class CoordinatorSettings(BaseSettings):
     def _adaptive_pruning(self) -> CoordinatorSettings:
         self.pruning_objectives()  # refuses a bad value at start-up, naming the setting
         return self
+
+    @model_validator(mode="after")
+    def _variant_groups(self) -> CoordinatorSettings:
+        self.variant_routing()  # refuses a bad group or a missing interactive objective at start-up
+        return self
+
+    def variant_routing(self) -> tuple[dict, object] | None:
+        """({group name: VariantGroup}, VariantRule) of model-version routing; None when off."""
+        from mserve.coordinator.adaptive_pruning import parse_per_class
+        from mserve.coordinator.variant_policy import parse_variant_groups, variant_rule
+
+        groups = parse_variant_groups(self.variant_groups)
+        if not groups:
+            return None
+        return groups, variant_rule(parse_per_class(self.ttft_slo_ms, "ttft_slo_ms"), hold_s=self.variant_hold_s)
 
     def pruning_objectives(self) -> dict:
         """{class: ClassObjective} of SLO-adaptive pruning; {} when off."""

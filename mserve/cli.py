@@ -92,7 +92,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                                                "load_poll_s", "token_report_every",
                                                                "worker_advertise", "otlp_endpoint",
                                                                "adaptive_pruning", "ttft_slo_ms",
-                                                               "adaptive_pruning_hold_s"])
+                                                               "adaptive_pruning_hold_s", "variant_groups",
+                                                               "variant_hold_s"])
     from mserve.common.pruning import PruningError
 
     _start_tracing("mserve-coordinator", settings.otlp_endpoint, shard=settings.shard_id)

@@ -37,6 +37,7 @@ class TokenRoute:
     client_rid: str | None
     index: int  # the client-side index of this request's next token
     prompt_tokens: int
+    model: str | None = None  # the served model name (the worker's --model-name), sent with index 0
     unreported: list[int] = field(default_factory=list)
 
     def take(self, tokens: list[int], must_report: bool) -> list[int] | None:
@@ -64,7 +65,8 @@ class TokenSinks:
             return
         # At index 0 the prompt's size too: a client that stops early still learns it.
         msg = Tokens(request_id=route.client_rid or "", index=route.index, token_ids=tokens,
-                     prompt_tokens=route.prompt_tokens if route.index == 0 else None)
+                     prompt_tokens=route.prompt_tokens if route.index == 0 else None,
+                     model=route.model if route.index == 0 else None)
         try:
             send(self._sock(route.sink), MsgType.TOKENS, msg.to_body(), flags=zmq.NOBLOCK)
             self.sent += 1

@@ -74,6 +74,7 @@ class Tokens(Message):
     index: int = wire(as_int)  # of the first of `token_ids` in the request's output
     token_ids: list[int] = wire(list_of(as_int))
     prompt_tokens: int | None = wire(optional(as_int), None)  # with index 0
+    model: str | None = wire(optional(as_str), None)  # with index 0: the served model answering (a variant of a group)
 
 
 @dataclass
@@ -91,6 +92,9 @@ class Result(Message):
     # The keep ratio this request's images were pruned to when SLO-adaptive pruning chose one (its
     # class broke its TTFT objective); None: not pruned adaptively (the cluster's fixed ratio, if any).
     visual_keep_ratio: float | None = wire(optional(as_float), None)
+    # The served model that answered: the request's own `model`, or the variant its group chose
+    # (coordinator/variant_policy.py). None from a coordinator older than several models.
+    model: str | None = wire(optional(as_str), None)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
 from mserve.gateway.metrics import GatewayMetrics
 from mserve.gateway.models import ModelCatalog
-from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
+from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, MODEL_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
                                        parse_chat_request, pruned_marker, status_for_code, usage_of)
 from mserve.gateway.settings import GatewaySettings
 from mserve.gateway.textstream import Detokenizer, StopMatcher
@@ -78,13 +78,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 class Generation:
     """One chat completion's tokens turned into text deltas, stop strings applied."""
 
-    def __init__(self, gw: Gateway, req: ChatRequest, model: str, tokenizer: Any, span: Any = None) -> None:
+    def __init__(self, gw: Gateway, req: ChatRequest, model: str, span: Any = None) -> None:
         self.req = req
+        self.catalog = gw.catalog
+        self.model = model  # the coordinator's name asked for; once a reply names it, the model answering
         self.span = span  # the request's gateway span while tracing is on (common/tracing.py)
         trace = {"trace": tracing.traceparent(span)} if span is not None else {}
         self.stream = gw.client.stream(req.messages, timeout_s=gw.settings.request_timeout_s, model=model,
                                        **req.sampling, **trace)
-        self.detok = Detokenizer(tokenizer)
+        self.detok: Detokenizer = None  # type: ignore[assignment]  # the answering model's, at its first reply
         self.stops = StopMatcher(req.stop)
         self._chunks = self.stream.chunks()
         self.finish_reason: str | None = None
@@ -102,6 +104,7 @@ class Generation:
         except StopAsyncIteration:
             res = self.stream.result
             assert res is not None
+            await self._answered_by(res.model)
             self.prompt_tokens, self.finish_reason = res.prompt_tokens, res.finish_reason
             self.visual_keep_ratio = res.visual_keep_ratio
             tail = self.stops.feed(self.detok.finish(res.text))
@@ -111,6 +114,7 @@ class Generation:
             return tail, []
         if self.t_first is None:
             self.t_first = time.perf_counter()
+        await self._answered_by(self.stream.model)
         self.prompt_tokens = self.stream.prompt_tokens or self.prompt_tokens
         text = self.stops.feed(self.detok.add(ids))
         if self.stops.stopped:  # a stop string ended the answer: stop the cluster's work too
@@ -118,9 +122,20 @@ class Generation:
             self.close()
         return text, ids
 
+    async def _answered_by(self, served: str | None) -> None:
+        """The first reply names the model answering (a group's variant): its tokenizer reads the tokens."""
+        if self.detok is None:
+            self.model = served or self.model
+            self.detok = Detokenizer(await self.catalog.tokenizer(self.model))
+
+    @property
+    def public_model(self) -> str:
+        """The answering model as clients name it (the request's own name until a reply said)."""
+        return self.catalog.public(self.model) if self.detok is not None else self.req.model
+
     @property
     def completion_tokens(self) -> int:
-        return len(self.detok.ids)
+        return len(self.detok.ids) if self.detok is not None else 0
 
     def close(self) -> None:
         self.stream.close()
@@ -184,15 +199,17 @@ class Gateway:
         req = parse_chat_request(await self.read_json(request), media_root=self.media_root,
                                  default_max_tokens=self.settings.default_max_tokens)
         model = await self.catalog.resolve(req.model)
-        tokenizer = await self.catalog.tokenizer(model)
+        if not self.catalog.is_group(model):
+            await self.catalog.tokenizer(model)  # a folder not readable here fails now, not after the cluster's work
         span = tracing.start("POST /v1/chat/completions", request.headers.get("traceparent"), kind="server",
                              attributes={"mserve.stream": req.stream}) if tracing.enabled() else None
-        gen = Generation(self, req, model, tokenizer, span)
+        gen = Generation(self, req, model, span)
         self.metrics.started()
         first = await self._next(request, gen)
         if req.stream:
             return StreamingResponse(self._sse(gen, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              MODEL_HEADER: gen.public_model})
         return await self._collect(request, gen, first)
 
     async def _next(self, request: Request, gen: Generation) -> tuple[str, list[int]] | None:
@@ -217,15 +234,16 @@ class Gateway:
         self._ended(gen)
         usage = usage_of(gen.prompt_tokens, gen.completion_tokens)
         assert gen.finish_reason is not None
-        body = chat_response(completion_id(), gen.req.model, "".join(text), gen.finish_reason, usage,
+        body = chat_response(completion_id(), gen.public_model, "".join(text), gen.finish_reason, usage,
                              gen.detok.ids if gen.req.return_token_ids else None)
+        headers = {MODEL_HEADER: gen.public_model}
         if gen.visual_keep_ratio is None:
-            return JSONResponse(body)
+            return JSONResponse(body, headers=headers)
         body["mserve"] = pruned_marker(gen.visual_keep_ratio)
-        return JSONResponse(body, headers={KEEP_RATIO_HEADER: f"{gen.visual_keep_ratio:g}"})
+        return JSONResponse(body, headers={**headers, KEEP_RATIO_HEADER: f"{gen.visual_keep_ratio:g}"})
 
     async def _sse(self, gen: Generation, first: tuple[str, list[int]] | None) -> AsyncIterator[str]:
-        cid, created, model, req = completion_id(), int(time.time()), gen.req.model, gen.req
+        cid, created, model, req = completion_id(), int(time.time()), gen.public_model, gen.req
         with_ids = req.return_token_ids
 
         def event(obj: dict[str, Any]) -> str:

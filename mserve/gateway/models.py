@@ -27,6 +27,7 @@ class ModelCatalog:
         self._folders: dict[str, str] = {}  # coordinator name -> checkpoint folder
         self._served: list[str] = []  # coordinator names
         self._tokenizers: dict[str, Any] = {}  # folder -> tokenizer
+        self._groups: dict[str, list[str]] = {}  # variant group -> its variants (--variant-groups)
 
     async def refresh(self) -> None:
         status = await self._status()
@@ -39,6 +40,11 @@ class ModelCatalog:
             folders[self.default] = self._default_folder
         self._folders = folders
         self._served = list(status.get("served_models") or ([self.default] if self.default else []))
+        self._groups = dict(status.get("variant_groups") or {})
+
+    def is_group(self, name: str) -> bool:
+        """A variant group's name: the coordinator picks the variant, whose tokenizer reads the answer."""
+        return name in self._groups
 
     def public(self, name: str) -> str:
         """How clients see a coordinator name (the default one under --served-model-name)."""
@@ -64,6 +70,8 @@ class ModelCatalog:
 
     async def tokenizer(self, name: str) -> Any:
         """The tokenizer of a coordinator model name, loaded from its folder the first time."""
+        if name not in self._folders:
+            await self.refresh()  # a variant that answered before this catalog saw it join
         folder = self._folders.get(name)
         if folder is None or not Path(folder).is_dir():
             raise RuntimeError(f"the gateway needs the checkpoint folder of model {name!r} for its tokenizer: "

@@ -20,6 +20,7 @@ from mserve.common.prompt import CHAT_ROLES
 from mserve.common.protocol import ErrorCode
 
 __all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of", "KEEP_RATIO_HEADER",
+           "MODEL_HEADER",
            "pruned_marker", "error_body", "status_for_code"]
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI
@@ -279,6 +280,7 @@ def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 # SLO-adaptive pruning (docs/operations.md): a reply whose images were pruned says so, in this header
 # (non-streaming) and in an `mserve` object on the body (the finishing chunk when streaming).
 KEEP_RATIO_HEADER = "X-MServe-Visual-Keep-Ratio"
+MODEL_HEADER = "X-MServe-Model"  # the served model that answered: a variant when the request named a group
 
 
 def pruned_marker(keep_ratio: float) -> dict[str, Any]:

@@ -30,7 +30,9 @@ def two_models(tiny_model_dirs, redis_server, tmp_path_factory):
     llava, qwen = str(tiny_model_dirs["llava"]), str(tiny_model_dirs["qwen2_vl"])
     with LocalCluster(llava, encode=1, prefill=1, decode=2, redis_url=redis_server.url, transfer="tcp",
                       other_models=[(qwen, {"encode": 1, "prefill": 1, "decode": 1})],
-                      extra_coordinator_args=["--dead-after-s", "1.0"],
+                      # A variant group over both (qwen2_vl listed as the smaller): routed by latency class.
+                      extra_coordinator_args=["--dead-after-s", "1.0", "--variant-groups", f"pair={qwen},{llava}",
+                                              "--ttft-slo-ms", "interactive=60000"],
                       log_dir=str(tmp_path_factory.mktemp("two-models-logs"))) as cluster:
         yield llava, qwen, cluster, cluster.start_gateway()
 
@@ -59,7 +61,7 @@ def test_each_model_answers_its_own_requests_with_hf_exact_tokens(two_models):
     assert [r.token_ids for r in got_default] == want_llava[:2]
     with Client(cluster.address, timeout_s=10) as c:
         status = c.status()
-    assert status["served_models"] == sorted([llava, qwen])
+    assert status["served_models"] == sorted([llava, qwen, "pair"])
     for model in (llava, qwen):
         assert status["models"][model]["roles"] == ({"encode": 1, "prefill": 1, "decode": 2} if model == llava
                                                     else {"encode": 1, "prefill": 1, "decode": 1})
@@ -78,10 +80,40 @@ def _gateway_chat(url: str, model: str, text: str, images=(), **kw) -> httpx.Res
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
 
 
+def test_a_variant_group_sends_each_class_to_a_variant_and_the_reply_names_it(two_models):
+    llava, qwen, cluster, url = two_models
+    requests = request_mix(2, seed=5)[1:]  # one image
+    want = {m: expected(m, requests, 8)[0] for m in (llava, qwen)}
+
+    async def ask(model: str, latency_class: str):
+        async with AsyncClient(cluster.address, timeout_s=120) as client:
+            return await client.generate(chat(*requests[0]), max_tokens=8, model=model, latency_class=latency_class)
+
+    # An idle cluster: both classes go to the largest live variant (listed last), which answers exactly.
+    for cls in ("batch", "interactive"):
+        got = asyncio.run(ask("pair", cls))
+        assert got.model == llava and got.token_ids == want[llava]
+    assert asyncio.run(ask(qwen, "interactive")).model == qwen  # a variant by its own name: as asked
+    reply = _gateway_chat(url, "pair", *requests[0], latency_class="batch")
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == llava and reply.headers["x-mserve-model"] == llava
+    assert reply.json()["choices"][0]["token_ids"] == want[llava]
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+            "model": "pair", "max_tokens": 8, "stream": True,
+            "messages": [{"role": "user", "content": "Say something."}]}) as stream:
+        assert stream.headers["x-mserve-model"] == llava
+        chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
+    assert chunks and all(f'"model":"{llava}"' in line for line in chunks)
+    with Client(cluster.address, timeout_s=10) as c:
+        status = c.status()
+    assert status["variant_groups"] == {"pair": [qwen, llava]}
+    assert status["variant_routed"] == {f"pair/{llava}": 4}
+
+
 def test_the_gateway_lists_and_routes_both_models(two_models):
     llava, qwen, _, url = two_models
     listed = httpx.get(url + "/v1/models", timeout=30).json()
-    assert [m["id"] for m in listed["data"]] == [llava, qwen]  # the default model first
+    assert [m["id"] for m in listed["data"]] == [llava, qwen, "pair"]  # the default model first
     requests = request_mix(2, seed=5)[1:]  # one image
     for model in (llava, qwen):
         reply = _gateway_chat(url, model, *requests[0])

@@ -110,3 +110,50 @@ def test_a_pool_whose_last_worker_drains_parks_requests_rather_than_refusing_the
                                                                        load={"draining": True}), now=0.1)
     assert model.machine.members.routable() and "decode" not in {w.role for w in model.machine.members.routable()}
     assert serving_model("a", {"a": model}, None) is model  # its replacement is on the way: wait for it
+
+
+# -- variant groups (--variant-groups): the router in ModelTable.serving ----------------------------------
+
+def group_table(slo_ms: float = 1000.0):
+    from mserve.coordinator.models import VariantRouter
+    from mserve.coordinator.variant_policy import parse_variant_groups, variant_rule
+
+    router = VariantRouter(parse_variant_groups("pair=small,large"), variant_rule({"interactive": slo_ms}, hold_s=2.0))
+    table = ModelTable(None, None, lambda name, path: served(name), router)
+    for name in ("small", "large"):
+        for role in ("encode", "prefill", "decode"):
+            table.register(f"{name}-{role}", WorkerInfo(worker_id=f"{name}-{role}", role=role, data_address="tcp://x:1",
+                                                      host_id="h", model=name, model_path=f"/models/{name}"))
+            join(table.get(name), f"{name}-{role}", role)
+    return table, router
+
+
+def back_up_large(table: ModelTable, images: int) -> None:
+    """Image requests waiting on the large variant's encoder: its predicted TTFT grows 0.05 s an image."""
+    from tests.coordinator.test_request_machine import make_admitted
+
+    large = table.get("large")
+    for i in range(images // 4):
+        large.machine.submit(b"client", make_admitted(f"wait{i}", images=4), now=0.0)
+
+
+def test_a_group_routes_batch_to_its_largest_and_interactive_down_only_past_the_objective():
+    table, router = group_table(slo_ms=1000.0)
+    assert table.served_names() == ["large", "pair", "small"] and table.groups() == {"pair": ["small", "large"]}
+    assert table.serving("pair", "interactive", now=0.0).name == "large"  # idle: the largest meets it
+    back_up_large(table, images=40)  # 40 images x 0.05 s = 2 s predicted on large: over the 1 s objective
+    assert table.serving("pair", "batch", now=1.0).name == "large"  # batch never moves down
+    assert table.serving("pair", "interactive", now=1.0).name == "small"
+    assert table.serving("small", "interactive", now=1.0).name == "small"  # a variant by its own name: as asked
+    assert router.chosen == {("pair", "large"): 2, ("pair", "small"): 1}
+
+
+def test_a_group_with_no_live_variant_is_refused_naming_it():
+    table, _ = group_table()
+    for name in ("small", "large"):
+        for role in ("encode", "prefill", "decode"):
+            table.get(name).machine.on_worker(f"{name}-{role}", MsgType.BYE, {"worker_id": f"{name}-{role}"}, now=0.0)
+    assert "pair" not in table.served_names()
+    with pytest.raises(ModelUnavailable) as err:
+        table.serving("pair", "batch", now=0.0)
+    assert err.value.code == ErrorCode.NO_WORKERS and "'pair'" in str(err.value) and "small, large" in str(err.value)

@@ -45,7 +45,7 @@ class SteppingWorker(Worker):
         every = getattr(task, "report_every", 1)
         if every > 1:
             rec.route = TokenRoute(every, task.tokens_to, task.client_rid, len(rec.seq.output_ids),
-                                   len(rec.seq.prompt_ids))
+                                   len(rec.seq.prompt_ids), model=self.model_name)
 
     def close(self) -> None:
         self.sinks.close()
