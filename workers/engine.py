@@ -50,6 +50,10 @@ class EngineConfig:
     # Attention over each request's exact key count (workers/paged_attention.exact_lengths); None: on in
     # bf16/fp16, where it keeps HF's tokens. False trades that for one padded SDPA call per group.
     exact_attention: bool | None = None
+    # Decode steps through torch.compile (inductor) of the language model (workers/model_runner.py
+    # _compile_decode). Off by default: it pays at small batches only (bench/README.md, "Where a
+    # decode step's time goes") and its first decode steps compile for 10-30 s.
+    compile: bool = False
 
 
 @dataclass
@@ -82,7 +86,7 @@ class Engine:
         self.runner = ModelRunner(config.model_dir, device=config.device, dtype=config.dtype,
                                   num_blocks=config.num_blocks, block_size=config.block_size, model=model,
                                   parts=config.parts, visual_token_pruning=config.visual_token_pruning,
-                                  exact_attention=config.exact_attention)
+                                  exact_attention=config.exact_attention, compile_decode=config.compile)
         self.family = self.runner.family
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
