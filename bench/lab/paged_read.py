@@ -28,7 +28,7 @@ import torch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--contexts", default="128,512,2048", help="tokens of context per request (default 128,512,2048)")
+    p.add_argument("--contexts", default="100,500,2000", help="tokens of context per request (default 100,500,2000)")
     p.add_argument("--batch", type=int, default=8, help="requests decoding together (default 8)")
     p.add_argument("--repeats", type=int, default=7, help="interleaved repeats; medians (default 7)")
     p.add_argument("--iters", type=int, default=20, help="calls timed per repeat (default 20)")
@@ -85,13 +85,21 @@ def flex_attention_fn(q, k, v, tables, context: int, from_tables: bool = True):
     batch = len(tables)
 
     # kv_indices' last dimension is the number of KV blocks of the whole (pool-long) key sequence.
-    table = torch.zeros(batch, num_blocks, dtype=torch.int32)
-    table[:, : len(tables[0])] = torch.tensor(tables, dtype=torch.int32)
-    counts = torch.full((batch, 1, 1), len(tables[0]), dtype=torch.int32)
+    # Full blocks (every key seen, no mask_mod) and the partial last block, if any, as kv_indices
+    # whose last dimension is the number of KV blocks of the whole (pool-long) key sequence.
+    full, part = torch.zeros(batch, num_blocks, dtype=torch.int32), torch.zeros(batch, num_blocks, dtype=torch.int32)
+    n_full = torch.zeros(batch, 1, 1, dtype=torch.int32)
+    n_part = torch.zeros(batch, 1, 1, dtype=torch.int32)
+    for r, blocks in enumerate(tables):
+        f = context // BLOCK
+        full[r, :f] = torch.tensor(blocks[:f], dtype=torch.int32)
+        n_full[r] = f
+        if context % BLOCK:
+            part[r, 0], n_part[r] = blocks[f], 1
 
     def build():
         if from_tables:  # the block tables are the BlockMask's KV block indices: no mask evaluated
-            return BlockMask.from_kv_blocks(counts, table[:, None, None],
+            return BlockMask.from_kv_blocks(n_part, part[:, None, None], n_full, full[:, None, None],
                                             BLOCK_SIZE=(1, BLOCK), mask_mod=mask_mod, seq_lengths=(1, num_blocks * BLOCK))
         return create_block_mask(mask_mod, batch, None, 1, num_blocks * BLOCK, device="cpu", BLOCK_SIZE=(1, BLOCK))
 
