@@ -50,9 +50,8 @@ class EngineConfig:
     # Attention over each request's exact key count (workers/paged_attention.exact_lengths); None: on in
     # bf16/fp16, where it keeps HF's tokens. False trades that for one padded SDPA call per group.
     exact_attention: bool | None = None
-    # Decode steps through torch.compile (inductor) of the language model (workers/model_runner.py
-    # _compile_decode). Off by default: it pays at small batches only (bench/README.md, "Where a
-    # decode step's time goes") and its first decode steps compile for 10-30 s.
+    # Decode steps through torch.compile (ModelRunner._compile_decode); off: it pays at small batches only
+    # and the first decode steps compile for 10-30 s (bench/README.md, "Where a decode step's time goes").
     compile: bool = False
 
 
