@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequential-requests", type=int, default=4,
                    help="requests timed for the sequential generate baseline (its rate does not depend on batch)")
     p.add_argument("--skip-generate-batch", action="store_true", help="skip transformers' generate_batch baseline")
+    p.add_argument("--compile", action="store_true",
+                   help="run the engine's decode steps through torch.compile (EngineConfig.compile); "
+                        "the warm-up pays the compilation (10-30 s)")
     p.add_argument("--json-out", default=None, help="also write the figures as JSON here")
 
 
@@ -155,12 +158,14 @@ def main(args: argparse.Namespace) -> int:
     def engine_factory() -> Engine:
         return Engine(EngineConfig(args.model, num_blocks=max(512, need // 16 + 64), block_size=16,
                                    max_num_seqs=max(batches), max_num_batched_tokens=4096,
-                                   enable_prefix_caching=False))
+                                   enable_prefix_caching=False, compile=args.compile))
 
     results: dict[str, Any] = {"model": args.model, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
                                "new_tokens": args.new_tokens, "engine": {}, "generate_batch": {}}
     engine = engine_factory()
     _engine_run(engine, prompts[:2], 4)  # warm-up
+    if args.compile:  # a batch of one is a graph of its own (dynamo specialises size 1)
+        _engine_run(engine, prompts[:1], 4)
     for b in batches:
         log.info("engine: batch %d", b)
         results["engine"][b] = _engine_run(engine, prompts[:b], args.new_tokens)

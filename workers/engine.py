@@ -50,6 +50,9 @@ class EngineConfig:
     # Attention over each request's exact key count (workers/paged_attention.exact_lengths); None: on in
     # bf16/fp16, where it keeps HF's tokens. False trades that for one padded SDPA call per group.
     exact_attention: bool | None = None
+    # Decode steps through torch.compile (ModelRunner._compile_decode); off: it pays at small batches only
+    # and the first decode steps compile for 10-30 s (bench/README.md, "Where a decode step's time goes").
+    compile: bool = False
 
 
 @dataclass
@@ -82,7 +85,7 @@ class Engine:
         self.runner = ModelRunner(config.model_dir, device=config.device, dtype=config.dtype,
                                   num_blocks=config.num_blocks, block_size=config.block_size, model=model,
                                   parts=config.parts, visual_token_pruning=config.visual_token_pruning,
-                                  exact_attention=config.exact_attention)
+                                  exact_attention=config.exact_attention, compile_decode=config.compile)
         self.family = self.runner.family
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,

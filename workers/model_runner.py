@@ -93,7 +93,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  num_blocks: int = 1024, block_size: int = 16, model: torch.nn.Module | None = None,
                  parts: str = "all", visual_token_pruning: float | None = None,
-                 exact_attention: bool | None = None) -> None:
+                 exact_attention: bool | None = None, compile_decode: bool = False) -> None:
         from mserve.common import pruning
 
         self.device = torch.device(device)
@@ -115,6 +115,7 @@ class ModelRunner:
             self.kv = KVCache(text.num_hidden_layers, num_blocks, text.num_key_value_heads, block_size, head_dim,
                               dtype=self.dtype, device=self.device)
         self.model_dir = str(model_dir)
+        self._compiled_decode = self._compile_decode() if compile_decode and self.language_model is not None else None
         self.pruner = None  # FasterVLM on the encode path (workers/pruning.py), when asked for
         if ratio is not None and getattr(self.model.model, "vision_tower", None) is not None:
             from mserve.workers.pruning import ClsAttentionPruner
@@ -245,6 +246,20 @@ class ModelRunner:
         return kinds
 
     # -- prefill / decode step ---------------------------------------------------------------
+    def _compile_decode(self):
+        """The language model's forward compiled by inductor for decode steps (bench/lab/compile_step.py).
+
+        Decode steps only: a step of single tokens is one attention group of one query each, so its
+        graph depends on nothing but the batch size, which is symbolic (dynamic=True; dynamo still
+        specialises a batch of 1): two graphs in all. Mixed and prefill steps vary the number and
+        shapes of the groups and stay eager (compiled, they gained 1.1x and would recompile per shape).
+        Exact-length attention calls SDPA once per distinct context length, a Python loop dynamo would
+        specialise on every length: refused."""
+        if self.exact_attention:
+            raise ValueError("compile: the language model compiles only with padded attention "
+                             f"(exact_attention is on for {self.dtype}); use float32 or exact_attention=False")
+        return torch.compile(self.language_model.forward, dynamic=True)
+
     def _positions(self, chunk: ScheduledChunk) -> list[int] | list[list[int]]:
         seq, start, end = chunk.seq, chunk.start, chunk.end
         if not self.family.uses_mrope:
@@ -292,7 +307,9 @@ class ModelRunner:
                 if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
                                  self.device, image_runs=runs, exact=self.exact_attention)
-        hidden = self.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
+        decode = self._compiled_decode is not None and all(c.num_tokens == 1 for c in chunks) and not visual
+        forward = self._compiled_decode if decode else self.language_model
+        hidden = forward(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                                      mserve_batch=batch, **visual).last_hidden_state[0]
         last_rows, offset = [], 0
         for c in chunks:
