@@ -92,6 +92,11 @@ def shared_clusters(request, tiny_model_dirs):
 @pytest.fixture
 def shared_cluster(request, shared_clusters):
     """The running cluster of the test's `Lean` param (indirect), shared with later tests of the same spec."""
-    cluster = shared_clusters.get(request.param)
-    yield cluster
-    shared_clusters.release(request.param)
+    from tests.clusters import Lean
+
+    lean = getattr(request, "param", None)
+    if not isinstance(lean, Lean):
+        raise TypeError("shared_cluster takes a tests.clusters.Lean: "
+                        "@pytest.mark.parametrize('shared_cluster', [LLAVA_1E1P1D], indirect=True)")
+    yield shared_clusters.get(lean)
+    shared_clusters.release(lean)
