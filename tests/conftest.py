@@ -67,3 +67,36 @@ class TinyModelDirs(dict):
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random-weight checkpoint per family, built offline once per session when first asked for."""
     return TinyModelDirs(tmp_path_factory.mktemp("models"))
+
+
+# ---- clusters shared across modules (tests/clusters.py) ---------------------
+
+CURRENT_ITEM = pytest.StashKey[pytest.Item]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.session.stash[CURRENT_ITEM] = item  # a shared cluster stays up while a later test needs it
+
+
+@pytest.fixture(scope="session")
+def shared_clusters(request, tiny_model_dirs):
+    """The session's running shared clusters, every one stopped by the end of the session."""
+    from tests.clusters import SharedClusters
+
+    pool = SharedClusters(request.session, tiny_model_dirs, lambda: request.session.stash.get(CURRENT_ITEM, None))
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture
+def shared_cluster(request, shared_clusters):
+    """The running cluster of the test's `Lean` param (indirect), shared with later tests of the same spec."""
+    from tests.clusters import Lean
+
+    lean = getattr(request, "param", None)
+    if not isinstance(lean, Lean):
+        raise TypeError("shared_cluster takes a tests.clusters.Lean: "
+                        "@pytest.mark.parametrize('shared_cluster', [LLAVA_1E1P1D], indirect=True)")
+    yield shared_clusters.get(lean)
+    shared_clusters.release(lean)

@@ -43,7 +43,10 @@ def reference_model(model_dir: str, dtype: str = "float32"):
     return _reference_model(str(model_dir), dtype)
 
 
-@lru_cache(maxsize=8)
+# A session asks for more than 8 (folder, dtype) pairs (ten tiny families, bf16 copies, tests' own checkpoints),
+# module after module: with room for 8, the family tests evicted LLaVA and Qwen2-VL and the next modules loaded
+# them again. Tiny checkpoints are about 1 MB each.
+@lru_cache(maxsize=32)
 def _reference_model(model_dir: str, dtype: str):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 

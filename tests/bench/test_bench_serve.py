@@ -14,6 +14,7 @@ from PIL import Image
 from mserve.bench.serve import drive, parse_slo
 from mserve.bench.traces import load_trace, make_trace, trace_digest
 from mserve.cli import main as cli_main
+from tests.clusters import LLAVA_1E1P1D
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -91,19 +92,17 @@ def _check_png(path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_serve_against_a_tiny_cluster(tiny_model_dirs, redis_url, tmp_path) -> None:
-    from mserve.coordinator.launcher import LocalCluster
-
+@pytest.mark.parametrize("shared_cluster", [LLAVA_1E1P1D], ids=str, indirect=True)
+def test_bench_serve_against_a_tiny_cluster(shared_cluster, tmp_path) -> None:
     out, replay = tmp_path / "run", tmp_path / "replay"
     common = ["--rate", "inf", "--warmup", "1", "--no-progress", "--slo", "ttft=60000,tpot=60000"]
-    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=1, redis_url=redis_url) as cluster:
-        target = cluster.address.replace("tcp://", "zmq://")
-        rc = cli_main(["bench", "serve", "--target", target, "--trace", "mixed", "--num-requests", "12", "--seed", "5",
-                       "--max-tokens", "8", "--resolutions", "64x64,200x150", "--out", str(out), *common])
-        assert rc == 0
-        rc = cli_main(["bench", "serve", "--target", target, "--trace-file", str(out / "trace.jsonl"),
-                       "--max-tokens", "8", "--no-plots", "--out", str(replay), *common])
-        assert rc == 0
+    target = shared_cluster.address.replace("tcp://", "zmq://")
+    rc = cli_main(["bench", "serve", "--target", target, "--trace", "mixed", "--num-requests", "12", "--seed", "5",
+                   "--max-tokens", "8", "--resolutions", "64x64,200x150", "--out", str(out), *common])
+    assert rc == 0
+    rc = cli_main(["bench", "serve", "--target", target, "--trace-file", str(out / "trace.jsonl"),
+                   "--max-tokens", "8", "--no-plots", "--out", str(replay), *common])
+    assert rc == 0
 
     results = json.loads((out / "results.json").read_text())
     meta, overall, records = results["meta"], results["summary"]["overall"], results["records"]

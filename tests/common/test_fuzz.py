@@ -26,6 +26,7 @@ from mserve.common.protocol.client import FROM_CLIENT
 from mserve.common.serde import WireError, decode, encode
 from mserve.coordinator.admission import AdmissionError, Limits, admit
 from mserve.gateway.openai_api import ApiError, parse_chat_request
+from tests.clusters import LLAVA_UNIFIED
 from tests.helpers import make_image
 
 settings.register_profile("ci", max_examples=150, deadline=None,
@@ -184,44 +185,43 @@ def test_openai_bodies_parse_or_get_a_400(body):
 
 
 @pytest.mark.slow
-def test_a_live_coordinator_answers_every_bad_message_and_keeps_serving(tiny_model_dirs, redis_url):
+@pytest.mark.parametrize("shared_cluster", [LLAVA_UNIFIED], ids=str, indirect=True)
+def test_a_live_coordinator_answers_every_bad_message_and_keeps_serving(shared_cluster):
     from mserve.coordinator.client import Client
-    from mserve.coordinator.launcher import LocalCluster
 
-    model = str(tiny_model_dirs["llava"])
     msgs = [{"role": "user", "content": [{"type": "image", "image": GOOD["PNG"]}, {"type": "text", "text": "Hi"}]}]
-    with LocalCluster(model, unified=1, encode=0, prefill=0, decode=0, redis_url=redis_url) as cluster:
-        with Client(cluster.address) as c:
-            clean = c.generate(msgs, max_tokens=24, ignore_eos=True).token_ids
-        streamed: list[int] = []
+    cluster = shared_cluster
+    with Client(cluster.address) as c:
+        clean = c.generate(msgs, max_tokens=24, ignore_eos=True).token_ids
+    streamed: list[int] = []
 
-        def good_request() -> None:
-            with Client(cluster.address) as c:
-                streamed.extend(c.stream(msgs, max_tokens=24, ignore_eos=True))
-
-        runner = threading.Thread(target=good_request)
-        runner.start()
-        ctx = zmq.Context()
-        bad = ctx.socket(zmq.DEALER)
-        bad.connect(cluster.address)
-        try:
-            cases = bad_messages()
-            for frames in cases:
-                bad.send_multipart(frames)
-            replies = []
-            while len(replies) < len(cases):
-                assert bad.poll(10_000), f"only {len(replies)} of {len(cases)} bad messages were answered"
-                replies.append(decode(bad.recv_multipart()))
-        finally:
-            bad.close(linger=0)
-            ctx.term()
-        runner.join(60)
-        assert all(kind == MsgType.ERROR and body["code"] in ("bad_message", "bad_request", "too_large")
-                   and body["message"] for kind, body in replies)
-        assert streamed == clean, "a request running beside the bad ones was affected"
+    def good_request() -> None:
         with Client(cluster.address) as c:
-            status = c.status()
-            assert status["requests_in_flight"] == 0 and status["roles"] == {"unified": 1}
+            streamed.extend(c.stream(msgs, max_tokens=24, ignore_eos=True))
+
+    runner = threading.Thread(target=good_request)
+    runner.start()
+    ctx = zmq.Context()
+    bad = ctx.socket(zmq.DEALER)
+    bad.connect(cluster.address)
+    try:
+        cases = bad_messages()
+        for frames in cases:
+            bad.send_multipart(frames)
+        replies = []
+        while len(replies) < len(cases):
+            assert bad.poll(10_000), f"only {len(replies)} of {len(cases)} bad messages were answered"
+            replies.append(decode(bad.recv_multipart()))
+    finally:
+        bad.close(linger=0)
+        ctx.term()
+    runner.join(60)
+    assert all(kind == MsgType.ERROR and body["code"] in ("bad_message", "bad_request", "too_large")
+               and body["message"] for kind, body in replies)
+    assert streamed == clean, "a request running beside the bad ones was affected"
+    with Client(cluster.address) as c:
+        status = c.status()
+        assert status["requests_in_flight"] == 0 and status["roles"] == {"unified": 1}
 
 
 def bad_messages() -> list[list[bytes]]:

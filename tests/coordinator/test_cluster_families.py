@@ -10,24 +10,21 @@ import pytest
 from mserve.common.model import load_family
 from mserve.coordinator.client import AsyncClient
 from mserve.coordinator.client_core import BadRequest
-from mserve.coordinator.launcher import LocalCluster
+from tests.clusters import VIDEO_CHUNK, family_1e1p1d
 from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import chat, make_frames, make_image, request_mix
 
 pytestmark = pytest.mark.slow
-VIDEO_CHUNK = 48
 FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3", "internvl", "smolvlm", "idefics3"]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_cluster(request, tiny_model_dirs, redis_server):
-    """(model folder, cluster): one lean 1e1p1d cluster per family, shared by this module's tests."""
-    model = str(tiny_model_dirs[request.param])
-    # Qwen3-VL's cluster prefills in 48-token chunks: its video request below is cut into several.
-    chunked = ["--max-num-batched-tokens", str(VIDEO_CHUNK)] if request.param == "qwen3_vl" else []
-    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_server.url, transfer="tcp",
-                      extra_worker_args=chunked) as cluster:
-        yield model, cluster
+@pytest.fixture(scope="module", params=[family_1e1p1d(f) for f in FAMILIES], ids=FAMILIES)
+def family_cluster(request, shared_clusters):
+    """(model folder, cluster): one lean 1e1p1d cluster per family, shared by this module's tests (and by
+    other modules' tests of the same family and pools: tests/clusters.py)."""
+    cluster = shared_clusters.get(request.param)
+    yield cluster.model, cluster
+    shared_clusters.release(request.param)
 
 
 def test_text_image_and_multi_image_requests_match_hf(family_cluster):

@@ -14,6 +14,7 @@ from mserve.common.redis_server import RedisServer
 from mserve.common.sockets import make_socket, recv, send
 from mserve.coordinator.client import AsyncClient, BadRequest, Client
 from mserve.coordinator.launcher import LocalCluster
+from tests.clusters import LLAVA_1E1P1D
 from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import chat, request_mix
 
@@ -72,12 +73,14 @@ def test_redis_outage_degrades_routing_but_loses_nothing(tiny_model_dirs):
             assert Client(cluster.address).status()["redis_healthy"] is False
 
 
-@pytest.fixture(scope="module")
-def small_cluster(tiny_model_dirs):
-    # Its own Redis: the other tests here flush the session one and run clusters whose workers have
-    # the same ids (encode-0, ...), whose loads in a shared Redis would read as this cluster's.
-    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=1) as c:
-        yield c
+@pytest.fixture(scope="module", params=[LLAVA_1E1P1D], ids=str)
+def small_cluster(request, shared_clusters):
+    # Its own Redis (as every shared cluster's): the other tests here flush the session one and run
+    # clusters whose workers have the same ids (encode-0, ...), whose loads in a shared Redis would read
+    # as this cluster's.
+    cluster = shared_clusters.get(request.param)
+    yield cluster
+    shared_clusters.release(request.param)
 
 
 def raw_socket(address: str) -> zmq.Socket:

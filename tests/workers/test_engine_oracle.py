@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from mserve.common.prompt import PromptBuilder
 from tests.helpers import PROMPTS, hf_generate, make_image
 from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.model_runner import load_vlm
 from mserve.workers.sequence import SamplingParams
 
 ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3", "qwen3_vl"]
@@ -37,7 +39,15 @@ def builder(model_dir) -> PromptBuilder:
 
 def new_engine(model_dir: str, **overrides) -> Engine:
     cfg = {"num_blocks": 512, "block_size": 16, "max_num_batched_tokens": 4096, **overrides}
-    return Engine(EngineConfig(model_dir, **cfg))
+    # An engine only reads its model (KV pool, exact-attention choice and pruner live in its runner): the
+    # engines of one checkpoint share one load of the whole model. Lean parts and other dtypes load their own.
+    shared = not {"parts", "dtype", "device", "visual_token_pruning"} & overrides.keys()
+    return Engine(EngineConfig(model_dir, **cfg), model=whole_model(str(model_dir)) if shared else None)
+
+
+@lru_cache(maxsize=1)  # this module's tests run one family after another (model_dir is module-scoped)
+def whole_model(model_dir: str):
+    return load_vlm(model_dir)
 
 
 def prepared(builder: PromptBuilder, i: int, n_images: int, size=(200, 150)):
