@@ -24,7 +24,7 @@ class UnifiedWorker(SteppingWorker):
         super().__init__(*args, **kwargs)
         self.engine.tiers = self.tiers = embedding_tiers(self)
 
-    def add(self, task: RunTask, rec: WorkerRequest) -> Sequence:
+    def add(self, task: RunTask, rec: WorkerRequest, fetched: None) -> Sequence:
         return self.engine.add_request(task.request_id, task.prompt_ids,
                                        images=[visual_input(im) for im in task.images],
                                        sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
