@@ -1,7 +1,8 @@
 """The batch sampler against the per-request loop it replaced (issue #20), in the same process.
 
 `PYTHONPATH=bench .venv/bin/python -m lab.sampler_bench --batch 64 --vocab 32064` times both on
-the same logits: all rows greedy, all sampled (temperature + top-p + top-k), and half seeded.
+the same logits: all rows greedy, temperature only, top-p only,
+temperature + top-p + top-k, and half of the rows seeded.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = list(range(a.batch))
     cases = {
         "greedy": [SamplingParams()] * a.batch,
+        "temperature_only": [SamplingParams(temperature=0.8)] * a.batch,
+        "top_p_only": [SamplingParams(temperature=0.8, top_p=0.9)] * a.batch,
         "sampled": [SamplingParams(temperature=0.8, top_p=0.9, top_k=50)] * a.batch,
         "sampled_half_seeded": [SamplingParams(temperature=0.8, top_p=0.9, seed=i if i % 2 else None)
                                 for i in range(a.batch)],

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mserve.workers.sampler import sample
+from mserve.workers.sampler import TOP_P_CANDIDATES, sample
 from mserve.workers.sequence import SamplingParams
 
 LOGITS = [2.0, 1.5, 1.2, 0.9, 0.3, -0.2, -1.0, -3.0]
@@ -99,3 +99,22 @@ def test_large_vocab_rows_are_sampled_in_chunks_alike():
         logits[r, r * 7] = 10.0  # each row's mass sits on its own token
     tokens = sample(logits, [SamplingParams(temperature=1.0, top_k=4)] * 80, [0] * 80)
     assert tokens == [r * 7 for r in range(80)]
+
+
+def test_a_flat_top_p_row_beyond_the_candidates_is_sorted_in_full():
+    """top_p of a flat row needs more tokens than TOP_P_CANDIDATES: drawn over its whole kept prefix."""
+    vocab, draws = 2 * TOP_P_CANDIDATES, 4000
+    row = [-i * 1e-4 for i in range(vocab)]
+    probs = expected_probs(row, 1.0, 0, 0.6)
+    kept = sum(p > 0 for p in probs)
+    assert kept > TOP_P_CANDIDATES  # the case this test is for
+    tokens = sample(torch.tensor([row] * draws), [SamplingParams(temperature=1.0, top_p=0.6)] * draws, [0] * draws,
+                    generator=torch.Generator().manual_seed(5))
+    assert max(tokens) < kept
+    bins = 4  # chi-square over 4 equal slices of the kept prefix
+    edges = [kept * b // bins for b in range(bins + 1)]
+    counts = [sum(edges[b] <= t < edges[b + 1] for t in tokens) for b in range(bins)]
+    want = [sum(probs[edges[b]:edges[b + 1]]) for b in range(bins)]
+    stat, df = chi_square(counts, want)
+    assert stat < CRITICAL[df], (counts, stat)
+    assert min(tokens) < TOP_P_CANDIDATES < max(tokens)
