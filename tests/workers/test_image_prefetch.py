@@ -1,0 +1,54 @@
+"""Image prefetch for the encode role: decoded on threads, taken once, errors where a decode would raise them."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from mserve.common.model import ImageError, decode_image
+from mserve.workers.image_prefetch import ImagePrefetch
+from tests.helpers import make_image
+
+
+@dataclass
+class Ref:
+    hash: str
+    data: bytes
+
+
+def test_prefetched_images_equal_a_decode_on_the_spot_and_run_on_other_threads():
+    threads = []
+
+    def decode(ref: Ref):
+        threads.append(threading.current_thread().name)
+        return decode_image(ref.data, 10**7)
+
+    refs = [Ref(f"h{i}", make_image(64 + 8 * i, 48, seed=i)) for i in range(4)]
+    pre = ImagePrefetch(decode)
+    try:
+        pre.start(refs[:3] + refs[:1])  # a hash twice: decoded once
+        assert len(pre) == 3
+        got = [pre.take(r) for r in refs]  # the last was never started: decoded here
+        assert len(pre) == 0
+        for r, im in zip(refs, got):
+            assert np.array_equal(np.asarray(im), np.asarray(decode_image(r.data, 10**7)))
+        assert sum(name.startswith("image-decode") for name in threads) == 3
+        assert threads.count(threading.current_thread().name) == 1  # the one never started
+    finally:
+        pre.close()
+
+
+def test_a_bad_image_raises_at_take_and_keep_drops_the_rest():
+    pre = ImagePrefetch(lambda ref: decode_image(ref.data, 10**7))
+    try:
+        bad, good = Ref("bad", b"not an image"), Ref("good", make_image(32, 32))
+        pre.start([bad, good, Ref("other", make_image(16, 16, seed=3))])
+        with pytest.raises(ImageError):
+            pre.take(bad)
+        pre.keep([good])
+        assert len(pre) == 1 and pre.take(good).size == (32, 32)
+    finally:
+        pre.close()
