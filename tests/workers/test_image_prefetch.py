@@ -52,3 +52,22 @@ def test_a_bad_image_raises_at_take_and_keep_drops_the_rest():
         assert len(pre) == 1 and pre.take(good).size == (32, 32)
     finally:
         pre.close()
+
+
+def test_the_engine_encodes_an_image_decoded_ahead_as_it_would_decode_it(tiny_model_dirs):
+    """The unified role's IO-thread decode (Engine.predecoded): taken once, the same embeddings."""
+    import torch
+
+    from mserve.common.video import visual_hash
+    from mserve.workers.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(str(tiny_model_dirs["llava"])))
+    image = make_image(96, 80, seed=4)
+    want = engine.encode([image])[0].embeds
+    h = visual_hash(image)
+    # A different picture under the image's hash shows the engine used what was decoded ahead.
+    engine.predecoded[h] = engine.decode_visual(make_image(96, 80, seed=5))
+    got = engine.encode([image], [h])[0].embeds
+    assert h not in engine.predecoded
+    assert torch.equal(got, engine.encode([make_image(96, 80, seed=5)])[0].embeds) and not torch.equal(got, want)
+    assert torch.equal(engine.encode([image], [h])[0].embeds, want)  # taken once: decoded from its bytes again
