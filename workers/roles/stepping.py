@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
 from mserve.common.protocol.to_coordinator import StepTokens, TokenItem
 from mserve.common.protocol.typed import Message
 from mserve.workers.prefix_skip import PREFIX_SKIP_MISSED
