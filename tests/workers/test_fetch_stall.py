@@ -1,9 +1,12 @@
 """A stalled KV sender delays only its own request: real prefill and decode workers, real sockets.
 
-The test plays the coordinator (one ROUTER both workers connect to). Three requests decode on the
-decode worker when a fourth arrives whose KV descriptor points at a listener that takes the fetch and
-never answers. The decode worker fetches on IO threads (workers/fetcher.py): the three keep streaming
-with short gaps and finish HF-exact, and the fourth ends in a retryable FAILED once the fetch times out.
+The test plays the coordinator (one ROUTER both workers connect to). One request decodes on the decode
+worker when a second arrives whose KV descriptor points at a listener that takes the fetch and never
+answers, and two more arrive behind it. The decode worker fetches on IO threads (workers/fetcher.py):
+the three others finish HF-exact long before the stalled fetch times out, and the stalled request ends
+in a retryable FAILED once it does. (With the fetch on the loop thread, the two behind it would wait
+the whole timeout. The tiny model decodes in about a millisecond a step, so token gaps as the test
+receives them say little: finishing times do.)
 """
 
 from __future__ import annotations
@@ -68,18 +71,23 @@ def test_a_stalled_kv_sender_delays_only_its_own_request(tiny_model_dirs, tmp_pa
             msg = Prefilled.from_body(body)
             prefilled[msg.request_id] = msg
         tokens = {rid: [prefilled[rid].token_id] for rid in prompts}
-        for rid in ("r0", "r1", "r2"):
-            send(router, MsgType.DECODE, DecodeTask(request_id=rid, attempt=0, descriptor=prefilled[rid].descriptor,
+
+        def decode(rid: str, descriptor: dict) -> None:
+            send(router, MsgType.DECODE, DecodeTask(request_id=rid, attempt=0, descriptor=descriptor,
                                                     state=prefilled[rid].state).to_body(), identity=b"decode-under-test")
-        while min(len(tokens[r]) for r in ("r0", "r1", "r2")) < 3:  # all three running
+
+        decode("r0", prefilled["r0"].descriptor)
+        while len(tokens["r0"]) < 2:  # r0 is running
             _, body, _ = _next(router, {MsgType.STEP_TOKENS, MsgType.FAILED})
             for item in StepTokens.from_body(body).items:
                 tokens[item.request_id] += item.token_ids
-        stalled = {**prefilled["r3"].descriptor, "address": bound_address(silent)}
-        send(router, MsgType.DECODE, DecodeTask(request_id="r3", attempt=0, descriptor=stalled,
-                                                state=prefilled["r3"].state).to_body(), identity=b"decode-under-test")
-        sent_at = last = time.monotonic()
-        gaps, after_stall, finished, failed = [], dict.fromkeys(tokens, 0), {}, None
+        # The stalled request, then two more behind it on the same link: a fetch on the loop thread would
+        # hold them (and r0) until it timed out.
+        decode("r3", {**prefilled["r3"].descriptor, "address": bound_address(silent)})
+        sent_at = time.monotonic()
+        decode("r1", prefilled["r1"].descriptor)
+        decode("r2", prefilled["r2"].descriptor)
+        finished, failed = {}, None
         while failed is None or len(finished) < 3:
             kind, body, at = _next(router, {MsgType.STEP_TOKENS, MsgType.FAILED}, timeout_s=3 * FETCH_TIMEOUT_S)
             if kind is MsgType.FAILED:
@@ -87,12 +95,8 @@ def test_a_stalled_kv_sender_delays_only_its_own_request(tiny_model_dirs, tmp_pa
                 continue
             for item in StepTokens.from_body(body).items:
                 tokens[item.request_id] += item.token_ids
-                after_stall[item.request_id] += len(item.token_ids)
                 if item.finished:
                     finished[item.request_id] = at
-            if len(finished) < 3:
-                gaps.append(at - last)
-            last = at
     finally:
         for name in (b"prefill-under-test", b"decode-under-test"):
             send(router, MsgType.SHUTDOWN, Shutdown().to_body(), identity=name)
@@ -107,10 +111,10 @@ def test_a_stalled_kv_sender_delays_only_its_own_request(tiny_model_dirs, tmp_pa
     assert (failed.request_id, failed.attempt, failed.retryable) == ("r3", 0, True)
     assert "transfer failed" in failed.message, failed.message
     assert failed_at - sent_at >= FETCH_TIMEOUT_S * 0.9
-    # The others decoded through the stall (a fetch on the loop thread would have held them all up to the
-    # timeout): tokens after it began, short gaps, and all three done before the stalled fetch gave up.
-    assert "r3" not in finished and all(after_stall[rid] > 0 for rid in ("r0", "r1", "r2")), after_stall
-    assert max(gaps) < FETCH_TIMEOUT_S / 5, max(gaps)
+    # The others went on through the stall: r1 and r2, sent after it, decoded all their tokens well within
+    # the fetch timeout, and all three finished before the stalled fetch gave up.
+    assert "r3" not in finished
+    assert max(finished.values()) - sent_at < FETCH_TIMEOUT_S / 3, {k: v - sent_at for k, v in finished.items()}
     assert max(finished.values()) < failed_at
     for rid in ("r0", "r1", "r2"):
         assert tokens[rid] == hf_generate(model, prompts[rid], [], TOKENS, ignore_eos=True), rid
