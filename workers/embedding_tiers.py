@@ -77,6 +77,10 @@ class EmbeddingTiers:
         self._l1_put(h, enc)
         return enc
 
+    def in_memory(self, h: str) -> bool:
+        """In L1 (a lookup that reads no disk would find it)."""
+        return self.cache.get(h) is not None
+
     def lookup(self, h: str) -> EncodedImage | None:
         """peek, counting the hit by tier."""
         in_l1 = self.cache.get(h) is not None

@@ -107,16 +107,19 @@ class Engine:
         # (prefill, decode): the worker reports them (take_unresolved) so the coordinator encodes again.
         self._unresolved: list[str] = []
         self.last_batch_size = 0  # sequences in the latest step
+        self.predecoded: dict[str, Any] = {}  # visual hash -> decoded image, for `encode` (roles/unified.py)
 
     # -- encode ---------------------------------------------------------------------------------
-    def encode(self, images: Sequence[bytes | VideoPart]) -> list[EncodedImage]:
-        """Image bytes and videos -> embeddings; every image (frame) is checked against the limits before decoding."""
+    def encode(self, images: Sequence[bytes | VideoPart], hashes: Sequence[str] | None = None) -> list[EncodedImage]:
+        """Image bytes and videos -> embeddings; every image (frame) is checked against the limits before decoding.
+        An item whose hash is in `predecoded` (decoded ahead, off the loop: roles/unified.py) is not decoded again."""
         for i, item in enumerate(images):
             for data in (item.frames or (item.data,)) if isinstance(item, VideoPart) else (item,):
                 if len(data or b"") > self.config.max_image_bytes:
                     raise ValueError(f"image {i} is {len(data)} bytes, over the limit "
                                      f"max_image_bytes={self.config.max_image_bytes}")
-        pil = [self.decode_visual(item) for item in images]
+        pil = [self.predecoded.pop(h) if h in self.predecoded else self.decode_visual(item)
+               for item, h in zip(images, hashes or [None] * len(images))]
         self.counters["encoded_images"] += len(pil)
         encoded = self.runner.encode_visuals(pil)
         self.counters["visual_tokens"] += sum(int(enc.embeds.shape[0]) for enc in encoded)
@@ -139,7 +142,7 @@ class Engine:
         self.counters["embedding_cache_hits"] += hits
         missing = [i for i, e in enumerate(out) if e is None]
         if missing:
-            for i, enc in zip(missing, self.encode([images[i] for i in missing])):
+            for i, enc in zip(missing, self.encode([images[i] for i in missing], [hashes[i] for i in missing])):
                 out[i] = enc
                 if self.tiers is not None:
                     self.tiers.put(hashes[i], enc)

@@ -40,9 +40,11 @@ class WorkerRequest:
     attributes: dict[str, Any] = field(default_factory=dict)  # the stage span's, e.g. cache hits
     error: str | None = None  # why the stage failed here, when it did
 
-    def add_fetch(self, seconds: float, what: str = "transfer") -> None:
+    def add_fetch(self, seconds: float, what: str = "transfer", end_ns: int | None = None) -> None:
+        """A transfer that took `seconds`, ending at `end_ns` (now by default: fetches run on IO threads)."""
         self.fetch_s = (self.fetch_s or 0.0) + seconds
-        self.span(what, time.time_ns() - int(seconds * 1e9))
+        end_ns = end_ns or time.time_ns()
+        self.span(what, end_ns - int(seconds * 1e9), end_ns)
 
     def span(self, name: str, start_ns: int, end_ns: int | None = None, **attributes: Any) -> None:
         """Note a part of the stage for the trace (nothing when the request is not traced)."""

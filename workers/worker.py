@@ -42,8 +42,8 @@ from mserve.workers.settings import WorkerSettings
 
 log = logging.getLogger("mserve.worker")
 
-# Fetches run inside the worker loop: bounded well below the stage timeout, so a vanished sender
-# costs one retryable failure quickly instead of a stalled worker.
+# Fetches run on IO threads (workers/fetcher.py), so a stalled sender delays only its own request;
+# bounded well below the stage timeout, so it costs that request one retryable failure quickly.
 FETCH_TIMEOUT_S = 10.0
 
 
@@ -128,6 +128,10 @@ class Worker:
         """One batch of work: called whenever `busy()`."""
         raise NotImplementedError
 
+    def poll_ms(self) -> int:
+        """How long the loop may wait for a coordinator message before its next turn."""
+        return 0 if self.busy() else 20
+
     def cancel(self, rid: str) -> None:
         if self.end(rid) is not None:
             log.info("%s cancelled", rid)
@@ -182,9 +186,9 @@ class Worker:
                  self.role, self.PARTS, resident_mib(), self.transfer.address, self.s.transfer)
         try:
             while self.running:
-                busy = self.busy()
+                wait_ms = self.poll_ms()
                 with self.sock_lock:
-                    readable = self.links.poll(0 if busy else 20)
+                    readable = self.links.poll(wait_ms)
                 if readable:
                     self._drain(readable)
                 if self.busy():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from mserve.common.protocol.to_coordinator import TokenItem
 from mserve.common.protocol.to_worker import DecodeTask
@@ -11,7 +12,7 @@ from mserve.common.transfer import TransferError
 from mserve.workers.engine import StepOutput
 from mserve.workers.hand_back import KVExport
 from mserve.workers.requests import WorkerRequest
-from mserve.workers.roles.stepping import SteppingWorker
+from mserve.workers.roles.stepping import SteppingWorker, Timed
 from mserve.workers.sequence import Sequence
 from mserve.workers.worker import FETCH_TIMEOUT_S
 
@@ -22,14 +23,23 @@ class DecodeWorker(SteppingWorker):
     ROLE = "decode"
     PARTS = "text"
 
-    def add(self, task: DecodeTask, rec: WorkerRequest) -> Sequence:
+    def transfers(self, task: DecodeTask) -> Callable[[], Timed]:
+        def pull() -> Timed:
+            t0 = time.perf_counter()
+            # Zero-copy: over shm the tensors are views of the prefill worker's segment and
+            # import_kv's copy into this pool is the only copy on this side.
+            view = self.transfer.fetch_view(task.descriptor, timeout_s=FETCH_TIMEOUT_S)
+            return Timed(view, time.perf_counter() - t0, time.time_ns(), "kv.transfer")
+
+        return pull
+
+    def release_fetched(self, fetched: Timed) -> None:
+        fetched.value.release()  # the request left while its KV came: ack, so the sender reuses the segment
+
+    def add(self, task: DecodeTask, rec: WorkerRequest, fetched: Timed) -> Sequence:
         rid = task.request_id
-        # Zero-copy: over shm the tensors are views of the prefill worker's segment and
-        # import_kv's copy into this pool is the only copy on this side. Leaving the block
-        # releases the view: the ack that lets the sender reuse the segment.
-        t0 = time.perf_counter()
-        view = self.transfer.fetch_view(task.descriptor, timeout_s=FETCH_TIMEOUT_S)
-        rec.add_fetch(time.perf_counter() - t0, "kv.transfer")
+        view = fetched.note(rec)
+        # Leaving the block releases the view: the ack that lets the sender reuse the segment.
         with view as tensors:
             # The request keeps its prompt inputs for its lifetime (recompute after preemption),
             # so those must not stay views; they are small next to the KV.

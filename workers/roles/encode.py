@@ -15,6 +15,7 @@ from mserve.common.protocol.to_worker import EncodeTask, ImageRef
 from mserve.common.video import VideoPart
 from mserve.workers.embedding_tiers import embedding_tiers
 from mserve.workers.engine import EngineConfig
+from mserve.workers.image_prefetch import ImagePrefetch
 from mserve.workers.model_runner import EncodedImage
 from mserve.workers.settings import WorkerSettings
 from mserve.workers.worker import Worker
@@ -50,6 +51,11 @@ class EncodeWorker(Worker):
         # older entries only wait for the expiry). Not in the request's record: it outlives the stage
         # here, whose record ends when ENCODED goes out, while the prefill worker has yet to fetch.
         self.published: OrderedDict[str, str] = OrderedDict()
+        self.prefetch = ImagePrefetch(lambda im: self.engine.decode_visual(visual_input(im)))
+
+    def close(self) -> None:
+        self.prefetch.close()
+        super().close()
 
     def load(self) -> dict[str, Any]:
         return {**super().load(), "encode_s_per_image": round(self.encode_s_per_image, 5)}
@@ -91,8 +97,12 @@ class EncodeWorker(Worker):
         super().cancel(rid)
 
     def work(self) -> None:
-        """The next batch of queued requests' images through one vision forward."""
+        """The next batch of queued requests' images through one vision forward (the batch after it
+        decoding meanwhile, workers/image_prefetch.py)."""
         batch, self.queue = next_encode_batch(self.queue, self.s.max_encode_images)
+        upcoming, _ = next_encode_batch(self.queue, self.s.max_encode_images)
+        self.prefetch.keep([im for task in batch + upcoming for im in task.images])
+        self.prefetch.start([im for task in upcoming for im in task.images if not self.tiers.in_memory(im.hash)])
         started = time.time_ns()
         found: dict[str, EncodedImage] = {}
         pending: dict[str, Any] = {}
@@ -106,7 +116,7 @@ class EncodeWorker(Worker):
                     found[im.hash] = enc
                     continue
                 try:
-                    pending[im.hash] = self.engine.decode_visual(visual_input(im))
+                    pending[im.hash] = self.prefetch.take(im)
                     ratios[im.hash] = task.keep_ratio
                 except ImageError as exc:
                     failed.add(task.request_id)

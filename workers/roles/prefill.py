@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from mserve.common.protocol.to_coordinator import Prefilled
 from mserve.common.protocol.to_worker import AdoptBlocks, EmbeddingPart, Embeddings, PrefillTask
 from mserve.workers.engine import StepOutput
+from mserve.workers.fetcher import FetchJob
 from mserve.workers.model_runner import EncodedImage
 from mserve.workers.requests import WorkerRequest
-from mserve.workers.roles.stepping import SteppingWorker
+from mserve.workers.roles.stepping import SteppingWorker, Timed
 from mserve.workers.sequence import SamplingParams, Sequence
 from mserve.workers.worker import FETCH_TIMEOUT_S
 
@@ -37,44 +38,62 @@ class PrefillWorker(SteppingWorker):
         if rec is None:
             return  # an attempt no longer here (cancelled, re-run, failed): nothing waits for them
 
-        def attach() -> None:
-            for i, enc in self._fetch_parts(rec, task.parts).items():
-                self.engine.attach_embeddings(rid, i, enc)
+        def attach(got: list[Timed]) -> None:
+            def attach_all() -> None:
+                for i, enc in self._parts(rec, task.parts, got).items():
+                    self.engine.attach_embeddings(rid, i, enc)
 
-        self.guarded(rid, task.attempt, attach)  # a failure ends the attempt (its blocks too)
+            self.guarded(rid, task.attempt, attach_all)  # a failure ends the attempt (its blocks too)
 
-    def _fetch_parts(self, rec: WorkerRequest, parts: list[EmbeddingPart],
-                     grids: list | None = None) -> dict[int, EncodedImage]:
-        """Each part's embeddings from its encoder, as {image index: EncodedImage}."""
+        # Queued behind the PREFILL's own fetch when that is still in flight (workers/fetcher.py).
+        self.submit_fetch(rid, task.attempt, lambda: [self.fetch(p.descriptor) for p in task.parts], attach)
+
+    @staticmethod
+    def _parts(rec: WorkerRequest, parts: list[EmbeddingPart], got: list[Timed],
+               grids: list | None = None) -> dict[int, EncodedImage]:
+        """Each part's fetched embeddings, as {image index: EncodedImage}."""
         out = {}
-        for part in parts:
-            got = self.fetch(rec, part.descriptor)
+        for part, fetched in zip(parts, got):
+            tensors = fetched.note(rec)
             for j, i in enumerate(part.images):
                 grid = (part.grids or [None] * len(part.images))[j] or (grids[i] if grids else None)
-                out[i] = EncodedImage(got[f"img{j}"], tuple(grid) if grid else None)
+                out[i] = EncodedImage(tensors[f"img{j}"], tuple(grid) if grid else None)
         return out
 
     def adopt(self, task: AdoptBlocks) -> None:
         """A decode worker's reply blocks, handed back: keep them cached for the conversation's next turn."""
-        try:
-            kv = self.transfer.fetch(task.descriptor, timeout_s=FETCH_TIMEOUT_S)["kv"]
-            n = self.engine.adopt_blocks(task.token_ids, task.images, task.first_block, kv)
-        except Exception as exc:  # only a later cache hit is at stake
-            log.warning("%s: handed-back KV blocks not adopted: %s", task.request_id, exc)
-            return
-        log.debug("%s: adopted %d handed-back KV blocks", task.request_id, n)
+        def adopt(kv: torch.Tensor) -> None:
+            try:
+                n = self.engine.adopt_blocks(task.token_ids, task.images, task.first_block, kv)
+            except Exception as exc:  # only a later cache hit is at stake
+                log.warning("%s: handed-back KV blocks not adopted: %s", task.request_id, exc)
+                return
+            log.debug("%s: adopted %d handed-back KV blocks", task.request_id, n)
 
-    def add(self, task: PrefillTask, rec: WorkerRequest) -> Sequence:
+        def failed(exc: BaseException) -> None:
+            log.warning("%s: handed-back KV blocks not adopted: %s", task.request_id, exc)
+
+        pull = lambda: self.transfer.fetch(task.descriptor, timeout_s=FETCH_TIMEOUT_S)["kv"]  # noqa: E731
+        self.fetches.submit(FetchJob(("adopt", task.request_id), pull, adopt, failed))
+
+    def transfers(self, task: PrefillTask) -> Callable[[], Any] | None:
+        if task.embeddings:
+            return lambda: [self.fetch(task.embeddings)]
+        if task.embedding_parts:
+            return lambda: [self.fetch(p.descriptor) for p in task.embedding_parts]
+        return None
+
+    def add(self, task: PrefillTask, rec: WorkerRequest, fetched: list[Timed] | None) -> Sequence:
         rid = task.request_id
         encoded: list[EncodedImage | None] = []
         if task.embeddings:
-            tensors = self.fetch(rec, task.embeddings)
+            tensors = fetched[0].note(rec)
             grids = task.grids or [None] * len(tensors)
             encoded = [EncodedImage(tensors[f"img{i}"], tuple(grids[i]) if grids[i] else None)
                        for i in range(len(tensors))]
         elif task.embedding_parts or task.pending_images:
             # Encoded on several encoders: the parts in so far; the pending ones follow as EMBEDDINGS.
-            got = self._fetch_parts(rec, task.embedding_parts or [], task.grids)
+            got = self._parts(rec, task.embedding_parts or [], fetched or [], task.grids)
             encoded = [got.get(i) for i in range(len(task.image_hashes))]
         elif task.skipped_images:
             encoded = [None] * len(task.image_hashes)

@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
-
-import torch
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from mserve.common.protocol.to_coordinator import StepTokens, TokenItem
 from mserve.common.protocol.typed import Message
 from mserve.workers.prefix_skip import PREFIX_SKIP_MISSED
 from mserve.workers.engine import StepOutput
+from mserve.workers.fetcher import FETCH_THREADS, FetchJob, FetchPool
 from mserve.workers.requests import WorkerRequest
 from mserve.workers.sequence import Sequence
 from mserve.workers.token_sinks import TokenRoute, TokenSinks
 from mserve.workers.worker import FETCH_TIMEOUT_S, Worker
 
 log = logging.getLogger("mserve.worker")
+
+FETCH_POLL_MS = 2  # the loop's wait for coordinator messages while only fetches are in flight
+
+
+@dataclass
+class Timed:
+    """A fetch's result and how long it took, for the request's record (fetch_s, its trace span)."""
+    value: Any
+    seconds: float
+    end_ns: int
+    what: str
+
+    def note(self, rec: WorkerRequest) -> Any:
+        rec.add_fetch(self.seconds, self.what, end_ns=self.end_ns)
+        return self.value
 
 
 class SteppingWorker(Worker):
@@ -26,28 +41,77 @@ class SteppingWorker(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sinks = TokenSinks(self.ctx)
+        self.fetches = FetchPool(FETCH_THREADS)  # transfers off the loop thread (workers/fetcher.py)
 
-    def add(self, task: Message, rec: WorkerRequest) -> Sequence:
-        """Put the stage's request into the engine (fetching what it needs first); its sequence."""
+    def transfers(self, task: Message) -> Callable[[], Any] | None:
+        """What the stage must fetch before it can start (run on an IO thread, workers/fetcher.py), or
+        None when it brings everything along."""
+        return None
+
+    def add(self, task: Message, rec: WorkerRequest, fetched: Any) -> Sequence:
+        """Put the stage's request into the engine, with what `transfers` fetched; its sequence."""
         raise NotImplementedError
+
+    def release_fetched(self, fetched: Any) -> None:
+        """What `transfers` fetched for a request that left meanwhile (a role holding views acks them)."""
 
     def start(self, task: Message) -> None:
         rid = task.request_id
         rec = self.requests.get(rid, task.attempt)
         assert rec is not None, f"{rid}: a stage starts only on arrival"
         self.engine.abort(rid)  # an older attempt of the same request may still be here
+        self.fetches.forget(rid)  # ... or still fetching
+        pull = self.transfers(task)
+        if pull is None:
+            self._admit(task, rec, None)
+            return
+        self.submit_fetch(rid, task.attempt, pull, lambda got: self._admit(task, rec, got),
+                          release=self.release_fetched)
 
+    def submit_fetch(self, rid: str, attempt: int, pull: Callable[[], Any], admit: Callable[[Any], None],
+                     release: Callable[[Any], None] | None = None) -> None:
+        """Fetch on an IO thread; `admit` the result on the loop, or fail the attempt as a fetch there would."""
+        def fail(exc: BaseException) -> None:
+            def reraise() -> None:
+                raise exc
+            self.guarded(rid, attempt, reraise)
+
+        self.fetches.submit(FetchJob(rid, pull, admit, fail, release))
+
+    def _admit(self, task: Message, rec: WorkerRequest, fetched: Any) -> None:
         def admit() -> None:
-            rec.seq = self.add(task, rec)
+            rec.seq = self.add(task, rec, fetched)
 
-        if not self.guarded(rid, task.attempt, admit):
+        if not self.guarded(task.request_id, task.attempt, admit):
             return  # failed: the record and anything in the engine are gone
         every = getattr(task, "report_every", 1)
         if every > 1:
             rec.route = TokenRoute(every, task.tokens_to, task.client_rid, len(rec.seq.output_ids),
                                    len(rec.seq.prompt_ids), model=self.model_name)
 
+    def end(self, rid: str, attempt: int | None = None) -> WorkerRequest | None:
+        rec = super().end(rid, attempt)
+        if rec is not None or attempt is None:
+            self.fetches.forget(rid)  # what its fetches still bring is released, never admitted
+        return rec
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished() or self.fetches.in_flight() > 0
+
+    def poll_ms(self) -> int:
+        # Only fetches in flight: no busy spin, but their requests start within a few ms of arriving.
+        if self.engine.has_unfinished():
+            return 0
+        return FETCH_POLL_MS if self.fetches.in_flight() else super().poll_ms()
+
+    def queued_ids(self) -> list[str]:
+        """The engine's waiting requests and those still fetching what they need to join it."""
+        fetching = [rec.request_id for k in self.fetches.keys()
+                    if (rec := self.requests.get(k) if isinstance(k, str) else None) is not None and rec.seq is None]
+        return super().queued_ids() + fetching
+
     def close(self) -> None:
+        self.fetches.close()
         self.sinks.close()
         super().close()
 
@@ -57,13 +121,20 @@ class SteppingWorker(Worker):
             load["counters"].update(tokens_direct=self.sinks.sent, tokens_direct_dropped=self.sinks.dropped)
         return load
 
-    def fetch(self, rec: WorkerRequest, descriptor: Any) -> dict[str, torch.Tensor]:
+    def fetch(self, descriptor: Any, what: str = "embedding.transfer") -> Timed:
+        """On an IO thread: one transfer, timed for the request's record (`Timed.note`, on the loop)."""
         t0 = time.perf_counter()
         tensors = self.transfer.fetch(descriptor, timeout_s=FETCH_TIMEOUT_S)
-        rec.add_fetch(time.perf_counter() - t0, "embedding.transfer")
-        return tensors
+        return Timed(tensors, time.perf_counter() - t0, time.time_ns(), what)
 
     def work(self) -> None:
+        for job in self.fetches.ready():  # stages whose transfers came in join the batch
+            if job.error is None:
+                job.admit(job.result)
+            else:
+                job.fail(job.error)
+        if not self.engine.has_unfinished():
+            return
         try:
             outputs = self.engine.step()
         except Exception as exc:
