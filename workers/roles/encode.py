@@ -106,7 +106,9 @@ class EncodeWorker(Worker):
         started = time.time_ns()
         found: dict[str, EncodedImage] = {}
         pending: dict[str, Any] = {}
-        ratios: dict[str, float | None] = {}  # a pruned image's hash carries its ratio: one per hash
+        # Which vision forward each image goes through: one per keep ratio (a pruned image's hash carries
+        # its ratio), and in exact mode one per request as well (_forward_key).
+        forwards: dict[str, tuple[float | None, str | None]] = {}
         failed: set[str] = set()
         for task in batch:
             for im in task.images:
@@ -117,14 +119,14 @@ class EncodeWorker(Worker):
                     continue
                 try:
                     pending[im.hash] = self.prefetch.take(im)
-                    ratios[im.hash] = task.keep_ratio
+                    forwards[im.hash] = self._forward_key(task)
                 except ImageError as exc:
                     failed.add(task.request_id)
                     self.failed(task.request_id, task.attempt, str(exc), retryable=False)
                     break
         decoded = time.time_ns()
         if pending:
-            encoded = self._encode(pending, [t for t in batch if t.request_id not in failed], ratios)
+            encoded = self._encode(pending, [t for t in batch if t.request_id not in failed], forwards)
             if encoded is None:
                 return
             found.update(encoded)
@@ -143,17 +145,25 @@ class EncodeWorker(Worker):
         if images:
             rec.span("encode.compute", decoded, None, **{"mserve.batch_images": images})
 
+    def _forward_key(self, task: EncodeTask) -> tuple[float | None, str | None]:
+        """Images with one key share a vision forward. In exact mode (reduced precision: the switch of
+        exact-length attention, workers/paged_attention.py) an image's bf16 embeddings depend on the rows
+        beside it in the forward (the matmul kernels block by row count), so each request's images run
+        together and alone, as HF generate's one get_image_features call per prompt does."""
+        return task.keep_ratio, task.request_id if self.engine.runner.exact_attention else None
+
     def _encode(self, pending: dict[str, Any], batch: list[EncodeTask],
-                ratios: dict[str, float | None]) -> dict[str, EncodedImage] | None:
+                forwards: dict[str, tuple[float | None, str | None]]) -> dict[str, EncodedImage] | None:
         """One vision forward over the decoded images (one per keep ratio, when requests pruned at their
-        own ratios are among them); None when it failed (its requests then retry)."""
+        own ratios are among them; one per request in exact mode); None when it failed (its requests
+        then retry)."""
         t0 = time.perf_counter()
         try:
-            by_ratio: dict[float | None, list[str]] = {}
+            by_forward: dict[tuple[float | None, str | None], list[str]] = {}
             for h in pending:
-                by_ratio.setdefault(ratios.get(h), []).append(h)
+                by_forward.setdefault(forwards[h], []).append(h)
             out: dict[str, EncodedImage] = {}
-            for ratio, hashes in by_ratio.items():
+            for (ratio, _), hashes in by_forward.items():
                 out.update(zip(hashes, self.engine.runner.encode_visuals([pending[h] for h in hashes], ratio)))
             encoded = [out[h] for h in pending]
         except Exception as exc:  # the vision tower failed on this batch: its requests try elsewhere
