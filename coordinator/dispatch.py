@@ -150,6 +150,8 @@ class Dispatcher:
         for w, part in shares:
             kind, payload, tokens = stage_message(st, stage, hand_back=self.settings.kv_hand_back, part=part,
                                                   report_every=self.settings.token_report_every, trace=trace)
+            if stage in (Stage.PREFILL, Stage.RUN):  # the cached prefix there is no work (routing's estimate)
+                tokens = max(0, tokens - st.prefix_credit)
             self.members.charge(w.worker_id, tokens)
             st.charged.append((w.worker_id, tokens))
             self.outbox.to_worker(w.worker_id, kind, payload)
@@ -162,7 +164,9 @@ class Dispatcher:
         a = st.admitted
         if st.next_stage == Stage.RUN:
             hits = self.lookups.prefix_hits(a, self.members.block_size)
-            return route_unified(self._draw(ws, set(hits)), len(a.prompt_ids), hits, self.members.block_size)
+            chosen = route_unified(self._draw(ws, set(hits)), len(a.prompt_ids), hits, self.members.block_size)
+            self._credit(st, chosen, hits)
+            return chosen
         if st.next_stage == Stage.ENCODE:
             hashes = [im.hash for im in a.images]
             prefer = self.flights.prefer(st.rid, holders) if self.flights is not None else set()
@@ -173,13 +177,21 @@ class Dispatcher:
         if st.next_stage == Stage.PREFILL:
             pinned = next((w for w in ws if w.worker_id == st.skip_prefill), None)
             if pinned is not None:  # it holds the prefix the skipped images are in (elsewhere: a retry encodes them)
+                self._credit(st, pinned, self.lookups.prefix_hits(a, block_size))
                 return pinned
             hits = self.lookups.prefix_hits(a, block_size)
-            return route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
+            chosen = route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
+            self._credit(st, chosen, hits)
+            return chosen
         if st.next_stage == Stage.DECODE:
             need = request_blocks(len(a.prompt_ids), a.request.sampling.max_tokens, block_size)
             return route_decode(self._draw(ws), need)
         raise AssertionError(st.next_stage)
+
+    def _credit(self, st: RequestState, worker: WorkerView | None, hits: dict[str, int]) -> None:
+        """The prompt tokens the chosen worker likely holds: its stage charges it only for the rest."""
+        held = hits.get(worker.worker_id, 0) * self.members.block_size if worker is not None else 0
+        st.prefix_credit = min(held, max(0, len(st.admitted.prompt_ids) - 1))
 
     def _draw(self, ws: list[WorkerView], keep: set[str] = frozenset()) -> list[WorkerView]:
         """The workers a stage is routed among: all, or `route_choices` drawn at random plus those in `keep`

@@ -176,6 +176,9 @@ class RequestState:
     # PREFILL goes there. `prefix_skip_off`: an attempt's skip failed (the blocks were gone), so re-runs encode all.
     skipped_images: list[int] = field(default_factory=list)
     skip_prefill: str | None = None
+    # Prompt tokens the prefill / unified worker it was routed to likely holds as cached prefix blocks
+    # (dispatch._credit): its stage charges that worker only the rest.
+    prefix_credit: int = 0
     prefix_skip_off: bool = False
 
     @property

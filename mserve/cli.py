@@ -136,7 +136,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from mserve.workers.worker import make_worker
 
     settings = _settings_from_args(WorkerSettings, args, ["role", "model", "model_name", "coordinator", "redis",
-                                                          "worker_id", "device", "dtype", "threads", "transfer",
+                                                          "worker_id", "device", "dtype", "compile", "threads",
+                                                          "transfer",
                                                           "host", "num_blocks", "block_size", "max_num_seqs",
                                                           "gpu_memory_fraction", "device_memory_gb", "mig_device",
                                                           "max_num_batched_tokens", "max_prefill_tokens",

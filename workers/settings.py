@@ -24,6 +24,9 @@ class WorkerSettings(BaseSettings):
     worker_id: str | None = None
     device: str = "cpu"
     dtype: str | None = None
+    # Decode steps through torch.compile (EngineConfig.compile): 1.35x at batch 1 on the CPU, ~1.0x at 16,
+    # and 15-50 s to compile on first use (bench/README.md). Off by default; refused with bf16 / float16.
+    compile: bool = False
     threads: int = 1  # torch threads; 1 per worker on small hosts so pools do not fight over cores
     transfer: Literal["auto", "shm", "tcp", "torch"] = "auto"
     transfer_pool_mb: int = 1024  # bound on the shared-memory segments a sender keeps for reuse
