@@ -51,9 +51,11 @@ class FakeCluster:
     splits a decode step's tokens into one STEP_TOKENS per shard.
     """
 
-    def __init__(self, client_addr: str | list[str], worker_addr: str | list[str], redis_url: str) -> None:
+    def __init__(self, client_addr: str | list[str], worker_addr: str | list[str], redis_url: str,
+                 model: str = "m") -> None:
         from mserve.common.redis_store import RedisStore
 
+        self.model = model  # the served model the fake workers register for (the coordinator's --model)
         self.ctx = zmq.Context.instance()
         self.client_addrs = [client_addr] if isinstance(client_addr, str) else list(client_addr)
         self.worker_addrs = [worker_addr] if isinstance(worker_addr, str) else list(worker_addr)
@@ -119,7 +121,7 @@ class FakeCluster:
                 "weights_mib": 104.2, "kv_pool_mib": 512.0, "counters": {"steps": 1, "decode_tokens": 1},
                 "at": time.time()}
         return WorkerInfo(worker_id=wid, role=role, data_address="tcp://127.0.0.1:1", host_id="calib", pid=1,
-                          model="m", block_size=16, num_blocks=2048, load=load)
+                          model=self.model, model_path=self.model, block_size=16, num_blocks=2048, load=load)
 
     def heartbeat(self) -> None:
         from mserve.common.protocol import MsgType
@@ -305,7 +307,7 @@ def measure_coordinator(model: str, scale: float = 1.0) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "mserve.cli", "coordinator", "--model", model, "--bind",
                f"tcp://127.0.0.1:{cport}", "--worker-bind", f"tcp://127.0.0.1:{wport}", "--redis", redis.url]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        fake = FakeCluster(f"tcp://127.0.0.1:{cport}", f"tcp://127.0.0.1:{wport}", redis.url)
+        fake = FakeCluster(f"tcp://127.0.0.1:{cport}", f"tcp://127.0.0.1:{wport}", redis.url, model)
         try:
             for wid, role in (("encode-0", "encode"), ("prefill-0", "prefill"), ("decode-0", "decode")):
                 fake.add_worker(wid, role)

@@ -66,6 +66,7 @@ class Shards:
     def __init__(self, model: str, k: int, redis_url: str) -> None:
         from mserve.common.redis_server import free_port
 
+        self.model = model
         self.ids = [f"shard-{i}" for i in range(k)]
         self.client_addrs, self.worker_addrs, self.procs = [], [], []
         for sid in self.ids:
@@ -207,7 +208,7 @@ def measure_config(model: str, k: int, redis_url: str, redis_pid: int | None, co
     t0 = time.perf_counter()
     shards = Shards(model, k, redis_url)
     try:
-        fake = FakeCluster(shards.client_addrs, shards.worker_addrs, redis_url)
+        fake = FakeCluster(shards.client_addrs, shards.worker_addrs, redis_url, shards.model)
         try:
             runs, idles, startup_s = _measure(fake, shards, redis_pid, counts, pools, idle_s, t0)
         finally:
