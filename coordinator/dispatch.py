@@ -127,6 +127,7 @@ class Dispatcher:
                                  hits.get(prefill.worker_id, 0), block_size)
         if covered:
             st.skipped_images, st.skip_prefill = covered, prefill.worker_id
+            self._credit(st, prefill, hits)  # its PREFILL goes there (_route): credited from this lookup
         return len(covered) == len(a.images)
 
     def _send_stage(self, st: RequestState, stage: Stage, worker: WorkerView, ws: list[WorkerView],
@@ -177,8 +178,7 @@ class Dispatcher:
         if st.next_stage == Stage.PREFILL:
             pinned = next((w for w in ws if w.worker_id == st.skip_prefill), None)
             if pinned is not None:  # it holds the prefix the skipped images are in (elsewhere: a retry encodes them)
-                self._credit(st, pinned, self.lookups.prefix_hits(a, block_size))
-                return pinned
+                return pinned  # credited when the skip was planned (_skip_covered_images)
             hits = self.lookups.prefix_hits(a, block_size)
             chosen = route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
             self._credit(st, chosen, hits)

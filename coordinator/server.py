@@ -46,6 +46,7 @@ class RedisLookups:
     def __init__(self, store: RedisStore, builder: Any, model_name: str) -> None:
         self.store, self.builder, self.model_name = store, builder, model_name
         self.recent = RecentPrefixes()  # prompts routed here but maybe not yet in the Redis index
+        self._hashed: tuple[Admitted, int, list[str]] | None = None  # the last request's block hashes
 
     def embedding_holders(self, image_hash: str) -> set[str]:
         return self.store.lookup_embedding(self.model_name, image_hash) if self.store.healthy else set()
@@ -65,12 +66,17 @@ class RedisLookups:
         self.recent.forget(worker_id)
 
     def _block_hashes(self, admitted: Admitted, block_size: int) -> list[str]:
+        """The prompt's leading block hashes, computed once per request: routing asks, then `placed` notes them."""
+        if self._hashed is not None and self._hashed[0] is admitted and self._hashed[1] == block_size:
+            return self._hashed[2]
         ids = admitted.prompt_ids
-        if len(ids) < 2 * block_size:
-            return []
-        # Same keys as the workers' block hashes: each image's hash and offset, not just its placeholder ids.
-        spans = item_spans(self.builder.family.image_spans(ids), [(im.hash, im.num_tokens) for im in admitted.images])
-        return prompt_block_hashes(ids, block_size, spans)[:64]
+        hashes: list[str] = []
+        if len(ids) >= 2 * block_size:
+            # Same keys as the workers' block hashes: each image's hash and offset, not just its placeholder ids.
+            spans = item_spans(self.builder.family.image_spans(ids), [(im.hash, im.num_tokens) for im in admitted.images])
+            hashes = prompt_block_hashes(ids, block_size, spans)[:64]
+        self._hashed = (admitted, block_size, hashes)
+        return hashes
 
 
 class RedisEncodeLeases:
