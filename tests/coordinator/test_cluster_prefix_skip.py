@@ -110,6 +110,8 @@ def test_disaggregated_turn_two_skips_encode_and_fetch_and_a_stale_index_reruns(
     assert second.attempts == 1
     wait_for(lambda: added(cluster, base, prefill, "encodes_skipped_by_prefix") == 1,
              what="the skip in the prefill worker's counters")
+    # The encoder's counters reach STATUS with its own heartbeats, not with the prefill worker's: wait for them.
+    wait_for(lambda: added(cluster, base, encoder, "encoded_images") >= 1, what="turn 1's encode in the encoder's counters")
     assert added(cluster, base, encoder, "encoded_images") == 1
     assert added(cluster, base, encoder, "embedding_cache_hits") == 0
 
