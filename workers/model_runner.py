@@ -24,6 +24,7 @@ from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
 from mserve.workers.tiled_images import features_per_image
+from mserve.workers.vision_layers import drop_unread_vision_layers
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
     elif parts == "vision":
         setattr(model.model, text_module_name(model), None)
         model.lm_head = None
+    if parts != "text":
+        drop_unread_vision_layers(model)
     gc.collect()
     return use_paged_attention(model.to(device).eval())
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mserve.common.policy import DEFAULT_ENGINE
+from mserve.workers.vision_layers import TOWER_LAYER, layers_read
 
 log = logging.getLogger("mserve.sizing")
 
@@ -199,13 +200,19 @@ def parameter_counts(model_dir: str | os.PathLike) -> dict[str, int]:
     if not files:
         raise SizingError(f"{model_dir}: sizing reads the weights' sizes from *.safetensors, and there are none")
     counts = {"vision": 0, "text": 0}
+    config_file = Path(model_dir) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    # Vision layers no image feature reads are never loaded (workers/vision_layers.py): not counted either.
+    keep = layers_read(config.get("vision_feature_layer"),
+                       (config.get("vision_config") or {}).get("num_hidden_layers", 0))
     for f in files:
         with f.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         for name, info in header.items():
-            if name != "__metadata__":
-                counts["vision" if is_vision_weight(name) else "text"] += math.prod(info["shape"])
+            if name == "__metadata__" or (keep is not None and (m := TOWER_LAYER.search(name)) and int(m[1]) >= keep):
+                continue
+            counts["vision" if is_vision_weight(name) else "text"] += math.prod(info["shape"])
     return counts
 
 
