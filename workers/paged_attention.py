@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from mserve.workers import paged_decode
+
 ATTN_IMPLEMENTATION = "mserve_paged"
 
 
@@ -96,6 +98,14 @@ class AttentionGroup:
     # length attend together over exactly their keys, never over masked padding (see _attend). None
     # with bidirectional image runs, whose mask is not the causal one.
     key_lens: tuple[int, ...] | None = None
+    # A group of one prompt's first chunk (position 0, causal only): its token count. Such a chunk
+    # attends causally over exactly its own keys, `is_causal` and no mask, as HF's prefill calls SDPA:
+    # the kernel then skips the blocks above the diagonal, half the work of the masked call.
+    fresh_prompt: int | None = None
+    # A group of decode tokens (one query each, causal only): each request's context length, for the
+    # kernel that reads the pool in place (workers/paged_decode.py), and the longest.
+    decode_lens: torch.Tensor | None = None
+    max_len: int = 0
     _windowed: dict = field(default_factory=dict)  # sliding window -> mask, built on first use
 
     def windowed_mask(self, window: int) -> torch.Tensor:
@@ -132,7 +142,11 @@ class AttentionGroup:
                    query_index=torch.tensor(q_index, dtype=torch.long, device=device), mask=mask[:, None],
                    out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
                    dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole, query_pos=qp,
-                   key_lens=tuple(c[1] + c[2] for c in chunks) if exact and not any(c[4] for c in chunks) else None)
+                   key_lens=tuple(c[1] + c[2] for c in chunks) if exact and not any(c[4] for c in chunks) else None,
+                   fresh_prompt=max_q if len(chunks) == 1 and chunks[0][1] == 0 and max_q > 1 and not chunks[0][4]
+                   else None,
+                   decode_lens=qp[:, 0] + 1 if max_q == 1 and not any(c[4] for c in chunks) else None,
+                   max_len=max(c[1] + c[2] for c in chunks))
 
 
 def _same_image(chunks: Sequence[tuple], num_keys: int, query_pos: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -194,17 +208,26 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scaling: float | None, window: int | None = None) -> torch.Tensor:
     """One group's attention output as [rows, heads, head_dim] (rows = its real tokens, in `dest` order)."""
-    k = _gather(k_cache, group.block_tables)
-    v = _gather(v_cache, group.block_tables)
     g, max_q = group.query_index.shape
     heads, _, d = query.shape
+    if (group.decode_lens is not None and group.key_lens is None and (window is None or window >= group.max_len)
+            and paged_decode.usable(query, k_cache)):  # decode tokens: read the pool in place, no gather
+        q = query.transpose(0, 1) if group.whole_uniform else query[:, group.query_index[:, 0]].transpose(0, 1)
+        return paged_decode.attend(q, k_cache, v_cache, group.block_tables, group.decode_lens, group.max_len,
+                                   scaling if scaling is not None else d ** -0.5)
+    k = _gather(k_cache, group.block_tables)
+    v = _gather(v_cache, group.block_tables)
     if group.whole_uniform:
         q = query.view(heads, g, max_q, d).transpose(0, 1)
     else:
         q = query[:, group.query_index].transpose(0, 1)  # [G, heads, max_q, head_dim]
     # A window shorter than a context makes the mask not the causal one (a window as long as every
     # context, like the 32k one Qwen2-VL passes on every layer, restricts nothing).
-    if group.key_lens is None or (window is not None and window < max(group.key_lens)):
+    if group.fresh_prompt is not None and (window is None or window >= group.fresh_prompt):
+        n = group.fresh_prompt
+        out = F.scaled_dot_product_attention(q, k[:, :, :n].to(q.dtype), v[:, :, :n].to(q.dtype), is_causal=True,
+                                             scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    elif group.key_lens is None or (window is not None and window < max(group.key_lens)):
         mask = group.mask if window is None else group.windowed_mask(window)
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
                                              enable_gqa=q.shape[1] != k.shape[1])

@@ -1,0 +1,85 @@
+"""The decode kernel that reads the paged pool in place (workers/paged_decode.py): the same attention
+as gathering each request's blocks and calling SDPA, and, with it or without it, HF generate's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mserve.common.prompt import PromptBuilder
+from mserve.workers import paged_decode
+from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.paged_attention import _gather
+from mserve.workers.sequence import SamplingParams
+from tests.helpers import PROMPTS, hf_generate, make_image
+
+needs_kernel = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C compiler: the kernel is not built")
+
+
+def gathered(q, k_cache, v_cache, tables, lens, scale):
+    """What attention computes without the kernel: the blocks gathered, then one masked SDPA call."""
+    k, v = _gather(k_cache, tables), _gather(v_cache, tables)
+    mask = (torch.arange(k.shape[2])[None, :] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[:, :, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32), (12, 2, 72), (14, 2, 80)])
+def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    bs, num_blocks = 16, 300
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g)
+    lens = torch.tensor([1, 15, 16, 17, 250, 97, 640, 33])  # partial, whole and one-token blocks, ragged
+    max_blocks = int(-(-lens.max() // bs))
+    order = torch.randperm(num_blocks, generator=g)  # each request's blocks scattered over the pool
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)  # padded with block 0, as PagedBatch does
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        nb = -(-n // bs)
+        tables[i, :nb] = order[used : used + nb]
+        used += nb
+    q = torch.randn(len(lens), heads, head_dim, generator=g) * 3  # peaked rows: softmax's max matters
+    scale = head_dim ** -0.5
+    out = paged_decode.attend(q, k_cache, v_cache, tables, lens, int(lens.max()), scale)
+    torch.testing.assert_close(out, gathered(q, k_cache, v_cache, tables, lens, scale), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_length_past_the_table_is_refused():
+    k = torch.zeros(4, 16, 1, 16)
+    with pytest.raises(ValueError, match="context length"):
+        paged_decode.attend(torch.zeros(1, 1, 16), k, k, torch.zeros(1, 1, dtype=torch.long),
+                            torch.tensor([17]), 17, 1.0)
+
+
+@pytest.mark.parametrize("kernel", ["kernel", "gather"])
+def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model_dirs, monkeypatch):
+    """A ragged batch (text-only and image prompts of different lengths) decoded together, by the kernel
+    and by the gather it replaces (the path of a host without a compiler), against HF generate."""
+    if kernel == "kernel" and paged_decode.kernel() is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    if kernel == "gather":
+        monkeypatch.setattr(paged_decode, "_kernel", None)
+    calls = []
+    attend = paged_decode.attend
+    monkeypatch.setattr(paged_decode, "attend", lambda *a: calls.append(a[0].shape[0]) or attend(*a))
+    model_dir = str(tiny_model_dirs["llava"])
+    builder = PromptBuilder(model_dir)
+    requests = {}
+    for i in range(5):
+        images = [make_image(90 + 30 * i, 70 + 20 * i, seed=i)] if i % 2 else []
+        requests[f"r{i}"] = builder.prepare_text(PROMPTS[i % len(PROMPTS)], images)
+    engine = Engine(EngineConfig(model_dir, num_blocks=256, block_size=16))
+    for rid, pp in requests.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=12))
+    results = engine.run_until_done()
+    for rid, pp in requests.items():
+        assert results[rid] == hf_generate(model_dir, pp.prompt_ids, pp.images, 12), rid
+    if kernel == "kernel":  # every decode step went through it, the first with all five requests
+        assert len(calls) >= 11 * engine.runner.model.config.text_config.num_hidden_layers and max(calls) == 5
+    else:
+        assert not calls

@@ -1,0 +1,127 @@
+"""Decode attention that reads the paged KV pool in place: a small C kernel, built on first use.
+
+A decode step's attention is one query per request over its whole context. Through SDPA that means
+gathering every request's blocks into a padded copy first (`paged_attention._gather`), then reading
+the copy through a transposed view: at 16 requests of 650 tokens, 58 % of a `small` llava decode
+step (bench/README.md, "Where a decode step's time goes"). The kernel (csrc/paged_decode.c) walks each
+request's block table instead and reads each K and V row once, for all the query heads that share it.
+
+It is plain C (no torch headers), compiled with the host's `cc` into the user's cache the first
+time a worker needs it (about a second), and called through ctypes, which releases the GIL.
+Float32 only: reduced precision keeps exact-length SDPA (paged_attention.exact_lengths). Where no
+compiler is found (the offline deploy image has none) or `MSERVE_DECODE_KERNEL=off`, `kernel()` is
+None and attention gathers as before; either way the tokens are HF generate's
+(tests/workers/test_paged_decode.py, and the engine tests, which run with it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+MAX_HEADS = 256  # the kernel's per-head buffers
+_FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler does not know the host
+_UNSET = object()
+_kernel: object = _UNSET
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MSERVE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mserve", "kernels")
+    return Path(root)
+
+
+def _host_key() -> str:
+    """What a -march=native build depends on besides its source: the machine and its CPU's flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha256((platform.machine() + flags).encode() + SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _build() -> Path | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("decode attention: no C compiler (cc, gcc), so it gathers each request's KV blocks first")
+        return None
+    out = _cache_dir() / f"paged_decode-{_host_key()}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in _FLAGS:
+        # Built under a temporary name and renamed: workers starting together never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+                             capture_output=True, text=True)
+        if res.returncode == 0:
+            os.replace(tmp, out)
+            log.info("decode attention: built %s (%s)", out, " ".join(flags))
+            return out
+        os.unlink(tmp)
+        errors.append(res.stderr.strip()[-500:])
+    log.warning("decode attention: %s could not build %s, so it gathers the KV blocks first: %s",
+                cc, SOURCE.name, errors[-1])
+    return None
+
+
+def kernel():
+    """The loaded C function, or None (no compiler, a failed build, or MSERVE_DECODE_KERNEL=off)."""
+    global _kernel
+    if _kernel is _UNSET:
+        _kernel = None
+        if os.environ.get("MSERVE_DECODE_KERNEL", "auto").lower() not in ("off", "0", "false", "no"):
+            try:
+                path = _build()
+                if path is not None:
+                    fn = ctypes.CDLL(str(path)).paged_decode_f32
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+                    _kernel = fn
+            except OSError as exc:
+                log.warning("decode attention: could not load the kernel (%s); it gathers the KV blocks first", exc)
+    return _kernel
+
+
+def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this decode group's attention can run in the kernel. Not inside a torch.compile graph
+    (`--compile`): dynamo cannot trace a ctypes call, and a graph break per layer costs what the
+    compiled step gains (bench/README.md); compiled decode keeps the gather."""
+    heads, kv_heads = query.shape[0], k_cache.shape[2]
+    return (not torch.compiler.is_compiling() and query.dtype == torch.float32 and k_cache.dtype == torch.float32 and query.device.type == "cpu"
+            and heads % kv_heads == 0 and heads <= MAX_HEADS and kernel() is not None)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+           lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """q [G, heads, head_dim] (one query per request) over each request's first `lens[g]` pooled
+    tokens, read in place through `tables` [G, max_blocks] -> [G, heads, head_dim]."""
+    fn = kernel()
+    q = q.contiguous()
+    g, heads, d = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and tables.dtype == lens.dtype == torch.int64
+    tables, lens = tables.contiguous(), lens.contiguous()
+    out = torch.empty_like(q)
+    scratch = torch.empty(heads * max_len, dtype=torch.float32)
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            out.data_ptr(), scratch.data_ptr(), g, heads, kv_heads, d, bs, tables.shape[1], max_len, scale)
+    if rc != 0:  # usable() keeps the head count in range: only a length can be wrong here
+        raise ValueError(f"paged decode: a context length outside 1..{max_len} in {lens.tolist()}")
+    return out
