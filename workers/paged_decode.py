@@ -55,13 +55,15 @@ def _host_key() -> str:
 
 
 def _build() -> Path | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.info("decode attention: no C compiler (cc, gcc), so it gathers each request's KV blocks first")
-        return None
+    """The kernel's shared library: already in the cache (built here before, or mounted in), or built now."""
     out = _cache_dir() / f"paged_decode-{_host_key()}.so"
     if out.exists():
         return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("decode attention: no C compiler (cc, gcc) to build %s, so it gathers each request's KV "
+                 "blocks first (the same tokens, slower at long contexts)", out.name)
+        return None
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for flags in _FLAGS:
@@ -94,6 +96,7 @@ def kernel():
                     fn.restype = ctypes.c_int
                     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float]
                     _kernel = fn
+                    log.info("decode attention: reads the KV pool in place (%s)", path)
             except OSError as exc:
                 log.warning("decode attention: could not load the kernel (%s); it gathers the KV blocks first", exc)
     return _kernel

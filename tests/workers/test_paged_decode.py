@@ -83,3 +83,19 @@ def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model
         assert len(calls) >= 11 * engine.runner.model.config.text_config.num_hidden_layers and max(calls) == 5
     else:
         assert not calls
+
+
+@needs_kernel
+def test_without_a_compiler_a_cached_kernel_still_loads(tmp_path, monkeypatch):
+    """No cc on PATH: an empty cache gives no kernel (attention gathers), and a cache holding the
+    library built on a host like this one (a mounted folder, as deploy/README.md says) gives it."""
+    built = next(paged_decode._cache_dir().glob(f"paged_decode-{paged_decode._host_key()}.so"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("MSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(paged_decode, "_kernel", paged_decode._UNSET)
+    assert paged_decode.kernel() is None
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / built.name).write_bytes(built.read_bytes())
+    monkeypatch.setattr(paged_decode, "_kernel", paged_decode._UNSET)
+    assert paged_decode.kernel() is not None
