@@ -10,7 +10,9 @@ here); nested phases are reported net of what they contain:
   batch build: PagedBatch.build (slots, block tables, masks);
 - per layer, summed over layers: attention projections + RoPE (the self_attn module less the
   paged function), KV write (the paged function less _attend: two index_copy_ into the pool),
-  KV gather (_gather), SDPA, the rest of _attend (reshapes), the MLP, the two RMSNorms;
+  KV gather (_gather), SDPA, or instead of both the decode kernel that reads the pool in place
+  (workers/paged_decode.py; `MSERVE_DECODE_KERNEL=off` for the gather), the rest of _attend
+  (reshapes), the MLP, the two RMSNorms;
 - final norm, LM head, and "between ops": the step's wall time less every phase above (the HF
   decoder loop, the engine's own Python, the timers themselves).
 """
@@ -25,7 +27,7 @@ import time
 from typing import Any, Callable, Iterator
 
 PHASES = ("schedule", "input_prep", "embedding", "batch_build", "attn_proj_rope", "kv_write", "kv_gather",
-          "sdpa", "attend_rest", "mlp", "norms", "final_norm", "lm_head", "sample", "postprocess", "between_ops")
+          "sdpa", "decode_kernel", "attend_rest", "mlp", "norms", "final_norm", "lm_head", "sample", "postprocess", "between_ops")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +69,7 @@ def timed_phases(engine: Any, clock: _Clock) -> Iterator[None]:
 
     from mserve.workers import engine as engine_mod
     from mserve.workers import paged_attention as pa
+    from mserve.workers import paged_decode
 
     runner = engine.runner
     lm = runner.language_model
@@ -85,6 +88,7 @@ def timed_phases(engine: Any, clock: _Clock) -> Iterator[None]:
     patch(pa.PagedBatch, "build", "batch_build")
     patch(pa, "_gather", "kv_gather")
     patch(F, "scaled_dot_product_attention", "sdpa")
+    patch(paged_decode, "attend", "decode_kernel")
     patch(pa, "_attend", "attend_rest")
     for layer in lm.layers:
         patch(layer.self_attn, "forward", "attn_proj_rope")
@@ -100,7 +104,7 @@ def timed_phases(engine: Any, clock: _Clock) -> Iterator[None]:
     finally:
         AttentionInterface.register(pa.ATTN_IMPLEMENTATION, pa.paged_attention_forward)
         for owner, attr, inner in reversed(restore):
-            if isinstance(owner, type) or owner in (pa, F, engine_mod):
+            if isinstance(owner, type) or owner in (pa, F, engine_mod, paged_decode):
                 setattr(owner, attr, inner)
             else:  # an instance: drop the shadowing attribute, the class's method shows again
                 delattr(owner, attr)
