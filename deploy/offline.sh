@@ -117,6 +117,14 @@ cmd_engine_start() {
   if docker info >/dev/null 2>&1; then say "an engine answers at ${DOCKER_HOST:-the default socket}; using it"; return 0; fi
   command -v dockerd >/dev/null || die "no dockerd (run: deploy/offline.sh tools)"
   [ "$(id -u)" = 0 ] || die "starting dockerd needs root"
+  if [ -d "$ENGINE_DIR" ]; then  # an earlier run's, whose cleanup did not finish
+    local old
+    old=$(cat "$ENGINE_DIR/dockerd.pid" 2>/dev/null || true)
+    [ -n "$old" ] && kill -0 "$old" 2>/dev/null && die "a dockerd an earlier run started still runs (pid $old, \
+$ENGINE_DIR); stop it with: MSERVE_ENGINE_DIR=$ENGINE_DIR deploy/offline.sh engine-stop"
+    remove_engine_dir || die "$ENGINE_DIR is left from an earlier run and cannot be removed (above)"
+    say "removed $ENGINE_DIR, left by an earlier run"
+  fi
   mkdir -p "$ENGINE_DIR/root"
   ip link show docker0 >/dev/null 2>&1 || touch "$ENGINE_DIR/made-docker0"  # engine-stop removes the bridge it made
   local sock="unix://$ENGINE_DIR/docker.sock"
@@ -140,15 +148,8 @@ engine_mounts() {  # the mount points at or below $ENGINE_DIR, deepest first (a 
   awk -v d="$ENGINE_DIR" '$5 == d || index($5, d "/") == 1 { print $5 }' /proc/self/mountinfo | sort -r
 }
 
-cmd_engine_stop() {  # never fails: a cleanup problem is reported, it does not replace the test's verdict
-  [ -f "$ENGINE_DIR/started.pid" ] || return 0
-  local pid i m left
-  pid=$(cat "$ENGINE_DIR/started.pid")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid"
-    for ((i = 0; i < 60; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-    kill -0 "$pid" 2>/dev/null && { say "dockerd ($pid) ignored TERM for 60 s; killing it"; kill -KILL "$pid" || true; }
-  fi
+remove_engine_dir() {  # unmount what dockerd left under $ENGINE_DIR, then remove it; 0 when it is gone
+  local i m left
   # dockerd leaves mounts behind when it is killed, and sometimes when it is not: its exec root, the
   # data root bind-mounted onto itself (to make it private), a container's shm. Unmount every one, deepest
   # first, lazily where a plain umount finds it busy, until none is left; then the folder can go.
@@ -158,12 +159,22 @@ cmd_engine_stop() {  # never fails: a cleanup problem is reported, it does not r
     while read -r m; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done <<<"$left"
   done
   [ -f "$ENGINE_DIR/made-docker0" ] && { ip link delete docker0 2>/dev/null || true; }
-  if rm -rf "$ENGINE_DIR" 2>/dev/null; then
-    say "stopped dockerd ($pid) and removed $ENGINE_DIR"
-  else
-    say "WARNING: stopped dockerd ($pid) but could not remove $ENGINE_DIR; mounts still under it:"
-    engine_mounts | sed 's/^/deploy:   /' >&2
+  rm -rf "$ENGINE_DIR" 2>/dev/null && return 0
+  say "WARNING: could not remove $ENGINE_DIR; mounts still under it:"
+  engine_mounts | sed 's/^/deploy:   /' >&2
+  return 1
+}
+
+cmd_engine_stop() {  # never fails: a cleanup problem is reported, it does not replace the test's verdict
+  [ -f "$ENGINE_DIR/started.pid" ] || return 0
+  local pid i
+  pid=$(cat "$ENGINE_DIR/started.pid")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid"
+    for ((i = 0; i < 60; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -0 "$pid" 2>/dev/null && { say "dockerd ($pid) ignored TERM for 60 s; killing it"; kill -KILL "$pid" || true; }
   fi
+  remove_engine_dir && say "stopped dockerd ($pid) and removed $ENGINE_DIR"
   return 0
 }
 
