@@ -99,8 +99,9 @@ class AttentionGroup:
     # with bidirectional image runs, whose mask is not the causal one.
     key_lens: tuple[int, ...] | None = None
     # A group of one prompt's first chunk (position 0, causal only): its token count. Such a chunk
-    # attends causally over exactly its own keys, `is_causal` and no mask, as HF's prefill calls SDPA:
-    # the kernel then skips the blocks above the diagonal, half the work of the masked call.
+    # attends causally over exactly its own keys, `is_causal` and no mask, as HF's prefill calls SDPA
+    # (the same bits as the masked call, measured; the CPU kernel skips what its blocking lets it above
+    # the diagonal: 11 % faster at 512 tokens).
     fresh_prompt: int | None = None
     # A group of decode tokens (one query each, causal only): each request's context length, for the
     # kernel that reads the pool in place (workers/paged_decode.py), and the longest.
