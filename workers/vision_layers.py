@@ -21,14 +21,19 @@ log = logging.getLogger(__name__)
 TOWER_LAYER = re.compile(r"(?:^|\.)vision_tower\.(?:vision_model\.)?encoder\.layers\.(\d+)\.")
 
 
+def _absolute(feature_layer: int | list[int], num_layers: int) -> list[int]:
+    """hidden_states has num_layers + 1 entries (the embeddings, then each layer's output): index
+    i < 0 is num_layers + 1 + i."""
+    layers = [feature_layer] if isinstance(feature_layer, int) else feature_layer
+    return [i if i >= 0 else num_layers + 1 + i for i in layers]
+
+
 def layers_read(feature_layer: int | list[int] | None, num_layers: int) -> int | None:
     """How many of the tower's `num_layers` layers the image features read; None: all of them (or no
-    `vision_feature_layer` to go by). hidden_states has num_layers + 1 entries (the embeddings, then
-    each layer's output): index i < 0 is num_layers + 1 + i."""
+    `vision_feature_layer` to go by)."""
     if feature_layer is None or num_layers <= 0:
         return None
-    absolute = [i if i >= 0 else num_layers + 1 + i for i in ([feature_layer] if isinstance(feature_layer, int)
-                                                             else feature_layer)]
+    absolute = _absolute(feature_layer, num_layers)
     keep = max(absolute)
     return keep if 0 <= min(absolute) and keep < num_layers else None
 
@@ -47,7 +52,7 @@ def drop_unread_vision_layers(model: Any) -> int:
         return 0
     n = len(layers)
     encoder.layers = layers[:keep]
-    absolute = [i if i >= 0 else n + 1 + i for i in ([wanted] if isinstance(wanted, int) else wanted)]
+    absolute = _absolute(wanted, n)
     config.vision_feature_layer = absolute[0] if isinstance(wanted, int) else absolute
     log.info("vision tower: %d of its %d layers run (image features read hidden state %s)", keep, n,
              config.vision_feature_layer)

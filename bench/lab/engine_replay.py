@@ -13,25 +13,16 @@ Used for bench/README.md, "Why 1.3x per core is out of reach".
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import time
 
 
 def prompts(model: str, trace: str, n: int) -> list:
+    """The first `n` requests' prompts, built from their messages as the coordinator builds them."""
+    from mserve.bench.traces import load_trace
     from mserve.common.prompt import PromptBuilder
 
-    builder, out = PromptBuilder(model), []
-    with open(trace) as f:
-        for line in list(f)[:n]:
-            text, images = [], []
-            for part in json.loads(line)["messages"][0]["content"]:
-                if part["type"] == "text":
-                    text.append(part["text"])
-                else:
-                    images.append(base64.b64decode(part["image"]["__bytes_b64__"]))
-            out.append(builder.prepare_text(" ".join(text), images))
-    return out
+    builder = PromptBuilder(model)
+    return [builder.prepare(req.messages) for req in load_trace(trace)[:n]]
 
 
 def main(argv: list[str] | None = None) -> int:

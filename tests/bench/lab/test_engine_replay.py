@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import base64
 import json
 
 from lab.engine_replay import main
+from mserve.bench.traces import TraceRequest, request_to_dict
 from tests.helpers import make_image
 
 
 def test_replays_text_and_image_requests(tiny_model_dirs, tmp_path, capsys):
-    image = {"type": "image", "image": {"__bytes_b64__": base64.b64encode(make_image(120, 90, seed=1)).decode()}}
+    image = {"type": "image", "image": make_image(120, 90, seed=1)}
     rows = [[{"type": "text", "text": "Hello there"}], [{"type": "text", "text": "What is this?"}, image]]
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n" for c in rows))
+    trace.write_text("".join(json.dumps(request_to_dict(TraceRequest(f"r{i}", 0.0, [{"role": "user", "content": c}],
+                                                                     3, "text"))) + "\n"
+                             for i, c in enumerate(rows)))
     assert main(["--model", str(tiny_model_dirs["llava"]), "--trace", str(trace), "--requests", "2",
                  "--concurrency", "2", "--max-tokens", "3"]) == 0
     out = capsys.readouterr().out
