@@ -3,7 +3,8 @@
 1. `exact`: bf16 exactness of the engine against HF `generate` in bf16, on the device, for tiny
    LLaVA and Qwen2-VL checkpoints (a ragged batch decoded together);
 2. `cluster`: a 1e1p1d cluster on the one device (three worker processes) with each transfer backend
-   named in --transfers (default torch: NCCL on CUDA, gloo on CPU), tokens against the same HF run;
+   named in --transfers (default torch: CUDA IPC between processes on one GPU, NCCL across GPUs,
+   gloo on CPU), tokens against the same HF run;
 3. `big`: a 7B-class random-weight LLaVA built on the device (bench/gpu_big.py): engine throughput at
    --batches beside HF's own batched generate on the same weights, a short serving run, memory per role.
 
@@ -167,12 +168,21 @@ def check_cluster(reference: dict[str, Any], transfer: str, args) -> dict[str, A
             tails = {name: cluster.log_tail(name, 15) for name in cluster.processes}
             return {"transfer": transfer, "error": f"{exc.__class__.__name__}: {exc}", "log_tails": tails}
         memory = {name: {"rss_mib": gpu_big.rss_mib(proc.pid)} for name, proc in cluster.processes.items()}
+        # Which receivers copied through CUDA IPC (a sender on their own GPU) rather than NCCL.
+        ipc = {name: _log_count(cluster, name, "use CUDA IPC") for name in cluster.processes}
         for pid, mib in _gpu_memory_by_pid().items():
             for name, proc in cluster.processes.items():
                 if proc.pid == pid:
                     memory[name]["gpu_mib"] = mib
-    return {"transfer": transfer, "start_s": started_s, "memory": memory,
+    return {"transfer": transfer, "start_s": started_s, "memory": memory, "cuda_ipc_senders": ipc,
             **compare([r.token_ids for r in results], want, requests)}
+
+
+def _log_count(cluster, name: str, text: str) -> int:
+    try:
+        return cluster.log_path(name).read_text(errors="replace").count(text)
+    except (OSError, RuntimeError):
+        return -1
 
 
 def _chat(text: str, images: list[bytes]) -> list[dict[str, Any]]:

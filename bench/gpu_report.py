@@ -21,6 +21,9 @@ def render(r: dict[str, Any]) -> str:
         first = v["mismatches"][0] if v["mismatches"] else None
         where = f"request {first['request']} at token {first['first_diff']}" if first else "none"
         notes = f"KV {v['kv_dtype']}" if "kv_dtype" in v else f"start {v.get('start_s', 0):.0f} s; " + _memory(v.get("memory", {}))
+        ipc = [n for n, c in v.get("cuda_ipc_senders", {}).items() if c > 0]
+        if ipc:
+            notes += "; CUDA IPC into " + ", ".join(ipc)
         lines.append(f"| {name} | {v['equal']}/{v['requests']} | {where} | {notes} |")
     big = r.get("big")
     if big:

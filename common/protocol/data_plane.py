@@ -34,6 +34,7 @@ class FetchRequest(Message):
     rq: int | None = wire(optional(as_int), None)
     gid: str | None = wire(optional(as_str), None)  # torch: the process group the receiver holds, if any
     peer: str | None = wire(optional(as_str), None)  # torch: the receiving engine's instance id
+    gpu: str | None = wire(optional(as_str), None)  # torch: the receiver's "host/GPU uuid", for CUDA IPC
 
 
 @dataclass
@@ -46,7 +47,8 @@ class TensorData(Message):
 @dataclass
 class TorchReady(Message):
     """The sender's torch send has started (or there is nothing to send: `tag` null; or the receiver's
-    group went stale: `stale`, build a new one)."""
+    group went stale: `stale`, build a new one; or both are on one GPU: `ipc`, a CUDA IPC handle to
+    copy from, mserve.common.transfer.cuda_ipc)."""
 
     KIND: ClassVar = DataMsg.READY
     rq: int | None = wire(optional(as_int), None)
@@ -54,6 +56,7 @@ class TorchReady(Message):
     gid: str | None = wire(optional(as_str), None)
     store: list[Any] | None = wire(optional(as_list), None)  # [host, port] of the group's rendezvous store
     stale: bool = wire(as_bool, False)
+    ipc: list[Any] | None = wire(optional(as_list), None)
 
 
 @dataclass

@@ -195,6 +195,7 @@ class TransferEngine:
             out["views_open"] = len(self._views)
         out["shm_pool"] = self._server.pool.stats()
         out["shm_mapped"] = self._fetcher.stats()
+        out["cuda_ipc_fetches"] = self._fetcher.cuda_ipc_fetches
         out["worker_id"] = self.worker_id
         return out
 

@@ -3,7 +3,7 @@
 Kept apart from the engine because it is the one place that knows how each backend's bytes
 reach this process: shm through a leased, cached mapping of the sender's segment (views, or one
 copy out; no message to the sender but the ack), tcp as zmq frames the receiver owns (one
-request), torch through a cached pair group.
+request), torch through a cached pair group (or CUDA IPC, when both are on one GPU).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class Fetcher:
         self, desc: Descriptor, where: str, deadline: float
     ) -> dict[str, torch.Tensor]:
         def ask(gid: str | None) -> TorchReady:
-            req = FetchRequest(id=desc.id, mode="torch", gid=gid, peer=self._instance)
+            req = FetchRequest(id=desc.id, mode="torch", gid=gid, peer=self._instance, gpu=self._torch_in.gpu)
             reply = self.channels.request(desc.address, req, where, deadline, desc.key)
             if not isinstance(reply, TorchReady):
                 raise TransferError(f"{where}: unexpected reply type {reply.KIND.name} to a torch fetch")
@@ -156,6 +156,11 @@ class Fetcher:
 
     def stats(self) -> dict[str, int]:
         return {"segments": len(self.maps), "attached": self.maps.attached, "stale": self.maps.stale}
+
+    @property
+    def cuda_ipc_fetches(self) -> int:
+        """torch fetches that were copied through CUDA IPC (sender on this GPU)."""
+        return self._torch_in.ipc_fetches
 
     def close(self) -> None:
         self.maps.close()

@@ -181,7 +181,7 @@ class Server:
             if mode == "tcp":
                 sent = send_nowait(router, Msg.DATA, TensorData(t=pub.storage.tensors(), rq=rq).to_body(), identity)
             else:
-                ready = self._torch_out.serve(msg.gid, str(msg.peer), pub.storage.flat, tid)
+                ready = self._torch_out.serve(msg.gid, str(msg.peer), pub.storage.flat, tid, msg.gpu)
                 sent = send_nowait(router, Msg.READY, TorchReady(rq=rq, **ready).to_body(), identity)
             if sent:
                 pub.served += 1

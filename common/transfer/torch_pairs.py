@@ -2,7 +2,8 @@
 
 A 2-rank group per (sender, receiver) pair, created on first use and cached (gloo on CPU, NCCL
 on CUDA); the handshake rides the zmq data plane, the bytes go in one ``send`` of a flat uint8
-buffer (see ``backends.FlatStorage``).
+buffer (see ``backends.FlatStorage``). A receiver on the sender's own GPU, where NCCL cannot pair
+them, copies the buffer through CUDA IPC instead (``cuda_ipc``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 
 from mserve.common.protocol.data_plane import TorchReady
-from mserve.common.transfer.backends import unpack_flat
+from mserve.common.transfer import cuda_ipc
+from mserve.common.transfer.backends import host_id, unpack_flat
 from mserve.common.transfer.descriptor import LayoutEntry, TransferError
 
 __all__ = ["TorchSender", "TorchReceiver"]
@@ -79,11 +81,21 @@ class TorchSender:
         self._pairs: dict[str, _PairOut] = {}
         # Retired pairs stay referenced: destroying a group with an op in flight can block.
         self._graveyard: list[_PairOut] = []
+        self._gpus: dict[torch.device, str | None] = {}  # device -> cuda_ipc.gpu_identity
 
-    def serve(self, gid: str | None, peer: str, flat: torch.Tensor, tid: str) -> dict[str, Any]:
-        """Start sending ``flat`` and return the reply telling the receiver how to recv it."""
+    def serve(
+        self, gid: str | None, peer: str, flat: torch.Tensor, tid: str, gpu: str | None = None
+    ) -> dict[str, Any]:
+        """Start sending ``flat`` and return the reply telling the receiver how to recv it.
+        ``gpu``: the receiver's GPU identity; if it is ``flat``'s own, the reply is a CUDA IPC
+        handle (``flat`` stays alive until the transfer is acked or expires)."""
         if flat.numel() == 0:
             return {"tag": None}
+        if gpu is not None and flat.is_cuda:
+            if flat.device not in self._gpus:
+                self._gpus[flat.device] = cuda_ipc.gpu_identity(flat.device, host_id())
+            if gpu == self._gpus[flat.device]:
+                return {"ipc": cuda_ipc.share(flat)}
         if gid is not None:
             pair = self._pairs.get(gid)
             if pair is None or pair.error is not None:
@@ -149,6 +161,10 @@ class TorchReceiver:
         self._host = host
         self._device = device
         self._on_new_group = on_new_group
+        # Sent with each request: a sender on this very GPU answers with a CUDA IPC handle.
+        self.gpu = cuda_ipc.gpu_identity(device, host_id()) if device.startswith("cuda") else None
+        self.ipc_fetches = 0
+        self._ipc_senders: set[str] = set()
         self._lock = threading.Lock()
         self._pairs: dict[str, tuple[str, Any]] = {}
         self._pair_locks: dict[str, threading.Lock] = {}
@@ -179,6 +195,8 @@ class TorchReceiver:
                 self._retire(sender)
                 gid, pg = None, None
                 reply = ask(None)
+            if reply.ipc is not None:
+                return self._open_ipc(sender, reply.ipc, nbytes, entries, where)
             tag = reply.tag
             if tag is None:  # nothing to move: only empty tensors
                 return unpack_flat(torch.empty(0, dtype=torch.uint8, device=self._device), entries)
@@ -209,6 +227,21 @@ class TorchReceiver:
             raise TransferError(f"{where}: torch recv failed: {exc}") from exc
         if flat.device != torch.device(self._device):
             flat = flat.to(self._device)
+        return unpack_flat(flat, entries)
+
+    def _open_ipc(
+        self, sender: str, parts: list[Any], nbytes: int, entries: Sequence[LayoutEntry], where: str
+    ) -> dict[str, torch.Tensor]:
+        if not self._device.startswith("cuda"):
+            raise TransferError(f"{where}: the sender offered CUDA IPC but this device is {self._device}")
+        try:
+            flat = cuda_ipc.open_copy(parts, nbytes, self._device)
+        except Exception as exc:
+            raise TransferError(f"{where}: cannot copy through CUDA IPC: {exc}") from exc
+        self.ipc_fetches += 1
+        if sender not in self._ipc_senders:
+            self._ipc_senders.add(sender)
+            logger.info("torch transfers from %s use CUDA IPC (same GPU, %s)", sender, self.gpu)
         return unpack_flat(flat, entries)
 
     def _retire(self, sender: str) -> None:
