@@ -127,6 +127,25 @@ def hf_batch(model, prompts: list[list[int]], new_tokens: int, device: str, pad_
             "decode_tokens_per_s": (tokens - len(prompts)) / decode_s}
 
 
+def serving_requests(n: int, prompt_tokens: int, builder, image_token_id: int,
+                     questions: list[str] | tuple[str, ...]) -> list[tuple[list[int], list[bytes]]]:
+    """The serving run's requests: every other one a 640x480 image with one of `questions`, the rest
+    text prompts of about `prompt_tokens` tokens."""
+    import numpy as np
+
+    from mserve.bench.images import ImageFactory
+
+    images = ImageFactory(np.random.default_rng(1), use_photos=False, distinct=True)
+    out: list[tuple[list[int], list[bytes]]] = []
+    for i, p in enumerate(text_prompts(n, prompt_tokens, builder.tokenizer, image_token_id, seed=1)):
+        if i % 2:
+            image = images.make((640, 480))
+            out.append((builder.prepare_text(questions[i % len(questions)], [image]).prompt_ids, [image]))
+        else:
+            out.append((p, []))
+    return out
+
+
 def serving_run(engine, requests: list[tuple[list[int], list[bytes]]], rate: float, new_tokens: int,
                 seed: int = 0) -> dict[str, Any]:
     """Poisson arrivals at `rate` req/s of (prompt ids, images) into one engine (a unified worker

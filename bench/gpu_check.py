@@ -6,7 +6,9 @@
    named in --transfers (default torch: CUDA IPC between processes on one GPU, NCCL across GPUs,
    gloo on CPU), tokens against the same HF run;
 3. `big`: a 7B-class random-weight LLaVA built on the device (bench/gpu_big.py): engine throughput at
-   --batches beside HF's own batched generate on the same weights, a short serving run, memory per role.
+   --batches beside HF's own batched generate on the same weights, a short serving run, memory per role;
+4. `attention` (not run by default): padded attention's tokens against HF's, and a profile of a decode
+   step exact and padded (bench/gpu_attention.py).
 
 It writes gpu_check.json and gpu_check.md under --out (default $OUT) after every part, so a run cut
 short keeps what it measured. A part that fails is recorded with its error and the rest still run.
@@ -36,7 +38,8 @@ from mserve.bench import gpu_big
 from mserve.bench.gpu_report import render
 
 log = logging.getLogger("mserve.bench.gpu_check")
-PARTS = ("exact", "cluster", "big")
+PARTS = ("exact", "cluster", "big", "attention")
+DEFAULT_PARTS = ("exact", "cluster", "big")
 FAMILIES = ("llava", "qwen2_vl")
 TEXTS = ("Describe the picture.", "What is in this image? Answer in one short sentence please.",
          "List three colours you can see.", "Hi", "Tell me a story about a small robot who learns to paint.",
@@ -50,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run); default cuda")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results/gpu_check",
                    help="folder for gpu_check.json and gpu_check.md (default $OUT)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"which parts, comma-separated (default {','.join(PARTS)})")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                   help=f"which of {','.join(PARTS)}, comma-separated (default {','.join(DEFAULT_PARTS)}); attention: "
+                        "what exact-length attention costs (bench/gpu_attention.py)")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"tiny checkpoints checked (default {','.join(FAMILIES)})")
     p.add_argument("--requests", type=int, default=9, help="requests per family for exact and cluster (default 9)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per exactness request (default 16)")
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-new-tokens", type=int, default=64, help="tokens per request for throughput (default 64)")
     p.add_argument("--serve-requests", type=int, default=48, help="requests in the serving run (default 48)")
     p.add_argument("--serve-rate", type=float, default=8.0, help="their Poisson rate, req/s (default 8)")
+    p.add_argument("--profile-batches", default="8,32", help="attention part: decode batch sizes profiled (default 8,32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in this process (default: torch's)")
     return p
 
@@ -207,11 +213,8 @@ def _gpu_memory_by_pid() -> dict[int, float]:
 
 
 def check_big(work: Path, args) -> dict[str, Any]:
-    from mserve.bench.images import ImageFactory
     from mserve.common.prompt import PromptBuilder
     from mserve.workers.engine import Engine, EngineConfig
-
-    import numpy as np
 
     size = args.big or ("7b" if args.device.startswith("cuda") else "tiny")
     model_dir, model = gpu_big.build_big_llava(work / f"llava-{size}", size, args.device)
@@ -236,15 +239,8 @@ def check_big(work: Path, args) -> dict[str, Any]:
     gpu_big.hf_batch(model, prompts[:2], 2, args.device, pad)  # warm-up
     result["hf_generate"] = {b: gpu_big.hf_batch(model, prompts[:b], args.bench_new_tokens, args.device, pad)
                              for b in batches}
-    images = ImageFactory(np.random.default_rng(1), use_photos=False, distinct=True)
-    serve = []
-    for i, p in enumerate(gpu_big.text_prompts(args.serve_requests, args.prompt_tokens // 2, builder.tokenizer,
-                                               engine.family.image_token_id, seed=1)):
-        if i % 2:
-            image = images.make((640, 480))
-            serve.append((builder.prepare_text(TEXTS[i % len(TEXTS)], [image]).prompt_ids, [image]))
-        else:
-            serve.append((p, []))
+    serve = gpu_big.serving_requests(args.serve_requests, args.prompt_tokens // 2, builder, engine.family.image_token_id,
+                                     TEXTS)
     result["serving"] = gpu_big.serving_run(engine, serve, args.serve_rate, args.bench_new_tokens // 2)
     result["memory_after_serving"] = gpu_big.memory_snapshot(args.device)
     del engine, model
@@ -297,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(out, report)
         return value
 
-    if "exact" in parts or "cluster" in parts:
+    if "exact" in parts or "cluster" in parts or "attention" in parts:
         for arch in [a for a in args.families.split(",") if a]:
             value = record("exact", arch, lambda arch=arch: check_exact(arch, work, args))
             if isinstance(value, tuple):
@@ -313,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
                 _write(out, report)
     if "big" in parts:
         report["big"] = record("big", args.big or "", lambda: check_big(work, args))
+    if "attention" in parts:
+        from mserve.bench.gpu_attention import check_attention
+
+        report["attention"] = record("attention", "", lambda: check_attention(references, work, args))
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     _write(out, report)
     print(render(report))

@@ -32,6 +32,10 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"error: {_cell(big['error'])}")
         else:
             lines += _big(big)
+    att = r.get("attention")
+    if att:
+        lines += ["", "## What exact-length attention costs (bench/gpu_attention.py)", ""]
+        lines += [f"error: {_cell(att['error'])}"] if "error" in att else _attention(att)
     lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in r.get("timings_s", {}).items())]
     return "\n".join(lines) + "\n"
 
@@ -48,18 +52,36 @@ def _big(b: dict[str, Any]) -> list[str]:
         lines.append(f"| {batch} | {e['decode_tokens_per_s']:.1f} | {padded:.1f} | {hd:.1f} | "
                      f"{e['decode_tokens_per_s'] / hd if hd else float('nan'):.2f}x | {e['tokens_per_s']:.1f} | "
                      f"{h.get('tokens_per_s', 0.0):.1f} |")
-    s = b.get("serving")
-    if s:
-        lines += ["", f"Serving (one engine, {s['requests']} requests, {s['image_requests']} with an image, Poisson "
-                  f"{s['rate']} req/s, {s['new_tokens']} tokens each): {s['requests_per_s']:.2f} req/s, "
-                  f"{s['output_tokens_per_s']:.1f} tok/s; TTFT p50/p99 {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms; "
-                  f"TPOT p50/p99 {s['tpot_p50_ms']:.1f}/{s['tpot_p99_ms']:.1f} ms."]
+    lines += _serving(b.get("serving"), "")
     mem = b.get("memory_after_serving", {})
     lines += ["", f"Memory per role: encode holds the vision weights ({b.get('vision_weights_mib', 0):.0f} MiB), "
               f"prefill and decode the text weights ({b.get('text_weights_mib', 0):.0f} MiB) plus their KV pool "
               f"(here {b.get('kv_pool_mib', 0):.0f} MiB); this unified process: "
               + ", ".join(f"{k} {v:.0f}" for k, v in mem.items()) + "."]
     return lines
+
+
+def _serving(s: dict[str, Any] | None, how: str) -> list[str]:
+    if not s:
+        return []
+    return ["", f"Serving{how} (one engine, {s['requests']} requests, {s['image_requests']} with an image, Poisson "
+            f"{s['rate']} req/s, {s['new_tokens']} tokens each): {s['requests_per_s']:.2f} req/s, "
+            f"{s['output_tokens_per_s']:.1f} tok/s; TTFT p50/p99 {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms; "
+            f"TPOT p50/p99 {s['tpot_p50_ms']:.1f}/{s['tpot_p99_ms']:.1f} ms."]
+
+
+def _attention(a: dict[str, Any]) -> list[str]:
+    lines = ["Padded attention in bf16 against HF generate's ids: " + "; ".join(
+        f"{arch} {v['equal']}/{v['requests']} equal" + (f" (first differences at tokens {v['first_diffs']})"
+                                                       if v["first_diffs"] else "")
+        for arch, v in a.get("padded_tokens", {}).items()) + ".", "",
+        "| batch | attention | step wall ms | device busy ms | aten calls / step | SDPA calls / step | top host ops (ms/step) |",
+        "|---:|---|---:|---:|---:|---:|---|"]
+    for p in a.get("profile", []):
+        top = ", ".join(f"{o['op'][6:]} {o['host_ms_per_step']:.1f}" for o in p["top_host_ops"][:4])
+        lines.append(f"| {p['batch']} | {p['attention']} | {p['step_wall_ms']:.1f} | {p['device_busy_ms_per_step']:.1f} | "
+                     f"{p['aten_calls_per_step']:.0f} | {p['sdpa_calls_per_step']:.0f} | {top} |")
+    return lines + _serving(a.get("serving_padded"), " with padded attention")
 
 
 def _memory(memory: dict[str, dict[str, float]]) -> str:

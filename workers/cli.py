@@ -30,7 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", default=None,
                    help="run decode steps through torch.compile (inductor): about 1.35x decode speed at batch 1 "
                         "on the CPU, none from batch 16; the first decode steps compile for 15-50 s (cached in "
-                        "TORCHINDUCTOR_CACHE_DIR); float32 only (default off)")
+                        "TORCHINDUCTOR_CACHE_DIR); float32, or --attention padded (default off)")
+    p.add_argument("--attention", choices=["auto", "exact", "padded"],
+                   help="exact: each request attends over exactly its own keys, giving HF generate's greedy tokens "
+                        "in bfloat16/float16 at one SDPA call per context length and layer; padded: one call per "
+                        "batch over masked padding, much faster in a large batch on a GPU, tokens may differ from "
+                        "HF's where bf16 logits tie (default auto: exact in bfloat16/float16, padded in float32)")
     p.add_argument("--threads", type=int, help="torch threads (default 1)")
     p.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"],
                    help="tensor transfer backend (default auto: shm on the same host, tcp otherwise)")

@@ -25,8 +25,13 @@ class WorkerSettings(BaseSettings):
     device: str = "cpu"
     dtype: str | None = None
     # Decode steps through torch.compile (EngineConfig.compile): 1.35x at batch 1 on the CPU, ~1.0x at 16,
-    # and 15-50 s to compile on first use (bench/README.md). Off by default; refused with bf16 / float16.
+    # and 15-50 s to compile on first use (bench/README.md). Off by default; refused while attention is exact.
     compile: bool = False
+    # exact: attention over each request's exact key count, HF generate's tokens in bf16 / float16, one
+    # SDPA call per context length and layer; padded: one call per group over masked padding, the float32
+    # default (bench/README.md, "The CUDA path": 6.9x exact's decode rate for a 7B at batch 32 on an H200).
+    # auto: exact in reduced precision, padded in float32.
+    attention: Literal["auto", "exact", "padded"] = "auto"
     threads: int = 1  # torch threads; 1 per worker on small hosts so pools do not fight over cores
     transfer: Literal["auto", "shm", "tcp", "torch"] = "auto"
     transfer_pool_mb: int = 1024  # bound on the shared-memory segments a sender keeps for reuse
@@ -80,3 +85,7 @@ class WorkerSettings(BaseSettings):
 
     def resolved_id(self) -> str:
         return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+
+    def exact_attention(self) -> bool | None:
+        """EngineConfig.exact_attention for `attention` (None: the engine decides by dtype)."""
+        return {"auto": None, "exact": True, "padded": False}[self.attention]

@@ -111,6 +111,7 @@ class Worker:
             num_blocks = partition_worker(s, self.PARTS)
         return EngineConfig(
             s.model, device=s.device, dtype=s.dtype, compile=s.compile, block_size=s.block_size, num_blocks=num_blocks,
+            exact_attention=s.exact_attention(),
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             max_prefill_tokens=s.max_prefill_tokens,
             enable_prefix_caching=s.enable_prefix_caching, max_image_pixels=s.max_image_pixels,

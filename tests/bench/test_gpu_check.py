@@ -29,6 +29,20 @@ def test_dry_run_checks_exactness_and_measures_the_stand_in(tmp_path, capsys):
     assert table in capsys.readouterr().out
 
 
+def test_dry_run_attention_part_profiles_exact_and_padded(tmp_path):
+    assert gpu_check.main([*TINY, "--parts", "attention", "--families", "llava", "--profile-batches", "4",
+                           "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    att = report["attention"]
+    assert att["padded_tokens"]["llava"]["requests"] == 3
+    exact, padded = att["profile"]
+    assert (exact["attention"], padded["attention"], exact["batch"]) == ("exact", "padded", 4)
+    # Padded: one SDPA call per layer (2); exact: one per distinct context length and layer.
+    assert padded["sdpa_calls_per_step"] == 2 and exact["sdpa_calls_per_step"] > 2
+    assert exact["aten_calls_per_step"] > padded["aten_calls_per_step"] > 0 and exact["top_host_ops"]
+    assert "| 4 | exact |" in (tmp_path / "gpu_check.md").read_text()
+
+
 def test_unknown_part_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown part"):
         gpu_check.main(["--device", "cpu", "--parts", "exact,gpu", "--out", str(tmp_path)])

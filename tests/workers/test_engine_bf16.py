@@ -126,3 +126,20 @@ def test_bf16_decode_attends_over_exact_key_counts():
         want = F.scaled_dot_product_attention(query[:, :, i : i + 1], keys.contiguous(), values.contiguous(),
                                               scale=d ** -0.5, enable_gqa=True)
         assert torch.equal(out[0, i], want[0, :, 0]), f"request {i} (context {n})"
+
+
+def test_padded_attention_is_a_worker_choice(model_dir, requests):
+    """`--attention padded` (WorkerSettings.attention) turns exact-length attention off in bf16: one
+    SDPA call per group, every request still answered in full; `auto` leaves it to the dtype."""
+    from mserve.workers.settings import WorkerSettings
+
+    settings = {a: WorkerSettings(role="decode", model=model_dir, attention=a).exact_attention()
+                for a in ("auto", "exact", "padded")}
+    assert settings == {"auto": None, "exact": True, "padded": False}
+    engine = bf16_engine(model_dir, exact_attention=settings["padded"])
+    assert engine.runner.exact_attention is False
+    for rid, pp in requests.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+    results = engine.run_until_done()
+    assert sorted(results) == sorted(requests) and all(len(ids) == MAX_NEW for ids in results.values())
+    assert bf16_engine(model_dir).runner.exact_attention is True
