@@ -8,7 +8,9 @@ request's block table instead and reads each K and V row once, for all the query
 
 It is plain C (no torch headers), compiled with the host's `cc` into the user's cache the first
 time a worker needs it (about a second), and called through ctypes, which releases the GIL.
-Float32 only: reduced precision keeps exact-length SDPA (paged_attention.exact_lengths). Where no
+Float32 and bfloat16 pools; exact-length attention (reduced precision's default,
+paged_attention.exact_lengths) keeps one SDPA call per length, since only that gives HF's bits, so
+in bfloat16 the kernel runs with `--attention padded`. Where no
 compiler is found (the offline deploy image has none) or `MSERVE_DECODE_KERNEL=off`, `kernel()` is
 None and attention gathers as before; either way the tokens are HF generate's
 (tests/workers/test_paged_decode.py, and the engine tests, which run with it).
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 MAX_HEADS = 256  # the kernel's per-head buffers
+MAX_ROW = 8192  # values in one token's K (or V) row, all kv heads: the kernel's bf16 widening buffer
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler does not know the host
 _UNSET = object()
 _kernel: object = _UNSET
@@ -92,10 +95,12 @@ def kernel():
             try:
                 path = _build()
                 if path is not None:
-                    fn = ctypes.CDLL(str(path)).paged_decode_f32
-                    fn.restype = ctypes.c_int
-                    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float]
-                    _kernel = fn
+                    lib = ctypes.CDLL(str(path))
+                    fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
+                    for fn in fns.values():
+                        fn.restype = ctypes.c_int
+                        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+                    _kernel = fns
                     log.info("decode attention: reads the KV pool in place (%s)", path)
             except OSError as exc:
                 log.warning("decode attention: could not load the kernel (%s); it gathers the KV blocks first", exc)
@@ -107,16 +112,19 @@ def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     (`--compile`): dynamo cannot trace a ctypes call, and a graph break per layer costs what the
     compiled step gains (bench/README.md); compiled decode keeps the gather."""
     heads, kv_heads = query.shape[0], k_cache.shape[2]
-    return (not torch.compiler.is_compiling() and query.dtype == torch.float32 and k_cache.dtype == torch.float32 and query.device.type == "cpu"
-            and heads % kv_heads == 0 and heads <= MAX_HEADS and kernel() is not None)
+    return (not torch.compiler.is_compiling() and query.dtype == k_cache.dtype in (torch.float32, torch.bfloat16)
+            and query.device.type == "cpu" and heads % kv_heads == 0 and heads <= MAX_HEADS
+            and kv_heads * k_cache.shape[3] <= MAX_ROW and kernel() is not None)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
            lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
     """q [G, heads, head_dim] (one query per request) over each request's first `lens[g]` pooled
-    tokens, read in place through `tables` [G, max_blocks] -> [G, heads, head_dim]."""
-    fn = kernel()
-    q = q.contiguous()
+    tokens, read in place through `tables` [G, max_blocks] -> [G, heads, head_dim], in q's dtype.
+    A bfloat16 pool is read as it is; the query, the scores and the sums are float32."""
+    fn = kernel()[k_cache.dtype]
+    dtype = q.dtype
+    q = q.to(torch.float32).contiguous()
     g, heads, d = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and tables.dtype == lens.dtype == torch.int64
@@ -127,4 +135,4 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
             out.data_ptr(), scratch.data_ptr(), g, heads, kv_heads, d, bs, tables.shape[1], max_len, scale)
     if rc != 0:  # usable() keeps the head count in range: only a length can be wrong here
         raise ValueError(f"paged decode: a context length outside 1..{max_len} in {lens.tolist()}")
-    return out
+    return out.to(dtype)

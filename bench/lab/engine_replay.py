@@ -1,7 +1,7 @@
 """A saved trace's requests through one in-process engine, N at a time: where a request's time goes.
 
     cd bench && PYTHONPATH=. ../.venv/bin/python -m lab.engine_replay --model DIR --trace OUT/trace.jsonl \\
-        [--requests 48] [--concurrency 16] [--max-tokens 64]
+        [--requests 48] [--concurrency 16] [--max-tokens 64] [--dtype bfloat16] [--attention padded]
 
 `trace.jsonl` is what `mserve bench compare` writes into its --out folder. Every request is greedy,
 ignores EOS and makes --max-tokens tokens, like the bench's `--ignore-eos`. Reports the wall time per
@@ -38,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtype", default=None, help="the engine's dtype (default: the checkpoint's on CPU, float32)")
+    p.add_argument("--attention", choices=["auto", "exact", "padded"], default="auto",
+                   help="as a worker's --attention (default auto)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     reqs = prompts(args.model, args.trace, args.requests)
-    engine = Engine(EngineConfig(args.model))
+    engine = Engine(EngineConfig(args.model, dtype=args.dtype,
+                                 exact_attention={"auto": None, "exact": True, "padded": False}[args.attention]))
     spent = {"encode": 0.0, "prefill steps": 0.0, "decode-only steps": 0.0}
     encode = engine.encode
 

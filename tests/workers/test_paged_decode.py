@@ -49,6 +49,27 @@ def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (12, 2, 72)])
+def test_kernel_reads_a_bf16_pool(heads, kv_heads, head_dim):
+    """A bfloat16 pool (`--dtype bfloat16 --attention padded`): each row widened to float32 as it is
+    read, so the result is float32 attention over the pool's very values, rounded once to bf16."""
+    g = torch.Generator().manual_seed(7)
+    bs, lens = 16, torch.tensor([1, 16, 17, 250, 640, 33])
+    max_blocks = int(-(-lens.max() // bs))
+    tables = torch.arange(len(lens) * max_blocks).view(len(lens), max_blocks).flip(1).contiguous()
+    k_cache = torch.randn(tables.numel(), bs, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(tables.numel(), bs, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    q = (torch.randn(len(lens), heads, head_dim, generator=g) * 3).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    out = paged_decode.attend(q, k_cache, v_cache, tables, lens, int(lens.max()), scale)
+    assert out.dtype == torch.bfloat16
+    want = gathered(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), want, atol=1e-5, rtol=2 ** -8)  # one bf16 rounding apart at most
+    assert paged_decode.usable(q.transpose(0, 1), k_cache)
+    assert not paged_decode.usable(q.transpose(0, 1).float(), k_cache)  # the query in the pool's dtype only
+
+
+@needs_kernel
 def test_a_length_past_the_table_is_refused():
     k = torch.zeros(4, 16, 1, 16)
     with pytest.raises(ValueError, match="context length"):
