@@ -238,9 +238,11 @@ class TorchReceiver:
             flat = cuda_ipc.open_copy(parts, nbytes, self._device)
         except Exception as exc:
             raise TransferError(f"{where}: cannot copy through CUDA IPC: {exc}") from exc
-        self.ipc_fetches += 1
-        if sender not in self._ipc_senders:
+        with self._lock:  # fetches from several senders run on their callers' threads
+            self.ipc_fetches += 1
+            first = sender not in self._ipc_senders
             self._ipc_senders.add(sender)
+        if first:
             logger.info("torch transfers from %s use CUDA IPC (same GPU, %s)", sender, self.gpu)
         return unpack_flat(flat, entries)
 
