@@ -29,11 +29,11 @@ def padded_tokens(reference: dict[str, Any], args) -> dict[str, Any]:
     for i, pp in enumerate(prepared):
         engine.add_request(f"r{i}", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=args.new_tokens))
     results = engine.run_until_done()
-    got = [results[f"r{i}"] for i in range(len(prepared))]
-    want = reference["want"]
-    firsts = [next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
-    return {"requests": len(want), "equal": sum(g == w for g, w in zip(got, want)),
-            "first_diffs": [f for f in firsts if f is not None]}
+    from mserve.bench.gpu_check import compare
+
+    result = compare([results[f"r{i}"] for i in range(len(prepared))], reference["want"], reference["requests"])
+    return {"requests": result["requests"], "equal": result["equal"],
+            "first_diffs": [m["first_diff"] for m in result["mismatches"]]}
 
 
 def decode_profile(engine, prompts: list[list[int]], device: str, steps: int = 8, profiled: int = 3) -> dict[str, Any]:

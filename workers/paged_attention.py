@@ -238,6 +238,11 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
     return out if group.whole_uniform else out[group.out_rows]
 
 
+def exact_setting(choice: str) -> bool | None:
+    """A worker's `--attention` as EngineConfig.exact_attention (None: exact_lengths decides by dtype)."""
+    return {"auto": None, "exact": True, "padded": False}[choice]
+
+
 def exact_lengths(dtype: torch.dtype) -> bool:
     """Whether attention must run over each request's exact key count to give HF generate's tokens.
 

@@ -88,4 +88,6 @@ class WorkerSettings(BaseSettings):
 
     def exact_attention(self) -> bool | None:
         """EngineConfig.exact_attention for `attention` (None: the engine decides by dtype)."""
-        return {"auto": None, "exact": True, "padded": False}[self.attention]
+        from mserve.workers.paged_attention import exact_setting
+
+        return exact_setting(self.attention)

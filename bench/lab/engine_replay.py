@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from mserve.workers.engine import Engine, EngineConfig
+    from mserve.workers.paged_attention import exact_setting
     from mserve.workers.sequence import SamplingParams
 
     p = argparse.ArgumentParser(prog="python -m lab.engine_replay", description=__doc__,
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     reqs = prompts(args.model, args.trace, args.requests)
     engine = Engine(EngineConfig(args.model, dtype=args.dtype,
-                                 exact_attention={"auto": None, "exact": True, "padded": False}[args.attention]))
+                                 exact_attention=exact_setting(args.attention)))
     spent = {"encode": 0.0, "prefill steps": 0.0, "decode-only steps": 0.0}
     encode = engine.encode
 
