@@ -67,9 +67,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings_from_args(cls, args: argparse.Namespace, fields: list[str]):
-    """Flags override MSERVE_* env vars, which override defaults (pydantic-settings does the env)."""
-    given = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+def _settings_from_args(cls, args: argparse.Namespace):
+    """Flags override MSERVE_* env vars, which override defaults (pydantic-settings does the env).
+    Every flag whose name is a field of `cls` is passed on: a list kept by hand here once dropped
+    `mserve worker --attention` without a word."""
+    given = {f: getattr(args, f) for f in cls.model_fields if getattr(args, f, None) is not None}
     settings = cls(**given)
     logging.getLogger("mserve").info("settings: %s", settings.model_dump_json())
     return settings
@@ -79,21 +81,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from mserve.coordinator.server import Coordinator
     from mserve.coordinator.settings import CoordinatorSettings
 
-    settings = _settings_from_args(CoordinatorSettings, args, ["model", "model_name", "bind", "worker_bind", "redis",
-                                                               "stage_timeout_s", "dead_after_s", "max_waiting_requests",
-                                                               "max_prompt_tokens",
-                                                               "max_tokens", "max_image_bytes", "max_image_pixels",
-                                                               "max_images_per_request", "max_video_frames",
-                                                               "video_fps", "client_api_key", "curve_secret_key",
-                                                               "curve_authorized_keys", "visual_token_pruning",
-                                                               "kv_hand_back", "max_stages_per_worker",
-                                                               "class_aging_s", "spread_encode", "encode_single_flight", "prefix_skip",
-                                                               "shard_id", "advertise", "route_choices",
-                                                               "load_poll_s", "token_report_every",
-                                                               "worker_advertise", "otlp_endpoint",
-                                                               "adaptive_pruning", "ttft_slo_ms",
-                                                               "adaptive_pruning_hold_s", "variant_groups",
-                                                               "variant_hold_s"])
+    settings = _settings_from_args(CoordinatorSettings, args)
     from mserve.common.pruning import PruningError
 
     _start_tracing("mserve-coordinator", settings.otlp_endpoint, shard=settings.shard_id)
@@ -135,18 +123,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from mserve.workers.settings import WorkerSettings
     from mserve.workers.worker import make_worker
 
-    settings = _settings_from_args(WorkerSettings, args, ["role", "model", "model_name", "coordinator", "redis",
-                                                          "worker_id", "device", "dtype", "compile", "threads",
-                                                          "transfer",
-                                                          "host", "num_blocks", "block_size", "max_num_seqs",
-                                                          "gpu_memory_fraction", "device_memory_gb", "mig_device",
-                                                          "max_num_batched_tokens", "max_prefill_tokens",
-                                                          "embedding_cache_mb", "max_encode_images",
-                                                          "host_embedding_cache_mb", "host_embedding_cache_dir",
-                                                          "enable_prefix_caching",
-                                                          "curve_secret_key", "curve_server_key",
-                                                          "curve_authorized_keys", "visual_token_pruning",
-                                                          "drain_timeout_s", "heartbeat_s", "otlp_endpoint"])
+    settings = _settings_from_args(WorkerSettings, args)
     from mserve.common.model import CheckpointError
     from mserve.common.processor import UnsupportedModelError
     from mserve.common.pruning import PruningError
@@ -194,16 +171,11 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
     add_tracing_argument(p)
 
 
-GATEWAY_FIELDS = ["coordinator", "host", "port", "model", "api_key", "served_model_name", "allowed_media_path",
-                  "max_request_bytes", "default_max_tokens", "request_timeout_s", "access_log", "coordinator_api_key",
-                  "direct_tokens", "tokens_host", "otlp_endpoint"]
-
-
 def cmd_gateway(args: argparse.Namespace) -> int:
     from mserve.gateway.app import serve
     from mserve.gateway.settings import GatewaySettings
 
-    settings = _settings_from_args(GatewaySettings, args, GATEWAY_FIELDS)
+    settings = _settings_from_args(GatewaySettings, args)
     _start_tracing("mserve-gateway", settings.otlp_endpoint)
     try:
         serve(settings)

@@ -1,0 +1,48 @@
+"""Every flag of `mserve worker`, `coordinator` and `gateway` reaches the process's settings.
+
+The commands once copied flags into their settings through a list kept by hand, and `mserve worker
+--attention padded` ran with `auto` without a word (so did every `@attention=padded` bench config)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from mserve.cli import _settings_from_args, build_parser
+
+
+def _subparser(name: str):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return parser, sub.choices[name]
+
+
+@pytest.mark.parametrize("command,cls_path", [
+    ("worker", "mserve.workers.settings.WorkerSettings"),
+    ("coordinator", "mserve.coordinator.settings.CoordinatorSettings"),
+    ("gateway", "mserve.gateway.settings.GatewaySettings"),
+])
+def test_every_flag_names_a_settings_field(command, cls_path):
+    module, _, name = cls_path.rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    _, sub = _subparser(command)
+    dests = {a.dest for a in sub._actions if a.dest != "help"}
+    assert dests - set(cls.model_fields) == set()
+
+
+def test_worker_flags_reach_the_worker_settings(monkeypatch):
+    from mserve.workers.settings import WorkerSettings
+
+    for var in ("MSERVE_ATTENTION", "MSERVE_DTYPE", "MSERVE_MAX_PREFILL_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    parser, _ = _subparser("worker")
+    args = parser.parse_args(["worker", "--role", "unified", "--model", "m", "--dtype", "bfloat16",
+                              "--attention", "padded", "--max-prefill-tokens", "1024"])
+    logging.getLogger("mserve").disabled = True  # the settings line it logs is not under test
+    try:
+        s = _settings_from_args(WorkerSettings, args)
+    finally:
+        logging.getLogger("mserve").disabled = False
+    assert (s.dtype, s.attention, s.max_prefill_tokens) == ("bfloat16", "padded", 1024)
+    assert s.exact_attention() is False
