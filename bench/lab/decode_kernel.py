@@ -1,0 +1,101 @@
+"""The decode attention kernel alone (workers/csrc/paged_decode.c), builds of it side by side.
+
+    cd bench && PYTHONPATH=. ../.venv/bin/python -m lab.decode_kernel [--against REV] [--portable] [--rounds 3]
+
+Times one decode step's attention over 8 layers' pools (16 requests of 640-700 tokens, blocks scattered
+over pools of 2,048 blocks, the peer's `small` llava shapes: 8 heads, 4 KV heads, head size 64), in
+float32 and bfloat16, for this checkout's kernel and, interleaved in the same process: `--against REV`
+(the kernel at a git revision) and `--portable` (this kernel built without -march=native). Each build's
+largest difference from gather + SDPA in float32 is printed first. Used for bench/README.md, "Decode
+attention in place".
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parents[2] / "workers" / "csrc" / "paged_decode.c"
+
+
+def build(source: str, flags: list[str], out: Path) -> dict:
+    import torch
+
+    src = out.with_suffix(".c")
+    src.write_text(source)
+    subprocess.run(["cc", *flags, "-shared", "-fPIC", "-o", str(out), str(src), "-lm"], check=True)
+    lib, fns = ctypes.CDLL(str(out)), {}
+    for name, dtype in (("paged_decode_f32", torch.float32), ("paged_decode_bf16", torch.bfloat16)):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        fns[dtype] = fn
+    return fns
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    p = argparse.ArgumentParser(prog="python -m lab.decode_kernel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--against", help="a git revision whose kernel runs beside this checkout's")
+    p.add_argument("--portable", action="store_true", help="also this kernel built without -march=native")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=16)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    tmp = Path(tempfile.mkdtemp(prefix="decode-kernel-"))
+    builds = {"this": build(SOURCE.read_text(), ["-O3", "-march=native"], tmp / "this.so")}
+    if args.portable:
+        builds["portable"] = build(SOURCE.read_text(), ["-O3"], tmp / "portable.so")
+    if args.against:
+        old = subprocess.run(["git", "show", f"{args.against}:workers/csrc/paged_decode.c"], cwd=SOURCE.parent,
+                             capture_output=True, text=True, check=True).stdout
+        builds[args.against] = build(old, ["-O3", "-march=native"], tmp / "against.so")
+    heads, kv, d, bs, blocks, layers, g = 8, 4, 64, 16, 2048, 8, args.batch
+    lens = torch.randint(640, 700, (g,))
+    max_len, mb = int(lens.max()), int(-(-lens.max() // bs))
+    tables = torch.stack([torch.randperm(blocks)[:mb] for _ in range(g)]).contiguous()
+
+    def call(name, fns, q, kc, vc):
+        # the kernel before this one took a float32 query whatever the pool (its scratch: heads * max_len)
+        qq = q.float().contiguous() if name == args.against else q.contiguous()
+        out = torch.empty(q.shape, dtype=torch.float32)
+        scratch = torch.empty(heads * (max_len + 16), dtype=torch.float32)
+        rc = fns[kc.dtype](qq.data_ptr(), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                           out.data_ptr(), scratch.data_ptr(), g, heads, kv, d, bs, mb, max_len, d ** -0.5)
+        assert rc == 0
+        return out
+
+    for dtype in (torch.float32, torch.bfloat16):
+        pools = [(torch.randn(blocks, bs, kv, d).to(dtype), torch.randn(blocks, bs, kv, d).to(dtype))
+                 for _ in range(layers)]
+        q = (torch.randn(g, heads, d) * 3).to(dtype)
+        kc, vc = pools[0]
+        k = kc.float()[tables.view(-1)].view(g, mb * bs, kv, d).transpose(1, 2)
+        v = vc.float()[tables.view(-1)].view(g, mb * bs, kv, d).transpose(1, 2)
+        mask = (torch.arange(mb * bs)[None] < lens[:, None])[:, None, None]
+        want = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, attn_mask=mask, scale=d ** -0.5,
+                                              enable_gqa=True)[:, :, 0]
+        for name, fns in builds.items():
+            err = (call(name, fns, q, kc, vc) - want).abs().max().item()
+            print(f"{str(dtype):15} {name:10} largest difference from gather + SDPA: {err:.2e}")
+        times: dict[str, list[float]] = {name: [] for name in builds}
+        for _ in range(args.rounds):
+            for name, fns in builds.items():
+                t = time.perf_counter()
+                for _ in range(5):
+                    for kc, vc in pools:
+                        call(name, fns, q, kc, vc)
+                times[name].append((time.perf_counter() - t) / 5 * 1e3)
+        for name, ts in times.items():
+            print(f"{str(dtype):15} {name:10} " + " / ".join(f"{t:.2f}" for t in ts) + f" ms a step ({layers} layers)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
