@@ -1,7 +1,7 @@
 """A saved trace's requests through one in-process engine, N at a time: where a request's time goes.
 
     cd bench && PYTHONPATH=. ../.venv/bin/python -m lab.engine_replay --model DIR --trace OUT/trace.jsonl \\
-        [--requests 48] [--concurrency 16] [--max-tokens 64] [--dtype bfloat16] [--attention padded]
+        [--requests 48] [--concurrency 16] [--max-tokens 64] [--dtype bfloat16] [--attention padded] [--max-prefill-tokens 512]
 
 `trace.jsonl` is what `mserve bench compare` writes into its --out folder. Every request is greedy,
 ignores EOS and makes --max-tokens tokens, like the bench's `--ignore-eos`. Reports the wall time per
@@ -28,6 +28,7 @@ def prompts(model: str, trace: str, n: int) -> list:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from mserve.common.policy import DEFAULT_ENGINE
     from mserve.workers.engine import Engine, EngineConfig
     from mserve.workers.paged_attention import exact_setting
     from mserve.workers.sequence import SamplingParams
@@ -42,11 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="the engine's dtype (default: the checkpoint's on CPU, float32)")
     p.add_argument("--attention", choices=["auto", "exact", "padded"], default="auto",
                    help="as a worker's --attention (default auto)")
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_ENGINE.max_prefill_tokens,
+                   help="prompt tokens per step, as a worker's flag (default: a worker's, %(default)s)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     reqs = prompts(args.model, args.trace, args.requests)
-    engine = Engine(EngineConfig(args.model, dtype=args.dtype,
-                                 exact_attention=exact_setting(args.attention)))
+    engine = Engine(EngineConfig(args.model, dtype=args.dtype, exact_attention=exact_setting(args.attention),
+                                 max_prefill_tokens=args.max_prefill_tokens))
     spent = {"encode": 0.0, "prefill steps": 0.0, "decode-only steps": 0.0}
     encode = engine.encode
 
