@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mserve.workers import paged_decode
+from mserve.workers import paged_decode, paged_prefill
 
 ATTN_IMPLEMENTATION = "mserve_paged"
 
@@ -107,6 +107,7 @@ class AttentionGroup:
     # kernel that reads the pool in place (workers/paged_decode.py), and the longest.
     decode_lens: torch.Tensor | None = None
     max_len: int = 0
+    causal: bool = True  # no bidirectional image runs: the mask is the causal one
     _windowed: dict = field(default_factory=dict)  # sliding window -> mask, built on first use
 
     def windowed_mask(self, window: int) -> torch.Tensor:
@@ -147,7 +148,7 @@ class AttentionGroup:
                    fresh_prompt=max_q if len(chunks) == 1 and chunks[0][1] == 0 and max_q > 1 and not chunks[0][4]
                    else None,
                    decode_lens=qp[:, 0] + 1 if max_q == 1 and not any(c[4] for c in chunks) else None,
-                   max_len=max(c[1] + c[2] for c in chunks))
+                   max_len=max(c[1] + c[2] for c in chunks), causal=not any(c[4] for c in chunks))
 
 
 def _same_image(chunks: Sequence[tuple], num_keys: int, query_pos: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -216,6 +217,14 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
         q = query.transpose(0, 1) if group.whole_uniform else query[:, group.query_index[:, 0]].transpose(0, 1)
         return paged_decode.attend(q, k_cache, v_cache, group.block_tables, group.decode_lens, group.max_len,
                                    scaling if scaling is not None else d ** -0.5)
+    if (group.decode_lens is None and group.key_lens is None and group.causal and len(group.dest) == g * max_q
+            and (window is None or window >= group.max_len) and paged_prefill.usable(query, k_cache)):
+        # prompt chunks of one length in bfloat16, padded attention: read the pool in place
+        q = query.view(heads, g, max_q, d) if group.whole_uniform else query[:, group.query_index]
+        out = paged_prefill.attend(q.permute(1, 2, 0, 3), k_cache, v_cache, group.block_tables,
+                                   group.query_pos[:, 0], scaling if scaling is not None else d ** -0.5)
+        out = out.view(g * max_q, heads, d)
+        return out if group.whole_uniform else out[group.out_rows]
     k = _gather(k_cache, group.block_tables)
     v = _gather(v_cache, group.block_tables)
     if group.whole_uniform:

@@ -36,6 +36,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+# One library: this kernel, the prompt kernel (workers/paged_prefill.py) and the helpers they share.
+SOURCES = (SOURCE, SOURCE.with_name("paged_prefill.c"))
+HEADERS = (SOURCE.with_name("simd.h"),)
 MAX_HEADS = 256  # the kernel's per-head buffers
 MAX_ROW = 8192  # values in one token's K (or V) row, or its query, all heads: the kernel's widening buffers
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler does not know the host
@@ -57,7 +60,8 @@ def _host_key() -> str:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    return hashlib.sha256((platform.machine() + flags).encode() + SOURCE.read_bytes()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    return hashlib.sha256((platform.machine() + flags).encode() + sources).hexdigest()[:16]
 
 
 def _build() -> Path | None:
@@ -76,7 +80,7 @@ def _build() -> Path | None:
         # Built under a temporary name and renamed: workers starting together never load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm"],
                              capture_output=True, text=True)
         if res.returncode == 0:
             os.replace(tmp, out)
@@ -90,7 +94,8 @@ def _build() -> Path | None:
 
 
 def kernel():
-    """The loaded C function, or None (no compiler, a failed build, or MSERVE_DECODE_KERNEL=off)."""
+    """The loaded C functions by pool dtype (and the prompt kernel's, "prefill_bf16", where built), or
+    None (no compiler, a failed build, or MSERVE_DECODE_KERNEL=off)."""
     global _kernel
     if _kernel is _UNSET:
         _kernel = None
@@ -103,6 +108,13 @@ def kernel():
                     for fn in fns.values():
                         fn.restype = ctypes.c_int
                         fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+                    if hasattr(lib, "paged_prefill_bf16"):  # built only where the CPU has AVX512_BF16
+                        fns["prefill_bf16"] = lib.paged_prefill_bf16
+                        fns["prefill_bf16"].restype = ctypes.c_int
+                        fns["prefill_bf16"].argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+                        fns["prefill_scratch_words"] = lib.paged_prefill_scratch_words
+                        fns["prefill_scratch_words"].restype = ctypes.c_int64
+                        fns["prefill_scratch_words"].argtypes = [ctypes.c_int64] * 4
                     _kernel = fns
                     log.info("decode attention: reads the KV pool in place (%s)", path)
             except OSError as exc:

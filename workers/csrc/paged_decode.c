@@ -36,7 +36,7 @@ static inline void prefetch_row(const char *base, int64_t elem, const int64_t *t
 static inline int64_t score_stride(int64_t max_len) { return (max_len + TILE - 1) / TILE * TILE; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#include "simd.h"
 
 /* lane j of the result = the sum of v[j]'s 16 lanes. */
 static inline __m512 sum16(const __m512 *v) {
@@ -52,26 +52,6 @@ static inline __m512 sum16(const __m512 *v) {
     __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], even), _mm512_shuffle_f32x4(z[2], z[3], odd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, even), _mm512_shuffle_f32x4(y0, y1, odd));
 }
-
-/* e^x for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 7. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __mmask16 first16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 /* 16 values of a row as float32 (lanes past n read as 0). */
 static inline __m512 load16_f32(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(first16(n), p); }

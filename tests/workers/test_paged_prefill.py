@@ -1,0 +1,103 @@
+"""The prompt kernel that reads the paged pool in place in bfloat16 (workers/paged_prefill.py): float32
+attention over the pool's bf16 values to within bf16 rounding, and the engine's prompt attention with
+it is the gather + SDPA it replaces, to within the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mserve.workers import paged_attention, paged_decode, paged_prefill
+from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.paged_attention import _gather
+from mserve.workers.sequence import SamplingParams
+from tests.helpers import request_mix
+
+needs_kernel = pytest.mark.skipif(not paged_decode.kernel() or "prefill_bf16" not in paged_decode.kernel(),
+                                  reason="the prompt kernel is built only where the CPU has AVX512_BF16")
+
+
+def causal_reference(q, k_cache, v_cache, tables, starts, scale):
+    """Float32 attention over the same bf16 values: chunk g's token i sees keys 0 .. starts[g] + i."""
+    n = q.shape[1]
+    k, v = _gather(k_cache.float(), tables), _gather(v_cache.float(), tables)
+    pos = starts[:, None] + torch.arange(n)[None]
+    mask = (torch.arange(k.shape[2])[None, None] <= pos[:, :, None])[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[2] != k.shape[1])
+    return out.transpose(1, 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,n,starts", [
+    (8, 4, 64, 37, [0, 5, 100]),  # GQA, chunks starting inside a block, past one, at 0
+    (8, 4, 64, 512, [0]),  # a whole first chunk, 32 query tiles
+    (4, 4, 32, 1, [0, 16, 300]),  # one token each, no GQA
+    (12, 2, 128, 17, [3, 31]),  # 6 query heads a kv head, two passes over the head's dims
+    (4, 2, 48, 20, [0, 33]),  # a head size of three 16-lane chunks
+    (4, 2, 16, 9, [0, 7]),  # the tiny test models' head size
+])
+def test_kernel_is_float32_attention_to_within_bf16(heads, kv_heads, head_dim, n, starts):
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim + n)
+    bs, num_blocks = 16, 200
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).bfloat16()
+    starts = torch.tensor(starts)
+    max_blocks = -(-(int(starts.max()) + n) // bs)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in starts]).contiguous()
+    q = (torch.randn(len(starts), n, heads, head_dim, generator=g) * 2).bfloat16()  # peaked softmax rows
+    out = paged_prefill.attend(q, k_cache, v_cache, tables, starts, head_dim ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    want = causal_reference(q, k_cache, v_cache, tables, starts, head_dim ** -0.5)
+    # the output's own rounding (half a bf16 ulp) and the probabilities' before P @ V
+    torch.testing.assert_close(out.float(), want, atol=1.2e-2, rtol=2 ** -7)
+
+
+@needs_kernel
+def test_what_the_kernel_refuses():
+    k = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(4, 3, 64, dtype=torch.bfloat16)  # [heads, rows, head_dim], as _attend holds it
+    assert paged_prefill.usable(q, k)
+    assert not paged_prefill.usable(q.float(), k.float())  # float32 keeps SDPA
+    assert not paged_prefill.usable(q[..., :40], k[..., :40])  # a head size off the 16-lane grid
+    with pytest.raises(ValueError, match="do not fit"):  # a chunk past its request's blocks
+        paged_prefill.attend(torch.zeros(1, 20, 4, 64, dtype=torch.bfloat16), k, k,
+                             torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]), 1.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_engine_prompt_attention_with_the_kernel_is_the_gathers(family, tiny_model_dirs, monkeypatch):
+    """bf16 with `--attention padded`, a ragged batch of text and image prompts in 24-token chunks (first
+    chunks, later chunks, decode tokens beside them): every prompt group's attention output with the
+    kernel is the gather + SDPA output for the same inputs, to within bf16 rounding."""
+    model_dir = str(tiny_model_dirs[family])
+    from mserve.common.prompt import PromptBuilder
+
+    builder = PromptBuilder(model_dir)
+    requests = {f"r{i}": builder.prepare_text(text, images) for i, (text, images) in enumerate(request_mix(6, seed=3))}
+    compared = []
+    attend, usable = paged_attention._attend, paged_prefill.usable
+
+    def both(group, query, k_cache, v_cache, scaling, window=None):
+        out = attend(group, query, k_cache, v_cache, scaling, window)
+        if group.decode_lens is None and usable(query, k_cache):
+            monkeypatch.setattr(paged_prefill, "usable", lambda *a: False)
+            try:
+                want = attend(group, query, k_cache, v_cache, scaling, window)
+            finally:
+                monkeypatch.setattr(paged_prefill, "usable", usable)
+            torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2 ** -6)
+            compared.append(group.query_index.shape)
+        return out
+
+    monkeypatch.setattr(paged_attention, "_attend", both)
+    engine = Engine(EngineConfig(model_dir, dtype="bfloat16", exact_attention=False, num_blocks=512, block_size=16,
+                                 max_prefill_tokens=24))
+    for rid, pp in requests.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=4))
+    results = engine.run_until_done()
+    assert sorted(results) == sorted(requests) and all(len(ids) == 4 for ids in results.values())
+    layers = engine.runner.model.config.text_config.num_hidden_layers
+    assert len(compared) >= layers * len(requests) * 2  # every prompt went in two chunks or more

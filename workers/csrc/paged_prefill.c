@@ -1,0 +1,142 @@
+/* Prompt attention that reads the paged KV pool in place, in bfloat16 (workers/paged_prefill.py).
+ *
+ * A group of G prompt chunks of n tokens each. Chunk g's token i sits at position starts[g] + i and
+ * attends causally to its request's pooled keys 0 .. starts[g] + i (its own chunk's K/V are already
+ * written), block tables as in paged_decode.c:
+ *   out[g, i, h] = softmax(scale * q[g, i, h] . K[0 : starts[g] + i + 1]) @ V[...]      (float32)
+ * q: [G, n, H, D] bfloat16; out: [G, n, H, D] float32.
+ *
+ * Per request and kv head, its keys are laid out once in the pair order `vdpbf16ps` reads (K: for each
+ * pair of dims, 16 tokens side by side; V: pairs of tokens side by side), then for each tile of 16 query
+ * positions (times the query heads sharing the kv head): scores by broadcasting a pair of query dims
+ * against 16 keys (exact bf16 products, float32 sums), a causal float32 softmax with the vectorised exp,
+ * the probabilities rounded to bfloat16, and P @ V the same way. No gather and no masked padding.
+ * Only built where the CPU has AVX512_BF16; D must be a multiple of 16 (paged_prefill.usable). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#include "simd.h"
+
+#define QT 16 /* query positions per tile */
+#define RG 8  /* query rows whose scores are computed together */
+#define RO 4  /* query rows whose outputs are summed together */
+
+static inline int64_t round32(int64_t x) { return (x + 31) / 32 * 32; }
+
+/* The scratch, in 4-byte words, for requests up to max_len tokens (paged_prefill.py allocates it). */
+int64_t paged_prefill_scratch_words(int64_t H, int64_t KV, int64_t D, int64_t max_len) {
+    const int64_t l = round32(max_len), rows = H / KV * QT;
+    return D / 2 * l + l / 2 * D + rows * l + rows * l / 2;
+}
+
+static inline __m512 bcast(const uint32_t *p) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)*p)); }
+#define DP(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)_mm512_castps_si512(a), (__m512bh)(b))
+
+/* Returns 0; -1 for a length out of range; -2 for shapes the kernel does not take. */
+int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
+                       const int64_t *starts, float *out, uint32_t *scratch, int64_t G, int64_t n, int64_t H,
+                       int64_t KV, int64_t D, int64_t bs, int64_t max_blocks, int64_t max_len, float scale) {
+    if (D % 16 || D > 256 || H % KV || n < 1) return -2;
+    const int64_t per_kv = H / KV, row = KV * D, block = bs * row, pairs = D / 2, l32 = round32(max_len);
+    const int64_t rows = per_kv * QT;
+    uint32_t *kt = scratch;                    /* [D/2][l32]: dims 2p, 2p+1 of token t at kt[p * l32 + t] */
+    uint32_t *vp = kt + pairs * l32;           /* [l32/2][D]: tokens 2j, 2j+1 of dim d at vp[j * D + d] */
+    float *s = (float *)(vp + l32 / 2 * D);    /* [rows][l32] scores, then probabilities */
+    uint32_t *pb = (uint32_t *)(s + rows * l32); /* [rows][l32/2] probabilities of tokens 2j, 2j+1 in bf16 */
+    float inv[QT * 256];
+    if (rows > QT * 256) return -2;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t start = starts[g], len = start + n;
+        if (start < 0 || len > max_len || len > max_blocks * bs) return -1;
+        const int64_t *table = tables + g * max_blocks, lpad = round32(len);
+        for (int64_t c = 0; c < KV; c++) {
+            /* this kv head's keys and values in pair order; zeros past the last token */
+            for (int64_t t = 0; t < lpad; t++) {
+                const uint32_t *kr = (const uint32_t *)(k + table[t < len ? t / bs : 0] * block + (t % bs) * row + c * D);
+                for (int64_t p = 0; p < pairs; p++) kt[p * l32 + t] = t < len ? kr[p] : 0;
+            }
+            for (int64_t j = 0; j < lpad / 2; j++) {
+                const int64_t t = 2 * j;
+                if (t >= len) { memset(vp + j * D, 0, sizeof(uint32_t) * D); continue; }
+                const uint16_t *a = v + table[t / bs] * block + (t % bs) * row + c * D;
+                const uint16_t *b = t + 1 < len ? v + table[(t + 1) / bs] * block + ((t + 1) % bs) * row + c * D : NULL;
+                for (int64_t d = 0; d < D; d++) vp[j * D + d] = (uint32_t)a[d] | (b ? (uint32_t)b[d] << 16 : 0u);
+            }
+            for (int64_t i0 = 0; i0 < n; i0 += QT) {
+                const int64_t nq = n - i0 < QT ? n - i0 : QT, nr = per_kv * nq;
+                const int64_t keys = start + i0 + nq; /* the tile's last query sees this many */
+                const uint32_t *qrow[QT * 256];
+                int64_t pos[QT * 256];
+                for (int64_t r = 0; r < nr; r++) { /* row r: query head c*per_kv + r/nq, position i0 + r%nq */
+                    const int64_t h = c * per_kv + r / nq, i = i0 + r % nq;
+                    qrow[r] = (const uint32_t *)(q + ((g * n + i) * H + h) * D);
+                    pos[r] = start + i;
+                }
+                /* scores: RG rows at a time against 16 keys; rows past nr repeat the last (not kept) */
+                for (int64_t r0 = 0; r0 < nr; r0 += RG) {
+                    const uint32_t *qr[RG];
+                    for (int64_t r = 0; r < RG; r++) qr[r] = qrow[r0 + r < nr ? r0 + r : nr - 1];
+                    for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+                        __m512 acc[RG];
+                        for (int64_t r = 0; r < RG; r++) acc[r] = _mm512_setzero_ps();
+                        for (int64_t p = 0; p < pairs; p++) {
+                            const __m512i kk = _mm512_loadu_si512(kt + p * l32 + t0);
+                            for (int64_t r = 0; r < RG; r++) acc[r] = DP(acc[r], bcast(qr[r] + p), kk);
+                        }
+                        for (int64_t r = 0; r < RG && r0 + r < nr; r++)
+                            _mm512_storeu_ps(s + (r0 + r) * l32 + t0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+                    }
+                }
+                /* causal softmax per row; probabilities to bf16 pairs, zeros up to the tile's key count */
+                const int64_t kpad = round32(keys);
+                for (int64_t r = 0; r < nr; r++) {
+                    float *sr = s + r * l32;
+                    const int64_t seen = pos[r] + 1;
+                    __m512 mx = _mm512_set1_ps(-INFINITY);
+                    for (int64_t t0 = 0; t0 < seen; t0 += 16)
+                        mx = _mm512_mask_max_ps(mx, first16(seen - t0), mx, _mm512_loadu_ps(sr + t0));
+                    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                    __m512 total = _mm512_setzero_ps();
+                    for (int64_t t0 = 0; t0 < kpad; t0 += 16) {
+                        const __m512 e = _mm512_maskz_mov_ps(first16(seen - t0), exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + t0), m)));
+                        _mm512_storeu_ps(sr + t0, e);
+                        total = _mm512_add_ps(total, e);
+                    }
+                    inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+                    for (int64_t t0 = 0; t0 < kpad; t0 += 32)
+                        _mm512_storeu_si512(pb + r * (l32 / 2) + t0 / 2,
+                                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + t0 + 16), _mm512_loadu_ps(sr + t0)));
+                }
+                /* P @ V: RO rows at a time, 16 dims a pass, pairs of tokens per vdpbf16ps */
+                for (int64_t r0 = 0; r0 < nr; r0 += RO) {
+                    const uint32_t *pr[RO];
+                    for (int64_t r = 0; r < RO; r++) pr[r] = pb + (r0 + r < nr ? r0 + r : nr - 1) * (l32 / 2);
+                    for (int64_t d0 = 0; d0 < D; d0 += 64) { /* up to 4 chunks of 16 dims in registers */
+                        const int64_t nc = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+                        __m512 acc[RO][4];
+                        for (int64_t r = 0; r < RO; r++)
+                            for (int64_t x = 0; x < 4; x++) acc[r][x] = _mm512_setzero_ps();
+                        for (int64_t j = 0; j < kpad / 2; j++) {
+                            const uint32_t *vj = vp + j * D + d0;
+                            for (int64_t x = 0; x < nc; x++) {
+                                const __m512i vv = _mm512_loadu_si512(vj + 16 * x);
+                                for (int64_t r = 0; r < RO; r++) acc[r][x] = DP(acc[r][x], bcast(pr[r] + j), vv);
+                            }
+                        }
+                        for (int64_t r = 0; r < RO && r0 + r < nr; r++) {
+                            const int64_t rr = r0 + r, h = c * per_kv + rr / nq, i = i0 + rr % nq;
+                            float *o = out + ((g * n + i) * H + h) * D + d0;
+                            for (int64_t x = 0; x < nc; x++)
+                                _mm512_storeu_ps(o + 16 * x, _mm512_mul_ps(acc[r][x], _mm512_set1_ps(inv[rr])));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#endif
