@@ -19,7 +19,7 @@ import torch
 
 from mserve.common.model import ModelFamily, load_family
 from mserve.common.video import seconds_per_grid
-from mserve.workers import paged_attention
+from mserve.workers import paged_attention, paged_prefill
 from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
@@ -106,6 +106,8 @@ class ModelRunner:
         self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
         self.exact_attention = paged_attention.exact_lengths(self.dtype) if exact_attention is None else exact_attention
+        if not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            paged_prefill.use_for_vision(self.model)  # the vision tower's attention in the bf16 kernel too
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
         self.deepstack_layers = deepstack_layers(self.model)  # Qwen3-VL; 0 for every other family

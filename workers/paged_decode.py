@@ -111,7 +111,7 @@ def kernel():
                     if hasattr(lib, "paged_prefill_bf16"):  # built only where the CPU has AVX512_BF16
                         fns["prefill_bf16"] = lib.paged_prefill_bf16
                         fns["prefill_bf16"].restype = ctypes.c_int
-                        fns["prefill_bf16"].argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+                        fns["prefill_bf16"].argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_float]
                         fns["prefill_scratch_words"] = lib.paged_prefill_scratch_words
                         fns["prefill_scratch_words"].restype = ctypes.c_int64
                         fns["prefill_scratch_words"].argtypes = [ctypes.c_int64] * 4

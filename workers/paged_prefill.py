@@ -7,6 +7,9 @@ that kernel ran at about 50 GFLOP/s, 45 % of a prefill step, while bfloat16 matr
 `vdpbf16ps` (exact products, float32 sums) and keeps the softmax in float32, rounding the
 probabilities to bfloat16 before P @ V, as bfloat16 attention kernels do.
 
+The vision tower's attention (every patch sees every patch) runs through the same kernel with the
+causal mask off (vision_attention_forward), under the same conditions.
+
 It runs only with `--attention padded` in bfloat16 (EngineConfig.exact_attention False), which does not
 promise HF generate's bits; exact-length attention and float32 keep SDPA. Built with the decode kernel
 into one library (paged_decode.kernel()), on hosts whose CPU has AVX512_BF16; elsewhere SDPA runs.
@@ -14,9 +17,15 @@ into one library (paged_decode.kernel()), on hosts whose CPU has AVX512_BF16; el
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mserve.workers import paged_decode
+
+VISION_ATTN_IMPLEMENTATION = "mserve_vision"
 
 
 def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -31,9 +40,10 @@ def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-           starts: torch.Tensor, scale: float) -> torch.Tensor:
+           starts: torch.Tensor, scale: float, causal: bool = True) -> torch.Tensor:
     """q [G, n, heads, head_dim]: chunk g's token i is at position starts[g] + i and attends causally to
-    its request's pooled keys up to itself, through `tables` [G, max_blocks] -> [G, n, heads, head_dim]."""
+    its request's pooled keys up to itself, through `tables` [G, max_blocks] -> [G, n, heads, head_dim].
+    `causal` False: every token attends to all starts[g] + n keys."""
     fns = paged_decode.kernel()
     q = q.contiguous()
     g, n, heads, d = q.shape
@@ -45,10 +55,41 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
     scratch = torch.empty(fns["prefill_scratch_words"](heads, kv_heads, d, max_len), dtype=torch.int32)
     rc = fns["prefill_bf16"](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                              starts.data_ptr(), out.data_ptr(), scratch.data_ptr(), g, n, heads, kv_heads, d, bs,
-                             tables.shape[1], max_len, scale)
+                             tables.shape[1], max_len, int(causal), scale)
     if rc != 0:
         raise ValueError(f"paged prefill: chunks of {n} tokens from positions {starts.tolist()} do not fit "
                          f"their {tables.shape[1]} blocks of {bs}" if rc == -1 else
                          f"paged prefill: shapes the kernel does not take (heads {heads}, kv heads {kv_heads}, "
                          f"head size {d})")
     return out.to(q.dtype)
+
+
+def vision_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for a vision tower: query/key/value [B, heads, L, head_dim] ->
+    [B, L, heads, head_dim]. Unmasked self-attention goes to the kernel, the keys of image b as pool
+    block b of L tokens; anything else (a mask, causal, dropout, another shape) to SDPA."""
+    b, heads, n, d = query.shape
+    if (attention_mask is None and not getattr(module, "is_causal", False) and dropout == 0.0
+            and key.shape[2] == n and usable(query[0], key.transpose(1, 2))):
+        k, v = key.transpose(1, 2).contiguous(), value.transpose(1, 2).contiguous()  # [B, L, kv_heads, d]
+        tables = torch.arange(b, dtype=torch.long).view(b, 1)
+        out = attend(query.transpose(1, 2), k, v, tables, torch.zeros(b, dtype=torch.long),
+                     scaling if scaling is not None else d ** -0.5, causal=False)
+        return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                  **kwargs)
+
+
+AttentionInterface.register(VISION_ATTN_IMPLEMENTATION, vision_attention_forward)
+
+
+def use_for_vision(model: torch.nn.Module) -> bool:
+    """Route the vision tower's SDPA attention through vision_attention_forward (bfloat16, padded
+    attention: ModelRunner decides). True if it did."""
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None or getattr(vision, "_attn_implementation", None) != "sdpa":
+        return False
+    vision._attn_implementation = VISION_ATTN_IMPLEMENTATION
+    return True

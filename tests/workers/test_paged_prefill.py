@@ -101,3 +101,48 @@ def test_engine_prompt_attention_with_the_kernel_is_the_gathers(family, tiny_mod
     assert sorted(results) == sorted(requests) and all(len(ids) == 4 for ids in results.values())
     layers = engine.runner.model.config.text_config.num_hidden_layers
     assert len(compared) >= layers * len(requests) * 2  # every prompt went in two chunks or more
+
+
+@needs_kernel
+def test_vision_attention_is_sdpa_to_within_bf16():
+    """Every patch attends to every patch: the kernel with its causal mask off, image b's keys as pool
+    block b, against float32 SDPA over the same values; a mask or a causal module keeps SDPA."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(3, 4, 577, 32, generator=g).bfloat16() for _ in range(3))
+    module = torch.nn.Module()
+    out, _ = paged_prefill.vision_attention_forward(module, q, k, v, None, scaling=0.2)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.2).transpose(1, 2)
+    assert out.shape == (3, 577, 4, 32)
+    torch.testing.assert_close(out.float(), want, atol=1.2e-2, rtol=2 ** -7)
+    mask = torch.zeros(3, 1, 577, 577, dtype=torch.bfloat16)
+    mask[..., 300:] = float("-inf")  # a mask the kernel does not take: SDPA's answer, masked
+    masked, _ = paged_prefill.vision_attention_forward(module, q, k, v, mask, scaling=0.2)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(), scale=0.2)
+    torch.testing.assert_close(masked.float(), want.transpose(1, 2), atol=1.2e-2, rtol=2 ** -7)
+
+
+@needs_kernel
+def test_only_padded_bf16_routes_the_vision_tower(tiny_model_dirs):
+    model_dir = str(tiny_model_dirs["llava"])
+    from mserve.common.model import decode_image
+    from tests.helpers import make_image
+
+    impl = {}
+    for name, cfg in {"padded": dict(dtype="bfloat16", exact_attention=False), "exact": dict(dtype="bfloat16"),
+                      "float32": dict(exact_attention=False)}.items():
+        engine = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg))
+        impl[name] = engine.runner.model.config.vision_config._attn_implementation
+    assert impl == {"padded": paged_prefill.VISION_ATTN_IMPLEMENTATION, "exact": "sdpa", "float32": "sdpa"}
+    engine = Engine(EngineConfig(model_dir, dtype="bfloat16", exact_attention=False, num_blocks=64, block_size=16))
+    images = [decode_image(make_image(120, 90, seed=1)), decode_image(make_image(64, 200, seed=2))]
+    runner = engine.runner
+    got = [e.embeds.float() for e in runner.encode_visuals(images)]
+    runner.model.config.vision_config._attn_implementation = "sdpa"
+    sdpa = [e.embeds.float() for e in runner.encode_visuals(images)]
+    runner.model.float()  # the same weights in float32: what both bf16 runs approximate
+    runner.dtype = torch.float32
+    want = [e.embeds for e in runner.encode_visuals(images)]
+    for k, s_, w in zip(got, sdpa, want):  # the kernel's bf16 error is SDPA's bf16 error, give or take
+        assert k.shape == w.shape
+        assert (k - w).abs().mean() <= 1.2 * (s_ - w).abs().mean()
+        assert (k - w).abs().max() <= 1.5 * (s_ - w).abs().max()

@@ -4,7 +4,8 @@
  * attends causally to its request's pooled keys 0 .. starts[g] + i (its own chunk's K/V are already
  * written), block tables as in paged_decode.c:
  *   out[g, i, h] = softmax(scale * q[g, i, h] . K[0 : starts[g] + i + 1]) @ V[...]      (float32)
- * q: [G, n, H, D] bfloat16; out: [G, n, H, D] float32.
+ * q: [G, n, H, D] bfloat16; out: [G, n, H, D] float32. With causal 0, every query sees all
+ * starts[g] + n keys instead (a vision tower's attention: paged_prefill.vision_attention).
  *
  * Per request and kv head, its keys are laid out once in the pair order `vdpbf16ps` reads (K: for each
  * pair of dims, 16 tokens side by side; V: pairs of tokens side by side), then for each tile of 16 query
@@ -37,7 +38,8 @@ static inline __m512 bcast(const uint32_t *p) { return _mm512_castsi512_ps(_mm51
 /* Returns 0; -1 for a length out of range; -2 for shapes the kernel does not take. */
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
                        const int64_t *starts, float *out, uint32_t *scratch, int64_t G, int64_t n, int64_t H,
-                       int64_t KV, int64_t D, int64_t bs, int64_t max_blocks, int64_t max_len, float scale) {
+                       int64_t KV, int64_t D, int64_t bs, int64_t max_blocks, int64_t max_len, int64_t causal,
+                       float scale) {
     if (D % 16 || D > 256 || H % KV || n < 1) return -2;
     const int64_t per_kv = H / KV, row = KV * D, block = bs * row, pairs = D / 2, l32 = round32(max_len);
     const int64_t rows = per_kv * QT;
@@ -66,13 +68,13 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
             }
             for (int64_t i0 = 0; i0 < n; i0 += QT) {
                 const int64_t nq = n - i0 < QT ? n - i0 : QT, nr = per_kv * nq;
-                const int64_t keys = start + i0 + nq; /* the tile's last query sees this many */
+                const int64_t keys = causal ? start + i0 + nq : len; /* the tile's last query sees this many */
                 const uint32_t *qrow[QT * 256];
                 int64_t pos[QT * 256];
                 for (int64_t r = 0; r < nr; r++) { /* row r: query head c*per_kv + r/nq, position i0 + r%nq */
                     const int64_t h = c * per_kv + r / nq, i = i0 + r % nq;
                     qrow[r] = (const uint32_t *)(q + ((g * n + i) * H + h) * D);
-                    pos[r] = start + i;
+                    pos[r] = causal ? start + i : len - 1; /* the last key it sees */
                 }
                 /* scores: RG rows at a time against 16 keys; rows past nr repeat the last (not kept) */
                 for (int64_t r0 = 0; r0 < nr; r0 += RG) {
