@@ -19,7 +19,7 @@ import torch
 
 from mserve.common.model import ModelFamily, load_family
 from mserve.common.video import seconds_per_grid
-from mserve.workers import paged_attention, paged_prefill
+from mserve.workers import packed_linear, paged_attention, paged_prefill
 from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
@@ -108,6 +108,8 @@ class ModelRunner:
         self.exact_attention = paged_attention.exact_lengths(self.dtype) if exact_attention is None else exact_attention
         if not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu":
             paged_prefill.use_for_vision(self.model)  # the vision tower's attention in the bf16 kernel too
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not compile_decode:
+            packed_linear.pack_linears(self.model)  # the same bits as F.linear, without a reorder per call
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
         self.deepstack_layers = deepstack_layers(self.model)  # Qwen3-VL; 0 for every other family
