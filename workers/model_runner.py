@@ -13,7 +13,7 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -92,6 +92,16 @@ def use_paged_attention(model):
     return model
 
 
+@dataclass(frozen=True)
+class PreparedImage:
+    """A decoded image and its family's image processor output for it alone (ModelRunner.prepare_image).
+    A vision forward of that one image takes the output as it is; a batch of several processes them
+    together again, as the processor batches them its own way (padding, tiles)."""
+
+    image: Any
+    inputs: dict
+
+
 class ModelRunner:
     def __init__(self, model_dir: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  num_blocks: int = 1024, block_size: int = 16, model: torch.nn.Module | None = None,
@@ -158,7 +168,10 @@ class ModelRunner:
         `keep_ratio`: these images' own pruning ratio (SLO-adaptive pruning), else the worker's."""
         if not images:
             return []
-        inputs = self.family.image_inputs(images)
+        if len(images) == 1 and isinstance(images[0], PreparedImage):
+            inputs = images[0].inputs  # processed off the loop (roles/unified.py)
+        else:
+            inputs = self.family.image_inputs([im.image if isinstance(im, PreparedImage) else im for im in images])
         kwargs = {k: v for k, v in inputs.items() if k in self._image_feature_inputs}
         kwargs["pixel_values"] = kwargs["pixel_values"].to(self.device, self.dtype)
         kwargs.update({k: v.to(self.device) for k, v in kwargs.items() if k != "pixel_values" and torch.is_tensor(v)})
@@ -172,6 +185,11 @@ class ModelRunner:
             embeds = pruner.select(embeds, scores, keep_ratio)
         embeds = pack(embeds, getattr(out, "deepstack_features", None))
         return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]
+
+    def prepare_image(self, image: Any) -> "PreparedImage":
+        """A decoded image with its image processor's output, for encode_images to take as it is: the
+        unified role runs this on an IO thread, so the model's thread only runs the model."""
+        return PreparedImage(image, self.family.image_inputs([image]))
 
     @property
     def _image_feature_inputs(self) -> frozenset[str]:

@@ -71,3 +71,30 @@ def test_the_engine_encodes_an_image_decoded_ahead_as_it_would_decode_it(tiny_mo
     assert h not in engine.predecoded
     assert torch.equal(got, engine.encode([make_image(96, 80, seed=5)])[0].embeds) and not torch.equal(got, want)
     assert torch.equal(engine.encode([image], [h])[0].embeds, want)  # taken once: decoded from its bytes again
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_an_image_processed_ahead_embeds_as_on_the_loop(family, tiny_model_dirs):
+    """The unified role runs the image processor on its IO thread too (ModelRunner.prepare_image): one
+    image's vision forward takes that output as it is, with the loop's very embeddings; a batch of
+    several processes them together again."""
+    import torch
+
+    from mserve.common.video import visual_hash
+    from mserve.workers.engine import Engine, EngineConfig
+    from mserve.workers.model_runner import PreparedImage
+
+    engine = Engine(EngineConfig(str(tiny_model_dirs[family])))
+    a, b = make_image(96, 80, seed=4), make_image(150, 60, seed=6)
+    want = [e.embeds for e in engine.encode([a, b])]
+    prepared = engine.runner.prepare_image(engine.decode_visual(a))
+    assert isinstance(prepared, PreparedImage) and "pixel_values" in prepared.inputs
+    engine.predecoded[visual_hash(a)] = prepared
+    assert torch.equal(engine.encode([a], [visual_hash(a)])[0].embeds, engine.encode([a])[0].embeds)
+    # the processed output is what runs: another image's under a's hash gives that image's embeddings
+    engine.predecoded[visual_hash(a)] = engine.runner.prepare_image(engine.decode_visual(b))
+    assert torch.equal(engine.encode([a], [visual_hash(a)])[0].embeds, engine.encode([b])[0].embeds)
+    for h, im in ((visual_hash(a), a), (visual_hash(b), b)):
+        engine.predecoded[h] = engine.runner.prepare_image(engine.decode_visual(im))
+    got = engine.encode([a, b], [visual_hash(a), visual_hash(b)])
+    assert all(torch.equal(g.embeds, w) for g, w in zip(got, want))

@@ -26,18 +26,21 @@ class UnifiedWorker(SteppingWorker):
         self.engine.tiers = self.tiers = embedding_tiers(self)
 
     def transfers(self, task: RunTask) -> Callable[[], dict[str, Any]] | None:
-        """The images not in L1, decoded on an IO thread (workers/fetcher.py) while the loop steps."""
+        """The images not in L1, decoded and run through the image processor on an IO thread
+        (workers/fetcher.py) while the loop steps: the model's thread then only runs the vision forward."""
         limit = self.s.max_image_bytes
         todo = [visual_input(im) for im in task.images if not self.tiers.in_memory(im.hash)
                 and all(len(d or b"") <= limit for d in (im.frames or [im.data]))]  # over: refused on the loop
         if not todo:
             return None
+        runner = self.engine.runner
 
         def decode() -> dict[str, Any]:
             out = {}
             for item in todo:
                 try:
-                    out[visual_hash(item)] = self.engine.decode_visual(item)
+                    decoded = self.engine.decode_visual(item)
+                    out[visual_hash(item)] = decoded if isinstance(decoded, list) else runner.prepare_image(decoded)
                 except Exception:  # decoded again at admission, which fails the request as it always did
                     pass
             return out
