@@ -38,6 +38,13 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="coordinator shards (default 1); with more, each announces itself in Redis, every worker "
                              "joins every shard, and clients spread requests over them (docs/scaling.md)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="every worker's model dtype (default: the checkpoint's; on the CPU, float32). bfloat16 "
+                             "with --attention padded is the fast choice on a CPU with AVX512_BF16 (docs/operations.md)")
+    parser.add_argument("--attention", default=None, choices=["auto", "exact", "padded"],
+                        help="every worker's attention (default auto: exact in bfloat16 / float16, giving HF "
+                             "generate's tokens; padded: one call per batch and, on the CPU, the kernels that read "
+                             "the bf16 pool in place)")
     parser.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"], default="auto",
                         help="worker-to-worker tensor transport (default auto)")
     parser.add_argument("--http-port", type=int, default=None,
@@ -79,6 +86,8 @@ def run_up(args: argparse.Namespace) -> int:
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_endpoint
     pruning = getattr(args, "visual_token_pruning", None)
     pruning_args = ["--visual-token-pruning", pruning] if pruning is not None else []
+    worker_args = [*pruning_args, *(["--dtype", args.dtype] if getattr(args, "dtype", None) else []),
+                   *(["--attention", args.attention] if getattr(args, "attention", None) else [])]
     # Refuse a model the engine cannot serve exactly, or a family that cannot prune, before starting anything.
     from mserve.common import pruning as visual_pruning
     from mserve.common.model import load_family
@@ -95,7 +104,7 @@ def run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(first, **counts, other_models=others, redis_url=args.redis, port=args.port,
                            threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
                            client_api_key=args.client_api_key, curve_dir=args.curve_dir,
-                           extra_worker_args=pruning_args, extra_coordinator_args=pruning_args,
+                           extra_worker_args=worker_args, extra_coordinator_args=pruning_args,
                            coordinators=args.coordinators)
     try:
         cluster.start(timeout_s=args.start_timeout)

@@ -38,3 +38,25 @@ def test_mserve_up_refuses_a_model_named_twice_or_none_before_starting_anything(
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == ["mserve up failed: a model is named twice: ['m/a', 'm/a']",
                       "mserve up failed: name a model (--model FOLDER, repeatable, or --models-file FILE)"]
+
+
+def test_mserve_up_passes_dtype_and_attention_to_every_worker(tiny_model_dirs, monkeypatch):
+    """`mserve up --dtype bfloat16 --attention padded`: the workers' flags (the coordinator takes neither)."""
+    import mserve.up as up
+    from mserve.cli import build_parser
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+        def start(self, timeout_s):
+            raise RuntimeError("recorded, not started")
+
+    monkeypatch.setattr(up, "LocalCluster", Recorder)
+    args = build_parser().parse_args(["up", "--model", str(tiny_model_dirs["llava"]), "--unified", "1",
+                                      "--dtype", "bfloat16", "--attention", "padded"])
+    assert up.run_up(args) == 1
+    assert seen["extra_worker_args"] == ["--dtype", "bfloat16", "--attention", "padded"]
+    assert seen["extra_coordinator_args"] == []
