@@ -4,9 +4,11 @@ torch's bf16 `F.linear` on the CPU runs oneDNN's matmul, which first reorders th
 blocked layout, on every call. A decode step's matrix multiplies are small (one row per request) and
 that reorder is a large share of them: on an AMD EPYC host, a 1376x512 layer takes 86 us at 16 rows
 through `F.linear` and 61 us prepacked, 53 against 28 at one row, and 1,464 against 1,400 at 512
-(bench/README.md, "Prepacked bf16 weights"). The packed call is the same oneDNN kernel over the same
-values: its outputs are `F.linear`'s bits, so exact-length attention still gives HF generate's tokens
-(tests/workers/test_packed_linear.py).
+(bench/README.md, "bf16 on the CPU"). Without a bias the packed call is the same oneDNN kernel over
+the same values: its outputs are `F.linear`'s bits, so exact-length attention still gives HF
+generate's tokens (tests/workers/test_packed_linear.py). With a bias it rounds differently from
+`F.linear` at some shapes (one bf16 ulp), so layers with a bias (Qwen2's q/k/v, a CLIP vision tower)
+are packed only where attention is padded, which does not promise HF's bits anyway.
 
 Used by ModelRunner for bf16 models on the CPU (not with `--compile`). The original weight tensors
 are released unless something else holds them (a tied embedding keeps its own).
@@ -46,7 +48,7 @@ def available() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        layer = nn.Linear(32, 8, dtype=torch.bfloat16)
+        layer = nn.Linear(32, 8, bias=False, dtype=torch.bfloat16)
         x = torch.ones(2, 32, dtype=torch.bfloat16)
         return torch.equal(PackedLinear(layer)(x), layer(x))
     except (RuntimeError, AttributeError) as exc:
@@ -54,15 +56,16 @@ def available() -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every bf16 CPU nn.Linear in `model` for a PackedLinear; returns how many were swapped."""
+def pack_linears(model: nn.Module, with_bias: bool) -> int:
+    """Swap every bf16 CPU nn.Linear in `model` for a PackedLinear (those with a bias only if `with_bias`:
+    their bits differ from F.linear's); returns how many were swapped."""
     if not available():
         return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
-                    and child.weight.device.type == "cpu"):
+                    and child.weight.device.type == "cpu" and (with_bias or child.bias is None)):
                 setattr(parent, name, PackedLinear(child))
                 swapped += 1
     return swapped
