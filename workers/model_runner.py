@@ -118,9 +118,8 @@ class ModelRunner:
         self.exact_attention = paged_attention.exact_lengths(self.dtype) if exact_attention is None else exact_attention
         if not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu":
             paged_prefill.use_for_vision(self.model)  # the vision tower's attention in the bf16 kernel too
-        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not compile_decode:
-            # without a reorder per call; F.linear's bits where attention is exact
-            packed_linear.pack_linears(self.model, with_bias=not self.exact_attention)
+        if self.device.type == "cpu" and not compile_decode:  # weights reordered once, not per call
+            packed_linear.pack_linears(self.model, exact=self.exact_attention)
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
         self.deepstack_layers = deepstack_layers(self.model)  # Qwen3-VL; 0 for every other family

@@ -1,22 +1,29 @@
-"""bfloat16 linear layers whose weights are reordered once, not on every call (CPU).
+"""Linear layers whose weights are reordered once for oneDNN, not on every call (CPU).
 
-torch's bf16 `F.linear` on the CPU runs oneDNN's matmul, which first reorders the weight into its
-blocked layout, on every call. A decode step's matrix multiplies are small (one row per request) and
-that reorder is a large share of them: on an AMD EPYC host, a 1376x512 layer takes 86 us at 16 rows
-through `F.linear` and 61 us prepacked, 53 against 28 at one row, and 1,464 against 1,400 at 512
-(bench/README.md, "bf16 on the CPU"). Without a bias the packed call is the same oneDNN kernel over
-the same values: its outputs are `F.linear`'s bits, so exact-length attention still gives HF
-generate's tokens (tests/workers/test_packed_linear.py). With a bias it rounds differently from
-`F.linear` at some shapes (one bf16 ulp), so layers with a bias (Qwen2's q/k/v, a CLIP vision tower)
-are packed only where attention is padded, which does not promise HF's bits anyway.
+bfloat16: torch's `F.linear` runs oneDNN's matmul, which first reorders the weight into its blocked
+layout on every call. A decode step's matrix multiplies are small (one row per request) and that
+reorder is a large share of them: on an AMD EPYC host, a 1376x512 layer takes 0.090 ms at 16 rows
+through `F.linear` and 0.062 prepacked, 0.076 against 0.038 at one row (bench/README.md, "bf16 on the
+CPU"). Without a bias the packed call is the same oneDNN kernel over the same values: `F.linear`'s
+bits, so exact-length attention still gives HF generate's tokens (tests/workers/test_packed_linear.py).
+With a bias it rounds differently at some shapes (one bf16 ulp), so biased layers (Qwen2's q/k/v, a
+CLIP vision tower) are packed only where attention is padded, which does not promise HF's bits.
 
-Used by ModelRunner for bf16 models on the CPU (not with `--compile`). The original weight tensors
-are released unless something else holds them (a tied embedding keeps its own).
+float32: torch's `F.linear` runs MKL's sgemm, which on that host reaches about 110 GFLOP/s; oneDNN's
+prepacked float32 matmul 2.3-2.5x that at 16 and 512 rows. Its sums run in another order (outputs
+within about 5e-6 relative), like the decode kernel's: every engine and cluster test still gives HF
+generate's tokens with it, on every family. Packed unless attention is exact (`--attention exact`,
+which promises HF's bits).
+
+Used by ModelRunner on the CPU (not with `--compile`); `MSERVE_PACKED_LINEAR=off` keeps `F.linear`.
+The original weight tensors are released unless something else holds them (a tied embedding keeps
+its own).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -45,6 +52,8 @@ class PackedLinear(nn.Module):
 
 def available() -> bool:
     """Whether this torch build has the prepacked bf16 linear (mkldnn on the CPU), tried once on a tiny layer."""
+    if os.environ.get("MSERVE_PACKED_LINEAR", "auto").lower() in ("off", "0", "false", "no"):
+        return False
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -56,16 +65,24 @@ def available() -> bool:
         return False
 
 
-def pack_linears(model: nn.Module, with_bias: bool) -> int:
-    """Swap every bf16 CPU nn.Linear in `model` for a PackedLinear (those with a bias only if `with_bias`:
-    their bits differ from F.linear's); returns how many were swapped."""
+def packable(linear: nn.Module, exact: bool) -> bool:
+    """Whether ModelRunner packs this layer: a CPU nn.Linear in bfloat16 (one with a bias only when
+    attention is padded) or in float32 (only when attention is padded)."""
+    if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
+        return False
+    if linear.weight.dtype == torch.bfloat16:
+        return not exact or linear.bias is None
+    return linear.weight.dtype == torch.float32 and not exact
+
+
+def pack_linears(model: nn.Module, exact: bool) -> int:
+    """Swap every packable nn.Linear in `model` for a PackedLinear; returns how many were swapped."""
     if not available():
         return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
-                    and child.weight.device.type == "cpu" and (with_bias or child.bias is None)):
+            if packable(child, exact):
                 setattr(parent, name, PackedLinear(child))
                 swapped += 1
     return swapped

@@ -1,6 +1,5 @@
-"""bf16 linear layers over weights packed once (workers/packed_linear.py): F.linear's very bits without
-a bias, and used by the engine in bf16 on the CPU only (tests/workers/test_engine_bf16.py then checks
-HF's tokens with them)."""
+"""Linear layers over weights packed once (workers/packed_linear.py): in bf16 without a bias, F.linear's
+very bits; otherwise within rounding. The engine and cluster tests check HF's tokens with them."""
 
 from __future__ import annotations
 
@@ -42,7 +41,18 @@ def test_with_a_bias_packed_is_f_linear_to_within_one_rounding(n_in, n_out):
 
 
 @needs_packing
-def test_the_engine_packs_bf16_cpu_models_only(tiny_model_dirs):
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_float32_packed_is_f_linear_to_within_its_summation_order(n_in, n_out):
+    torch.manual_seed(2)
+    layer = nn.Linear(n_in, n_out)
+    packed = packed_linear.PackedLinear(layer)
+    for rows in ROWS:
+        x = torch.randn(*rows, n_in)
+        torch.testing.assert_close(packed(x), layer(x), atol=1e-4, rtol=1e-5)
+
+
+@needs_packing
+def test_what_the_engine_packs(tiny_model_dirs, monkeypatch):
     model_dir = str(tiny_model_dirs["llava"])
 
     def count(**cfg):
@@ -54,4 +64,7 @@ def test_the_engine_packs_bf16_cpu_models_only(tiny_model_dirs):
     assert packed > 0 and plain == 0  # language model, vision tower and projector alike
     packed, plain = count(dtype="bfloat16")  # exact attention: the layers without a bias only
     assert packed > 0 and plain > 0
-    assert count()[0] == 0  # float32 keeps F.linear (its CPU path is not oneDNN's)
+    assert count()[1] == 0  # float32, padded (its default): every layer
+    assert count(exact_attention=True)[0] == 0  # float32 with exact attention: F.linear's bits
+    monkeypatch.setenv("MSERVE_PACKED_LINEAR", "off")
+    assert count(dtype="bfloat16", exact_attention=False)[0] == 0
