@@ -186,6 +186,13 @@ class ModelRunner:
         embeds = pack(embeds, getattr(out, "deepstack_features", None))
         return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]
 
+    def weight_bytes(self) -> int:
+        """The model's weights in memory: its parameters, and the linear weights packed into buffers
+        (workers/packed_linear.py)."""
+        tensors = [*self.model.parameters(), *(b for m in self.model.modules()
+                                               if isinstance(m, packed_linear.PackedLinear) for b in m.buffers())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def prepare_image(self, image: Any) -> "PreparedImage":
         """A decoded image with its image processor's output, for encode_images to take as it is: the
         unified role runs this on an IO thread, so the model's thread only runs the model."""

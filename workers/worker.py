@@ -70,7 +70,7 @@ class Worker:
         self.engine = Engine(self.engine_config(settings))
         runner = self.engine.runner
         self.memory_mib = {  # what this role holds, for `rss_mib` to be read against
-            "weights_mib": round(sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20, 1),
+            "weights_mib": round(runner.weight_bytes() / 2**20, 1),
             "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0}
         self.ctx = zmq.Context.instance()
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,

@@ -55,10 +55,13 @@ def test_float32_packed_is_f_linear_to_within_its_summation_order(n_in, n_out):
 def test_what_the_engine_packs(tiny_model_dirs, monkeypatch):
     model_dir = str(tiny_model_dirs["llava"])
 
+    sizes = []
+
     def count(**cfg):
-        model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner.model
-        return sum(isinstance(m, packed_linear.PackedLinear) for m in model.modules()), \
-            sum(type(m) is nn.Linear for m in model.modules())
+        runner = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner
+        sizes.append(runner.weight_bytes() / runner.dtype.itemsize)  # weights, packed or not, in values
+        return sum(isinstance(m, packed_linear.PackedLinear) for m in runner.model.modules()), \
+            sum(type(m) is nn.Linear for m in runner.model.modules())
 
     packed, plain = count(dtype="bfloat16", exact_attention=False)
     assert packed > 0 and plain == 0  # language model, vision tower and projector alike
@@ -68,3 +71,4 @@ def test_what_the_engine_packs(tiny_model_dirs, monkeypatch):
     assert count(exact_attention=True)[0] == 0  # float32 with exact attention: F.linear's bits
     monkeypatch.setenv("MSERVE_PACKED_LINEAR", "off")
     assert count(dtype="bfloat16", exact_attention=False)[0] == 0
+    assert len(set(sizes)) == 1  # the weights a worker reports (weights_mib) count packed layers too

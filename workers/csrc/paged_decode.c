@@ -35,6 +35,14 @@ static inline void prefetch_row(const char *base, int64_t elem, const int64_t *t
 /* The scores' row stride: the length rounded up to whole tiles (paged_decode.py sizes the scratch so). */
 static inline int64_t score_stride(int64_t max_len) { return (max_len + TILE - 1) / TILE * TILE; }
 
+/* Each head's weighted sum of V rows divided by its softmax total. */
+static inline void normalise(float *og, const float *sum, int64_t H, int64_t D) {
+    for (int64_t h = 0; h < H; h++) {
+        const float inv = 1.0f / sum[h];
+        for (int64_t i = 0; i < D; i++) og[h * D + i] *= inv;
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "simd.h"
 
@@ -141,10 +149,7 @@ static inline __attribute__((always_inline)) int NAME##_body(                   
                     }                                                                                   \
                 }                                                                                       \
         }                                                                                               \
-        for (int64_t h = 0; h < H; h++) {                                                               \
-            const float inv = 1.0f / sum[h];                                                            \
-            for (int64_t i = 0; i < D; i++) og[h * D + i] *= inv;                                       \
-        }                                                                                               \
+        normalise(og, sum, H, D);                                                                       \
     }                                                                                                   \
     return 0;                                                                                           \
 }                                                                                                       \
@@ -233,10 +238,7 @@ int NAME(const ELEM *q, const ELEM *k, const ELEM *v, const int64_t *tables, con
             const float *vr = ROW(v + table[t / bs] * block + (t % bs) * row, buf, row);                \
             for (int64_t h = 0; h < H; h++) axpy(og + h * D, scores[h * stride + t], vr + (h / per_kv) * D, D); \
         }                                                                                               \
-        for (int64_t h = 0; h < H; h++) {                                                               \
-            const float inv = 1.0f / sum[h];                                                            \
-            for (int64_t i = 0; i < D; i++) og[h * D + i] *= inv;                                       \
-        }                                                                                               \
+        normalise(og, sum, H, D);                                                                       \
     }                                                                                                   \
     return 0;                                                                                           \
 }
