@@ -9,8 +9,8 @@ request's block table instead and reads each K and V row once, for all the query
 It is plain C (no torch headers), compiled with the host's `cc` into the user's cache the first
 time a worker needs it (about a second), and called through ctypes, which releases the GIL. On a
 host with AVX-512 (-march=native), 16 tokens' scores are reduced at once and a bfloat16 query meets
-its keys in `vdpbf16ps` (bench/README.md, "Decode attention in place": 1.4x float32, 2.1x bfloat16
-over the portable build on an AMD EPYC host); elsewhere the portable C runs.
+its keys in `vdpbf16ps` (bench/README.md, "bf16 on the CPU": 1.4x in float32 and 2.4x in bfloat16
+over the kernel before it, on an AMD EPYC host); elsewhere the portable C runs.
 Float32 and bfloat16 pools; exact-length attention (reduced precision's default,
 paged_attention.exact_lengths) keeps one SDPA call per length, since only that gives HF's bits, so
 in bfloat16 the kernel runs with `--attention padded`. Where no

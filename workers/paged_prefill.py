@@ -3,7 +3,7 @@
 A prompt chunk's attention through SDPA means gathering its request's blocks (a later chunk also
 builds a causal mask over them), then torch's CPU flash-attention kernel. In bfloat16 on this AMD host
 that kernel ran at about 50 GFLOP/s, 45 % of a prefill step, while bfloat16 matrix multiplies ran at
-460 (bench/README.md, "Prompt attention in place"). This kernel multiplies bfloat16 pairs with
+460 (bench/README.md, "bf16 on the CPU"). This kernel multiplies bfloat16 pairs with
 `vdpbf16ps` (exact products, float32 sums) and keeps the softmax in float32, rounding the
 probabilities to bfloat16 before P @ V, as bfloat16 attention kernels do.
 

@@ -6,8 +6,8 @@ Times one decode step's attention over 8 layers' pools (16 requests of 640-700 t
 over pools of 2,048 blocks, the peer's `small` llava shapes: 8 heads, 4 KV heads, head size 64), in
 float32 and bfloat16, for this checkout's kernel and, interleaved in the same process: `--against REV`
 (the kernel at a git revision) and `--portable` (this kernel built without -march=native). Each build's
-largest difference from gather + SDPA in float32 is printed first. Used for bench/README.md, "Decode
-attention in place".
+largest difference from gather + SDPA in float32 is printed first. Used for bench/README.md, "bf16 on
+the CPU".
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def build(source: str, flags: list[str], out: Path) -> dict:
 
     src = out.with_suffix(".c")
     src.write_text(source)
-    subprocess.run(["cc", *flags, "-shared", "-fPIC", "-o", str(out), str(src), "-lm"], check=True)
+    subprocess.run(["cc", *flags, "-I", str(SOURCE.parent), "-shared", "-fPIC", "-o", str(out), str(src), "-lm"],
+                   check=True)  # -I: the helpers header (csrc/simd.h)
     lib, fns = ctypes.CDLL(str(out)), {}
     for name, dtype in (("paged_decode_f32", torch.float32), ("paged_decode_bf16", torch.bfloat16)):
         fn = getattr(lib, name)
