@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30, help="decode steps timed per repeat (default 30)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per batch size; medians reported (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--dtype", default=None, help="model dtype (bfloat16, float32; default: the checkpoint's)")
+    p.add_argument("--attention", choices=("exact", "padded", "auto"), default="auto",
+                   help="exact: HF's bits; padded: the fast kernels (bf16); auto: the engine's default")
     p.add_argument("--json-out", default=None, help="also write the figures as JSON here")
 
 
@@ -110,7 +113,8 @@ def timed_phases(engine: Any, clock: _Clock) -> Iterator[None]:
                 delattr(owner, attr)
 
 
-def decode_batch(model: str, batch: int, context: int, steps: int) -> Any:
+def decode_batch(model: str, batch: int, context: int, steps: int, dtype: str | None = None,
+                 attention: str = "auto") -> Any:
     """An engine whose `batch` requests are all prefilled: every later step is a pure decode step."""
     import torch
 
@@ -118,7 +122,8 @@ def decode_batch(model: str, batch: int, context: int, steps: int) -> Any:
     from mserve.workers.sequence import SamplingParams
 
     engine = Engine(EngineConfig(model, num_blocks=batch * (context + 4 * steps + 64) // 16 + 64, block_size=16,
-                                 max_num_seqs=batch, max_num_batched_tokens=8192, enable_prefix_caching=False))
+                                 max_num_seqs=batch, max_num_batched_tokens=8192, enable_prefix_caching=False,
+                                 dtype=dtype, exact_attention={"exact": True, "padded": False}.get(attention)))
     vocab = engine.runner.model.config.text_config.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=4 * steps + 32, ignore_eos=True)
@@ -133,8 +138,9 @@ def decode_batch(model: str, batch: int, context: int, steps: int) -> Any:
     return engine
 
 
-def measure(model: str, batch: int, context: int, steps: int, repeats: int) -> dict[str, Any]:
-    engine = decode_batch(model, batch, context, steps)
+def measure(model: str, batch: int, context: int, steps: int, repeats: int, dtype: str | None = None,
+            attention: str = "auto") -> dict[str, Any]:
+    engine = decode_batch(model, batch, context, steps, dtype, attention)
     runs = []
     for _ in range(repeats):
         clock = _Clock()
@@ -178,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [measure(args.model, int(b), args.context, args.steps, args.repeats) for b in args.batches.split(",")]
+    rows = [measure(args.model, int(b), args.context, args.steps, args.repeats, args.dtype, args.attention)
+            for b in args.batches.split(",")]
     print(render(rows))
     if args.json_out:
         with open(args.json_out, "w") as f:
