@@ -27,7 +27,10 @@ def gathered(q, k_cache, v_cache, tables, lens, scale):
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32), (12, 2, 72), (14, 2, 80)])
+# Two query heads per kv head summed at once (8/4/64, 12/2/72, 8/2/128), one at a time (4/4/32: no
+# sharing, 14/2/80: an odd share), and a head wider than the kernel's 256-wide register sums (4/2/288).
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32), (12, 2, 72), (14, 2, 80), (8, 2, 128),
+                                                     (4, 2, 288)])
 def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     bs, num_blocks = 16, 300

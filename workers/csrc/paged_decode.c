@@ -12,6 +12,8 @@
  *   transpose-and-add tree for 16 dot products instead of a serial sum each; exp is a vectorised
  *   polynomial (within 2 ulp); a bfloat16 query and key meet in `vdpbf16ps` where the CPU has
  *   AVX512_BF16 (bf16 products are exact in float32), and V rows are widened to float32 in registers.
+ *   P @ V keeps each head's sums in registers over a tile of 16 rows (two heads sharing a kv head at
+ *   once), adding row after row in the order the portable build does.
  * - portable C: 16 independent float lanes per dot product, which the compiler vectorises without
  *   reassociating any one sum (no -ffast-math), and libm's expf.
  * Both compute the same attention; they differ in summation order and exp's last bits (within 1e-6). */
@@ -20,16 +22,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define AHEAD 16 /* rows prefetched ahead: one block, so the next block's start is on its way */
-#define TILE 16  /* tokens whose scores are reduced together (AVX-512) */
+#define AHEAD 32 /* rows prefetched ahead: two blocks, so the next blocks' starts are on their way */
+#define TILE 16  /* tokens whose scores are reduced together, and whose V rows are summed together (AVX-512) */
 
 /* Ask for the cache lines of the row AHEAD rows on: a request's blocks are scattered over the pool,
- * and the hardware prefetcher stops at every block's end. 1.1-1.4x on 16 requests of 650 tokens. */
+ * and the hardware prefetcher stops at every block's end. Into L2 (locality 1), not L1: on the AMD EPYC
+ * host, prefetching into L1 left a step at ~9 GB/s (likely L1's few miss buffers held until each line
+ * arrives); into L2, 16 requests of 670 tokens (8 layers, bf16) went from 10.1 to 6.1 ms with the
+ * register sums below (bench/README.md, "bf16 on the CPU"). */
 static inline void prefetch_row(const char *base, int64_t elem, const int64_t *table, int64_t t, int64_t len,
                                 int64_t bs, int64_t block, int64_t row) {
     if (t + AHEAD >= len) return;
     const char *next = base + (table[(t + AHEAD) / bs] * block + ((t + AHEAD) % bs) * row) * elem;
-    for (int64_t o = 0; o < row * elem; o += 64) __builtin_prefetch(next + o);
+    for (int64_t o = 0; o < row * elem; o += 64) __builtin_prefetch(next + o, 0, 1);
 }
 
 /* The scores' row stride: the length rounded up to whole tiles (paged_decode.py sizes the scratch so). */
@@ -90,6 +95,34 @@ static inline __m512 dot_bf16(const uint16_t *q, const uint16_t *k, int64_t d) {
 /* The body takes D as an argument so that NAME's switch can inline it with common head sizes as
  * constants: then the dot products unroll, need no masks, and keep the query in registers. */
 #define PAGED_DECODE(NAME, ELEM, DOT, LOAD16)                                                            \
+/* o[0:D] (and, with two, the next head's o[D:2D], same kv head) += w[j] * V row j, for the n rows of  \
+ * a tile: the sums stay in registers across the tile, added token after token in the same order as   \
+ * one row at a time into memory would (the same bits), 256 dims at a time.                             \
+ * w: the first head's weights; the second's are ws further on. */                                      \
+static inline __attribute__((always_inline)) void NAME##_pv(                                              \
+        float *o, const float *w, int64_t ws, const ELEM *const *rows, int64_t at, int64_t n,           \
+        const int64_t D, const int two) {                                                               \
+    for (int64_t d0 = 0; d0 < D; d0 += 256) {                                                           \
+        const int64_t dn = D - d0 < 256 ? D - d0 : 256;                                                 \
+        __m512 a[16], b[16];                                                                            \
+        for (int64_t i = 0; i < dn; i += 16) {                                                          \
+            a[i / 16] = _mm512_maskz_loadu_ps(first16(dn - i), o + d0 + i);                             \
+            if (two) b[i / 16] = _mm512_maskz_loadu_ps(first16(dn - i), o + D + d0 + i);                \
+        }                                                                                               \
+        for (int64_t j = 0; j < n; j++) {                                                               \
+            const __m512 wa = _mm512_set1_ps(w[j]), wb = _mm512_set1_ps(two ? w[ws + j] : 0.0f);       \
+            for (int64_t i = 0; i < dn; i += 16) {                                                      \
+                const __m512 x = LOAD16(rows[j] + at + d0 + i, dn - i);                                 \
+                a[i / 16] = _mm512_fmadd_ps(wa, x, a[i / 16]);                                          \
+                if (two) b[i / 16] = _mm512_fmadd_ps(wb, x, b[i / 16]);                                 \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t i = 0; i < dn; i += 16) {                                                          \
+            _mm512_mask_storeu_ps(o + d0 + i, first16(dn - i), a[i / 16]);                             \
+            if (two) _mm512_mask_storeu_ps(o + D + d0 + i, first16(dn - i), b[i / 16]);                 \
+        }                                                                                               \
+    }                                                                                                   \
+}                                                                                                       \
 static inline __attribute__((always_inline)) int NAME##_body(                                            \
          const ELEM *q, const ELEM *k, const ELEM *v, const int64_t *tables, const int64_t *lens,       \
          float *out, float *scores, int64_t G, int64_t H, int64_t KV, const int64_t D, int64_t bs,      \
@@ -135,19 +168,22 @@ static inline __attribute__((always_inline)) int NAME##_body(                   
             sum[h] = _mm512_reduce_add_ps(total);                                                       \
         }                                                                                               \
         memset(og, 0, sizeof(float) * H * D);                                                           \
-        for (int64_t t = 0; t < len; t++) {                                                             \
-            prefetch_row((const char *)v, sizeof(ELEM), table, t, len, bs, block, row);                 \
-            const ELEM *vr = v + table[t / bs] * block + (t % bs) * row;                                \
-            for (int64_t c = 0; c < KV; c++)                                                            \
-                for (int64_t i = 0; i < D; i += 16) {                                                   \
-                    const __m512 x = LOAD16(vr + c * D + i, D - i);                                     \
-                    const __mmask16 m = first16(D - i);                                                 \
-                    for (int64_t h = c * per_kv; h < (c + 1) * per_kv; h++) {                           \
-                        float *o = og + h * D + i;                                                      \
-                        const __m512 w = _mm512_set1_ps(scores[h * stride + t]);                        \
-                        _mm512_mask_storeu_ps(o, m, _mm512_fmadd_ps(w, x, _mm512_maskz_loadu_ps(m, o))); \
-                    }                                                                                   \
+        for (int64_t t0 = 0; t0 < len; t0 += TILE) { /* the tile's V rows stay in L1 across the heads */    \
+            const int64_t n = len - t0 < TILE ? len - t0 : TILE;                                        \
+            for (int64_t j = 0; j < n; j++) rows[j] = v + table[(t0 + j) / bs] * block + ((t0 + j) % bs) * row; \
+            for (int64_t h = 0; h < H;) {                                                               \
+                for (int64_t j = h * n / H; j < (h + 1 + (per_kv % 2 == 0 && D <= 128)) * n / H; j++)   \
+                    prefetch_row((const char *)v, sizeof(ELEM), table, t0 + j, len, bs, block, row);   \
+                const int64_t at = (h / per_kv) * D;                                                    \
+                const float *w = scores + h * stride + t0;                                              \
+                if (per_kv % 2 == 0 && D <= 128) {                                                      \
+                    NAME##_pv(og + h * D, w, stride, rows, at, n, D, 1);                                \
+                    h += 2;                                                                             \
+                } else {                                                                                \
+                    NAME##_pv(og + h * D, w, stride, rows, at, n, D, 0);                                \
+                    h += 1;                                                                             \
                 }                                                                                       \
+            }                                                                                           \
         }                                                                                               \
         normalise(og, sum, H, D);                                                                       \
     }                                                                                                   \
