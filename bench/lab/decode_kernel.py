@@ -1,6 +1,7 @@
 """The decode attention kernel alone (workers/csrc/paged_decode.c), builds of it side by side.
 
     cd bench && PYTHONPATH=. ../.venv/bin/python -m lab.decode_kernel [--against REV] [--portable] [--rounds 3]
+        [--blocks scattered|contiguous|shared]
 
 Times one decode step's attention over 8 layers' pools (16 requests of 640-700 tokens, blocks scattered
 over pools of 2,048 blocks, the peer's `small` llava shapes: 8 heads, 4 KV heads, head size 64), in
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--portable", action="store_true", help="also this kernel built without -march=native")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--blocks", choices=("scattered", "contiguous", "shared"), default="scattered",
+                   help="where each request's blocks lie: scattered over the pool (default), one run after "
+                        "another, or every request on the same blocks (cache-hot: the arithmetic alone)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="decode-kernel-"))
@@ -57,14 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         old = subprocess.run(["git", "show", f"{args.against}:workers/csrc/paged_decode.c"], cwd=SOURCE.parent,
                              capture_output=True, text=True, check=True).stdout
         builds[args.against] = build(old, ["-O3", "-march=native"], tmp / "against.so")
+    float_query = {args.against} if args.against and "int NAME(const float *q," in old else set()
     heads, kv, d, bs, blocks, layers, g = 8, 4, 64, 16, 2048, 8, args.batch
     lens = torch.randint(640, 700, (g,))
     max_len, mb = int(lens.max()), int(-(-lens.max() // bs))
-    tables = torch.stack([torch.randperm(blocks)[:mb] for _ in range(g)]).contiguous()
+    if args.blocks == "scattered":
+        tables = torch.stack([torch.randperm(blocks)[:mb] for _ in range(g)]).contiguous()
+    elif args.blocks == "contiguous":
+        tables = torch.arange(g * mb).view(g, mb).contiguous()
+    else:
+        tables = torch.arange(mb)[None].repeat(g, 1).contiguous()
 
     def call(name, fns, q, kc, vc):
-        # the kernel before this one took a float32 query whatever the pool (its scratch: heads * max_len)
-        qq = q.float().contiguous() if name == args.against else q.contiguous()
+        # kernels before 364cfb5 took a float32 query whatever the pool (their scratch: heads * max_len)
+        qq = q.float().contiguous() if name in float_query else q.contiguous()
         out = torch.empty(q.shape, dtype=torch.float32)
         scratch = torch.empty(heads * (max_len + 16), dtype=torch.float32)
         rc = fns[kc.dtype](qq.data_ptr(), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), lens.data_ptr(),
