@@ -3,6 +3,9 @@ as gathering each request's blocks and calling SDPA, and, with it or without it,
 
 from __future__ import annotations
 
+import platform
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,30 @@ from mserve.workers.sequence import SamplingParams
 from tests.helpers import PROMPTS, hf_generate, make_image
 
 needs_kernel = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C compiler: the kernel is not built")
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """The kernel built without -march=native: the portable C that a host without AVX-512 runs (on this
+    host too, so that both builds are checked wherever the tests run)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("portable") / "paged_decode.so"
+    error = paged_decode.compile_library(cc, ["-O3"], out)
+    assert error is None, error
+    return paged_decode.load(out)
+
+
+@pytest.fixture(params=["native", "portable"])
+def build(request, monkeypatch):
+    """Which build of the kernel `paged_decode.attend` calls."""
+    if request.param == "portable":
+        fns = request.getfixturevalue("portable")
+        if platform.machine() in ("x86_64", "AMD64"):
+            assert "prefill_bf16" not in fns  # the portable build has no AVX-512 code in it
+        monkeypatch.setattr(paged_decode, "_kernel", fns)
+    return request.param
 
 
 def gathered(q, k_cache, v_cache, tables, lens, scale):
@@ -31,7 +58,7 @@ def gathered(q, k_cache, v_cache, tables, lens, scale):
 # sharing, 14/2/80: an odd share), and a head wider than the kernel's 256-wide register sums (4/2/288).
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32), (12, 2, 72), (14, 2, 80), (8, 2, 128),
                                                      (4, 2, 288)])
-def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim):
+def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, build):
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     bs, num_blocks = 16, 300
     k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g)
@@ -53,7 +80,7 @@ def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim):
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (12, 2, 72)])
-def test_kernel_reads_a_bf16_pool(heads, kv_heads, head_dim):
+def test_kernel_reads_a_bf16_pool(heads, kv_heads, head_dim, build):
     """A bfloat16 pool (`--dtype bfloat16 --attention padded`): each row widened to float32 as it is
     read, so the result is float32 attention over the pool's very values, rounded once to bf16."""
     g = torch.Generator().manual_seed(7)
@@ -80,14 +107,17 @@ def test_a_length_past_the_table_is_refused():
                             torch.tensor([17]), 17, 1.0)
 
 
-@pytest.mark.parametrize("kernel", ["kernel", "gather"])
-def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model_dirs, monkeypatch):
-    """A ragged batch (text-only and image prompts of different lengths) decoded together, by the kernel
-    and by the gather it replaces (the path of a host without a compiler), against HF generate."""
-    if kernel == "kernel" and paged_decode.kernel() is None:
+@pytest.mark.parametrize("kernel", ["kernel", "portable", "gather"])
+def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model_dirs, monkeypatch, request):
+    """A ragged batch (text-only and image prompts of different lengths) decoded together, by the kernel,
+    by its portable build (a host without AVX-512) and by the gather it replaces (the path of a host
+    without a compiler), against HF generate."""
+    if kernel != "gather" and paged_decode.kernel() is None:
         pytest.skip("no C compiler: the kernel is not built")
     if kernel == "gather":
         monkeypatch.setattr(paged_decode, "_kernel", None)
+    if kernel == "portable":
+        monkeypatch.setattr(paged_decode, "_kernel", request.getfixturevalue("portable"))
     calls = []
     attend = paged_decode.attend
     monkeypatch.setattr(paged_decode, "attend", lambda *a: calls.append(a[0].shape[0]) or attend(*a))
@@ -103,7 +133,7 @@ def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model
     results = engine.run_until_done()
     for rid, pp in requests.items():
         assert results[rid] == hf_generate(model_dir, pp.prompt_ids, pp.images, 12), rid
-    if kernel == "kernel":  # every decode step went through it, the first with all five requests
+    if kernel != "gather":  # every decode step went through it, the first with all five requests
         assert len(calls) >= 11 * engine.runner.model.config.text_config.num_hidden_layers and max(calls) == 5
     else:
         assert not calls
