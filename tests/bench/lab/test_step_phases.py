@@ -8,18 +8,20 @@ from lab.step_phases import PHASES, measure, render
 from mserve.workers import paged_decode
 
 
-@pytest.mark.parametrize("kernel", ["kernel", "gather"])
+@pytest.mark.parametrize("kernel", ["kernel", "gather", "bf16-padded"])
 def test_phases_cover_the_step(kernel, tiny_model_dirs, monkeypatch):
-    if kernel == "kernel" and paged_decode.kernel() is None:
+    if kernel != "gather" and paged_decode.kernel() is None:
         pytest.skip("no C compiler: the decode kernel is not built")
     if kernel == "gather":
         monkeypatch.setattr(paged_decode, "_kernel", None)
-    r = measure(str(tiny_model_dirs["llava"]), batch=2, context=20, steps=3, repeats=1)
+    dtype, attention = ("bfloat16", "padded") if kernel == "bf16-padded" else (None, "auto")
+    r = measure(str(tiny_model_dirs["llava"]), batch=2, context=20, steps=3, repeats=1, dtype=dtype,
+                attention=attention)
     assert set(PHASES) <= set(r)
     # Every phase the decode step runs was timed (the timers were on the real calls), none is negative
     # except "between ops", the remainder, which the timers' own cost can tip either way. Decode
     # attention is the kernel, or the gather and SDPA it replaces.
-    skipped = {"kv_gather", "sdpa"} if kernel == "kernel" else {"decode_kernel"}
+    skipped = {"decode_kernel"} if kernel == "gather" else {"kv_gather", "sdpa"}
     for phase in PHASES:
         if phase in skipped:
             assert r[phase] == 0, phase
