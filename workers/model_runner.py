@@ -19,7 +19,7 @@ import torch
 
 from mserve.common.model import ModelFamily, load_family
 from mserve.common.video import seconds_per_grid
-from mserve.workers import packed_linear, paged_attention, paged_prefill
+from mserve.workers import fused_ops, packed_linear, paged_attention, paged_prefill
 from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
@@ -120,6 +120,8 @@ class ModelRunner:
             paged_prefill.use_for_vision(self.model)  # the vision tower's attention in the bf16 kernel too
         if self.device.type == "cpu" and not compile_decode:  # weights reordered once, not per call
             packed_linear.pack_linears(self.model, exact=self.exact_attention)
+            if not self.exact_attention and self.dtype == torch.bfloat16:
+                fused_ops.fuse(self.model)  # RMSNorm and SiLU * up in one pass each
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
         self.deepstack_layers = deepstack_layers(self.model)  # Qwen3-VL; 0 for every other family

@@ -38,8 +38,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-# One library: this kernel, the prompt kernel (workers/paged_prefill.py) and the helpers they share.
-SOURCES = (SOURCE, SOURCE.with_name("paged_prefill.c"))
+# One library: this kernel, the prompt kernel (workers/paged_prefill.py), the bf16 elementwise ops
+# (workers/fused_ops.py) and the helpers they share.
+SOURCES = (SOURCE, SOURCE.with_name("paged_prefill.c"), SOURCE.with_name("fused_ops.c"))
 HEADERS = (SOURCE.with_name("simd.h"),)
 MAX_HEADS = 256  # the kernel's per-head buffers
 MAX_ROW = 8192  # values in one token's K (or V) row, or its query, all heads: the kernel's widening buffers
@@ -106,7 +107,8 @@ def _build() -> Path | None:
 
 def load(path: Path) -> dict:
     """The C functions of a built library by pool dtype, and the prompt kernel's ("prefill_bf16",
-    "prefill_scratch_words") where it has them (built only where the CPU has AVX512_BF16)."""
+    "prefill_scratch_words") and the elementwise ops' ("rms_norm_bf16", "silu_mul_bf16") where it has
+    them (built only where the CPU has AVX512_BF16)."""
     lib = ctypes.CDLL(str(path))
     fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
     for fn in fns.values():
@@ -119,6 +121,13 @@ def load(path: Path) -> dict:
         fns["prefill_scratch_words"] = lib.paged_prefill_scratch_words
         fns["prefill_scratch_words"].restype = ctypes.c_int64
         fns["prefill_scratch_words"].argtypes = [ctypes.c_int64] * 4
+    if hasattr(lib, "rms_norm_bf16"):  # the same: built only with AVX512_BF16
+        fns["rms_norm_bf16"] = lib.rms_norm_bf16
+        fns["rms_norm_bf16"].restype = ctypes.c_int
+        fns["rms_norm_bf16"].argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float]
+        fns["silu_mul_bf16"] = lib.silu_mul_bf16
+        fns["silu_mul_bf16"].restype = None
+        fns["silu_mul_bf16"].argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     return fns
 
 

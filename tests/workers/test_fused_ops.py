@@ -1,0 +1,88 @@
+"""The bf16 RMSNorm and SiLU * up kernels (workers/fused_ops.py): HF's values to within a bf16 step at
+each of its two roundings (on these inputs, the same bits for 99 % of the values or more), which modules
+the engine swaps, and only where attention is padded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
+
+from mserve.workers import fused_ops, paged_decode
+from mserve.workers.engine import Engine, EngineConfig
+
+fns = paged_decode.kernel()
+needs_kernel = pytest.mark.skipif(fns is None or "rms_norm_bf16" not in fns,
+                                  reason="the bf16 kernels need a C compiler and AVX512_BF16")
+
+
+def within_two_roundings(got: torch.Tensor, want: torch.Tensor, min_equal: float) -> None:
+    """A bf16 step is 2^-8 to 2^-7 of a value; HF rounds twice (the normalised or activated value, then
+    the product), and each may land one step from HF's: 2^-6 relative at most."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-30, rtol=2 ** -6)
+    assert (got == want).float().mean().item() >= min_equal
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [512, 72, 3584])
+@pytest.mark.parametrize("rows", [1, 16, 527])
+def test_rms_norm_is_hf_to_within_two_roundings(width, rows):
+    g = torch.Generator().manual_seed(width + rows)
+    norm = LlamaRMSNorm(width, eps=1e-6)
+    norm.weight.data = torch.randn(width, generator=g)
+    norm = norm.to(torch.bfloat16)
+    fused = fused_ops.FusedRMSNorm(norm, fns["rms_norm_bf16"])
+    x = (torch.randn(1, rows, width, generator=g) * 4).bfloat16()
+    within_two_roundings(fused(x), norm(x), min_equal=0.99)
+    wide = torch.randn(rows, 2 * width, generator=g).bfloat16()[:, ::2]  # rows not contiguous
+    within_two_roundings(fused(wide), norm(wide), min_equal=0.99)
+    assert fused(x.float()).dtype == torch.float32  # anything but bf16: HF's own ops
+    torch.testing.assert_close(fused(x.float()), norm.float()(x.float()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 16, 527])
+def test_mlp_is_hf_to_within_two_roundings(rows):
+    torch.manual_seed(rows)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=1376, hidden_act="silu")).bfloat16()
+    fused = fused_ops.FusedMLP(mlp, fns["silu_mul_bf16"])
+    x = torch.randn(1, rows, 256).bfloat16()
+    within_two_roundings(fused(x), mlp(x), min_equal=0.99)
+
+
+@needs_kernel
+def test_silu_mul_at_the_edges():
+    """Large, tiny and signed zero gates, where e^-x would overflow: torch's silu(g) * u."""
+    gate = torch.tensor([[0.0, -0.0, 1e-3, -1e-3, 5.0, -5.0, 30.0, -30.0, 88.0, -88.0, 100.0, -100.0, 3e4, -3e4,
+                          1e-30, -1e-30, 2.5, -2.5]]).bfloat16()
+    up = torch.linspace(-3, 3, gate.shape[1]).bfloat16()[None]
+    out = torch.empty_like(gate)
+    fns["silu_mul_bf16"](gate.data_ptr(), up.data_ptr(), out.data_ptr(), 1, gate.shape[1], gate.shape[1],
+                         up.shape[1], out.shape[1])
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(out.float(), want.float(), atol=1e-30, rtol=2 ** -6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+def test_what_the_engine_fuses(family, tiny_model_dirs, monkeypatch):
+    """Padded bf16: every RMSNorm and SiLU MLP of Llama's form (Gemma's norm and GELU MLP are not);
+    exact attention, float32 and MSERVE_FUSED_OPS=off: none."""
+    model_dir = str(tiny_model_dirs[family])
+
+    def fused(**cfg):
+        model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner.model
+        return (sum(isinstance(m, fused_ops.FusedRMSNorm) for m in model.modules()),
+                sum(isinstance(m, fused_ops.FusedMLP) for m in model.modules()),
+                model.config.text_config.num_hidden_layers)
+
+    norms, mlps, layers = fused(dtype="bfloat16", exact_attention=False)
+    if family == "gemma3":
+        assert (norms, mlps) == (0, 0)
+    else:
+        assert norms >= 2 * layers + 1 and mlps >= layers  # two a layer and the final one; one MLP a layer
+    assert fused(dtype="bfloat16")[:2] == (0, 0)
+    assert fused(exact_attention=False)[:2] == (0, 0)
+    monkeypatch.setenv("MSERVE_FUSED_OPS", "off")
+    assert fused(dtype="bfloat16", exact_attention=False)[:2] == (0, 0)
