@@ -18,6 +18,7 @@ norm differs (Gemma's 1 + weight) or whose MLP has another activation is left as
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -30,16 +31,21 @@ from mserve.workers import paged_decode
 
 log = logging.getLogger(__name__)
 
-_NORM_SOURCE = inspect.getsource(LlamaRMSNorm.forward)
 MAX_WIDTH = 8192  # the norm kernel's row buffer
+_NORM_SOURCE = inspect.getsource(LlamaRMSNorm.forward)
 _MLP_SOURCE = inspect.getsource(LlamaMLP.forward)
 
 
-def _same_forward(module: nn.Module, source: str) -> bool:
+@functools.lru_cache(maxsize=None)
+def _forward_source(cls: type) -> str | None:
     try:
-        return inspect.getsource(type(module).forward) == source
-    except (OSError, TypeError):
-        return False
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return None
+
+
+def _same_forward(module: nn.Module, source: str) -> bool:
+    return _forward_source(type(module)) == source
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -64,8 +70,10 @@ class FusedRMSNorm(nn.Module):
             return LlamaRMSNorm.forward(self, x)
         rows = _rows(x)
         out = torch.empty(rows.shape, dtype=torch.bfloat16)
-        self._fn(rows.data_ptr(), self.weight_f32.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
-                 rows.stride(0), out.stride(0), float(self.variance_epsilon))
+        rc = self._fn(rows.data_ptr(), self.weight_f32.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
+                      rows.stride(0), out.stride(0), float(self.variance_epsilon))
+        if rc != 0:  # MAX_WIDTH keeps rows within the kernel's buffer
+            raise ValueError(f"fused RMSNorm: the kernel refused rows of {rows.shape[1]}")
         return out.view(x.shape)
 
     def extra_repr(self) -> str:
