@@ -21,13 +21,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from mserve.workers import paged_decode
+from mserve.workers import kernels
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +105,9 @@ def _silu(act: nn.Module) -> bool:
 def fuse(model: nn.Module) -> int:
     """Swap every RMSNorm and SiLU MLP of Llama's form in `model` (bf16, CPU) for its fused version;
     returns how many were swapped (0 where the kernels are not built or `MSERVE_FUSED_OPS=off`)."""
-    if os.environ.get("MSERVE_FUSED_OPS", "auto").lower() in ("off", "0", "false", "no"):
+    if kernels.switched_off("MSERVE_FUSED_OPS"):
         return 0
-    fns = paged_decode.kernel()
+    fns = kernels.library()
     if fns is None or "rms_norm_bf16" not in fns:
         return 0
     swaps = []

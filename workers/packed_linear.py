@@ -23,10 +23,11 @@ its own).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
+
+from mserve.workers import kernels
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class PackedLinear(nn.Module):
 
 def available() -> bool:
     """Whether this torch build has the prepacked bf16 linear (mkldnn on the CPU), tried once on a tiny layer."""
-    if os.environ.get("MSERVE_PACKED_LINEAR", "auto").lower() in ("off", "0", "false", "no"):
+    if kernels.switched_off("MSERVE_PACKED_LINEAR"):
         return False
     if not torch.backends.mkldnn.is_available():
         return False

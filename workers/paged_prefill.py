@@ -12,7 +12,7 @@ causal mask off (vision_attention_forward), under the same conditions.
 
 It runs only with `--attention padded` in bfloat16 (EngineConfig.exact_attention False), which does not
 promise HF generate's bits; exact-length attention and float32 keep SDPA. Built with the decode kernel
-into one library (paged_decode.kernel()), on hosts whose CPU has AVX512_BF16; elsewhere SDPA runs.
+into one library (workers/kernels.py), on hosts whose CPU has AVX512_BF16; elsewhere SDPA runs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mserve.workers import paged_decode
+from mserve.workers import kernels, paged_decode
 
 VISION_ATTN_IMPLEMENTATION = "mserve_vision"
 
@@ -34,7 +34,7 @@ def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     kv_heads = k_cache.shape[2]
     if torch.compiler.is_compiling() or not (query.dtype == k_cache.dtype == torch.bfloat16):
         return False
-    fns = paged_decode.kernel()
+    fns = kernels.library()
     return (fns is not None and "prefill_bf16" in fns and query.device.type == "cpu" and d % 16 == 0
             and d <= 256 and heads % kv_heads == 0 and heads <= paged_decode.MAX_HEADS)
 
@@ -44,7 +44,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
     """q [G, n, heads, head_dim]: chunk g's token i is at position starts[g] + i and attends causally to
     its request's pooled keys up to itself, through `tables` [G, max_blocks] -> [G, n, heads, head_dim].
     `causal` False: every token attends to all starts[g] + n keys."""
-    fns = paged_decode.kernel()
+    fns = kernels.library()
     q = q.contiguous()
     g, n, heads, d = q.shape
     _, bs, kv_heads, _ = k_cache.shape

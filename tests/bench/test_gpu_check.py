@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mserve.bench import gpu_check
-from mserve.workers import paged_decode
+from mserve.workers import kernels
 
 TINY = ["--device", "cpu", "--big", "tiny", "--requests", "3", "--new-tokens", "4", "--batches", "1,2",
         "--prompt-tokens", "16", "--bench-new-tokens", "4", "--serve-requests", "4", "--serve-rate", "50"]
@@ -41,7 +41,7 @@ def test_dry_run_attention_part_profiles_exact_and_padded(tmp_path):
     # Exact: one SDPA call per distinct context length and layer (2 layers). Padded: none where the decode
     # kernel reads the bf16 pool in place (a CPU with a compiler), else one per layer.
     assert exact["sdpa_calls_per_step"] > 2
-    assert padded["sdpa_calls_per_step"] == (0 if paged_decode.kernel() is not None else 2)
+    assert padded["sdpa_calls_per_step"] == (0 if kernels.library() is not None else 2)
     assert exact["aten_calls_per_step"] > padded["aten_calls_per_step"] > 0 and exact["top_host_ops"]
     assert "| 4 | exact |" in (tmp_path / "gpu_check.md").read_text()
 

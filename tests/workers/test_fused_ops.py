@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
 
-from mserve.workers import fused_ops, paged_decode
+from mserve.workers import fused_ops, kernels
 from mserve.workers.engine import Engine, EngineConfig
 
-fns = paged_decode.kernel()
+fns = kernels.library()
 needs_kernel = pytest.mark.skipif(fns is None or "rms_norm_bf16" not in fns,
                                   reason="the bf16 kernels need a C compiler and AVX512_BF16")
 

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from mserve.common.prompt import PromptBuilder
-from mserve.workers import paged_decode
+from mserve.workers import kernels, paged_decode
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.paged_attention import _gather
 from mserve.workers.sequence import SamplingParams
 from tests.helpers import PROMPTS, hf_generate, make_image
 
-needs_kernel = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C compiler: the kernel is not built")
+needs_kernel = pytest.mark.skipif(kernels.library() is None, reason="no C compiler: the kernel is not built")
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,9 @@ def portable(tmp_path_factory):
     if cc is None:
         pytest.skip("no C compiler")
     out = tmp_path_factory.mktemp("portable") / "paged_decode.so"
-    error = paged_decode.compile_library(cc, ["-O3"], out)
+    error = kernels.compile_library(cc, ["-O3"], out)
     assert error is None, error
-    return paged_decode.load(out)
+    return kernels.load(out)
 
 
 @pytest.fixture(params=["native", "portable"])
@@ -40,7 +40,7 @@ def build(request, monkeypatch):
         fns = request.getfixturevalue("portable")
         if platform.machine() in ("x86_64", "AMD64"):
             assert "prefill_bf16" not in fns  # the portable build has no AVX-512 code in it
-        monkeypatch.setattr(paged_decode, "_kernel", fns)
+        monkeypatch.setattr(kernels, "_library", fns)
     return request.param
 
 
@@ -112,12 +112,12 @@ def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model
     """A ragged batch (text-only and image prompts of different lengths) decoded together, by the kernel,
     by its portable build (a host without AVX-512) and by the gather it replaces (the path of a host
     without a compiler), against HF generate."""
-    if kernel != "gather" and paged_decode.kernel() is None:
+    if kernel != "gather" and kernels.library() is None:
         pytest.skip("no C compiler: the kernel is not built")
     if kernel == "gather":
-        monkeypatch.setattr(paged_decode, "_kernel", None)
+        monkeypatch.setattr(kernels, "_library", None)
     if kernel == "portable":
-        monkeypatch.setattr(paged_decode, "_kernel", request.getfixturevalue("portable"))
+        monkeypatch.setattr(kernels, "_library", request.getfixturevalue("portable"))
     calls = []
     attend = paged_decode.attend
     monkeypatch.setattr(paged_decode, "attend", lambda *a: calls.append(a[0].shape[0]) or attend(*a))
@@ -143,13 +143,13 @@ def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model
 def test_without_a_compiler_a_cached_kernel_still_loads(tmp_path, monkeypatch):
     """No cc on PATH: an empty cache gives no kernel (attention gathers), and a cache holding the
     library built on a host like this one (a mounted folder, as deploy/README.md says) gives it."""
-    built = next(paged_decode._cache_dir().glob(f"paged_decode-{paged_decode._host_key()}.so"))
+    built = kernels.library_path()
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("MSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(paged_decode, "_kernel", paged_decode._UNSET)
-    assert paged_decode.kernel() is None
+    monkeypatch.setattr(kernels, "_library", kernels._UNSET)
+    assert kernels.library() is None
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / built.name).write_bytes(built.read_bytes())
-    monkeypatch.setattr(paged_decode, "_kernel", paged_decode._UNSET)
-    assert paged_decode.kernel() is not None
+    monkeypatch.setattr(kernels, "_library", kernels._UNSET)
+    assert kernels.library() is not None

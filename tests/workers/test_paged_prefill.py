@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mserve.workers import paged_attention, paged_decode, paged_prefill
+from mserve.workers import kernels, paged_attention, paged_prefill
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.paged_attention import _gather
 from mserve.workers.sequence import SamplingParams
 from tests.helpers import request_mix
 
-needs_kernel = pytest.mark.skipif(not paged_decode.kernel() or "prefill_bf16" not in paged_decode.kernel(),
+needs_kernel = pytest.mark.skipif(not kernels.library() or "prefill_bf16" not in kernels.library(),
                                   reason="the prompt kernel is built only where the CPU has AVX512_BF16")
 
 

@@ -15,9 +15,6 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include "simd.h"
 
-static inline __m512 widen(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
 /* float32 -> bfloat16, round to nearest even (torch's rounding), and back */
 static inline __m256i narrow(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 static inline __m512 round_bf16(__m512 x) {
@@ -36,7 +33,7 @@ int rms_norm_bf16(const uint16_t *x, const float *w, uint16_t *out, int64_t rows
         uint16_t *orow = out + r * os;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += 16) {
-            const __m512 v = widen(xr + i, first16(n - i));
+            const __m512 v = widen_bf16(xr + i, first16(n - i));
             _mm512_store_ps(buf + i, v);
             acc = _mm512_fmadd_ps(v, v, acc);
         }
@@ -58,13 +55,13 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t 
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 m = first16(n - i);
-            const __m512 x = widen(g + r * gs + i, m);
+            const __m512 x = widen_bf16(g + r * gs + i, m);
             /* from e = e^-|x| (exp16 takes x <= 0): x / (1 + e) for x >= 0, as torch's x / (1 + e^-x);
              * x * e / (1 + e) below, the same value without e^-x overflowing */
             const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
             const __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, e);
             const __m512 silu = round_bf16(_mm512_div_ps(num, _mm512_add_ps(one, e)));
-            _mm256_mask_storeu_epi16(out + r * os + i, m, narrow(_mm512_mul_ps(silu, widen(u + r * us + i, m))));
+            _mm256_mask_storeu_epi16(out + r * os + i, m, narrow(_mm512_mul_ps(silu, widen_bf16(u + r * us + i, m))));
         }
     }
 }

@@ -68,10 +68,7 @@ static inline __m512 sum16(const __m512 *v) {
 
 /* 16 values of a row as float32 (lanes past n read as 0). */
 static inline __m512 load16_f32(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(first16(n), p); }
-static inline __m512 load16_bf16(const uint16_t *p, int64_t n) {
-    const __m256i h = _mm256_maskz_loadu_epi16(first16(n), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+static inline __m512 load16_bf16(const uint16_t *p, int64_t n) { return widen_bf16(p, first16(n)); }
 
 /* Lanes whose sum is q . k over d values. */
 static inline __m512 dot_f32(const float *q, const float *k, int64_t d) {

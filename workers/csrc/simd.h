@@ -1,4 +1,4 @@
-/* AVX-512 helpers shared by the attention kernels (paged_decode.c, paged_prefill.c). */
+/* AVX-512 helpers shared by the C kernels (paged_decode.c, paged_prefill.c, fused_ops.c). */
 #ifndef MSERVE_SIMD_H
 #define MSERVE_SIMD_H
 #include <immintrin.h>
@@ -25,6 +25,12 @@ static inline __m512 exp16(__m512 x) {
 /* A mask of the first n of 16 lanes (none for n <= 0). */
 static inline __mmask16 first16(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* The bfloat16 values at p under mask m as float32, exactly (a bf16 value is a float32's top half);
+ * lanes outside m read as 0. */
+static inline __m512 widen_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 #endif

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from lab.step_phases import PHASES, measure, render
-from mserve.workers import paged_decode
+from mserve.workers import kernels
 
 
 @pytest.mark.parametrize("kernel", ["kernel", "gather", "bf16-padded"])
 def test_phases_cover_the_step(kernel, tiny_model_dirs, monkeypatch):
-    if kernel != "gather" and paged_decode.kernel() is None:
+    if kernel != "gather" and kernels.library() is None:
         pytest.skip("no C compiler: the decode kernel is not built")
     if kernel == "gather":
-        monkeypatch.setattr(paged_decode, "_kernel", None)
+        monkeypatch.setattr(kernels, "_library", None)
     dtype, attention = ("bfloat16", "padded") if kernel == "bf16-padded" else (None, "auto")
     r = measure(str(tiny_model_dirs["llava"]), batch=2, context=20, steps=3, repeats=1, dtype=dtype,
                 attention=attention)
