@@ -15,5 +15,8 @@ def test_peak_lines_are_plausible(capsys):
     rates = dict(re.findall(r"^(\w+)\s+[\d.]+ G instructions/s,\s+(\d+) GFLOP/s", out, re.M))
     assert "fma" in rates, out
     assert 1 <= int(rates["fma"]) <= 2000, out  # one core: a few to a few hundred GFLOP/s
-    if "dpbf16" in rates:  # two bf16 products a lane: twice the FLOP of an FMA an instruction
-        assert int(rates["dpbf16"]) > int(rates["fma"]), out
+    # vdpbf16ps does twice an FMA's FLOP an instruction, but its rate is the host's: 2x the FMA's
+    # GFLOP/s on the AMD EPYC hosts seen, half of it on an Intel Xeon with AMX (one issued every
+    # other cycle). Only the range is everyone's.
+    if "dpbf16" in rates:
+        assert 1 <= int(rates["dpbf16"]) <= 4000, out
