@@ -18,6 +18,35 @@ needs_kernel = pytest.mark.skipif(not kernels.library() or "prefill_bf16" not in
                                   reason="the prompt kernel is built only where the CPU has AVX512_BF16")
 
 
+@pytest.fixture(autouse=True)
+def kernel_on(monkeypatch):
+    """These tests check the kernel itself, so it runs on every host, AMX ones included (where `auto`
+    leaves prompt attention to SDPA: test_amx_hosts_leave_prompts_to_sdpa)."""
+    monkeypatch.setenv("MSERVE_PROMPT_KERNEL", "on")
+    paged_prefill.preferred.cache_clear()
+    yield
+    paged_prefill.preferred.cache_clear()
+
+
+@pytest.mark.parametrize("choice,amx,want", [("auto", True, False), ("auto", False, True), ("on", True, True),
+                                             ("off", False, False)])
+def test_amx_hosts_leave_prompts_to_sdpa(choice, amx, want, monkeypatch):
+    monkeypatch.setenv("MSERVE_PROMPT_KERNEL", choice)
+    monkeypatch.setattr(paged_prefill, "_amx", lambda: amx)
+    paged_prefill.preferred.cache_clear()
+    assert paged_prefill.preferred() is want
+    if kernels.library() and "prefill_bf16" in kernels.library():
+        q, k = torch.zeros(4, 9, 16, dtype=torch.bfloat16), torch.zeros(8, 16, 2, 16, dtype=torch.bfloat16)
+        assert paged_prefill.usable(q, k) is want
+
+
+def test_a_prompt_kernel_setting_it_does_not_know_is_an_error(monkeypatch):
+    monkeypatch.setenv("MSERVE_PROMPT_KERNEL", "yes")
+    paged_prefill.preferred.cache_clear()
+    with pytest.raises(ValueError, match="MSERVE_PROMPT_KERNEL must be auto, on or off"):
+        paged_prefill.preferred()
+
+
 def causal_reference(q, k_cache, v_cache, tables, starts, scale):
     """Float32 attention over the same bf16 values: chunk g's token i sees keys 0 .. starts[g] + i."""
     n = q.shape[1]
