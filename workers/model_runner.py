@@ -116,7 +116,8 @@ class ModelRunner:
         self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
         self.exact_attention = paged_attention.exact_lengths(self.dtype) if exact_attention is None else exact_attention
-        if not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu":
+        if (not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                and paged_prefill.preferred()):  # read here: a bad MSERVE_PROMPT_KERNEL fails the start
             paged_prefill.use_for_vision(self.model)  # the vision tower's attention in the bf16 kernel too
         if self.device.type == "cpu" and not compile_decode:  # weights reordered once, not per call
             packed_linear.pack_linears(self.model, exact=self.exact_attention)
