@@ -47,14 +47,18 @@ def _amx() -> bool:
 def preferred() -> bool:
     """Whether prompt and vision attention should run in the kernel on this host rather than in SDPA:
     MSERVE_PROMPT_KERNEL=on or off, else (auto) only where the CPU has no AMX. Read once a process."""
+    if kernels.switched_off("MSERVE_PROMPT_KERNEL"):  # off, 0, false, no: as the other switches read
+        return False
     choice = os.environ.get("MSERVE_PROMPT_KERNEL", "auto").strip().lower()
-    if choice not in ("auto", "on", "off"):
+    if choice in ("on", "1", "true", "yes"):
+        return True
+    if choice != "auto":
         raise ValueError(f"MSERVE_PROMPT_KERNEL must be auto, on or off, not {choice!r}")
-    if choice == "auto" and _amx():
+    if _amx():
         log.info("prompt and vision attention: torch's SDPA, which multiplies on this CPU's AMX tiles "
                  "(faster here than the vdpbf16ps kernel; MSERVE_PROMPT_KERNEL=on to use the kernel)")
         return False
-    return choice != "off"
+    return True
 
 
 def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

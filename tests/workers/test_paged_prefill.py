@@ -29,7 +29,7 @@ def kernel_on(monkeypatch):
 
 
 @pytest.mark.parametrize("choice,amx,want", [("auto", True, False), ("auto", False, True), ("on", True, True),
-                                             ("off", False, False)])
+                                             ("off", False, False), ("0", False, False), ("True", True, True)])
 def test_amx_hosts_leave_prompts_to_sdpa(choice, amx, want, monkeypatch):
     monkeypatch.setenv("MSERVE_PROMPT_KERNEL", choice)
     monkeypatch.setattr(paged_prefill, "_amx", lambda: amx)
@@ -41,7 +41,7 @@ def test_amx_hosts_leave_prompts_to_sdpa(choice, amx, want, monkeypatch):
 
 
 def test_a_prompt_kernel_setting_it_does_not_know_is_an_error(monkeypatch):
-    monkeypatch.setenv("MSERVE_PROMPT_KERNEL", "yes")
+    monkeypatch.setenv("MSERVE_PROMPT_KERNEL", "sometimes")
     paged_prefill.preferred.cache_clear()
     with pytest.raises(ValueError, match="MSERVE_PROMPT_KERNEL must be auto, on or off"):
         paged_prefill.preferred()
