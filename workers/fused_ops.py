@@ -1,4 +1,5 @@
-"""RMSNorm and SiLU(gate) * up in one pass each, for a bfloat16 model on the CPU (csrc/fused_ops.c).
+"""RMSNorm, SiLU(gate) * up and the rotary embedding in one pass each, for a bfloat16 model on the CPU
+(csrc/fused_ops.c).
 
 Between its matrix multiplies a bf16 language model runs two RMSNorms a layer and the MLP's
 SiLU(gate) * up. HF writes each as several torch ops over float32 copies: at a 527-row prefill step
@@ -14,6 +15,15 @@ Which modules: those whose forward is HF Llama's RMSNorm or Llama's MLP, word fo
 Mistral, Qwen2, Qwen3-VL's text model, ... share them), the MLP's activation being SiLU. A family whose
 norm differs (Gemma's 1 + weight) or whose MLP has another activation is left as it is. Not with
 `--compile` (dynamo cannot trace a ctypes call); `MSERVE_FUSED_OPS=off` keeps HF's modules.
+
+The rotary embedding: HF's `apply_rotary_pos_emb` (q * cos + rotate_half(q) * sin, and the same for k)
+is five bf16 torch ops a tensor, 8 ms of a 228 ms image request on an Intel AMX host (py-spy;
+bench/README.md, "Where vLLM-CPU's model core goes"). Its products of two bf16 values are exact in
+float32, so the kernel's three roundings give HF's bits. Each attention module decorated with
+transformers' `use_kernelized_func(apply_rotary_pos_emb)` routes that call to its own wrapper in
+`module._kernel_funcs` (the `kernels` package's hook): the fused one replaces that wrapper in this
+model's modules only, where the family's function is Llama's word for word (Qwen2-VL's multimodal
+rotary is not).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ log = logging.getLogger(__name__)
 MAX_WIDTH = 8192  # the norm kernel's row buffer
 _NORM_SOURCE = inspect.getsource(LlamaRMSNorm.forward)
 _MLP_SOURCE = inspect.getsource(LlamaMLP.forward)
+ROTARY = "rotary_pos_emb"  # the key of `_kernel_funcs`: the hub layer name transformers gives the function
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,13 +109,78 @@ class FusedMLP(nn.Module):
         return self.down_proj(out.view(gate.shape))
 
 
+def _original_function(hub_func: object) -> object | None:
+    """The plain function a transformers `use_kernel_forward_from_hub` wrapper falls back to (held in its
+    forward's closure), or None where the wrapper is built otherwise."""
+    for cell in getattr(type(hub_func).forward, "__closure__", None) or ():
+        if inspect.isfunction(cell.cell_contents):
+            return cell.cell_contents
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _rotary_source() -> str | None:
+    from transformers.models.llama import modeling_llama
+
+    fn = _original_function(modeling_llama.apply_rotary_pos_emb)
+    return inspect.getsource(fn) if fn is not None else None
+
+
+class FusedRotary(nn.Module):
+    """HF's apply_rotary_pos_emb for bf16 [B, heads, T, head_dim] q and k in one pass each; HF's
+    function for anything else."""
+
+    def __init__(self, original, fn) -> None:
+        super().__init__()
+        self._original, self._fn = original, fn
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)  # x's layout, as torch's elementwise ops would give it
+        b = cos.stride(0) if cos.shape[0] == x.shape[0] else 0  # one batch row broadcast over x's
+        self._fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
+                 x.shape[3], x.stride(0), x.stride(1), x.stride(2), b, cos.stride(1), out.stride(0), out.stride(1),
+                 out.stride(2))
+        return out
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        usable = (unsqueeze_dim == 1 and q.dim() == k.dim() == 4 and cos.dim() == 3
+                  and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (q, k, cos, sin))
+                  and q.shape[-1] % 2 == 0 and q.shape[-1] == k.shape[-1] == cos.shape[-1]
+                  and q.shape[2] == k.shape[2] == cos.shape[1] and cos.shape[0] in (1, q.shape[0])
+                  and cos.stride() == sin.stride() and cos.stride(-1) == 1
+                  and q.stride(-1) == 1 and k.stride(-1) == 1)
+        if not usable:
+            return self._original(q, k, cos, sin, unsqueeze_dim)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin)
+
+
+def _fuse_rotary(module: nn.Module, fn) -> bool:
+    """Route this attention module's apply_rotary_pos_emb to the kernel, where it is Llama's."""
+    funcs = module.__dict__.get("_kernel_funcs")
+    if not isinstance(funcs, dict) or ROTARY not in funcs or isinstance(funcs[ROTARY], FusedRotary):
+        return False
+    original = _original_function(funcs[ROTARY])
+    if original is None or _rotary_source() is None or _source(original) != _rotary_source():
+        return False
+    funcs[ROTARY] = FusedRotary(original, fn)
+    return True
+
+
+def _source(fn) -> str | None:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+
+
 def _silu(act: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 def fuse(model: nn.Module) -> int:
-    """Swap every RMSNorm and SiLU MLP of Llama's form in `model` (bf16, CPU) for its fused version;
-    returns how many were swapped (0 where the kernels are not built or `MSERVE_FUSED_OPS=off`)."""
+    """Swap every RMSNorm and SiLU MLP of Llama's form in `model` (bf16, CPU) for its fused version, and
+    route Llama's rotary embedding to the kernel; returns how many modules were changed (0 where the
+    kernels are not built or `MSERVE_FUSED_OPS=off`)."""
     if kernels.switched_off("MSERVE_FUSED_OPS"):
         return 0
     fns = kernels.library()
@@ -119,6 +195,8 @@ def fuse(model: nn.Module) -> int:
                 swaps.append((parent, name, FusedMLP(child, fns["silu_mul_bf16"])))
     for parent, name, fused in swaps:
         setattr(parent, name, fused)
-    if swaps:
-        log.info("bf16 RMSNorm and SiLU * up in one pass each: %d modules", len(swaps))
-    return len(swaps)
+    rotary = sum(_fuse_rotary(m, fns["rope_bf16"]) for m in model.modules()) if "rope_bf16" in fns else 0
+    if swaps or rotary:
+        log.info("bf16 RMSNorm and SiLU * up in one pass each: %d modules; rotary embedding fused in %d "
+                 "attention modules", len(swaps), rotary)
+    return len(swaps) + rotary

@@ -115,7 +115,7 @@ def _bind(lib: ctypes.CDLL, name: str, restype, argtypes: list) -> object:
 def load(path: Path) -> dict:
     """The C functions of a built library: decode attention by pool dtype (torch.float32,
     torch.bfloat16), and where the CPU has AVX512_BF16 the prompt kernel ("prefill_bf16",
-    "prefill_scratch_words") and the elementwise ops ("rms_norm_bf16", "silu_mul_bf16")."""
+    "prefill_scratch_words") and the elementwise ops ("rms_norm_bf16", "silu_mul_bf16", "rope_bf16")."""
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     decode_args = [p] * 7 + [i64] * 7 + [ctypes.c_float]
@@ -127,6 +127,8 @@ def load(path: Path) -> dict:
     if hasattr(lib, "rms_norm_bf16"):
         fns["rms_norm_bf16"] = _bind(lib, "rms_norm_bf16", ctypes.c_int, [p] * 3 + [i64] * 4 + [ctypes.c_float])
         fns["silu_mul_bf16"] = _bind(lib, "silu_mul_bf16", None, [p] * 3 + [i64] * 5)
+    if hasattr(lib, "rope_bf16"):
+        fns["rope_bf16"] = _bind(lib, "rope_bf16", None, [p] * 4 + [i64] * 12)
     return fns
 
 

@@ -1,11 +1,12 @@
 """The bf16 RMSNorm and SiLU * up kernels (workers/fused_ops.py): HF's values to within a bf16 step at
-each of its two roundings (on these inputs, the same bits for 99 % of the values or more), which modules
-the engine swaps, and only where attention is padded."""
+each of its two roundings (on these inputs, the same bits for 99 % of the values or more); the rotary
+embedding kernel: HF's bits; which modules the engine changes, and only where attention is padded."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
 
 from mserve.workers import fused_ops, kernels
@@ -65,24 +66,55 @@ def test_silu_mul_at_the_edges():
 
 
 @needs_kernel
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "tokens", "dim"),
+                         [(1, 8, 4, 673, 64), (2, 4, 2, 5, 80), (1, 2, 1, 1, 128), (3, 8, 4, 17, 64)])
+def test_rotary_is_hf_bit_for_bit(batch, heads, kv_heads, tokens, dim):
+    """q and k as HF's attention passes them ([B, heads, T, D] views of [B, T, heads, D]), cos and sin of
+    large angles (every bf16 rounding exercised), per batch row and one row broadcast over the batch."""
+    original = fused_ops._original_function(modeling_llama.apply_rotary_pos_emb)
+    rotary = fused_ops.FusedRotary(original, fns["rope_bf16"])
+    gen = torch.Generator().manual_seed(batch * 1000 + tokens)
+    q = (torch.randn(batch, tokens, heads, dim, generator=gen) * 3).to(torch.bfloat16).transpose(1, 2)
+    k = (torch.randn(batch, tokens, kv_heads, dim, generator=gen) * 3).to(torch.bfloat16).transpose(1, 2)
+    angles = torch.randn(batch, tokens, dim // 2, generator=gen) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    for c, s in ((cos, sin), (cos[:1], sin[:1])):
+        want, got = original(q, k, c, s), rotary(q, k, c, s)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[0].stride() == want[0].stride() or tokens == 1  # the layout torch's ops give
+    float_q = q.float()  # anything but bf16 goes to HF's function
+    assert torch.equal(rotary(float_q, k.float(), cos.float(), sin.float())[0],
+                       original(float_q, k.float(), cos.float(), sin.float())[0])
+
+
+def rotary_fused(module) -> bool:
+    funcs = module.__dict__.get("_kernel_funcs") or {}
+    return isinstance(funcs.get(fused_ops.ROTARY), fused_ops.FusedRotary)
+
+
+@needs_kernel
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
 def test_what_the_engine_fuses(family, tiny_model_dirs, monkeypatch):
-    """Padded bf16: every RMSNorm and SiLU MLP of Llama's form (Gemma's norm and GELU MLP are not);
-    exact attention, float32 and MSERVE_FUSED_OPS=off: none."""
+    """Padded bf16: every RMSNorm and SiLU MLP of Llama's form (Gemma's norm and GELU MLP are not), and
+    the rotary embedding of every attention layer whose family uses Llama's (Qwen2-VL's multimodal one
+    is not); exact attention, float32 and MSERVE_FUSED_OPS=off: none."""
     model_dir = str(tiny_model_dirs[family])
 
     def fused(**cfg):
         model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner.model
         return (sum(isinstance(m, fused_ops.FusedRMSNorm) for m in model.modules()),
                 sum(isinstance(m, fused_ops.FusedMLP) for m in model.modules()),
+                sum(rotary_fused(m) for m in model.modules()),
                 model.config.text_config.num_hidden_layers)
 
-    norms, mlps, layers = fused(dtype="bfloat16", exact_attention=False)
+    norms, mlps, rotary, layers = fused(dtype="bfloat16", exact_attention=False)
     if family == "gemma3":
         assert (norms, mlps) == (0, 0)
     else:
         assert norms >= 2 * layers + 1 and mlps >= layers  # two a layer and the final one; one MLP a layer
-    assert fused(dtype="bfloat16")[:2] == (0, 0)
-    assert fused(exact_attention=False)[:2] == (0, 0)
+    assert rotary == (0 if family == "qwen2_vl" else layers)
+    assert fused(dtype="bfloat16")[:3] == (0, 0, 0)
+    assert fused(exact_attention=False)[:3] == (0, 0, 0)
     monkeypatch.setenv("MSERVE_FUSED_OPS", "off")
-    assert fused(dtype="bfloat16", exact_attention=False)[:2] == (0, 0)
+    assert fused(dtype="bfloat16", exact_attention=False)[:3] == (0, 0, 0)

@@ -5,9 +5,12 @@
  *
  *   rms_norm_bf16:  out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps))     (float32 sums, bf16 out)
  *   silu_mul_bf16:  out = bf16(bf16(silu(g)) * u)
+ *   rope_bf16:      out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))   (HF's apply_rotary_pos_emb)
  *
  * The roundings are where HF's ops round (each op's bf16 result), so the only differences are the order
  * of the squares' sum and the last bits of rsqrt and exp: each rounding may land one bf16 step from HF's.
+ * The rotary embedding has neither: a product of two bf16 values is exact in float32, so its three
+ * roundings give HF's bits.
  * Only built where the CPU has AVX512_BF16 (its rounding instruction); elsewhere HF's ops run. */
 #include <math.h>
 #include <stdint.h>
@@ -64,5 +67,31 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t 
             _mm256_mask_storeu_epi16(out + r * os + i, m, narrow(_mm512_mul_ps(silu, widen_bf16(u + r * us + i, m))));
         }
     }
+}
+
+/* x: [B, H, T, D] at element strides xb, xh, xt (unit along D); cs, sn: [B, T, D] at cb, ct (a batch of
+ * one broadcast with cb = 0); out: [B, H, T, D] at ob, oh, ot. D even: rotate_half(x) is
+ * (-x[D/2:], x[:D/2]). Each product and the sum round to bf16 as torch's bf16 ops do. */
+void rope_bf16(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *out, int64_t B, int64_t H,
+               int64_t T, int64_t D, int64_t xb, int64_t xh, int64_t xt, int64_t cb, int64_t ct, int64_t ob,
+               int64_t oh, int64_t ot) {
+    const int64_t half = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++) {
+                const uint16_t *xr = x + b * xb + h * xh + t * xt, *c = cs + b * cb + t * ct, *s = sn + b * cb + t * ct;
+                uint16_t *o = out + b * ob + h * oh + t * ot;
+                for (int64_t i = 0; i < half; i += 16) {
+                    const __mmask16 m = first16(half - i);
+                    const __m512 lo = widen_bf16(xr + i, m), hi = widen_bf16(xr + half + i, m);
+                    const __m512 o_lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, widen_bf16(c + i, m))),
+                                                      round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi),
+                                                                               widen_bf16(s + i, m))));
+                    const __m512 o_hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, widen_bf16(c + half + i, m))),
+                                                      round_bf16(_mm512_mul_ps(lo, widen_bf16(s + half + i, m))));
+                    _mm256_mask_storeu_epi16(o + i, m, narrow(o_lo));
+                    _mm256_mask_storeu_epi16(o + half + i, m, narrow(o_hi));
+                }
+            }
 }
 #endif
