@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mserve.workers import paged_decode, paged_prefill
+from mserve.workers import huge_pages, paged_decode, paged_prefill
 
 ATTN_IMPLEMENTATION = "mserve_paged"
 
@@ -27,13 +27,14 @@ class KVCache:
     Token-major inside a block: a request's blocks gathered by one `index_select` (whole blocks,
     contiguous memory) are already its keys as [tokens, kv_heads, head_dim], which SDPA reads
     through a transposed view. A heads-first layout needs a strided gather that costs ~4x more
-    (measured: 1.7-2.1 ms vs 0.25-0.46 ms per layer for 32 requests of 8 blocks on `small`)."""
+    (measured: 1.7-2.1 ms vs 0.25-0.46 ms per layer for 32 requests of 8 blocks on `small`).
+    On the CPU the tensors sit on huge pages where the host gives them (workers/huge_pages.py)."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @property

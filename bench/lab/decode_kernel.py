@@ -1,14 +1,14 @@
 """The decode attention kernel alone (workers/csrc/paged_decode.c), builds of it side by side.
 
     cd bench && PYTHONPATH=. ../.venv/bin/python -m lab.decode_kernel [--against REV] [--portable] [--rounds 3]
-        [--blocks scattered|contiguous|shared]
+        [--blocks scattered|contiguous|descending|shared] [--huge-pages on|off]
 
 Times one decode step's attention over 8 layers' pools (16 requests of 640-700 tokens, blocks scattered
 over pools of 2,048 blocks, the peer's `small` llava shapes: 8 heads, 4 KV heads, head size 64), in
 float32 and bfloat16, for this checkout's kernel and, interleaved in the same process: `--against REV`
 (the kernel at a git revision) and `--portable` (this kernel built without -march=native). Each build's
-largest difference from gather + SDPA in float32 is printed first. Used for bench/README.md, "bf16 on
-the CPU".
+largest difference from gather + SDPA in float32 is printed first. `--huge-pages on` allocates the
+pools as the engine does (workers/huge_pages.py). Used for bench/README.md, "bf16 on the CPU".
 """
 
 from __future__ import annotations
@@ -42,15 +42,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
+    from mserve.workers import huge_pages
+
     p = argparse.ArgumentParser(prog="python -m lab.decode_kernel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", help="a git revision whose kernel runs beside this checkout's")
     p.add_argument("--portable", action="store_true", help="also this kernel built without -march=native")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--blocks", choices=("scattered", "contiguous", "shared"), default="scattered",
+    p.add_argument("--blocks", choices=("scattered", "contiguous", "descending", "shared"), default="scattered",
                    help="where each request's blocks lie: scattered over the pool (default), one run after "
-                        "another, or every request on the same blocks (cache-hot: the arithmetic alone)")
+                        "another, runs counting down, or every request on the same blocks (cache-hot: the "
+                        "arithmetic alone)")
+    p.add_argument("--huge-pages", choices=("on", "off"), default="off",
+                   help="the pools on transparent huge pages as the engine's KVCache allocates them "
+                        "(workers/huge_pages.py), or on 4 KiB pages (default)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="decode-kernel-"))
@@ -67,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len, mb = int(lens.max()), int(-(-lens.max() // bs))
     if args.blocks == "scattered":
         tables = torch.stack([torch.randperm(blocks)[:mb] for _ in range(g)]).contiguous()
+    elif args.blocks == "descending":  # runs of ids counting down: a pool that has turned over (BlockPool.free)
+        tables = torch.arange(g * mb).view(g, mb).flip(1).contiguous()
     elif args.blocks == "contiguous":
         tables = torch.arange(g * mb).view(g, mb).contiguous()
     else:
@@ -82,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         assert rc == 0
         return out
 
+    def pool(dtype):
+        t = huge_pages.zeros((blocks, bs, kv, d), dtype) if args.huge_pages == "on" else torch.empty(blocks, bs, kv, d, dtype=dtype)
+        return t.copy_(torch.randn(blocks, bs, kv, d))
+
     for dtype in (torch.float32, torch.bfloat16):
-        pools = [(torch.randn(blocks, bs, kv, d).to(dtype), torch.randn(blocks, bs, kv, d).to(dtype))
-                 for _ in range(layers)]
+        pools = [(pool(dtype), pool(dtype)) for _ in range(layers)]
         q = (torch.randn(g, heads, d) * 3).to(dtype)
         kc, vc = pools[0]
         k = kc.float()[tables.view(-1)].view(g, mb * bs, kv, d).transpose(1, 2)

@@ -101,6 +101,22 @@ def test_eviction_drops_stale_hash():
     pool.check_integrity()
 
 
+def test_a_turned_over_pool_still_hands_a_request_its_new_blocks_in_ascending_order():
+    pool = BlockPool(num_blocks=12, block_size=2)
+    first, _ = allocate_prompt(pool, list(range(1, 12)))  # blocks 0-5, five hashed
+    second, _ = allocate_prompt(pool, list(range(100, 112)))  # blocks 6-11
+    pool.free(first)
+    pool.free(second)  # the free list now runs 5, 4, ..., 0, then 11, 10, ..., 6 (last block first)
+    evicted_before = pool.evictions
+    table = BlockTable()
+    pool.allocate(table, 16)  # 8 blocks: the same ones, oldest first, as taken one by one
+    assert table.block_ids == [0, 1, 2, 3, 4, 5, 10, 11]
+    assert pool.evictions - evicted_before == 5 + 2  # the hashes they held are gone, as before
+    pool.allocate(table, 20)  # growing keeps what it had in place
+    assert table.block_ids[:8] == [0, 1, 2, 3, 4, 5, 10, 11] and len(table.block_ids) == 10
+    pool.check_integrity()
+
+
 def test_double_free_is_caught():
     pool = BlockPool(num_blocks=2, block_size=2)
     t = BlockTable()
