@@ -4,10 +4,10 @@
         [--blocks scattered|contiguous|descending|shared] [--huge-pages on|off]
 
 Times one decode step's attention over 8 layers' pools (16 requests of 640-700 tokens, blocks scattered
-over pools of 2,048 blocks, the peer's `small` llava shapes: 8 heads, 4 KV heads, head size 64), in
-float32 and bfloat16, for this checkout's kernel and, interleaved in the same process: `--against REV`
-(the kernel at a git revision) and `--portable` (this kernel built without -march=native). Each build's
-largest difference from gather + SDPA in float32 is printed first. `--huge-pages on` allocates the
+over pools of 2,048 blocks (`--pool-blocks`), the peer's `small` llava shapes: 8 heads, 4 KV heads,
+head size 64), in float32 and bfloat16, for this checkout's kernel and, interleaved in the same
+process: `--against REV` (the kernel at a git revision) and `--portable` (this kernel built without
+-march=native). Each build's largest difference from gather + SDPA in float32 is printed first. `--huge-pages on` allocates the
 pools as the engine does (workers/huge_pages.py). Used for bench/README.md, "bf16 on the CPU".
 """
 
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where each request's blocks lie: scattered over the pool (default), one run after "
                         "another, runs counting down, or every request on the same blocks (cache-hot: the "
                         "arithmetic alone)")
+    p.add_argument("--pool-blocks", type=int, default=2048, help="blocks of 16 tokens in each layer's pool")
     p.add_argument("--huge-pages", choices=("on", "off"), default="off",
                    help="the pools on transparent huge pages as the engine's KVCache allocates them "
                         "(workers/huge_pages.py), or on 4 KiB pages (default)")
@@ -68,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                              capture_output=True, text=True, check=True).stdout
         builds[args.against] = build(old, ["-O3", "-march=native"], tmp / "against.so")
     float_query = {args.against} if args.against and "int NAME(const float *q," in old else set()
-    heads, kv, d, bs, blocks, layers, g = 8, 4, 64, 16, 2048, 8, args.batch
+    heads, kv, d, bs, blocks, layers, g = 8, 4, 64, 16, args.pool_blocks, 8, args.batch
     lens = torch.randint(640, 700, (g,))
     max_len, mb = int(lens.max()), int(-(-lens.max() // bs))
+    if g * mb > blocks:
+        p.error(f"--pool-blocks {blocks} cannot hold {g} requests of {mb} blocks")
     if args.blocks == "scattered":
         tables = torch.stack([torch.randperm(blocks)[:mb] for _ in range(g)]).contiguous()
     elif args.blocks == "descending":  # runs of ids counting down: a pool that has turned over (BlockPool.free)
