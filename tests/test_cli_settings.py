@@ -46,3 +46,21 @@ def test_worker_flags_reach_the_worker_settings(monkeypatch):
         logging.getLogger("mserve").disabled = False
     assert (s.dtype, s.attention, s.max_prefill_tokens) == ("bfloat16", "padded", 1024)
     assert s.exact_attention() is False
+
+
+def test_the_fetch_timeout_is_a_worker_setting_and_must_be_positive(monkeypatch):
+    from pydantic import ValidationError
+
+    from mserve.workers.settings import WorkerSettings
+
+    monkeypatch.delenv("MSERVE_FETCH_TIMEOUT_S", raising=False)
+    parser, _ = _subparser("worker")
+    args = parser.parse_args(["worker", "--role", "decode", "--model", "m", "--fetch-timeout-s", "2.5"])
+    logging.getLogger("mserve").disabled = True
+    try:
+        assert _settings_from_args(WorkerSettings, args).fetch_timeout_s == 2.5
+    finally:
+        logging.getLogger("mserve").disabled = False
+    assert WorkerSettings(role="decode", model="m").fetch_timeout_s == 10.0
+    with pytest.raises(ValidationError, match="fetch_timeout_s must be a number of seconds above 0, not 0"):
+        WorkerSettings(role="decode", model="m", fetch_timeout_s=0)

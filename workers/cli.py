@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder of the public keys (*.key) of the workers allowed to fetch from this one")
     add_tracing_argument(p)
     add_pruning_argument(p, "Encode and unified workers prune; must equal the coordinator's.")
+    p.add_argument("--fetch-timeout-s", type=float,
+                   help="seconds a fetch of another worker's KV blocks or embeddings may wait before that request "
+                        "fails, retryably (default 10)")
     p.add_argument("--drain-timeout-s", type=float,
                    help="SIGTERM drains the worker (no new work, finish what it has, exit when the coordinator "
                         "releases it); past this many seconds it exits anyway (default 25; SIGTERM twice: now)")

@@ -1,6 +1,6 @@
 """Transfer fetches off the worker loop: IO threads pull a stage's KV / embeddings while the loop steps.
 
-A fetch waits on another worker (up to FETCH_TIMEOUT_S when that worker stalls); on the loop thread
+A fetch waits on another worker (up to the worker's `fetch_timeout_s` when that worker stalls); on the loop thread
 that wait would stall every running decode. Here the loop only submits a job and, each turn, takes
 the finished ones (`ready`) and admits their requests. Jobs of one key (a request id) come back in
 the order they were submitted, whichever thread finished first: a prefill's late EMBEDDINGS never
@@ -23,7 +23,7 @@ from typing import Any, Callable, Hashable, Iterator
 
 log = logging.getLogger("mserve.worker")
 
-# Enough that a stalled sender or two (each holds a thread for up to FETCH_TIMEOUT_S) leave the others
+# Enough that a stalled sender or two (each holds a thread for up to fetch_timeout_s) leave the others
 # a thread; the threads mostly wait on sockets.
 FETCH_THREADS = 4
 

@@ -55,6 +55,10 @@ class WorkerSettings(BaseSettings):
     # (workers/draining.py); past this many seconds it exits anyway. Keep it below the platform's kill
     # grace (Kubernetes terminationGracePeriodSeconds, compose stop_grace_period).
     drain_timeout_s: float = 25.0
+    # How long a fetch of another worker's KV blocks or embeddings may wait before that request fails,
+    # retryably (the coordinator runs it again). Fetches run on IO threads (workers/fetcher.py), so a
+    # stalled sender delays only its own request; keep it well below the coordinator's stage timeout.
+    fetch_timeout_s: float = 10.0
     max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes  # checked again before an image is decoded
     max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
     # CURVE on the coordinator link and the data plane (docs/operations.md, "Security"): all three or
@@ -75,6 +79,13 @@ class WorkerSettings(BaseSettings):
     visual_token_pruning: float | None = None
     # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
     otlp_endpoint: str | None = None
+
+    @field_validator("fetch_timeout_s")
+    @classmethod
+    def _positive_timeout(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"fetch_timeout_s must be a number of seconds above 0, not {v}")
+        return v
 
     @field_validator("visual_token_pruning", mode="before")
     @classmethod

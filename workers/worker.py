@@ -42,11 +42,6 @@ from mserve.workers.settings import WorkerSettings
 
 log = logging.getLogger("mserve.worker")
 
-# Fetches run on IO threads (workers/fetcher.py), so a stalled sender delays only its own request;
-# bounded well below the stage timeout, so it costs that request one retryable failure quickly.
-FETCH_TIMEOUT_S = 10.0
-
-
 class Worker:
     """What every role shares. Subclasses set ROLE and implement `start()` and `work()`."""
 

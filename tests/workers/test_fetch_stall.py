@@ -24,17 +24,18 @@ from mserve.common.protocol.client import Sampling
 from mserve.common.protocol.to_coordinator import Failed, Prefilled, StepTokens, WorkerInfo
 from mserve.common.protocol.to_worker import DecodeTask, PrefillTask, Shutdown
 from mserve.common.sockets import bound_address, make_socket, recv, send
-from mserve.workers.worker import FETCH_TIMEOUT_S
 from tests.helpers import hf_generate
 
 pytestmark = pytest.mark.slow
 TOKENS = 160  # long enough that the three are still decoding when the stalled one arrives
+FETCH_TIMEOUT_S = 4.0  # the workers' --fetch-timeout-s: short, so the test waits 4 s for the stall, not 10
 
 
 def _worker(role: str, model: str, coordinator: str, log_path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "mserve.cli", "worker", "--role", role, "--model", model,
-                             "--coordinator", coordinator, "--worker-id", f"{role}-under-test", "--transfer", "tcp"],
+                             "--coordinator", coordinator, "--worker-id", f"{role}-under-test", "--transfer", "tcp",
+                             "--fetch-timeout-s", str(FETCH_TIMEOUT_S)],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
 
 

@@ -14,7 +14,6 @@ from mserve.workers.hand_back import KVExport
 from mserve.workers.requests import WorkerRequest
 from mserve.workers.roles.stepping import SteppingWorker, Timed
 from mserve.workers.sequence import Sequence
-from mserve.workers.worker import FETCH_TIMEOUT_S
 
 log = logging.getLogger("mserve.worker")
 
@@ -28,7 +27,7 @@ class DecodeWorker(SteppingWorker):
             t0 = time.perf_counter()
             # Zero-copy: over shm the tensors are views of the prefill worker's segment and
             # import_kv's copy into this pool is the only copy on this side.
-            view = self.transfer.fetch_view(task.descriptor, timeout_s=FETCH_TIMEOUT_S)
+            view = self.transfer.fetch_view(task.descriptor, timeout_s=self.s.fetch_timeout_s)
             return Timed(view, time.perf_counter() - t0, time.time_ns(), "kv.transfer")
 
         return pull

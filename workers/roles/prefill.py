@@ -15,7 +15,6 @@ from mserve.workers.model_runner import EncodedImage
 from mserve.workers.requests import WorkerRequest
 from mserve.workers.roles.stepping import SteppingWorker, Timed
 from mserve.workers.sequence import SamplingParams, Sequence
-from mserve.workers.worker import FETCH_TIMEOUT_S
 
 log = logging.getLogger("mserve.worker")
 
@@ -73,7 +72,7 @@ class PrefillWorker(SteppingWorker):
         def failed(exc: BaseException) -> None:
             log.warning("%s: handed-back KV blocks not adopted: %s", task.request_id, exc)
 
-        pull = lambda: self.transfer.fetch(task.descriptor, timeout_s=FETCH_TIMEOUT_S)["kv"]  # noqa: E731
+        pull = lambda: self.transfer.fetch(task.descriptor, timeout_s=self.s.fetch_timeout_s)["kv"]  # noqa: E731
         self.fetches.submit(FetchJob(("adopt", task.request_id), pull, adopt, failed))
 
     def transfers(self, task: PrefillTask) -> Callable[[], Any] | None:

@@ -15,7 +15,7 @@ from mserve.workers.fetcher import FETCH_THREADS, FetchJob, FetchPool
 from mserve.workers.requests import WorkerRequest
 from mserve.workers.sequence import Sequence
 from mserve.workers.token_sinks import TokenRoute, TokenSinks
-from mserve.workers.worker import FETCH_TIMEOUT_S, Worker
+from mserve.workers.worker import Worker
 
 log = logging.getLogger("mserve.worker")
 
@@ -124,7 +124,7 @@ class SteppingWorker(Worker):
     def fetch(self, descriptor: Any, what: str = "embedding.transfer") -> Timed:
         """On an IO thread: one transfer, timed for the request's record (`Timed.note`, on the loop)."""
         t0 = time.perf_counter()
-        tensors = self.transfer.fetch(descriptor, timeout_s=FETCH_TIMEOUT_S)
+        tensors = self.transfer.fetch(descriptor, timeout_s=self.s.fetch_timeout_s)
         return Timed(tensors, time.perf_counter() - t0, time.time_ns(), what)
 
     def work(self) -> None:
