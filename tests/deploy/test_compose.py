@@ -79,7 +79,11 @@ class Deployment:
                     "MSERVE_IMAGE": os.environ.get("MSERVE_IMAGE", "mserve:offline"),
                     "REDIS_IMAGE": os.environ.get("REDIS_IMAGE", "mserve-redis:bookworm"),
                     "MSERVE_COORDINATOR_PORT": str(self.coordinator_port),
-                    "MSERVE_GATEWAY_PORT": str(self.gateway_port)}
+                    "MSERVE_GATEWAY_PORT": str(self.gateway_port),
+                    # docker-compose 1.29 gives up on the engine after 60 s by default; on the test's vfs
+                    # storage driver, removing five containers (each a full copy of the image) at once
+                    # took longer than that on a slow disk, and `down` failed though it finished.
+                    "COMPOSE_HTTP_TIMEOUT": os.environ.get("COMPOSE_HTTP_TIMEOUT", "600")}
         self.url = f"http://127.0.0.1:{self.gateway_port}"
 
     def compose(self, *args: str, timeout_s: float = 600) -> str:
