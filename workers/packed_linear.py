@@ -22,6 +22,7 @@ its own).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -35,7 +36,7 @@ ROWS_HINT = 16  # the batch size oneDNN picks the layout for; any row count runs
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear's forward over a prepacked bf16 weight (mkldnn's `_linear_pointwise`)."""
+    """An nn.Linear's forward over a prepacked bfloat16 or float32 weight (mkldnn's `_linear_pointwise`)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -53,19 +54,34 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def available() -> bool:
-    """Whether this torch build has the prepacked bf16 linear (mkldnn on the CPU), tried once on a tiny layer."""
-    if kernels.switched_off("MSERVE_PACKED_LINEAR"):
-        return False
-    if not torch.backends.mkldnn.is_available():
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether linear layers in `dtype` can be packed: not switched off (MSERVE_PACKED_LINEAR=off), and
+    this torch on this CPU has the prepacked mkldnn linear in that dtype (`_works`).
+
+    Asked per dtype: oneDNN packs bfloat16 only where the CPU has AVX512BW/VL/DQ or AVX-NE-CONVERT,
+    float32 on any x86 CPU (an AVX2-only AMD EPYC refuses the one and runs the other 10-40 % faster
+    than F.linear at 16 rows: bench/README.md, "An AVX2 host")."""
+    return not kernels.switched_off("MSERVE_PACKED_LINEAR") and _works(dtype)
+
+
+@functools.cache
+def _works(dtype: torch.dtype) -> bool:
+    """Tried once a process on a tiny layer: in bfloat16 the packed linear must give F.linear's bits; in
+    float32, its values within rounding."""
+    name = str(dtype).removeprefix("torch.")
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.bfloat16, torch.float32):
         return False
     try:
-        layer = nn.Linear(32, 8, bias=False, dtype=torch.bfloat16)
-        x = torch.ones(2, 32, dtype=torch.bfloat16)
-        return torch.equal(PackedLinear(layer)(x), layer(x))
+        layer = nn.Linear(32, 8, bias=False, dtype=dtype)
+        x = torch.linspace(-1, 1, 64, dtype=dtype).view(2, 32)
+        got, want = PackedLinear(layer)(x), layer(x)
     except (RuntimeError, AttributeError) as exc:
-        log.info("bf16 linear layers unpacked: this torch has no prepacked mkldnn linear (%s)", exc)
+        log.info("%s linear layers unpacked: no prepacked mkldnn linear in it here (%s)", name, exc)
         return False
+    same = torch.equal(got, want) if dtype == torch.bfloat16 else torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    if not same:
+        log.info("%s linear layers unpacked: the prepacked mkldnn linear disagreed with F.linear", name)
+    return same
 
 
 def packable(linear: nn.Module, exact: bool) -> bool:
@@ -80,12 +96,10 @@ def packable(linear: nn.Module, exact: bool) -> bool:
 
 def pack_linears(model: nn.Module, exact: bool) -> int:
     """Swap every packable nn.Linear in `model` for a PackedLinear; returns how many were swapped."""
-    if not available():
-        return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if packable(child, exact):
+            if packable(child, exact) and available(child.weight.dtype):
                 setattr(parent, name, PackedLinear(child))
                 swapped += 1
     return swapped
