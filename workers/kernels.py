@@ -115,7 +115,8 @@ def _bind(lib: ctypes.CDLL, name: str, restype, argtypes: list) -> object:
 def load(path: Path) -> dict:
     """The C functions of a built library: decode attention by pool dtype (torch.float32,
     torch.bfloat16), and where the CPU has AVX512_BF16 the prompt kernel ("prefill_bf16",
-    "prefill_scratch_words") and the elementwise ops ("rms_norm_bf16", "silu_mul_bf16", "rope_bf16")."""
+    "prefill_scratch_words") and the elementwise ops ("rms_norm_bf16", "silu_mul_bf16", "rope_bf16");
+    everywhere the float32 rotary embedding ("rope_f32")."""
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     decode_args = [p] * 7 + [i64] * 7 + [ctypes.c_float]
@@ -129,6 +130,8 @@ def load(path: Path) -> dict:
         fns["silu_mul_bf16"] = _bind(lib, "silu_mul_bf16", None, [p] * 3 + [i64] * 5)
     if hasattr(lib, "rope_bf16"):
         fns["rope_bf16"] = _bind(lib, "rope_bf16", None, [p] * 4 + [i64] * 12)
+    if hasattr(lib, "rope_f32"):
+        fns["rope_f32"] = _bind(lib, "rope_f32", None, [p] * 4 + [i64] * 12)
     return fns
 
 

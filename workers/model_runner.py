@@ -121,8 +121,8 @@ class ModelRunner:
             paged_prefill.use_for_vision(self.model)  # the vision tower's attention in the bf16 kernel too
         if self.device.type == "cpu" and not compile_decode:  # weights reordered once, not per call
             packed_linear.pack_linears(self.model, exact=self.exact_attention)
-            if not self.exact_attention and self.dtype == torch.bfloat16:
-                fused_ops.fuse(self.model)  # RMSNorm and SiLU * up in one pass each
+            if not self.exact_attention:  # bf16: RMSNorm, SiLU * up, rotary in one pass each; float32: fewer
+                fused_ops.fuse(self.model, self.dtype)
         text = self.model.config.text_config
         self.hidden_size = text.hidden_size
         self.deepstack_layers = deepstack_layers(self.model)  # Qwen3-VL; 0 for every other family

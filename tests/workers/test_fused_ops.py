@@ -1,6 +1,7 @@
 """The bf16 RMSNorm and SiLU * up kernels (workers/fused_ops.py): HF's values to within a bf16 step at
 each of its two roundings (on these inputs, the same bits for 99 % of the values or more); the rotary
-embedding kernel: HF's bits; which modules the engine changes, and only where attention is padded."""
+embedding kernels (bf16 and float32): HF's bits; which modules the engine changes, and only where
+attention is padded."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mserve.workers.engine import Engine, EngineConfig
 fns = kernels.library()
 needs_kernel = pytest.mark.skipif(fns is None or "rms_norm_bf16" not in fns,
                                   reason="the bf16 kernels need a C compiler and AVX512_BF16")
+needs_library = pytest.mark.skipif(fns is None, reason="the float32 rotary kernel needs a C compiler")
 
 
 def within_two_roundings(got: torch.Tensor, want: torch.Tensor, min_equal: float) -> None:
@@ -72,7 +74,7 @@ def test_rotary_is_hf_bit_for_bit(batch, heads, kv_heads, tokens, dim):
     """q and k as HF's attention passes them ([B, heads, T, D] views of [B, T, heads, D]), cos and sin of
     large angles (every bf16 rounding exercised), per batch row and one row broadcast over the batch."""
     original = fused_ops._original_function(modeling_llama.apply_rotary_pos_emb)
-    rotary = fused_ops.FusedRotary(original, fns["rope_bf16"])
+    rotary = fused_ops.FusedRotary(original, {torch.bfloat16: fns["rope_bf16"]})
     gen = torch.Generator().manual_seed(batch * 1000 + tokens)
     q = (torch.randn(batch, tokens, heads, dim, generator=gen) * 3).to(torch.bfloat16).transpose(1, 2)
     k = (torch.randn(batch, tokens, kv_heads, dim, generator=gen) * 3).to(torch.bfloat16).transpose(1, 2)
@@ -86,6 +88,28 @@ def test_rotary_is_hf_bit_for_bit(batch, heads, kv_heads, tokens, dim):
     float_q = q.float()  # anything but bf16 goes to HF's function
     assert torch.equal(rotary(float_q, k.float(), cos.float(), sin.float())[0],
                        original(float_q, k.float(), cos.float(), sin.float())[0])
+
+
+@needs_library
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "tokens", "dim"),
+                         [(1, 8, 4, 673, 64), (2, 4, 2, 5, 80), (1, 2, 1, 1, 128), (3, 8, 4, 17, 64)])
+def test_float32_rotary_is_hf_bit_for_bit(batch, heads, kv_heads, tokens, dim):
+    """The portable float32 kernel: the same three operations an element as torch's, none fused into an
+    FMA, so HF's bits on any host; bf16 inputs go to HF's function when only float32 is routed."""
+    original = fused_ops._original_function(modeling_llama.apply_rotary_pos_emb)
+    rotary = fused_ops.FusedRotary(original, {torch.float32: fns["rope_f32"]})
+    gen = torch.Generator().manual_seed(batch * 1000 + tokens)
+    q = (torch.randn(batch, tokens, heads, dim, generator=gen) * 3).transpose(1, 2)
+    k = (torch.randn(batch, tokens, kv_heads, dim, generator=gen) * 3).transpose(1, 2)
+    angles = torch.randn(batch, tokens, dim // 2, generator=gen) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    for c, s in ((cos, sin), (cos[:1], sin[:1])):
+        want, got = original(q, k, c, s), rotary(q, k, c, s)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[0].stride() == want[0].stride() or tokens == 1
+    half = [t.bfloat16() for t in (q, k, cos, sin)]
+    assert torch.equal(rotary(*half)[0], original(*half)[0])
 
 
 def rotary_fused(module) -> bool:
@@ -115,6 +139,27 @@ def test_what_the_engine_fuses(family, tiny_model_dirs, monkeypatch):
         assert norms >= 2 * layers + 1 and mlps >= layers  # two a layer and the final one; one MLP a layer
     assert rotary == (0 if family == "qwen2_vl" else layers)
     assert fused(dtype="bfloat16")[:3] == (0, 0, 0)
-    assert fused(exact_attention=False)[:3] == (0, 0, 0)
     monkeypatch.setenv("MSERVE_FUSED_OPS", "off")
     assert fused(dtype="bfloat16", exact_attention=False)[:3] == (0, 0, 0)
+
+
+@needs_library
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+def test_what_the_engine_fuses_in_float32(family, tiny_model_dirs, monkeypatch):
+    """Padded float32 (its default), on any host with a compiler: Llama's rotary embedding, no RMSNorm
+    or MLP; exact attention and MSERVE_FUSED_OPS=off: none."""
+    model_dir = str(tiny_model_dirs[family])
+
+    def fused(**cfg):
+        model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner.model
+        return (sum(isinstance(m, fused_ops.FusedRMSNorm) for m in model.modules()),
+                sum(isinstance(m, fused_ops.FusedMLP) for m in model.modules()),
+                sum(rotary_fused(m) for m in model.modules()),
+                model.config.text_config.num_hidden_layers)
+
+    norms, mlps, rotary, layers = fused(exact_attention=False)
+    assert (norms, mlps) == (0, 0)
+    assert rotary == (0 if family == "qwen2_vl" else layers)
+    assert fused(exact_attention=True)[:3] == (0, 0, 0)
+    monkeypatch.setenv("MSERVE_FUSED_OPS", "off")
+    assert fused(exact_attention=False)[:3] == (0, 0, 0)

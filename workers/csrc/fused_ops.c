@@ -11,9 +11,39 @@
  * of the squares' sum and the last bits of rsqrt and exp: each rounding may land one bf16 step from HF's.
  * The rotary embedding has neither: a product of two bf16 values is exact in float32, so its three
  * roundings give HF's bits.
- * Only built where the CPU has AVX512_BF16 (its rounding instruction); elsewhere HF's ops run. */
+ * Only built where the CPU has AVX512_BF16 (its rounding instruction); elsewhere HF's ops run.
+ *
+ *   rope_f32:       out = x * cos + rotate_half(x) * sin, float32, portable C on every host
+ *
+ * The same three operations an element as torch's float32 ops, none contracted into an FMA (the pragma
+ * and the attribute, for clang and gcc): HF's bits. */
 #include <math.h>
 #include <stdint.h>
+
+#pragma STDC FP_CONTRACT OFF
+/* x: [B, H, T, D] at element strides xb, xh, xt (unit along D); cs, sn: [B, T, D] at cb, ct (cb = 0: one
+ * batch row broadcast); out: [B, H, T, D] at ob, oh, ot. D even. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void rope_f32(const float *x, const float *cs, const float *sn, float *out, int64_t B, int64_t H, int64_t T,
+              int64_t D, int64_t xb, int64_t xh, int64_t xt, int64_t cb, int64_t ct, int64_t ob, int64_t oh,
+              int64_t ot) {
+    const int64_t half = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++) {
+                const float *restrict xr = x + b * xb + h * xh + t * xt, *restrict c = cs + b * cb + t * ct,
+                            *restrict s = sn + b * cb + t * ct;
+                float *restrict o = out + b * ob + h * oh + t * ot;
+                for (int64_t i = 0; i < half; i++) {
+                    const float lo_c = xr[i] * c[i], hi_s = -xr[half + i] * s[i];
+                    const float hi_c = xr[half + i] * c[half + i], lo_s = xr[i] * s[half + i];
+                    o[i] = lo_c + hi_s;
+                    o[half + i] = hi_c + lo_s;
+                }
+            }
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include "simd.h"
