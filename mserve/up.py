@@ -40,7 +40,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="every worker's model dtype (default: the checkpoint's; on the CPU, float32). bfloat16 "
-                             "with --attention padded is the fast choice on a CPU with AVX512_BF16 (docs/operations.md)")
+                             "with --attention padded is the fast choice on a CPU with AVX512_BF16; on one without AVX-512, "
+                             "float32 is (docs/operations.md)")
     parser.add_argument("--attention", default=None, choices=["auto", "exact", "padded"],
                         help="every worker's attention (default auto: exact in bfloat16 / float16, giving HF "
                              "generate's tokens; padded: one call per batch and, on the CPU, the kernels that read "

@@ -43,6 +43,15 @@ def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def _cpu_bf16_matmuls() -> bool:
+    """Whether oneDNN runs bfloat16 matrix multiplies on this CPU (AVX-512 BW/VL/DQ, or AVX-NE-CONVERT)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else True
+    except RuntimeError:
+        return True  # cannot tell: say nothing
+
+
 # The parts a stage needs: an encoder runs the vision tower + projector only; prefill and decode the
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
 # multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
@@ -115,6 +124,11 @@ class ModelRunner:
         ratio = pruning.apply(self.family, visual_token_pruning)
         self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not _cpu_bf16_matmuls():
+            log.warning("bfloat16 on a CPU without AVX-512 (torch's CPU capability: %s): oneDNN cannot run its "
+                        "bf16 matrix multiplies here, and torch's fallback was 6x slower than float32 on an "
+                        "AVX2-only AMD EPYC (bench/README.md, \"An AVX2 host\"); float32, the CPU's default, is "
+                        "the fast choice on this host", torch.backends.cpu.get_cpu_capability())
         self.exact_attention = paged_attention.exact_lengths(self.dtype) if exact_attention is None else exact_attention
         if (not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu"
                 and paged_prefill.preferred()):  # read here: a bad MSERVE_PROMPT_KERNEL fails the start

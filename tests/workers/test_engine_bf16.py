@@ -143,3 +143,19 @@ def test_padded_attention_is_a_worker_choice(model_dir, requests):
     results = engine.run_until_done()
     assert sorted(results) == sorted(requests) and all(len(ids) == MAX_NEW for ids in results.values())
     assert bf16_engine(model_dir).runner.exact_attention is True
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_bfloat16_on_a_cpu_without_bf16_matmuls_is_warned_of(supported, tiny_model_dirs, monkeypatch, caplog):
+    """On an AVX2-only CPU oneDNN has no bf16 matmuls and torch's fallback ran 6x slower than float32:
+    the worker says so at load, naming the fast choice; where the CPU has them, nothing is said."""
+    from mserve.workers import model_runner
+
+    monkeypatch.setattr(model_runner, "_cpu_bf16_matmuls", lambda: supported)
+    with caplog.at_level("WARNING", logger=model_runner.__name__):
+        Engine(EngineConfig(str(tiny_model_dirs["llava"]), num_blocks=16, block_size=16, dtype="bfloat16"))
+    warned = [r.getMessage() for r in caplog.records if "without AVX-512" in r.getMessage()]
+    if supported:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "float32" in warned[0] and "fast choice" in warned[0]
