@@ -5,6 +5,8 @@ attention is padded."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers.models.llama import modeling_llama
@@ -117,21 +119,23 @@ def rotary_fused(module) -> bool:
     return isinstance(funcs.get(fused_ops.ROTARY), fused_ops.FusedRotary)
 
 
+def fused_counts(model_dir: str, **cfg) -> tuple[int, int, int, int]:
+    """An engine's fused RMSNorms, fused MLPs and attention layers with the fused rotary embedding, and
+    its language model's layer count."""
+    model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner.model
+    return (sum(isinstance(m, fused_ops.FusedRMSNorm) for m in model.modules()),
+            sum(isinstance(m, fused_ops.FusedMLP) for m in model.modules()),
+            sum(rotary_fused(m) for m in model.modules()),
+            model.config.text_config.num_hidden_layers)
+
+
 @needs_kernel
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
 def test_what_the_engine_fuses(family, tiny_model_dirs, monkeypatch):
     """Padded bf16: every RMSNorm and SiLU MLP of Llama's form (Gemma's norm and GELU MLP are not), and
     the rotary embedding of every attention layer whose family uses Llama's (Qwen2-VL's multimodal one
     is not); exact attention, float32 and MSERVE_FUSED_OPS=off: none."""
-    model_dir = str(tiny_model_dirs[family])
-
-    def fused(**cfg):
-        model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner.model
-        return (sum(isinstance(m, fused_ops.FusedRMSNorm) for m in model.modules()),
-                sum(isinstance(m, fused_ops.FusedMLP) for m in model.modules()),
-                sum(rotary_fused(m) for m in model.modules()),
-                model.config.text_config.num_hidden_layers)
-
+    fused = functools.partial(fused_counts, str(tiny_model_dirs[family]))
     norms, mlps, rotary, layers = fused(dtype="bfloat16", exact_attention=False)
     if family == "gemma3":
         assert (norms, mlps) == (0, 0)
@@ -148,15 +152,7 @@ def test_what_the_engine_fuses(family, tiny_model_dirs, monkeypatch):
 def test_what_the_engine_fuses_in_float32(family, tiny_model_dirs, monkeypatch):
     """Padded float32 (its default), on any host with a compiler: Llama's rotary embedding, no RMSNorm
     or MLP; exact attention and MSERVE_FUSED_OPS=off: none."""
-    model_dir = str(tiny_model_dirs[family])
-
-    def fused(**cfg):
-        model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner.model
-        return (sum(isinstance(m, fused_ops.FusedRMSNorm) for m in model.modules()),
-                sum(isinstance(m, fused_ops.FusedMLP) for m in model.modules()),
-                sum(rotary_fused(m) for m in model.modules()),
-                model.config.text_config.num_hidden_layers)
-
+    fused = functools.partial(fused_counts, str(tiny_model_dirs[family]))
     norms, mlps, rotary, layers = fused(exact_attention=False)
     assert (norms, mlps) == (0, 0)
     assert rotary == (0 if family == "qwen2_vl" else layers)
