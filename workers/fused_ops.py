@@ -180,7 +180,7 @@ def _silu(act: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def fuse(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+def fuse(model: nn.Module, dtype: torch.dtype) -> int:
     """Fuse the elementwise ops of a `dtype` model on the CPU; returns how many modules were changed (0
     where the kernels are not built or `MSERVE_FUSED_OPS=off`).
 

@@ -134,7 +134,7 @@ def fused_counts(model_dir: str, **cfg) -> tuple[int, int, int, int]:
 def test_what_the_engine_fuses(family, tiny_model_dirs, monkeypatch):
     """Padded bf16: every RMSNorm and SiLU MLP of Llama's form (Gemma's norm and GELU MLP are not), and
     the rotary embedding of every attention layer whose family uses Llama's (Qwen2-VL's multimodal one
-    is not); exact attention, float32 and MSERVE_FUSED_OPS=off: none."""
+    is not); exact attention and MSERVE_FUSED_OPS=off: none (float32: the test below)."""
     fused = functools.partial(fused_counts, str(tiny_model_dirs[family]))
     norms, mlps, rotary, layers = fused(dtype="bfloat16", exact_attention=False)
     if family == "gemma3":
