@@ -88,6 +88,7 @@ class ConfigSpec:
     worker_args: tuple[str, ...] = ()  # from "@flag=value" suffixes: worker settings of this configuration...
     coordinator_args: tuple[str, ...] = ()  # ...and coordinator settings (flags that name one)
     request_model: str | None = None  # openai: the model its requests name (from "@model=NAME")
+    cpu_placement: str | None = None  # the launcher's (from "@cpu-placement=auto|off"); None: --cpu-placement
 
 
 def parse_config(text: str) -> ConfigSpec:
@@ -95,29 +96,43 @@ def parse_config(text: str) -> ConfigSpec:
 
     A cluster configuration may end in settings, `@flag=value` each, e.g.
     `unified:2@max-prefill-tokens=256` or `disagg:1e1p1d@max-stages-per-worker=2`, so settings compare
-    side by side in one run. A flag that names a coordinator setting goes to the coordinator; any other
-    to every worker. An `openai:` configuration takes one setting, `@model=NAME`: the model its requests
+    side by side in one run. A flag that names a coordinator setting goes to the coordinator, one that
+    names a worker setting to every worker (both, where both have it: `@class-aging-s=2`); any other
+    to every worker, except `@cpu-placement=auto|off`, the launcher's (`mserve up --cpu-placement`). An `openai:` configuration takes one setting, `@model=NAME`: the model its requests
     name (a group of variants, or one variant)."""
     from mserve.coordinator.settings import CoordinatorSettings
+    from mserve.workers.settings import WorkerSettings
 
     text = text.strip()
     base, *overrides = text.split("@")
     args: dict[str, list[str]] = {"worker": [], "coordinator": []}
+    placement = None
     for item in overrides:
         flag, eq, value = item.partition("=")
         if not eq or not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not value:
             raise ValueError(f"{text!r}: settings are written @flag=value, e.g. @max-prefill-tokens=256")
-        side = "coordinator" if flag.replace("-", "_") in CoordinatorSettings.model_fields else "worker"
-        args[side] += [f"--{flag}", value]
+        if flag == "cpu-placement":  # the launcher's setting, not a process's
+            if value not in ("auto", "off"):
+                raise ValueError(f"{text!r}: @cpu-placement is auto or off")
+            placement = value
+            continue
+        field_name = flag.replace("-", "_")
+        sides = [side for side, fields in (("coordinator", CoordinatorSettings.model_fields),
+                                           ("worker", WorkerSettings.model_fields)) if field_name in fields]
+        for side in sides or ["worker"]:  # a flag both take (--class-aging-s) goes to both
+            args[side] += [f"--{flag}", value]
     spec = _parse_base(base, text)
     if spec.kind == "http" and args["coordinator"] + args["worker"]:
         if args["coordinator"][:1] != ["--model"] or len(overrides) != 1:
             raise ValueError(f"{text!r}: an openai: configuration takes one setting, @model=NAME")
         return dataclasses.replace(spec, request_model=args["coordinator"][1])
+    if placement is not None and spec.kind != "cluster":
+        raise ValueError(f"{text!r}: @cpu-placement applies to disagg: and unified: configurations only")
     if overrides and spec.kind != "cluster":
         raise ValueError(f"{text!r}: @settings apply to disagg: and unified: configurations only "
                          "(and @model=NAME to openai:)")
-    return dataclasses.replace(spec, worker_args=tuple(args["worker"]), coordinator_args=tuple(args["coordinator"]))
+    return dataclasses.replace(spec, worker_args=tuple(args["worker"]), coordinator_args=tuple(args["coordinator"]),
+                               cpu_placement=placement)
 
 
 def _parse_base(base: str, text: str) -> ConfigSpec:
@@ -162,6 +177,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default disagg:1e1p1d,unified:1,hf-sequential)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker / server (default 1)")
     p.add_argument("--transfer", default="auto", help="cluster tensor transport (default auto)")
+    p.add_argument("--cpu-placement", choices=["auto", "off"], default="auto",
+                   help="launched clusters' CPU placement, as `mserve up --cpu-placement` (default auto); one "
+                        "configuration can differ with @cpu-placement=off")
     p.add_argument("--openai-model", default=None,
                    help="model name for openai: configurations (default: the first of its /v1/models)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for a configuration")
@@ -188,7 +206,10 @@ def launched(spec: ConfigSpec, args: argparse.Namespace, log_dir: Path) -> Itera
         extra = ["--dead-after-s", str(args.dead_after_s)] if args.dead_after_s is not None else []
         cluster = LocalCluster(args.model, **spec.pools, threads=args.threads, transfer=args.transfer,
                                log_dir=str(log_dir), extra_coordinator_args=[*extra, *spec.coordinator_args],
-                               extra_worker_args=spec.worker_args)
+                               extra_worker_args=spec.worker_args,
+                               cpu_placement=spec.cpu_placement or args.cpu_placement)
+        log.info("%s: CPU placement %s", spec.label, cluster.placement.describe() if cluster.placement.workers
+                 else "off")
         try:
             cluster.start(timeout_s=args.start_timeout)
             yield cluster.address, None

@@ -8,7 +8,7 @@ import math
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mserve.common.policy import DEFAULT_LIMITS
+    from mserve.common.policy import CLASS_AGING_S, DEFAULT_LIMITS
     from mserve.common.pruning import add_argument as add_pruning_argument
     from mserve.common.tracing import add_argument as add_tracing_argument
 
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "coordinator, best class first, for whichever worker frees first (default 0: no cap)")
     p.add_argument("--class-aging-s", type=float,
                    help="a request waiting at the coordinator longer than this goes before every class "
-                        "(default 10)")
+                        f"(default {CLASS_AGING_S:g}; each worker orders its own prompt queue by its own --class-aging-s)")
     limits = DEFAULT_LIMITS  # the defaults shown are the settings' own (common/policy.py)
     side = math.isqrt(limits.max_image_pixels)
     for limit, help_ in (("max-prompt-tokens", limits.max_prompt_tokens), ("max-tokens", limits.max_tokens),

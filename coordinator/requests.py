@@ -29,6 +29,7 @@ from typing import Any, Callable
 from mserve.common.protocol import ROLES, ErrorCode, Message, MsgType, ProtocolError
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
                                                    WorkerInfo)
+from mserve.common.policy import CLASS_AGING_S
 from mserve.common.pruning import mismatch as pruning_mismatch
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
 from mserve.coordinator.admission import Admitted
@@ -76,7 +77,7 @@ class RequestMachine:
                  max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
                  new_id: Callable[[], str] | None = None, raise_errors: bool = False,
                  visual_token_pruning: float | None = None, kv_hand_back: bool = False, max_stages_per_worker: int = 0,
-                 class_aging_s: float = 10.0, spread_encode: bool = True, route_choices: int = 0,
+                 class_aging_s: float = CLASS_AGING_S, spread_encode: bool = True, route_choices: int = 0,
                  seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
                  encode_leases: Leases | None = None, shard_id: str = "coordinator",
                  prefix_skip: bool = True, adaptive_pruning: AdaptivePruning | None = None) -> None:

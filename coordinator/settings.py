@@ -7,7 +7,7 @@ from dataclasses import fields
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from mserve.common.policy import DEFAULT_LIMITS, Limits
+from mserve.common.policy import CLASS_AGING_S, DEFAULT_LIMITS, Limits
 
 
 class CoordinatorSettings(BaseSettings):
@@ -44,7 +44,7 @@ class CoordinatorSettings(BaseSettings):
     max_stages_per_worker: int = Field(0, ge=0)
     # A request waiting in those queues longer than this is served before every class (oldest first):
     # nothing starves behind a stream of higher classes.
-    class_aging_s: float = Field(10.0, ge=0.0)
+    class_aging_s: float = Field(CLASS_AGING_S, ge=0.0)
     # A request with several images that the chosen encoder would have to encode shares them with
     # idle encode workers, which encode their parts at the same time (coordinator/dispatch.py).
     spread_encode: bool = True
@@ -104,6 +104,9 @@ class CoordinatorSettings(BaseSettings):
     variant_hold_s: float = Field(2.0, ge=0.0)
     # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
     otlp_endpoint: str | None = None
+    # The CPU cores this process runs on (--cpus, $MSERVE_CPUS; common/cpu_placement.py): mserve/cli.py
+    # pins the process before anything starts; None: every core it may use.
+    cpus: str | None = None
 
     @field_validator("visual_token_pruning", mode="before")
     @classmethod

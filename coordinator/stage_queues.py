@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
-from mserve.common.policy import class_rank, serving_order
+from mserve.common.policy import CLASS_AGING_S, aged_class_rank, class_rank
 from mserve.coordinator.records import STAGE_ROLE, Stage
 from mserve.coordinator.routing import WorkerView
 
@@ -46,13 +46,11 @@ class Waiting:
 
     def rank(self, now: float, aging_s: float) -> tuple:
         """Smaller is served first."""
-        if now - self.since > aging_s:
-            return (0, self.since, self.seq)
-        return (1, *serving_order(self.priority, self.latency_class, self.since), self.seq)
+        return (*aged_class_rank(self.priority, self.latency_class, now - self.since, aging_s), self.since, self.seq)
 
 
 class StageQueues:
-    def __init__(self, aging_s: float = 10.0) -> None:
+    def __init__(self, aging_s: float = CLASS_AGING_S) -> None:
         self.aging_s = aging_s
         self._by_stage: dict[Stage, dict[str, Waiting]] = {}
         self._stage_of: dict[str, Stage] = {}

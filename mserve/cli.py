@@ -225,6 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mserve.common.cpu_placement import add_argument as add_cpus_argument
     from mserve.common.pruning import add_argument as add_pruning_argument
     from mserve.coordinator.cli import add_arguments as add_coordinator_arguments
     from mserve.workers.cli import add_arguments as add_worker_arguments
@@ -272,12 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Bind a ROUTER for clients (--bind) and one for workers (--worker-bind). Every "
                                    "flag can also be set as MSERVE_<NAME> in the environment.")
     add_coordinator_arguments(p)
+    add_cpus_argument(p)
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("worker", help="run one worker of a role: encode, prefill, decode or unified",
                        description="Connect to the coordinator's worker address and serve one role. Every flag can "
                                    "also be set as MSERVE_<NAME> in the environment.")
     add_worker_arguments(p)
+    add_cpus_argument(p)
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair for one process (NAME.key, NAME.key_secret)",
@@ -317,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(Prometheus, the whole cluster's). Every flag can also be set as MSERVE_<NAME> "
                                    "in the environment (MSERVE_API_KEY for --api-key).")
     add_gateway_arguments(p)
+    add_cpus_argument(p)
     p.set_defaults(func=cmd_gateway)
 
     from mserve.autoscale.cli import add_parser as add_autoscale_parser
@@ -343,9 +347,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _pin(args: argparse.Namespace) -> None:
+    """--cpus (else $MSERVE_CPUS) for the commands that take it: before any model or thread starts."""
+    if not hasattr(args, "cpus"):
+        return
+    text = args.cpus or os.environ.get("MSERVE_CPUS")
+    if not text:
+        return
+    from mserve.common.cpu_placement import format_cpu_list, pin
+
+    try:
+        cpus = pin(text)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}")
+    logging.getLogger("mserve").info("running on CPU core(s) %s", format_cpu_list(cpus))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
+    _pin(args)
     from mserve.common.perf import tune_malloc
 
     tune_malloc()

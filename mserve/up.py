@@ -38,6 +38,11 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="coordinator shards (default 1); with more, each announces itself in Redis, every worker "
                              "joins every shard, and clients spread requests over them (docs/scaling.md)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    parser.add_argument("--cpu-placement", choices=["auto", "off"], default="auto",
+                        help="auto: each worker on CPU cores of its own, heaviest role first (unified, prefill, "
+                             "decode, encode); with no more cores than workers the last core is shared by the "
+                             "rest and the coordinator (and gateway). off: Linux places them. Uses the cores "
+                             "this command may run on (taskset, a container's cpuset). Default auto")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="every worker's model dtype (default: the checkpoint's; on the CPU, float32). bfloat16 "
                              "with --attention padded is the fast choice on a CPU with AVX512_BF16; on one without AVX-512, "
@@ -106,7 +111,7 @@ def run_up(args: argparse.Namespace) -> int:
                            threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
                            client_api_key=args.client_api_key, curve_dir=args.curve_dir,
                            extra_worker_args=worker_args, extra_coordinator_args=pruning_args,
-                           coordinators=args.coordinators)
+                           coordinators=args.coordinators, cpu_placement=args.cpu_placement)
     try:
         cluster.start(timeout_s=args.start_timeout)
     except (ClusterStartError, RuntimeError, ValueError) as exc:

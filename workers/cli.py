@@ -7,7 +7,7 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mserve.common.policy import DEFAULT_ENGINE
+    from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE
     from mserve.common.pruning import add_argument as add_pruning_argument
     from mserve.common.tracing import add_argument as add_tracing_argument
 
@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per engine step, the prefill chunk cap: a long prompt delays a short one "
                         "or a running stream by at most one chunk (default "
                         f"{DEFAULT_ENGINE.max_prefill_tokens})")
+    p.add_argument("--class-aging-s", type=float,
+                   help="a prompt queued on this worker longer than this goes before every class, so batch prompts "
+                        f"do not starve behind interactive ones (default {CLASS_AGING_S:g}; the "
+                        "coordinator's own --class-aging-s orders the requests it holds)")
     p.add_argument("--max-encode-images", type=int,
                    help="images per vision forward on an encode worker, at most; interactive ones first (default 8)")
     p.add_argument("--embedding-cache-mb", type=float,

@@ -16,7 +16,7 @@ import torch
 
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
-from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
+from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers import prefix_skip
 from mserve.workers.block_pool import BlockPool
@@ -41,6 +41,7 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens
     max_prefill_tokens: int | None = None  # prompt tokens per step (the chunk cap); None: the whole budget
     reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens
+    class_aging_s: float = CLASS_AGING_S  # a prompt queued longer goes before every class
     enable_prefix_caching: bool = True
     max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
     max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
@@ -91,7 +92,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_tokens=config.max_prefill_tokens,
-                                   reserve_tokens=config.reserve_tokens,
+                                   reserve_tokens=config.reserve_tokens, class_aging_s=config.class_aging_s,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    whole_images=self.family.bidirectional_images)
         gen = self.runner.model.generation_config

@@ -4,7 +4,9 @@ A step first gives every running request that is decoding its one token, then sp
 `max_prefill_tokens` (the chunk cap) on prompts, so a stream never waits behind more than one
 chunk. Prompts (new ones and half-prefilled ones alike) are served in policy order: higher
 priority first, then the `interactive` latency class, then the fewest remaining prompt tokens,
-where waiting counts as progress (`aging_tokens_per_s`) so a long prompt cannot starve. A new
+where waiting counts as progress (`aging_tokens_per_s`) so a long prompt cannot starve; a prompt
+queued longer than `class_aging_s` goes before every class (common/policy.py), so a `batch` one
+cannot starve behind a steady stream of `interactive` ones either. A new
 request is admitted only when the pool can hold its whole prompt plus the next tokens of every
 running request and its own (up to `reserve_tokens` each): admitting more than the pool can carry
 only turns into preemption and recompute, which at saturation becomes thrash. When a running
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mserve.common.policy import DEFAULT_ENGINE, class_rank, fits_kv
+from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, aged_class_rank, fits_kv
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
 from mserve.workers.image_bounds import chunk_end, usable_prefix_blocks
 from mserve.workers.sequence import Sequence, SeqStatus
@@ -47,6 +49,7 @@ class Scheduler:
                  max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens,
                  max_prefill_tokens: int | None = None, aging_tokens_per_s: float = 1000.0,
                  reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens, enable_prefix_caching: bool = True,
+                 class_aging_s: float = CLASS_AGING_S,
                  clock: Callable[[], float] = time.monotonic, whole_images: bool = False) -> None:
         """`whole_images`: no chunk and no reused prefix ends inside an image (workers/image_bounds.py),
         for families whose image tokens attend to each other both ways."""
@@ -57,6 +60,7 @@ class Scheduler:
         self.max_prefill_tokens = min(max_prefill_tokens or max_num_batched_tokens, max_num_batched_tokens)
         assert self.max_prefill_tokens > 0
         self.aging_tokens_per_s = aging_tokens_per_s
+        self.class_aging_s = class_aging_s
         self.reserve_tokens = reserve_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock
@@ -100,10 +104,12 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def prefill_key(self, seq: Sequence, now: float) -> tuple[int, int, float, int]:
-        """Serving order of prompts: priority, latency class, then remaining tokens less what waiting earned."""
-        aged = seq.num_uncomputed_tokens - self.aging_tokens_per_s * max(0.0, now - seq.queued_at)
-        return (*class_rank(seq.priority, seq.latency_class), aged, seq.arrival)
+    def prefill_key(self, seq: Sequence, now: float) -> tuple[int, int, int, float, int]:
+        """Serving order of prompts: priority and latency class (unless queued past `class_aging_s`), then
+        remaining tokens less what waiting earned."""
+        waited = max(0.0, now - seq.queued_at)
+        aged = seq.num_uncomputed_tokens - self.aging_tokens_per_s * waited
+        return (*aged_class_rank(seq.priority, seq.latency_class, waited, self.class_aging_s), aged, seq.arrival)
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:

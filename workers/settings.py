@@ -6,10 +6,10 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from mserve.common.policy import DEFAULT_ENGINE, DEFAULT_LIMITS
+from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, DEFAULT_LIMITS
 
 
 class WorkerSettings(BaseSettings):
@@ -41,6 +41,7 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs
     max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens
     max_prefill_tokens: int = DEFAULT_ENGINE.max_prefill_tokens  # the chunk cap (common/policy.py says why)
+    class_aging_s: float = Field(CLASS_AGING_S, ge=0.0)  # a prompt queued longer: before every class
     enable_prefix_caching: bool = True
     embedding_cache_mb: float = 512  # L1: this encode or unified worker's own memory
     # L2: encoded images shared by every encode and unified worker on this host (tmpfs files, outliving a
@@ -79,6 +80,9 @@ class WorkerSettings(BaseSettings):
     visual_token_pruning: float | None = None
     # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
     otlp_endpoint: str | None = None
+    # The CPU cores this process runs on (--cpus, $MSERVE_CPUS; common/cpu_placement.py): mserve/cli.py
+    # pins the process before anything starts; None: every core it may use.
+    cpus: str | None = None
 
     @field_validator("fetch_timeout_s")
     @classmethod

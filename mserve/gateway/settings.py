@@ -33,3 +33,6 @@ class GatewaySettings(BaseSettings):
     tokens_host: str = "127.0.0.1"
     # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
     otlp_endpoint: str | None = None
+    # The CPU cores this process runs on (--cpus, $MSERVE_CPUS; common/cpu_placement.py): mserve/cli.py
+    # pins the process before anything starts; None: every core it may use.
+    cpus: str | None = None

@@ -10,6 +10,18 @@ from mserve.bench.compare import ConfigSpec, parse_config, parse_configs
 from mserve.cli import main as cli_main
 
 
+def test_a_configuration_sets_its_cpu_placement_and_flags_both_sides_take() -> None:
+    spec = parse_config("disagg:1e1p1d@cpu-placement=off@class-aging-s=2@attention=padded")
+    assert spec.cpu_placement == "off"
+    assert spec.coordinator_args == ("--class-aging-s", "2")  # the coordinator's queues and...
+    assert spec.worker_args == ("--class-aging-s", "2", "--attention", "padded")  # ...each worker's
+    assert parse_config("unified:2").cpu_placement is None  # --cpu-placement decides
+    with pytest.raises(ValueError, match="auto or off"):
+        parse_config("unified:2@cpu-placement=yes")
+    with pytest.raises(ValueError, match="cpu-placement applies to"):
+        parse_config("openai:http://127.0.0.1:8000/v1@cpu-placement=off")
+
+
 def test_parse_configs() -> None:
     specs = parse_configs("disagg:1e1p1d, unified:2,hf-sequential,openai:http://127.0.0.1:8000/v1,zmq://127.0.0.1:5555")
     assert specs == [

@@ -6,10 +6,12 @@ also runs on the sharded cluster of test_cluster_shards.py (llava, encode / pref
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
 
+from mserve.common.cpu_placement import format_cpu_list
 from mserve.coordinator.client import AsyncClient, Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected
@@ -72,10 +74,25 @@ def check_direct_tokens(model: str, address: str, shard_addresses: list[str], wo
     assert token_items <= 2 * len(requests) * (MAX_TOKENS // EVERY + 2)
 
 
+def allowed_cores(pid: int) -> set[str]:
+    """Cpus_allowed_list of every thread of a process (one entry when they all agree)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            out |= {line.split()[1] for line in f if line.startswith("Cpus_allowed_list:")}
+    return out
+
+
 def test_tokens_reach_the_client_from_a_unified_worker(tiny_model_dirs):
     """Qwen2-VL on a unified worker; the disaggregated path (llava, two coordinator shards) is checked
-    in test_cluster_shards.py on its cluster."""
+    in test_cluster_shards.py on its cluster. This cluster is also CPU-placed (common/cpu_placement.py):
+    every thread of the worker, torch's and the fetch threads included, runs on its planned cores."""
     model = str(tiny_model_dirs["qwen2_vl"])
-    with LocalCluster(model, encode=0, prefill=0, decode=0, unified=1,
+    with LocalCluster(model, encode=0, prefill=0, decode=0, unified=1, cpu_placement="auto",
                       extra_coordinator_args=["--token-report-every", str(EVERY)]) as cluster:
         check_direct_tokens(model, cluster.address, cluster.shard_addresses, cluster.worker_names("unified")[0])
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) > 1:  # one core: nothing is placed
+            assert cluster.placement.workers == {"unified-0": (cores[0],)}
+            assert allowed_cores(cluster.processes["unified-0"].pid) == {str(cores[0])}
+            assert allowed_cores(cluster.processes["coordinator"].pid) == {format_cpu_list(cores[1:])}

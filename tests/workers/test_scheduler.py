@@ -123,6 +123,26 @@ def test_aging_lets_a_long_prompt_overtake_newer_short_ones():
     assert [r for r, _, _ in run_step(fresh)][0] == "text"  # without the wait, shortest first
 
 
+def test_a_prompt_queued_past_the_class_aging_time_goes_before_every_class():
+    """Batch prompts behind a steady stream of interactive ones: each waits class_aging_s at most."""
+    clock = FakeClock()
+    sched = Scheduler(BlockPool(256, 4), max_num_batched_tokens=600, max_prefill_tokens=8, class_aging_s=1.0,
+                      clock=clock)
+    sched.add(make_seq("batch", 8, latency_class="batch"))
+    clock.now = 0.9
+    sched.add(make_seq("interactive-0", 8))
+    assert [r for r, _, _ in run_step(sched)] == ["interactive-0"]  # 0.9 s queued: the class order holds
+    clock.now = 1.1
+    sched.add(make_seq("interactive-1", 8))
+    assert [r for r, _, _ in run_step(sched) if r != "interactive-0"] == ["batch"]  # 1.1 s: before every class
+    never = Scheduler(BlockPool(256, 4), max_num_batched_tokens=600, max_prefill_tokens=8, class_aging_s=1e9,
+                      clock=(late := FakeClock()))
+    never.add(make_seq("batch", 8, latency_class="batch"))
+    late.now = 100.0
+    never.add(make_seq("interactive", 8))
+    assert [r for r, _, _ in run_step(never)] == ["interactive"]
+
+
 def test_chunk_cap_delays_a_short_prompt_by_at_most_one_chunk():
     sched = Scheduler(BlockPool(512, 4), max_num_batched_tokens=2048, max_prefill_tokens=64, clock=FakeClock())
     sched.add(make_seq("image", 600))
