@@ -8,7 +8,8 @@ worker ran 81 % of a core and waited for one 24 % of the time; with the prefill 
 core and everything else on the other, throughput rose 11 % and TTFT p50 halved, while TPOT stayed
 far inside any SLO.
 
-The plan (`plan`), from the cores this process may use and the stage workers in start order:
+The plan (`plan`), from the cores this process may use and the stage workers in start order (a
+"core" below is `per_worker` cores, a worker's --threads, when that is more than one):
 - workers are taken heaviest role first: unified, prefill, decode, encode (a prompt's forward is a
   request's largest piece of model work; an encode is the smallest), in start order within a role;
 - with more cores than workers, each worker gets a core of its own and the control plane
@@ -43,25 +44,30 @@ class Placement:
         return ", ".join([*parts, f"coordinator/gateway {format_cpu_list(self.control)}"])
 
 
-def plan(cores: Sequence[int], workers: Sequence[tuple[str, str]]) -> Placement:
-    """`workers`: (name, role) in start order. See the module docstring for the rule."""
+def plan(cores: Sequence[int], workers: Sequence[tuple[str, str]], per_worker: int = 1) -> Placement:
+    """`workers`: (name, role) in start order; `per_worker`: the cores one worker's torch threads want
+    (its --threads): the rule above, in units of that many cores; the cores past the last whole unit go
+    to the control plane (alone, when every worker has a unit). Fewer than two units: nothing is placed."""
     cores = sorted(set(cores))
-    if len(cores) < 2 or not workers:
+    per = max(1, per_worker)
+    units = [tuple(cores[i:i + per]) for i in range(0, len(cores) - per + 1, per)]
+    spare = tuple(cores[len(units) * per:])
+    if len(units) < 2 or not workers:
         return Placement()
     rank = {role: i for i, role in enumerate(ROLE_WEIGHT_ORDER)}
     order = sorted(range(len(workers)), key=lambda i: (rank.get(workers[i][1], len(rank)), i))
     out: dict[str, tuple[int, ...]] = {}
-    if len(workers) < len(cores):
-        for core, i in zip(cores, order):
-            out[workers[i][0]] = (core,)
-        control = tuple(cores[len(workers):])
+    if len(workers) < len(units) or (spare and len(workers) == len(units)):
+        for unit, i in zip(units, order):
+            out[workers[i][0]] = unit
+        control = tuple(c for unit in units[len(workers):] for c in unit) + spare
     else:
-        own, shared = order[:len(cores) - 1], order[len(cores) - 1:]
-        for core, i in zip(cores, own):
-            out[workers[i][0]] = (core,)
+        own, shared = order[:len(units) - 1], order[len(units) - 1:]
+        for unit, i in zip(units, own):
+            out[workers[i][0]] = unit
         for i in shared:
-            out[workers[i][0]] = (cores[-1],)
-        control = (cores[-1],)
+            out[workers[i][0]] = units[-1]
+        control = units[-1] + spare
     return Placement({name: out[name] for name, _ in workers}, control)
 
 

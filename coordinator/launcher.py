@@ -77,7 +77,7 @@ class LocalCluster:
         self.threads = threads
         # auto: each process's cores from common/cpu_placement.py's plan over the cores this process may
         # use, passed as --cpus; off: the children run wherever Linux puts them.
-        self.placement = (plan(usable_cores(), [(n, r) for n, (_, r) in self._workers.items()])
+        self.placement = (plan(usable_cores(), [(n, r) for n, (_, r) in self._workers.items()], per_worker=threads)
                           if cpu_placement == "auto" else Placement())
         self.transfer = transfer
         self.extra_worker_args = list(extra_worker_args)

@@ -38,6 +38,14 @@ def test_heaviest_role_first_then_start_order():
                          "encode-0": (3,)}
 
 
+def test_workers_with_several_threads_get_that_many_cores_each():
+    p = plan(range(5), DISAGG, per_worker=2)  # two units of two cores, core 4 left over
+    assert p.workers == {"encode-0": (2, 3), "prefill-0": (0, 1), "decode-0": (2, 3)} and p.control == (2, 3, 4)
+    p = plan(range(7), DISAGG, per_worker=2)
+    assert p.workers == {"encode-0": (4, 5), "prefill-0": (0, 1), "decode-0": (2, 3)} and p.control == (6,)
+    assert plan(range(3), DISAGG, per_worker=2).workers == {}  # one unit: nothing to place
+
+
 def test_one_core_or_no_workers_places_nothing():
     assert plan([3], DISAGG).workers == {} and plan([3], DISAGG).control == ()
     assert plan([0, 1], []).workers == {}
