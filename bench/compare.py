@@ -207,9 +207,7 @@ def launched(spec: ConfigSpec, args: argparse.Namespace, log_dir: Path) -> Itera
         cluster = LocalCluster(args.model, **spec.pools, threads=args.threads, transfer=args.transfer,
                                log_dir=str(log_dir), extra_coordinator_args=[*extra, *spec.coordinator_args],
                                extra_worker_args=spec.worker_args,
-                               cpu_placement=spec.cpu_placement or args.cpu_placement)
-        log.info("%s: CPU placement %s", spec.label, cluster.placement.describe() if cluster.placement.workers
-                 else "off")
+                               cpu_placement=spec.cpu_placement or args.cpu_placement)  # the launcher logs it
         try:
             cluster.start(timeout_s=args.start_timeout)
             yield cluster.address, None
