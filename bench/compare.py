@@ -98,7 +98,8 @@ def parse_config(text: str) -> ConfigSpec:
     `unified:2@max-prefill-tokens=256` or `disagg:1e1p1d@max-stages-per-worker=2`, so settings compare
     side by side in one run. A flag that names a coordinator setting goes to the coordinator, one that
     names a worker setting to every worker (both, where both have it: `@class-aging-s=2`); any other
-    to every worker, except `@cpu-placement=auto|off`, the launcher's (`mserve up --cpu-placement`). An `openai:` configuration takes one setting, `@model=NAME`: the model its requests
+    to every worker, except `@cpu-placement=auto|off`, the launcher's (`mserve up --cpu-placement`).
+    An `openai:` configuration takes one setting, `@model=NAME`: the model its requests
     name (a group of variants, or one variant)."""
     from mserve.coordinator.settings import CoordinatorSettings
     from mserve.workers.settings import WorkerSettings
