@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-hand-back", action="store_true", default=None,
                    help="decode workers hand each finished reply's KV blocks back to the prefill worker, so a "
                         "conversation's next turn finds its prompt and the reply cached (default off)")
+    p.add_argument("--local-prefill-tokens", type=int,
+                   help="conditional disaggregation: when the chosen prefill worker already has this many prompt "
+                        "tokens waiting, a decode worker with room and fewer waiting prefills the prompt itself "
+                        "and decodes it on, with no KV transfer (default 0: never)")
     p.add_argument("--spread-encode", choices=("on", "off"), default=None,
                    help="share a multi-image request's images with idle encode workers, which encode their parts "
                         "at the same time (default on)")

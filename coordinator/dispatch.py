@@ -30,7 +30,7 @@ from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
                                         RequestTable, Stage, stage_message)
 from mserve.coordinator.routing import (WorkerView, alive, pipeline_for, prefix_covered, route_decode, route_encode,
-                                        route_prefill, route_unified, spread_encode)
+                                        route_local_prefill, route_prefill, route_unified, spread_encode)
 from mserve.coordinator.single_flight import Parked, SingleFlight
 from mserve.coordinator.stage_queues import StageQueues, takers
 
@@ -181,12 +181,29 @@ class Dispatcher:
                 return pinned  # credited when the skip was planned (_skip_covered_images)
             hits = self.lookups.prefix_hits(a, block_size)
             chosen = route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
-            self._credit(st, chosen, hits)
-            return chosen
+            local = self._local_prefill(st, chosen)
+            self._credit(st, local or chosen, hits)
+            return local or chosen
         if st.next_stage == Stage.DECODE:
             need = request_blocks(len(a.prompt_ids), a.request.sampling.max_tokens, block_size)
             return route_decode(self._draw(ws), need)
         raise AssertionError(st.next_stage)
+
+    def _local_prefill(self, st: RequestState, chosen: WorkerView | None) -> WorkerView | None:
+        """A decode worker to prefill on instead of `chosen`, when the prefill pool is behind
+        (routing.route_local_prefill): it decodes the request on where it prefilled it. Not for a
+        request whose images are still encoding in parts (EMBEDDINGS follow only to prefill workers)
+        or whose tokens the workers stream to the client themselves (a PREFILL carries no token route)."""
+        n = self.settings.local_prefill_tokens
+        if chosen is None or n <= 0 or st.parts or self.settings.token_report_every > 1:
+            return None
+        a = st.admitted
+        need = request_blocks(len(a.prompt_ids), a.request.sampling.max_tokens, self.members.block_size)
+        local = route_local_prefill(chosen, self._draw(alive(self.members.routable(), "decode")),
+                                    len(a.prompt_ids), need, n)
+        if local is not None:
+            self.stats["local_prefills"] += 1
+        return local
 
     def _credit(self, st: RequestState, worker: WorkerView | None, hits: dict[str, int]) -> None:
         """The prompt tokens the chosen worker likely holds: its stage charges it only for the rest."""

@@ -99,6 +99,9 @@ class MachineSettings:
     # > 1: decode and unified workers report tokens this often, streaming them to clients that
     # gave a token sink themselves (token_route); 1: every step, all through the coordinator.
     token_report_every: int = 1
+    # A prefill worker with this many prompt tokens waiting lends the next prompt to a decode worker
+    # with fewer, which prefills and decodes it (dispatch.py `_local_prefill`); 0: never.
+    local_prefill_tokens: int = 0
     # Admission counts placeholders at this keep ratio: encoding workers must prune to the same one.
     visual_token_pruning: float | None = None
 

@@ -122,6 +122,9 @@ class StageReplies:
         assert worker is not None  # the machine hands on replies of registered workers only
         stage = Stage.RUN if worker.role == "unified" else Stage.DECODE
         st = self._current(worker_id, item, stage)
+        local = st is None and stage == Stage.DECODE and item.first
+        if local:  # a PREFILL lent to this decode worker (dispatch.py `_local_prefill`): it decodes on
+            st = self._current(worker_id, item, Stage.PREFILL)
         if st is None:
             if item.request_id not in self.requests and not item.finished:
                 # Nobody waits for it (a coordinator before this one admitted it): free the worker.
@@ -131,9 +134,9 @@ class StageReplies:
         st.timings["transfer_s"] += item.fetch_s or 0.0
         now = self.outbox.now
         st.deadline = now + self.settings.stage_timeout_s  # progress resets the stage timeout
-        if stage == Stage.RUN and item.first:  # unified: time to the first token is its prefill
+        if (stage == Stage.RUN or local) and item.first:  # unified, local: time to the first token is its prefill
             st.timings["prefill_s"] += now - st.stage_started
-            st.stage_started = now
+            st.stage, st.stage_started = stage, now
             self.staging.prefill_done(st)  # its prompt is no longer work waiting on that worker
         # Direct tokens: the worker streamed these to the client itself; here they are only recorded.
         self.life.emit(st, item.token_ids, relay=not direct_tokens(st, self.settings.token_report_every))

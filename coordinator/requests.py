@@ -80,12 +80,13 @@ class RequestMachine:
                  class_aging_s: float = CLASS_AGING_S, spread_encode: bool = True, route_choices: int = 0,
                  seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
                  encode_leases: Leases | None = None, shard_id: str = "coordinator",
-                 prefix_skip: bool = True, adaptive_pruning: AdaptivePruning | None = None) -> None:
+                 prefix_skip: bool = True, local_prefill_tokens: int = 0, adaptive_pruning: AdaptivePruning | None = None) -> None:
         self.settings = MachineSettings(
             stage_timeout_s=stage_timeout_s, dead_after_s=dead_after_s, max_attempts=max_attempts,
             max_waiting_requests=max_waiting_requests, kv_hand_back=kv_hand_back,
             max_stages_per_worker=max_stages_per_worker, spread_encode=spread_encode, route_choices=route_choices,
-            token_report_every=token_report_every, visual_token_pruning=visual_token_pruning, prefix_skip=prefix_skip)
+            token_report_every=token_report_every, visual_token_pruning=visual_token_pruning, prefix_skip=prefix_skip,
+            local_prefill_tokens=local_prefill_tokens)
         self.rng = random.Random(seed)
         self.first_tokens = FirstTokenRate()
         self.telemetry = Telemetry()
@@ -94,7 +95,7 @@ class RequestMachine:
         self._refused: dict[str, float | None] = {}  # worker -> the ratio it was refused for (logged once)
         self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0,
                       "spread_encodes": 0, "token_items": 0, "encode_deduplicated": 0,
-                      "encodes_skipped_by_prefix": 0, "pruned_adaptive": 0}
+                      "encodes_skipped_by_prefix": 0, "pruned_adaptive": 0, "local_prefills": 0}
         self.adaptive = adaptive_pruning  # SLO-adaptive pruning: admission asks it a request's keep ratio
         self.outbox = Outbox()
         self.members = Membership()

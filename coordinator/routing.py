@@ -117,6 +117,24 @@ def route_prefill(workers: Iterable[WorkerView], prompt_tokens: int,
     return min(candidates, key=cost)
 
 
+def route_local_prefill(prefill: WorkerView, workers: Iterable[WorkerView], prompt_tokens: int, blocks_needed: int,
+                        backlog_tokens: int) -> WorkerView | None:
+    """A decode worker to prefill this prompt on and decode it there (conditional disaggregation), or
+    None: the prefill worker routing chose keeps it.
+
+    Only when that prefill worker already has at least `backlog_tokens` prompt tokens waiting (0: never;
+    the coordinator's local_prefill_tokens), and a decode worker with room for the whole request has
+    fewer prompt tokens of its own waiting than the prefill worker would with this one: a prefill pool
+    that falls behind its decode pool lends it prompts, instead of every request queueing at prefill
+    while the decode workers run small batches. Among those, the least busy."""
+    if backlog_tokens <= 0 or prefill.inflight_tokens < backlog_tokens:
+        return None
+    ahead = prefill.inflight_tokens + prompt_tokens
+    fits = [w for w in alive(workers, "decode") if (w.total_blocks == 0 or w.spare_blocks >= blocks_needed)
+            and w.inflight_tokens + prompt_tokens < ahead]
+    return min(fits, key=lambda w: (w.inflight_tokens, w.busy, w.worker_id), default=None)
+
+
 def prefix_covered(ends: Sequence[int | None], prompt_tokens: int, hit_blocks: int, block_size: int) -> list[int]:
     """The images (by index) whose whole placeholder range, ending at `ends[i]` (None: never skipped), lies
     in the `hit_blocks` leading prompt blocks a prefill worker holds: it needs no embeddings for them.

@@ -71,6 +71,10 @@ class CoordinatorSettings(BaseSettings):
     # prompt (workers/hand_back.py): a next turn that resends prompt + reply finds both cached. Off by
     # default: it moves the reply's KV once per request, which pays only for multi-turn traffic.
     kv_hand_back: bool = False
+    # Conditional disaggregation: a prefill worker with at least this many prompt tokens waiting lends
+    # the next prompt to a decode worker with room and fewer waiting, which prefills it and decodes it
+    # on (no KV transfer). 0: never, every prompt goes to the prefill pool.
+    local_prefill_tokens: int = Field(0, ge=0)
     # Admission limits (common/policy.py `Limits` says what each bounds).
     max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
     max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels

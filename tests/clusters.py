@@ -31,10 +31,11 @@ class Lean:
     unified: int = 0
     transfer: str = "auto"
     worker_args: tuple[str, ...] = ()  # every worker's extra flags (an engine setting a module's tests need)
+    coordinator_args: tuple[str, ...] = ()  # the coordinator's (a routing setting)
 
     def __str__(self) -> str:
         pools = f"{self.unified}unified" if self.unified else f"{self.encode}e{self.prefill}p{self.decode}d"
-        return f"{self.arch}-{pools}-{self.transfer}" + "".join(self.worker_args)
+        return f"{self.arch}-{pools}-{self.transfer}" + "".join(self.worker_args + self.coordinator_args)
 
 
 LLAVA_1E1P1D = Lean("llava", transfer="shm")
@@ -76,7 +77,8 @@ class SharedClusters:
         if cluster is None:
             cluster = LocalCluster(str(self.model_dirs[lean.arch]), encode=lean.encode, prefill=lean.prefill,
                                    decode=lean.decode, unified=lean.unified, transfer=lean.transfer,
-                                   extra_worker_args=list(lean.worker_args)).start()
+                                   extra_worker_args=list(lean.worker_args),
+                                   extra_coordinator_args=list(lean.coordinator_args)).start()
             self.running[lean] = cluster
         self._failed_at_get[lean] = self.session.testsfailed
         return cluster

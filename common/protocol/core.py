@@ -53,7 +53,7 @@ _CONTROL = {MsgType.CANCEL, MsgType.SHUTDOWN}
 ROLE_ACCEPTS: dict[str, frozenset[MsgType]] = {
     "encode": frozenset({MsgType.ENCODE, *_CONTROL}),
     "prefill": frozenset({MsgType.PREFILL, MsgType.ADOPT, MsgType.EMBEDDINGS, *_CONTROL}),
-    "decode": frozenset({MsgType.DECODE, *_CONTROL}),
+    "decode": frozenset({MsgType.DECODE, MsgType.PREFILL, *_CONTROL}),  # PREFILL: lent (coordinator local_prefill_tokens)
     "unified": frozenset({MsgType.RUN, *_CONTROL}),
 }
 

@@ -230,6 +230,38 @@ def test_disaggregated_happy_path_streams_and_ends_with_all_tokens():
     assert all(w["load"]["inflight"] == 0 for w in status["workers"].values())
 
 
+def test_a_prompt_lent_to_a_decode_worker_is_prefilled_and_decoded_there():
+    h = Harness(("p0", "prefill"), ("d0", "decode"), local_prefill_tokens=20)
+    first = only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")  # nothing waits at p0 yet
+    lent = only(h.submit(make_admitted("b", stream=True)), MsgType.PREFILL, "d0")  # p0 has 20 prompt tokens waiting
+    assert lent.body["prompt_ids"] == list(range(100, 120)) and h.m.status()["stats"]["local_prefills"] == 1
+    assert h.m.members.get("d0").inflight_tokens == 20
+    h.t += 0.5
+    out = h.step("d0", lent, [7], first=True)  # no PREFILLED: its first token comes as a decode step's
+    assert kinds(out) == [("TOKENS", CLIENT)] and h.m.requests[lent.body["request_id"]].stage == Stage.DECODE
+    assert h.m.members.get("d0").inflight_tokens == 0  # its prompt is done there
+    h.t += 1.0
+    out = h.step("d0", lent, [8, 9], finished=True)
+    res = only(out, MsgType.RESULT).body
+    assert kinds(out) == [("TOKENS", CLIENT), ("RESULT", CLIENT)]
+    assert res["token_ids"] == [7, 8, 9] and res["timings"]["prefill_s"] == 0.5 and res["timings"]["decode_s"] == 1.0
+    # The first request went the usual way, and the next one finds p0 with nothing waiting again.
+    only(h.prefilled("p0", first, token=5), MsgType.DECODE, "d0")
+    assert only(h.submit(make_admitted("c")), MsgType.PREFILL, "p0")
+
+
+def test_a_lent_prompt_that_fails_reruns_and_a_stale_first_token_is_ignored():
+    h = Harness(("p0", "prefill"), ("d0", "decode"), local_prefill_tokens=1)
+    only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")
+    lent = only(h.submit(make_admitted("b", stream=True)), MsgType.PREFILL, "d0")
+    out = h.failed("d0", lent)
+    assert kinds(out) == [("CANCEL", "d0"), ("PREFILL", "d0")]  # re-run: p0 still busy, so lent again
+    assert h.step("d0", lent, [7], first=True) == []  # the failed attempt's token: stale
+    rerun = out[1]
+    assert rerun.body["attempt"] == 1
+    assert kinds(h.step(rerun.worker_id, rerun, [7], first=True)) == [("TOKENS", CLIENT)]
+
+
 def test_direct_tokens_leave_the_coordinator_out_of_the_stream():
     """token_report_every > 1: DECODE tells the worker where the client's token sink is; the coordinator
     relays the first token (from PREFILLED) and the RESULT only, and assigns a seed to sampling."""

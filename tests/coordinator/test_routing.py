@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mserve.coordinator.routing import (WorkerView, pipeline_for, prefix_covered, route_decode, route_encode, route_prefill,
-                                        route_unified, spread_encode)
+from mserve.coordinator.routing import (WorkerView, pipeline_for, prefix_covered, route_decode, route_encode,
+                                        route_local_prefill, route_prefill, route_unified, spread_encode)
 
 
 def w(wid: str, role: str, **kw) -> WorkerView:
@@ -22,6 +22,20 @@ def test_prefill_balances_pending_tokens_and_credits_cached_prefixes():
     assert route_prefill(ws, 600).worker_id == "p1"
     # p0 already holds 120 blocks of this prompt: cheaper despite its queue.
     assert route_prefill(ws, 2000, {"p0": 120}, block_size=16).worker_id == "p0"
+
+
+def test_a_prefill_worker_behind_lends_the_prompt_to_a_decode_worker_with_room_and_less_waiting():
+    p = w("p0", "prefill", inflight_tokens=1400)
+    ds = [w("d0", "decode", free_blocks=100, total_blocks=100, inflight=3),
+          w("d1", "decode", free_blocks=100, total_blocks=100, inflight=1)]
+    assert route_local_prefill(p, ds, 700, 50, backlog_tokens=0) is None  # off
+    assert route_local_prefill(p, ds, 700, 50, backlog_tokens=1500) is None  # not behind enough
+    assert route_local_prefill(p, ds, 700, 50, backlog_tokens=1400).worker_id == "d1"  # the less busy
+    assert route_local_prefill(p, ds, 700, 120, backlog_tokens=1000) is None  # no decode worker has the blocks
+    # A decode worker with as much prompt work waiting as the prefill worker would have gains nothing.
+    lent = [w("d0", "decode", inflight_tokens=1400), w("d1", "decode", alive=False)]
+    assert route_local_prefill(p, lent, 700, 50, backlog_tokens=1000) is None
+    assert route_local_prefill(p, [w("d0", "decode", inflight_tokens=1399)], 700, 50, 1000).worker_id == "d0"
 
 
 def test_decode_goes_where_blocks_are_free():

@@ -1,17 +1,22 @@
-"""Decode role: adopt a prefilled request's KV blocks into this pool and decode it in the continuous batch."""
+"""Decode role: adopt a prefilled request's KV blocks into this pool and decode it in the continuous batch.
+
+A PREFILL the coordinator lends a decode worker (its local_prefill_tokens: the prefill pool is behind)
+is prefilled here from the encoders' embeddings, like a prefill worker would, and decodes on in the
+same batch: nothing is handed over."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from mserve.common.protocol.to_coordinator import TokenItem
-from mserve.common.protocol.to_worker import DecodeTask
+from mserve.common.protocol.to_worker import DecodeTask, PrefillTask
 from mserve.common.transfer import TransferError
 from mserve.workers.engine import StepOutput
 from mserve.workers.hand_back import KVExport
 from mserve.workers.requests import WorkerRequest
+from mserve.workers.roles.prefill import add_prompt, prompt_transfers
 from mserve.workers.roles.stepping import SteppingWorker, Timed
 from mserve.workers.sequence import Sequence
 
@@ -22,7 +27,10 @@ class DecodeWorker(SteppingWorker):
     ROLE = "decode"
     PARTS = "text"
 
-    def transfers(self, task: DecodeTask) -> Callable[[], Timed]:
+    def transfers(self, task: DecodeTask | PrefillTask) -> Callable[[], Any] | None:
+        if isinstance(task, PrefillTask):
+            return prompt_transfers(self, task)
+
         def pull() -> Timed:
             t0 = time.perf_counter()
             # Zero-copy: over shm the tensors are views of the prefill worker's segment and
@@ -32,10 +40,13 @@ class DecodeWorker(SteppingWorker):
 
         return pull
 
-    def release_fetched(self, fetched: Timed) -> None:
-        fetched.value.release()  # the request left while its KV came: ack, so the sender reuses the segment
+    def release_fetched(self, fetched: Timed | list[Timed]) -> None:
+        if isinstance(fetched, Timed):  # a PREFILL's embeddings are copies: nothing to ack
+            fetched.value.release()  # the request left while its KV came: ack, so the sender reuses the segment
 
-    def add(self, task: DecodeTask, rec: WorkerRequest, fetched: Timed) -> Sequence:
+    def add(self, task: DecodeTask | PrefillTask, rec: WorkerRequest, fetched: Any) -> Sequence:
+        if isinstance(task, PrefillTask):
+            return add_prompt(self, task, rec, fetched, prefill_only=False)
         rid = task.request_id
         view = fetched.note(rec)
         # Leaving the block releases the view: the ack that lets the sender reuse the segment.

@@ -76,35 +76,10 @@ class PrefillWorker(SteppingWorker):
         self.fetches.submit(FetchJob(("adopt", task.request_id), pull, adopt, failed))
 
     def transfers(self, task: PrefillTask) -> Callable[[], Any] | None:
-        if task.embeddings:
-            return lambda: [self.fetch(task.embeddings)]
-        if task.embedding_parts:
-            return lambda: [self.fetch(p.descriptor) for p in task.embedding_parts]
-        return None
+        return prompt_transfers(self, task)
 
     def add(self, task: PrefillTask, rec: WorkerRequest, fetched: list[Timed] | None) -> Sequence:
-        rid = task.request_id
-        encoded: list[EncodedImage | None] = []
-        if task.embeddings:
-            tensors = fetched[0].note(rec)
-            grids = task.grids or [None] * len(tensors)
-            encoded = [EncodedImage(tensors[f"img{i}"], tuple(grids[i]) if grids[i] else None)
-                       for i in range(len(tensors))]
-        elif task.embedding_parts or task.pending_images:
-            # Encoded on several encoders: the parts in so far; the pending ones follow as EMBEDDINGS.
-            got = self._parts(rec, task.embedding_parts or [], fetched or [], task.grids)
-            encoded = [got.get(i) for i in range(len(task.image_hashes))]
-        elif task.skipped_images:
-            encoded = [None] * len(task.image_hashes)
-        # Skipped images come from nowhere: should this pool lack their prefix blocks after all, the
-        # engine drops the request and the worker reports it (stepping.py) for a re-run that encodes them.
-        deferred = {i: None for i in task.skipped_images}
-        return self.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
-                                       deferred=deferred, grids=task.grids,
-                                         sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
-                                         prefill_only=True, output_ids=task.output_ids,
-                                         latency_class=task.latency_class, item_tokens=task.image_tokens or None,
-                                         item_fps=task.item_fps)
+        return add_prompt(self, task, rec, fetched, prefill_only=True)
 
     def report(self, outputs: list[StepOutput]) -> None:
         for out in outputs:  # a prefill's one output ends its stage here
@@ -137,3 +112,40 @@ class PrefillWorker(SteppingWorker):
                     a.free()  # a no-op once published
             msg.state = export.state
         self.send(msg)
+
+
+def prompt_transfers(worker: SteppingWorker, task: PrefillTask) -> Callable[[], Any] | None:
+    """A PREFILL's embeddings to fetch from the encode workers (none: text only, or all skipped)."""
+    if task.embeddings:
+        return lambda: [worker.fetch(task.embeddings)]
+    if task.embedding_parts:
+        return lambda: [worker.fetch(p.descriptor) for p in task.embedding_parts]
+    return None
+
+
+def add_prompt(worker: SteppingWorker, task: PrefillTask, rec: WorkerRequest, fetched: list[Timed] | None,
+               prefill_only: bool) -> Sequence:
+    """A PREFILL's prompt into the worker's engine, with its fetched embeddings. `prefill_only`: it leaves
+    after its first token (a prefill worker); else it decodes on (a decode worker lent the prompt)."""
+    rid = task.request_id
+    encoded: list[EncodedImage | None] = []
+    if task.embeddings:
+        tensors = fetched[0].note(rec)
+        grids = task.grids or [None] * len(tensors)
+        encoded = [EncodedImage(tensors[f"img{i}"], tuple(grids[i]) if grids[i] else None)
+                   for i in range(len(tensors))]
+    elif task.embedding_parts or task.pending_images:
+        # Encoded on several encoders: the parts in so far; the pending ones follow as EMBEDDINGS.
+        got = PrefillWorker._parts(rec, task.embedding_parts or [], fetched or [], task.grids)
+        encoded = [got.get(i) for i in range(len(task.image_hashes))]
+    elif task.skipped_images:
+        encoded = [None] * len(task.image_hashes)
+    # Skipped images come from nowhere: should this pool lack their prefix blocks after all, the
+    # engine drops the request and the worker reports it (stepping.py) for a re-run that encodes them.
+    deferred = {i: None for i in task.skipped_images}
+    return worker.engine.add_request(rid, task.prompt_ids, encoded=encoded, image_hashes=task.image_hashes or None,
+                                     deferred=deferred, grids=task.grids,
+                                     sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
+                                     prefill_only=prefill_only, output_ids=task.output_ids,
+                                     latency_class=task.latency_class, item_tokens=task.image_tokens or None,
+                                     item_fps=task.item_fps)
