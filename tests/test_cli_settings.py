@@ -64,3 +64,19 @@ def test_the_fetch_timeout_is_a_worker_setting_and_must_be_positive(monkeypatch)
     assert WorkerSettings(role="decode", model="m").fetch_timeout_s == 10.0
     with pytest.raises(ValidationError, match="fetch_timeout_s must be a number of seconds above 0, not 0"):
         WorkerSettings(role="decode", model="m", fetch_timeout_s=0)
+
+
+def test_an_encoder_takes_one_image_per_forward_on_the_cpu_and_eight_on_cuda(monkeypatch):
+    from pydantic import ValidationError
+
+    from mserve.workers.settings import WorkerSettings
+
+    for var in ("MSERVE_MAX_ENCODE_IMAGES", "MSERVE_DEVICE"):
+        monkeypatch.delenv(var, raising=False)
+    assert WorkerSettings(role="encode", model="m").max_encode_images == 1
+    assert WorkerSettings(role="encode", model="m", device="cuda").max_encode_images == 8
+    assert WorkerSettings(role="encode", model="m", max_encode_images=4).max_encode_images == 4
+    monkeypatch.setenv("MSERVE_MAX_ENCODE_IMAGES", "3")
+    assert WorkerSettings(role="encode", model="m", device="cuda").max_encode_images == 3
+    with pytest.raises(ValidationError, match="max_encode_images"):
+        WorkerSettings(role="encode", model="m", max_encode_images=0)

@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"do not starve behind interactive ones (default {CLASS_AGING_S:g}; the "
                         "coordinator's own --class-aging-s orders the requests it holds)")
     p.add_argument("--max-encode-images", type=int,
-                   help="images per vision forward on an encode worker, at most; interactive ones first (default 8)")
+                   help="images per vision forward on an encode worker, at most; interactive ones first (default "
+                        "1 on the CPU, where a batch is no quicker per image and holds every image back to the "
+                        "last; 8 on CUDA)")
     p.add_argument("--embedding-cache-mb", type=float,
                    help="L1 embedding cache: an encode worker's own memory, 0 for none (default 512)")
     p.add_argument("--host-embedding-cache-mb", type=float,

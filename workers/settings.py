@@ -6,10 +6,13 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, DEFAULT_LIMITS
+
+
+CPU_ENCODE_IMAGES, GPU_ENCODE_IMAGES = 1, 8  # max_encode_images' defaults
 
 
 class WorkerSettings(BaseSettings):
@@ -49,8 +52,11 @@ class WorkerSettings(BaseSettings):
     host_embedding_cache_mb: float = 1024
     host_embedding_cache_dir: str | None = None
     # Images per vision forward on an encode worker, at most: bounds how long an interactive image
-    # waits behind a batch of others (it is taken first, by class, from the queue).
-    max_encode_images: int = 8
+    # waits behind a batch of others (it is taken first, by class, from the queue). None: 1 on the CPU,
+    # where a batch is no quicker per image (22 ms alone, 27 in a batch of 8, small LLaVA in bf16) and
+    # every image of it waits for the whole forward, while one at a time lets prefill start on the first;
+    # 8 on a GPU, where a batch is what fills it (bench/README.md, "An encode batch of one on the CPU").
+    max_encode_images: int | None = Field(None, ge=1)
     heartbeat_s: float = 0.25
     # SIGTERM drains: no new work, finish what is here, exit when the coordinator releases the worker
     # (workers/draining.py); past this many seconds it exits anyway. Keep it below the platform's kill
@@ -83,6 +89,12 @@ class WorkerSettings(BaseSettings):
     # The CPU cores this process runs on (--cpus, $MSERVE_CPUS; common/cpu_placement.py): mserve/cli.py
     # pins the process before anything starts; None: every core it may use.
     cpus: str | None = None
+
+    @model_validator(mode="after")
+    def _encode_batch_by_device(self) -> "WorkerSettings":
+        if self.max_encode_images is None:
+            self.max_encode_images = CPU_ENCODE_IMAGES if self.device == "cpu" else GPU_ENCODE_IMAGES
+        return self
 
     @field_validator("fetch_timeout_s")
     @classmethod
