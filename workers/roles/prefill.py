@@ -39,25 +39,13 @@ class PrefillWorker(SteppingWorker):
 
         def attach(got: list[Timed]) -> None:
             def attach_all() -> None:
-                for i, enc in self._parts(rec, task.parts, got).items():
+                for i, enc in fetched_parts(rec, task.parts, got).items():
                     self.engine.attach_embeddings(rid, i, enc)
 
             self.guarded(rid, task.attempt, attach_all)  # a failure ends the attempt (its blocks too)
 
         # Queued behind the PREFILL's own fetch when that is still in flight (workers/fetcher.py).
         self.submit_fetch(rid, task.attempt, lambda: [self.fetch(p.descriptor) for p in task.parts], attach)
-
-    @staticmethod
-    def _parts(rec: WorkerRequest, parts: list[EmbeddingPart], got: list[Timed],
-               grids: list | None = None) -> dict[int, EncodedImage]:
-        """Each part's fetched embeddings, as {image index: EncodedImage}."""
-        out = {}
-        for part, fetched in zip(parts, got):
-            tensors = fetched.note(rec)
-            for j, i in enumerate(part.images):
-                grid = (part.grids or [None] * len(part.images))[j] or (grids[i] if grids else None)
-                out[i] = EncodedImage(tensors[f"img{j}"], tuple(grid) if grid else None)
-        return out
 
     def adopt(self, task: AdoptBlocks) -> None:
         """A decode worker's reply blocks, handed back: keep them cached for the conversation's next turn."""
@@ -123,6 +111,18 @@ def prompt_transfers(worker: SteppingWorker, task: PrefillTask) -> Callable[[], 
     return None
 
 
+def fetched_parts(rec: WorkerRequest, parts: list[EmbeddingPart], got: list[Timed],
+                  grids: list | None = None) -> dict[int, EncodedImage]:
+    """Each part's fetched embeddings, as {image index: EncodedImage}."""
+    out = {}
+    for part, fetched in zip(parts, got):
+        tensors = fetched.note(rec)
+        for j, i in enumerate(part.images):
+            grid = (part.grids or [None] * len(part.images))[j] or (grids[i] if grids else None)
+            out[i] = EncodedImage(tensors[f"img{j}"], tuple(grid) if grid else None)
+    return out
+
+
 def add_prompt(worker: SteppingWorker, task: PrefillTask, rec: WorkerRequest, fetched: list[Timed] | None,
                prefill_only: bool) -> Sequence:
     """A PREFILL's prompt into the worker's engine, with its fetched embeddings. `prefill_only`: it leaves
@@ -136,7 +136,7 @@ def add_prompt(worker: SteppingWorker, task: PrefillTask, rec: WorkerRequest, fe
                    for i in range(len(tensors))]
     elif task.embedding_parts or task.pending_images:
         # Encoded on several encoders: the parts in so far; the pending ones follow as EMBEDDINGS.
-        got = PrefillWorker._parts(rec, task.embedding_parts or [], fetched or [], task.grids)
+        got = fetched_parts(rec, task.embedding_parts or [], fetched or [], task.grids)
         encoded = [got.get(i) for i in range(len(task.image_hashes))]
     elif task.skipped_images:
         encoded = [None] * len(task.image_hashes)
