@@ -15,26 +15,27 @@ which model answered, the table counts the requests each served model answered, 
 
 Every launched configuration gets --threads torch threads per worker/server (default 1), is stopped
 before the next one starts, and sees the identical trace (saved as trace.jsonl in --out).
+
+--rounds N repeats the pass N times, each round over a new trace and in a rotated order (bench/rounds.py):
+the table then gives medians over the rounds, and each round's ratio to the baseline beside it. Each round
+writes its trace, its reports and its own table under --out/round-R/.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from mserve.bench.serve import add_load_arguments
 
@@ -187,83 +188,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dead-after-s", type=float, default=None,
                    help="launched coordinators' heartbeat timeout (default: the coordinator's own, 5 s)")
     add_load_arguments(p)
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="repeat the pass over the configurations N times (default 1), each round over a new trace "
+                        "(--seed plus the round) and starting at the next configuration; the table gives "
+                        "medians over the rounds and each round's ratio to the first configuration. For a host "
+                        "whose speed drifts, where one pass's ratios say more about the minute than the servers")
     p.add_argument("--out", default=None, help="output folder (default out/bench/compare-TRACE-TIME)")
-
-
-# --------------------------------------------------------------------------- launching
-
-
-def _http_get_json(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback URL we built)
-        return json.loads(resp.read())
-
-
-@contextlib.contextmanager
-def launched(spec: ConfigSpec, args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, str | None]]:
-    """Start the configuration (if it is ours to start); yield (target URL, HTTP model name); always stop it."""
-    if spec.kind == "cluster":
-        from mserve.coordinator.launcher import LocalCluster
-
-        extra = ["--dead-after-s", str(args.dead_after_s)] if args.dead_after_s is not None else []
-        cluster = LocalCluster(args.model, **spec.pools, threads=args.threads, transfer=args.transfer,
-                               log_dir=str(log_dir), extra_coordinator_args=[*extra, *spec.coordinator_args],
-                               extra_worker_args=spec.worker_args,
-                               cpu_placement=spec.cpu_placement or args.cpu_placement)  # the launcher logs it
-        try:
-            cluster.start(timeout_s=args.start_timeout)
-            yield cluster.address, None
-        finally:
-            cluster.stop()
-    elif spec.kind == "hf":
-        from mserve.common.sockets import free_port
-
-        port = free_port()
-        log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "mserve.bench.hf_server", "--model", str(args.model), "--port", str(port),
-               "--threads", str(args.threads), "--served-model-name", "hf-sequential"]
-        with open(log_dir / "hf_server.log", "wb") as logf:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            deadline = time.monotonic() + args.start_timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"hf_server exited with code {proc.returncode}; see {log_dir / 'hf_server.log'}")
-                try:
-                    _http_get_json(f"http://127.0.0.1:{port}/health", timeout=1.0)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("hf_server did not come up in time") from None
-                    time.sleep(0.3)
-            yield f"http://127.0.0.1:{port}/v1", "hf-sequential"
-        finally:
-            _stop_group(proc)
-    elif spec.kind == "http":
-        model = spec.request_model or args.openai_model
-        if model is None:
-            try:
-                model = _http_get_json(spec.url.rstrip("/") + "/models")["data"][0]["id"]
-            except (OSError, ValueError, KeyError, IndexError) as exc:
-                raise RuntimeError(f"cannot read {spec.url}/models ({exc}); pass --openai-model") from None
-        yield spec.url, model
-    else:
-        yield spec.url, None
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 # --------------------------------------------------------------------------- the table
@@ -330,34 +260,23 @@ def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "config"
 
 
-def main(args: argparse.Namespace) -> int:
-    import shlex
-
-    from mserve.bench.report import compare_table
-    from mserve.bench.serve import build_trace, default_out, finish_run, json_rate, run_trace
+def run_pass(specs: list[ConfigSpec], order: list[int], trace: list[Any], seed: int, args: argparse.Namespace,
+             out: Path, round_note: str = "") -> tuple[dict[str, dict], dict[str, str], list[str]]:
+    """Each configuration in `order` in turn on the same trace (made with `seed`): ({label: headline
+    summary, empty where it failed}, {label: why it failed}, host load lines). Reports go to out/IDX-LABEL/."""
+    from mserve.bench.launch import launched
+    from mserve.bench.serve import finish_run, json_rate, run_trace
     from mserve.bench.targets import make_target
-    from mserve.bench.traces import save_trace
 
-    def _terminate(*_: Any) -> None:
-        raise SystemExit(143)  # unwinds through `launched`, which stops what it started
-
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        specs = parse_configs(args.configs)
-    except ValueError as exc:
-        raise SystemExit(f"error: --configs: {exc}") from None
-    trace = build_trace(args)
     trace_name = Path(args.trace_file).stem if args.trace_file else args.trace
-    out = Path(args.out) if args.out else default_out("compare", trace_name)
-    save_trace(trace, out / "trace.jsonl")
     max_tokens = max((r.max_tokens for r in trace), default=8)
-
-    rows: list[tuple[str, dict[str, Any]]] = []
+    rows: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
     hosts: list[str] = []
-    for idx, spec in enumerate(specs):
+    for n, idx in enumerate(order):
+        spec = specs[idx]
         sub = out / f"{idx}-{slug(spec.label)}"
-        print(f"== [{idx + 1}/{len(specs)}] {spec.label}", file=sys.stderr, flush=True)
+        print(f"== {round_note}[{n + 1}/{len(order)}] {spec.label}", file=sys.stderr, flush=True)
         t0, load_before = time.perf_counter(), os.getloadavg()[0]
         try:
             with launched(spec, args, sub / "logs") as (url, http_model):
@@ -369,39 +288,93 @@ def main(args: argparse.Namespace) -> int:
         except Exception as exc:  # one configuration failing must not lose the others' results
             log.error("%s failed: %s", spec.label, exc)
             failures[spec.label] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            rows.append((spec.label, {}))
+            rows[spec.label] = {}
             continue
         meta = {"target": url, "config": spec.label, "model": str(args.model), "trace": trace_name,
                 "num_requests": len(trace), "rate": None if args.trace_file else json_rate(args.rate),
-                "burstiness": args.burstiness, "seed": args.seed,
+                "burstiness": args.burstiness, "seed": seed,
                 "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "threads": args.threads,
                 "dead_after_s": args.dead_after_s, "http_model": http_model, "send_classes": args.send_classes,
                 "interactive_share": None if args.trace_file else args.interactive_share,
                 # Other tenants of a small host show up here: compare against the configuration's own load.
                 "host_loadavg_1m": {"start": load_before, "end": os.getloadavg()[0]}}
         summary, _ = finish_run(sub, trace, records, lg, meta, args.slo, plots=not args.no_plots)
-        rows.append((spec.label, headline_summary(summary, records, args.slo, lg)))
-        hosts.append(f"- {spec.label}: host load average (1 min) {load_before:.2f} before, "
+        rows[spec.label] = headline_summary(summary, records, args.slo, lg)
+        hosts.append(f"- {round_note}{spec.label}: host load average (1 min) {load_before:.2f} before, "
                      f"{meta['host_loadavg_1m']['end']:.2f} after")
         print(f"   {spec.label}: {summary['overall']['completed']}/{len(trace)} ok in "
               f"{time.perf_counter() - t0:.0f}s (incl. start/stop) -> {sub}", file=sys.stderr, flush=True)
+    return rows, failures, hosts
 
-    rows, served = served_model_rows(rows)
-    table = compare_table(rows, (*COMPARE_METRICS, *served))
+
+def main(args: argparse.Namespace) -> int:
+    import shlex
+
+    from mserve.bench.report import compare_table
+    from mserve.bench.rounds import median_summary, round_order, round_ratio_table, round_seed
+    from mserve.bench.serve import build_trace, default_out
+    from mserve.bench.traces import save_trace
+
+    def _terminate(*_: Any) -> None:
+        raise SystemExit(143)  # unwinds through `launched`, which stops what it started
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        specs = parse_configs(args.configs)
+    except ValueError as exc:
+        raise SystemExit(f"error: --configs: {exc}") from None
+    if args.rounds < 1:
+        raise SystemExit("error: --rounds: at least 1")
+    trace_name = Path(args.trace_file).stem if args.trace_file else args.trace
+    out = Path(args.out) if args.out else default_out("compare", trace_name)
+    if args.rounds > 1 and args.trace_file:
+        log.warning("--trace-file: every round replays the same file, so a server kept up between rounds "
+                    "(openai:, zmq://) may find the last round's images and prefixes in its caches")
+
+    rounds: list[dict[str, dict[str, Any]]] = []
+    failures: dict[str, str] = {}
+    hosts: list[str] = []
+    labels = [s.label for s in specs]
+    for r in range(args.rounds):
+        folder = out if args.rounds == 1 else out / f"round-{r}"  # one round: today's layout
+        seed = round_seed(args.seed, r)
+        trace = build_trace(argparse.Namespace(**{**vars(args), "seed": seed}))
+        save_trace(trace, folder / "trace.jsonl")
+        note = "" if args.rounds == 1 else f"round {r + 1}/{args.rounds} "
+        rows, failed, host = run_pass(specs, round_order(len(specs), r), trace, seed, args, folder, note)
+        rounds.append(rows)
+        hosts += host
+        for label, why in failed.items():
+            failures.setdefault(label, why if args.rounds == 1 else f"round {r + 1}: {why}")
+        if args.rounds > 1:
+            (folder / "compare.md").write_text(compare_table([(k, rows.get(k, {})) for k in labels],
+                                                             COMPARE_METRICS) + "\n", encoding="utf-8")
+
+    medians = [(label, median_summary([rows.get(label, {}) for rows in rounds])) for label in labels]
+    medians, served = served_model_rows(medians)
+    table = compare_table(medians, (*COMPARE_METRICS, *served))
+    seeds = (f"seed {args.seed}" if args.rounds == 1 else
+             f"{args.rounds} rounds, seeds {args.seed}-{round_seed(args.seed, args.rounds - 1)}, order rotated")
     load = (f"trace `{trace_name}`, {len(trace)} requests, rate {args.rate} req/s (burstiness {args.burstiness}), "
-            f"max_tokens {args.max_tokens}{' (ignore_eos)' if args.ignore_eos else ''}, seed {args.seed}, "
+            f"max_tokens {args.max_tokens}{' (ignore_eos)' if args.ignore_eos else ''}, {seeds}, "
             + ("" if args.trace_file else f"interactive share {args.interactive_share:g}, ")
             + ("priority and class sent over HTTP, " if args.send_classes else "")
             + f"{args.threads} torch thread(s) per worker/server"
             + (f", coordinator --dead-after-s {args.dead_after_s:g}" if args.dead_after_s is not None else "")
             + (f", SLOs {args.slo} ms" if args.slo else ""))
+    per_round = round_ratio_table(rounds, labels) if args.rounds > 1 else ""
     md = "\n".join([
         "# MServe serving comparison", "", f"- command: `{shlex.join(sys.argv)}`", f"- load: {load}",
-        *(f"- **{k} failed**: {v}" for k, v in failures.items()), "", table, "", *hosts, ""])
+        *(f"- **{k} failed**: {v}" for k, v in failures.items()), "",
+        *([f"## Median over {args.rounds} rounds", ""] if per_round else []), table, "",
+        *([f"## Each round's ratio to {labels[0]}, taken inside the round", "", per_round, ""] if per_round else []),
+        *hosts, ""])
     (out / "compare.md").write_text(md, encoding="utf-8")
-    (out / "compare.json").write_text(json.dumps({"configs": [s.label for s in specs], "load": load,
-                                                  "summaries": dict(rows), "failures": failures},
+    (out / "compare.json").write_text(json.dumps({"configs": labels, "load": load, "summaries": dict(medians),
+                                                  "rounds": rounds, "failures": failures},
                                                  indent=1, default=str) + "\n", encoding="utf-8")
     print(table)
+    if per_round:
+        print(f"\nEach round's ratio to {labels[0]}:\n{per_round}")
     print(f"\nwrote {out / 'compare.md'} and per-configuration reports under {out}", file=sys.stderr)
     return 1 if failures else 0
