@@ -63,6 +63,13 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CURVE on the worker link and the data plane, keys in DIR (made if missing)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     parser.add_argument("--log-dir", default=None, help="keep the child processes' logs here (default: a temp dir)")
+    parser.add_argument("--coordinator-args", default=None, metavar="'FLAGS'",
+                        help="more flags for the coordinator, as `mserve coordinator` takes them, in one quoted "
+                             "string after '=', e.g. --coordinator-args='--local-prefill-tokens 1400 --kv-hand-back'; "
+                             "checked before anything starts")
+    parser.add_argument("--worker-args", default=None, metavar="'FLAGS'",
+                        help="more flags for every worker, as `mserve worker` takes them, in one quoted string after "
+                             "'=', e.g. --worker-args='--max-num-seqs 32'; checked before anything starts")
     from mserve.common.pruning import add_argument as add_pruning_argument
     from mserve.common.tracing import add_argument as add_tracing_argument
 
@@ -87,6 +94,12 @@ def run_up(args: argparse.Namespace) -> int:
     if len({m for m, _ in models}) < len(models):
         logger.error("mserve up failed: a model is named twice: %s", [m for m, _ in models])
         return 1
+    try:
+        coordinator_flags = passed_flags(getattr(args, "coordinator_args", None), "coordinator")
+        worker_flags = passed_flags(getattr(args, "worker_args", None), "worker")
+    except ValueError as exc:
+        logger.error("mserve up failed: %s", exc)
+        return 1
     stop = threading.Event()
     if getattr(args, "otlp_endpoint", None):  # every process of the cluster reads the standard variable
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_endpoint
@@ -110,7 +123,8 @@ def run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(first, **counts, other_models=others, redis_url=args.redis, port=args.port,
                            threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
                            client_api_key=args.client_api_key, curve_dir=args.curve_dir,
-                           extra_worker_args=worker_args, extra_coordinator_args=pruning_args,
+                           extra_worker_args=[*worker_args, *worker_flags],
+                           extra_coordinator_args=[*pruning_args, *coordinator_flags],
                            coordinators=args.coordinators, cpu_placement=args.cpu_placement)
     try:
         cluster.start(timeout_s=args.start_timeout)
@@ -147,6 +161,48 @@ def run_up(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         cluster.stop()
+
+
+# What `mserve up` sets on each process itself, or takes as a flag of its own: not passed through.
+_OWN_FLAGS = {
+    "coordinator": ("--model", "--bind", "--worker-bind", "--redis", "--shard-id", "--advertise", "--worker-advertise",
+                    "--cpus", "--client-api-key", "--visual-token-pruning", "--otlp-endpoint"),
+    "worker": ("--role", "--model", "--coordinator", "--redis", "--worker-id", "--cpus", "--threads", "--transfer",
+               "--dtype", "--attention", "--host-embedding-cache-dir", "--visual-token-pruning", "--otlp-endpoint"),
+}
+
+
+def passed_flags(text: str | None, process: str) -> list[str]:
+    """--coordinator-args / --worker-args: the flags, split as a shell splits them, checked against that
+    process's own command line, so a misspelt flag or a bad value stops `mserve up` before anything starts.
+    ValueError naming the flag otherwise."""
+    import shlex
+
+    if not text:
+        return []
+    what = f"--{process}-args"
+    try:
+        flags = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    own = [f for f in flags if f.split("=", 1)[0] in _OWN_FLAGS[process] or f.startswith("--curve-")]
+    if own:
+        raise ValueError(f"{what}: {own[0].split('=', 1)[0]} is set by mserve up itself (its own flags: mserve up "
+                         "--help)")
+    if process == "coordinator":
+        from mserve.coordinator.cli import add_arguments
+    else:
+        from mserve.workers.cli import add_arguments
+    parser = argparse.ArgumentParser(prog=f"mserve {process}", add_help=False, allow_abbrev=False,
+                                     exit_on_error=False)
+    add_arguments(parser)
+    try:
+        _, unknown = parser.parse_known_args(flags)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if unknown:
+        raise ValueError(f"{what}: `mserve {process}` has no {unknown[0]} (`mserve {process} --help` lists its flags)")
+    return flags
 
 
 def read_models_file(path: str) -> list[tuple[str, dict[str, int]]]:

@@ -91,12 +91,15 @@ def _table_flags(text: str) -> list[tuple[str, str]]:
     return found
 
 
+QUOTED_VALUE = re.compile(r"""=(['"]).*?\1""")  # a flag's quoted value, e.g. the flags --coordinator-args passes on
+
+
 def _doc_flags(text: str) -> list[tuple[str, str]]:
     found = []
     for line in _command_lines(text):
         for match in COMMAND.finditer(line):
             words = match.group(1) + match.group(2)
-            rest = line[match.end():]
+            rest = QUOTED_VALUE.sub("", line[match.end():])  # --worker-args='--flag v': another command's
             nxt = COMMAND.search(rest)  # a second command on the line starts its own flags
             found += [(words, flag) for flag in FLAG.findall(rest[:nxt.start()] if nxt else rest)]
     return found + _table_flags(text)

@@ -60,3 +60,44 @@ def test_mserve_up_passes_dtype_and_attention_to_every_worker(tiny_model_dirs, m
     assert up.run_up(args) == 1
     assert seen["extra_worker_args"] == ["--dtype", "bfloat16", "--attention", "padded"]
     assert seen["extra_coordinator_args"] == []
+
+
+def test_mserve_up_passes_coordinator_and_worker_flags_through(tiny_model_dirs, monkeypatch):
+    """`--coordinator-args` / `--worker-args`: any flag of `mserve coordinator` / `mserve worker`, after the
+    launcher's own (so a routing setting such as --local-prefill-tokens needs no environment variable)."""
+    import mserve.up as up
+    from mserve.cli import build_parser
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+        def start(self, timeout_s):
+            raise RuntimeError("recorded, not started")
+
+    monkeypatch.setattr(up, "LocalCluster", Recorder)
+    args = build_parser().parse_args(["up", "--model", str(tiny_model_dirs["llava"]), "--dtype", "bfloat16",
+                                      "--coordinator-args", "--local-prefill-tokens 1400 --kv-hand-back",
+                                      "--worker-args=--max-num-seqs 8 --class-aging-s=2"])
+    assert up.run_up(args) == 1
+    assert seen["extra_coordinator_args"] == ["--local-prefill-tokens", "1400", "--kv-hand-back"]
+    assert seen["extra_worker_args"] == ["--dtype", "bfloat16", "--max-num-seqs", "8", "--class-aging-s=2"]
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--coordinator-args", "--local-prefil-tokens 3"], "`mserve coordinator` has no --local-prefil-tokens"),
+    (["--coordinator-args", "--local-prefill-tokens many"], "--local-prefill-tokens: invalid int value: 'many'"),
+    (["--worker-args=--max-num-seqs"], "--max-num-seqs: expected one argument"),
+    (["--worker-args", "--threads 4"], "--threads is set by mserve up itself"),
+    (["--coordinator-args=--bind=tcp://127.0.0.1:1"], "--bind is set by mserve up itself"),
+    (["--worker-args", "--class-aging-s '2"], "--worker-args: No closing quotation"),
+])
+def test_mserve_up_refuses_bad_passed_flags_before_starting_anything(flags, why, caplog, tiny_model_dirs, monkeypatch):
+    import mserve.up as up
+
+    monkeypatch.setattr(up, "LocalCluster", None)  # nothing may be started
+    assert _main(["--model", str(tiny_model_dirs["llava"]), *flags]) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith("mserve up failed: --") and why in errors[0], errors
