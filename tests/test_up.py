@@ -40,10 +40,11 @@ def test_mserve_up_refuses_a_model_named_twice_or_none_before_starting_anything(
                       "mserve up failed: name a model (--model FOLDER, repeatable, or --models-file FILE)"]
 
 
-def test_mserve_up_passes_dtype_and_attention_to_every_worker(tiny_model_dirs, monkeypatch):
-    """`mserve up --dtype bfloat16 --attention padded`: the workers' flags (the coordinator takes neither)."""
+@pytest.fixture
+def launched_with(monkeypatch) -> dict:
+    """What `mserve up` would give LocalCluster: its keyword arguments, recorded; the cluster is not started
+    (run_up then fails with 1)."""
     import mserve.up as up
-    from mserve.cli import build_parser
 
     seen = {}
 
@@ -55,35 +56,33 @@ def test_mserve_up_passes_dtype_and_attention_to_every_worker(tiny_model_dirs, m
             raise RuntimeError("recorded, not started")
 
     monkeypatch.setattr(up, "LocalCluster", Recorder)
+    return seen
+
+
+def test_mserve_up_passes_dtype_and_attention_to_every_worker(tiny_model_dirs, launched_with):
+    """`mserve up --dtype bfloat16 --attention padded`: the workers' flags (the coordinator takes neither)."""
+    import mserve.up as up
+    from mserve.cli import build_parser
+
     args = build_parser().parse_args(["up", "--model", str(tiny_model_dirs["llava"]), "--unified", "1",
                                       "--dtype", "bfloat16", "--attention", "padded"])
     assert up.run_up(args) == 1
-    assert seen["extra_worker_args"] == ["--dtype", "bfloat16", "--attention", "padded"]
-    assert seen["extra_coordinator_args"] == []
+    assert launched_with["extra_worker_args"] == ["--dtype", "bfloat16", "--attention", "padded"]
+    assert launched_with["extra_coordinator_args"] == []
 
 
-def test_mserve_up_passes_coordinator_and_worker_flags_through(tiny_model_dirs, monkeypatch):
+def test_mserve_up_passes_coordinator_and_worker_flags_through(tiny_model_dirs, launched_with):
     """`--coordinator-args` / `--worker-args`: any flag of `mserve coordinator` / `mserve worker`, after the
     launcher's own (so a routing setting such as --local-prefill-tokens needs no environment variable)."""
     import mserve.up as up
     from mserve.cli import build_parser
 
-    seen = {}
-
-    class Recorder:
-        def __init__(self, *args, **kwargs):
-            seen.update(kwargs)
-
-        def start(self, timeout_s):
-            raise RuntimeError("recorded, not started")
-
-    monkeypatch.setattr(up, "LocalCluster", Recorder)
     args = build_parser().parse_args(["up", "--model", str(tiny_model_dirs["llava"]), "--dtype", "bfloat16",
                                       "--coordinator-args", "--local-prefill-tokens 1400 --kv-hand-back",
                                       "--worker-args=--max-num-seqs 8 --class-aging-s=2"])
     assert up.run_up(args) == 1
-    assert seen["extra_coordinator_args"] == ["--local-prefill-tokens", "1400", "--kv-hand-back"]
-    assert seen["extra_worker_args"] == ["--dtype", "bfloat16", "--max-num-seqs", "8", "--class-aging-s=2"]
+    assert launched_with["extra_coordinator_args"] == ["--local-prefill-tokens", "1400", "--kv-hand-back"]
+    assert launched_with["extra_worker_args"] == ["--dtype", "bfloat16", "--max-num-seqs", "8", "--class-aging-s=2"]
 
 
 @pytest.mark.parametrize("flags, why", [
