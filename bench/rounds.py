@@ -43,7 +43,7 @@ def _number(v: Any) -> bool:
 
 def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One summary from several rounds' summaries of one configuration: each number the median over the
-    rounds that have it, anything else (error texts, SLOs) as the first round has it. Empty summaries (a
+    rounds that have it (a None is a round without one), anything else (error texts, SLOs) as the first round has it. Empty summaries (a
     round the configuration failed) are left out; none left gives an empty summary."""
     given = [s for s in summaries if s]
     if not given:
@@ -52,7 +52,7 @@ def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in dict.fromkeys(k for s in given for k in s):
         values = [s[key] for s in given if key in s]
         numbers = [v for v in values if _number(v)]
-        if numbers and len(numbers) == len(values):
+        if numbers and len(numbers) == sum(v is not None for v in values):  # a round's None: it had none
             mid = statistics.median(numbers)
             out[key] = int(mid) if all(isinstance(v, int) for v in numbers) and mid == int(mid) else mid
         elif all(isinstance(v, dict) for v in values):

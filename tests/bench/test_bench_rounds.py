@@ -21,15 +21,17 @@ def test_each_round_starts_at_the_next_configuration_with_its_own_seed():
 
 def test_the_median_summary_takes_each_number_over_the_rounds_that_have_it():
     rounds = [{"request_throughput": 1.0, "ttft_ms": {"p99": 300.0, "p50": 10}, "errors": {"timeout": 1},
-               "slos_ms": None, "image": {}},
+               "slos_ms": None, "image": {}, "goodput": None},
               {},  # a round this configuration failed: left out
-              {"request_throughput": 3.0, "ttft_ms": {"p99": 100.0, "p50": 30}, "errors": {}, "slos_ms": None},
-              {"request_throughput": 2.0, "ttft_ms": {"p99": 200.0}, "slos_ms": None}]
+              {"request_throughput": 3.0, "ttft_ms": {"p99": 100.0, "p50": 30}, "errors": {}, "slos_ms": None,
+               "goodput": 1.5},
+              {"request_throughput": 2.0, "ttft_ms": {"p99": 200.0}, "slos_ms": None, "goodput": None}]
     got = median_summary(rounds)
     assert got["request_throughput"] == 2.0
     assert got["ttft_ms"] == {"p99": 200.0, "p50": 20.0}  # p50 from the two rounds that had one
     assert got["errors"] == {"timeout": 1}  # numbers inside dicts too: only one round counted one
     assert got["slos_ms"] is None and got["image"] == {}
+    assert got["goodput"] == 1.5  # None in another round: that round had no figure, not a figure of None
     assert median_summary([{}, {}]) == {}
 
 
