@@ -39,7 +39,8 @@ _CLASS_COLUMNS = (
 )
 
 
-def _get(summary: dict[str, Any], path: Sequence[str]) -> Any:
+def at_path(summary: dict[str, Any], path: Sequence[str]) -> Any:
+    """The figure at `path` in a (nested) summary; None where any key on the way is missing."""
     cur: Any = summary
     for key in path:
         if not isinstance(cur, dict) or key not in cur:
@@ -81,10 +82,10 @@ def compare_table(named_summaries: list[tuple[str, dict[str, Any]]],
     header = ["metric", base_name] + [f"{name} (vs {base_name})" for name, _ in named_summaries[1:]]
     rows = []
     for label, path in metrics:
-        base_v = _get(base, path)
+        base_v = at_path(base, path)
         row = [label, _fmt(base_v)]
         for _, summ in named_summaries[1:]:
-            v = _get(_overall(summ), path)
+            v = at_path(_overall(summ), path)
             ratio = f" ({v / base_v:.2f}x)" if v is not None and base_v not in (None, 0) else ""
             row.append(_fmt(v) + ratio)
         rows.append(row)
@@ -100,7 +101,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     if overall.get("slos_ms"):
         parts.append(f"- **SLOs (ms)**: `{overall['slos_ms']}`")
     parts += ["", "## Overall", ""]
-    parts.append(_table(["metric", "value"], [[label, _fmt(_get(overall, path))] for label, path in HEADLINE]))
+    parts.append(_table(["metric", "value"], [[label, _fmt(at_path(overall, path))] for label, path in HEADLINE]))
     if overall.get("errors"):
         parts += ["", "Errors: " + ", ".join(f"{k}: {v}" for k, v in overall["errors"].items())]
     if overall.get("cache_hit_rate"):
@@ -109,7 +110,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     columns = [h for h in HEADLINE if h[0] in _CLASS_COLUMNS]
     for fld, groups in summary.get("by_class", {}).items():
         parts += ["", f"## By {fld}", ""]
-        rows = [[value] + [_fmt(_get(g, path)) for _, path in columns] for value, g in groups.items()]
+        rows = [[value] + [_fmt(at_path(g, path)) for _, path in columns] for value, g in groups.items()]
         parts.append(_table([fld] + [c[0] for c in columns], rows))
     return "\n".join(parts) + "\n"
 

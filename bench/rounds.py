@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
+from mserve.bench.report import at_path
+
 # The metrics whose per-round ratios the report lists (label, path into a headline summary).
 ROUND_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("req/s", ("request_throughput",)),
@@ -43,8 +45,8 @@ def _number(v: Any) -> bool:
 
 def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One summary from several rounds' summaries of one configuration: each number the median over the
-    rounds that have it (a None is a round without one), anything else (error texts, SLOs) as the first round has it. Empty summaries (a
-    round the configuration failed) are left out; none left gives an empty summary."""
+    rounds that have it (a None is a round without one), anything else (error texts, SLOs) as the first
+    round has it. Empty summaries (a round the configuration failed) are left out; none left gives {}."""
     given = [s for s in summaries if s]
     if not given:
         return {}
@@ -62,14 +64,6 @@ def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _get(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
-    for key in path:
-        if not isinstance(summary, dict):
-            return None
-        summary = summary.get(key)
-    return summary
-
-
 def round_ratios(rounds: Sequence[dict[str, dict[str, Any]]], labels: Sequence[str],
                  path: tuple[str, ...]) -> dict[str, list[float | None]]:
     """{label: [its value over the baseline's in each round]} for every label but the first (the
@@ -79,7 +73,7 @@ def round_ratios(rounds: Sequence[dict[str, dict[str, Any]]], labels: Sequence[s
     for label in labels[1:]:
         ratios: list[float | None] = []
         for rows in rounds:
-            v, b = _get(rows.get(label) or {}, path), _get(rows.get(base) or {}, path)
+            v, b = at_path(rows.get(label) or {}, path), at_path(rows.get(base) or {}, path)
             ratios.append(v / b if _number(v) and _number(b) and b else None)
         out[label] = ratios
     return out

@@ -19,6 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mserve.bench.report import at_path
+
 from lab.sim.costs import Costs
 from lab.sim.workload import from_costs
 from lab.simulate import parse_config, simulate
@@ -26,12 +28,6 @@ from lab.simulate import parse_config, simulate
 FIGURES = (("req/s", ("request_throughput",)), ("goodput req/s", ("goodput",)),
            ("TTFT p50 ms", ("ttft_ms", "p50")), ("TTFT p99 ms", ("ttft_ms", "p99")),
            ("TPOT p50 ms", ("tpot_ms", "p50")), ("TPOT p99 ms", ("tpot_ms", "p99")))
-
-
-def _get(d: Any, path: tuple[str, ...]) -> float | None:
-    for k in path:
-        d = d.get(k) if isinstance(d, dict) else None
-    return d
 
 
 def _max_tokens(trace_path: Path) -> int:
@@ -74,8 +70,8 @@ def validate_run(costs: Costs, run_dir: Path) -> list[dict[str, Any]]:
                      "background_cores": run_costs.data["cpu"].get("background_cores"),
                      "measured_cluster_cores": window["cluster_cores"] if window else None,
                      "measured_per_role_cores": window["per_role_cores"] if window else None,
-                     "measured": {k: _get(summary, p) for k, p in FIGURES},
-                     "predicted": {k: _get(sim, p) for k, p in FIGURES},
+                     "measured": {k: at_path(summary, p) for k, p in FIGURES},
+                     "predicted": {k: at_path(sim, p) for k, p in FIGURES},
                      "coordinator_utilisation": sim["coordinator_utilisation"],
                      "worker_cpu_per_role": sim["worker_cpu_per_role"]})
     return rows
