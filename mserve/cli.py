@@ -14,12 +14,16 @@ import time
 from pathlib import Path
 
 
+# Set before any import of transformers: nothing reaches a model hub, and transformers' progress bars and advice
+# are noise in a CLI that prints JSON (coordinator/spawn.py's fork server imports it with these too).
+ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
 def _setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    # transformers' progress bars and advice are noise in a CLI that prints JSON.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
