@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from mserve.autoscale import POOLS
+from mserve.coordinator import spawn
 
 log = logging.getLogger("mserve.autoscale")
 
@@ -43,7 +44,7 @@ def _snapshot_ready(snap: Any, pool: str) -> list[str]:
 class _Proc:
     name: str
     role: str
-    popen: subprocess.Popen
+    popen: spawn.Child
     started_at: float
     adopted: bool = False  # started by someone else (a LocalCluster): stopped by scale-down, left alone on close
     draining_since: float | None = None
@@ -82,7 +83,7 @@ class LocalBackend:
             cmd += ["--redis", self.redis_url]
         return cmd + self.extra_args
 
-    def adopt(self, name: str, role: str, popen: subprocess.Popen) -> None:
+    def adopt(self, name: str, role: str, popen: spawn.Child) -> None:
         """Let this backend drain a worker someone else started (e.g. one of a LocalCluster's)."""
         self.procs[name] = _Proc(name, role, popen, time.monotonic(), adopted=True)
 
@@ -130,10 +131,8 @@ class LocalBackend:
         name = f"{pool}-{self.id_prefix}-{self._seq}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         path = self.log_dir / f"{name}.log"
-        try:
-            with open(path, "wb") as out:
-                popen = subprocess.Popen(self.worker_command(name, pool), stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:  # exec, or a fork of the warm fork server with MSERVE_START_METHOD=forkserver (coordinator/spawn.py)
+            popen = spawn.start(self.worker_command(name, pool), env, str(path), spawn.default_start_method())
         except OSError as exc:
             raise BackendError(f"could not start a {pool} worker: {exc}") from exc
         self.procs[name] = _Proc(name, pool, popen, time.monotonic())
