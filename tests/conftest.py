@@ -9,6 +9,10 @@ from pathlib import Path
 # Tests never reach the network: models come from the local cache or not at all.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Clusters' children are forked from one interpreter that imported torch and transformers once
+# (coordinator/spawn.py): a cluster starts in about half the time on two cores. tests/coordinator/test_spawn.py
+# checks a forked child against an exec'd one; MSERVE_START_METHOD=exec runs the suite the users' way.
+os.environ.setdefault("MSERVE_START_METHOD", "forkserver")
 
 # The package under test is the installed one (`make test` installs this checkout editable):
 # common/, coordinator/, workers/ and bench/ import as mserve.* only through the install's
@@ -72,6 +76,15 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 # ---- clusters shared across modules (tests/clusters.py) ---------------------
 
 CURRENT_ITEM = pytest.StashKey[pytest.Item]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The fork server starts with the session's environment (not a test's monkeypatched one), its imports
+    running while the first tests do."""
+    from mserve.coordinator import spawn
+
+    if spawn.default_start_method() == "forkserver":
+        spawn.warm()
 
 
 @pytest.hookimpl(tryfirst=True)
