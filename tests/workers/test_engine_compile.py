@@ -14,6 +14,9 @@ from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.sequence import SamplingParams
 from tests.helpers import hf_generate, request_mix
 
+# torch's own compile path touches torch.jit.script_method, which torch itself now marks deprecated.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 MAX_NEW = 12
 
 
