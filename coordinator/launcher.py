@@ -263,7 +263,7 @@ class LocalCluster:
             self._shard_ports = list(zip(taken[::2], taken[1::2]))
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        env = spawn.child_env()
         if self.client_api_key:  # the coordinator requires it, the gateway's client sends it
             env["MSERVE_CLIENT_API_KEY"] = self.client_api_key
         self._procs[name] = spawn.start(cmd, env, str(self.log_path(name)), self.start_method)

@@ -78,6 +78,11 @@ def default_start_method() -> str:
     return method
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """A child's environment: this process's, unbuffered output, offline unless the environment says otherwise."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **extra}
+
+
 def start(cmd: Sequence[str], env: Mapping[str, str], log_path: str, method: str = "exec") -> Child:
     """Start `cmd` (``[python, "-m", "mserve.cli", ...]``) in its own session, output to `log_path`."""
     if method == "forkserver":

@@ -129,10 +129,10 @@ class LocalBackend:
     def _spawn(self, pool: str) -> str:
         self._seq += 1
         name = f"{pool}-{self.id_prefix}-{self._seq}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         path = self.log_dir / f"{name}.log"
         try:  # exec, or a fork of the warm fork server with MSERVE_START_METHOD=forkserver (coordinator/spawn.py)
-            popen = spawn.start(self.worker_command(name, pool), env, str(path), spawn.default_start_method())
+            popen = spawn.start(self.worker_command(name, pool), spawn.child_env(), str(path),
+                                spawn.default_start_method())
         except OSError as exc:
             raise BackendError(f"could not start a {pool} worker: {exc}") from exc
         self.procs[name] = _Proc(name, pool, popen, time.monotonic())

@@ -24,10 +24,6 @@ def coordinator_cmd(*extra: str) -> list[str]:
             "--worker-bind", f"tcp://127.0.0.1:{free_port()}", *extra]
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
-
-
 def wait_for_line(child: spawn.Child, log: Path, text: str) -> None:
     """Until the child's log has `text` (it is still running), failing with the log if it exits."""
     while text not in log.read_text(errors="replace"):
@@ -42,7 +38,7 @@ def wait_for_line(child: spawn.Child, log: Path, text: str) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_a_child_leads_its_group_logs_and_stops_by_signal(method, tmp_path):
     log = tmp_path / "coordinator.log"
-    child = spawn.start(coordinator_cmd(), child_env(MSERVE_CLIENT_API_KEY="k"), str(log), method)
+    child = spawn.start(coordinator_cmd(), spawn.child_env(MSERVE_CLIENT_API_KEY="k"), str(log), method)
     assert isinstance(child, subprocess.Popen) == (method == "exec")
     try:
         # Its own session and process group from the moment start() returns (the launcher signals the group).
@@ -59,12 +55,12 @@ def test_a_child_leads_its_group_logs_and_stops_by_signal(method, tmp_path):
 @pytest.mark.parametrize("method", METHODS)
 def test_exit_codes_and_errors_reach_the_launcher(method, tmp_path):
     log = tmp_path / "bad.log"
-    child = spawn.start(coordinator_cmd("--no-such-flag"), child_env(), str(log), method)
+    child = spawn.start(coordinator_cmd("--no-such-flag"), spawn.child_env(), str(log), method)
     assert child.wait(timeout=60) == 2
     assert "unrecognized arguments: --no-such-flag" in log.read_text()
 
     log = tmp_path / "killed.log"
-    child = spawn.start(coordinator_cmd(), child_env(), str(log), method)
+    child = spawn.start(coordinator_cmd(), spawn.child_env(), str(log), method)
     wait_for_line(child, log, "coordinator ready")
     child.send_signal(signal.SIGKILL)  # the autoscaler signals a worker it did not start this way
     assert child.wait(timeout=30) == -signal.SIGKILL
@@ -81,7 +77,8 @@ def test_a_child_whose_environment_the_server_did_not_import_with_is_execed(tmp_
         ["HF_HUB_OFFLINE", "OMP_NUM_THREADS", "PYTHONHASHSEED"]
     log = tmp_path / "c.log"
     with caplog.at_level("INFO", logger="mserve.coordinator.spawn"):
-        child = spawn.start(coordinator_cmd("--no-such-flag"), child_env(TORCH_SPAWN_TEST="1"), str(log), "forkserver")
+        child = spawn.start(coordinator_cmd("--no-such-flag"), spawn.child_env(TORCH_SPAWN_TEST="1"), str(log),
+                            "forkserver")
     assert isinstance(child, subprocess.Popen)
     assert "with exec, not the fork server: its environment differs from the fork server's in TORCH_SPAWN_TEST" \
         in caplog.text
