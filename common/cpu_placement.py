@@ -19,6 +19,14 @@ The plan (`plan`), from the cores this process may use and the stage workers in 
 - one core (or none known): nothing is placed.
 A worker pins itself with `mserve worker --cpus LIST` (also `mserve coordinator`/`gateway`, or
 $MSERVE_CPUS), before torch starts its threads, so every thread it makes inherits the set.
+
+A worker's IO threads (`--io-cpus LIST`, $MSERVE_IO_CPUS): image decoding and the image processor, KV
+and embedding transfers, zmq's socket threads. When the plan leaves the control plane a core no worker
+runs on, each worker's IO threads go there, so a worker's own core runs only its model: what vLLM does
+with one engine core beside the API server process that decodes and processes images (bench/README.md,
+"A worker's IO threads off its model core"). When the control plane shares a worker's core, the IO
+threads stay on their worker's core. Each IO thread moves itself (`on_io_cores`, first thing it runs);
+zmq's threads get the cores as a context option (`io_zmq_context`).
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ ROLE_WEIGHT_ORDER = ("unified", "prefill", "decode", "encode")
 class Placement:
     workers: dict[str, tuple[int, ...]] = field(default_factory=dict)  # worker name -> its cores
     control: tuple[int, ...] = ()  # the coordinator shards' and the gateway's cores; () = not placed
+    io: tuple[int, ...] = ()  # every worker's IO threads' cores; () = on the worker's own cores
 
     def describe(self) -> str:
         if not self.workers:
             return "not placed (one core)"
         parts = [f"{name} {format_cpu_list(c)}" for name, c in self.workers.items()]
-        return ", ".join([*parts, f"coordinator/gateway {format_cpu_list(self.control)}"])
+        io = [f"workers' IO threads {format_cpu_list(self.io)}"] if self.io else []
+        return ", ".join([*parts, f"coordinator/gateway {format_cpu_list(self.control)}", *io])
 
 
 def plan(cores: Sequence[int], workers: Sequence[tuple[str, str]], per_worker: int = 1) -> Placement:
@@ -60,7 +70,8 @@ def plan(cores: Sequence[int], workers: Sequence[tuple[str, str]], per_worker: i
     own = len(workers) if every_own else len(units) - 1  # workers with a unit of their own
     out = {workers[i][0]: units[min(k, own)] for k, i in enumerate(order)}  # the rest: the unit after them
     control = tuple(c for unit in units[own:] for c in unit) + spare
-    return Placement({name: out[name] for name, _ in workers}, control)
+    # IO threads beside the control plane only where no worker's model runs there.
+    return Placement({name: out[name] for name, _ in workers}, control, control if every_own else ())
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -109,7 +120,51 @@ def pin(text: str) -> tuple[int, ...]:
     return cpus
 
 
+# The IO threads' cores in this process (`pin_io`); () = wherever the thread that starts them runs.
+_io_cpus: tuple[int, ...] = ()
+
+
+def pin_io(text: str) -> tuple[int, ...]:
+    """Run this process's IO threads (those that call `on_io_cores`, and zmq's) on the cores `text` lists.
+    Before `pin`: the cores are checked against those the process may use, which `pin` narrows."""
+    global _io_cpus
+    cpus = parse_cpu_list(text)
+    allowed = usable_cores()
+    if missing := [c for c in cpus if c not in allowed]:
+        raise ValueError(f"IO CPU list {text!r}: core(s) {format_cpu_list(missing)} are not among this process's "
+                         f"cores ({format_cpu_list(allowed)})")
+    _io_cpus = cpus
+    return cpus
+
+
+def io_cpus() -> tuple[int, ...]:
+    return _io_cpus
+
+
+def on_io_cores() -> None:
+    """Move the calling thread to this process's IO cores, when it has them (`pin_io`). An IO thread calls
+    this first (as its target's first line, or a pool's `initializer`); the threads it starts inherit them."""
+    if _io_cpus:
+        os.sched_setaffinity(0, _io_cpus)  # pid 0: this thread alone (Linux)
+
+
+def io_zmq_context(ctx) -> None:  # noqa: ANN001 - a zmq.Context; zmq is not imported here
+    """Give zmq's own IO threads this process's IO cores: before the context's first socket starts them."""
+    if _io_cpus:
+        import zmq
+
+        for c in _io_cpus:
+            ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, c)
+
+
 def add_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", metavar="LIST",
                    help="run this process on these CPU cores only, e.g. 0 or 2-3 or 0,2 (default: $MSERVE_CPUS, "
                         "else every core it may use); `mserve up` sets it per process (--cpu-placement)")
+
+
+def add_io_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--io-cpus", metavar="LIST",
+                   help="run this worker's IO threads (image decoding and processing, transfers, zmq's sockets) "
+                        "on these cores, e.g. 1; its model runs on --cpus (default: $MSERVE_IO_CPUS, else beside "
+                        "the model); `mserve up` sets it where the coordinator has a core no worker runs on")

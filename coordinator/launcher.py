@@ -191,7 +191,9 @@ class LocalCluster:
                 "--coordinator", coordinator, "--redis", self.redis_url, "--threads", str(self.threads),
                 "--transfer", self.transfer, "--worker-id", name, *self.curve_args(name),
                 *(["--host-embedding-cache-dir", self._host_cache_dir] if self._host_cache_dir else []),
-                *self._cpus(self.placement.workers.get(name, ())), *self.extra_worker_args]
+                *self._cpus(self.placement.workers.get(name, ())),
+                *(["--io-cpus", format_cpu_list(self.placement.io)] if self.placement.io else []),
+                *self.extra_worker_args]
 
     @staticmethod
     def _cpus(cores: Sequence[int]) -> list[str]:

@@ -230,6 +230,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mserve.common.cpu_placement import add_argument as add_cpus_argument
+    from mserve.common.cpu_placement import add_io_argument as add_io_cpus_argument
     from mserve.common.pruning import add_argument as add_pruning_argument
     from mserve.coordinator.cli import add_arguments as add_coordinator_arguments
     from mserve.workers.cli import add_arguments as add_worker_arguments
@@ -285,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "also be set as MSERVE_<NAME> in the environment.")
     add_worker_arguments(p)
     add_cpus_argument(p)
+    add_io_cpus_argument(p)
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair for one process (NAME.key, NAME.key_secret)",
@@ -352,19 +354,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _pin(args: argparse.Namespace) -> None:
-    """--cpus (else $MSERVE_CPUS) for the commands that take it: before any model or thread starts."""
+    """--cpus (else $MSERVE_CPUS) for the commands that take it, and a worker's --io-cpus (else
+    $MSERVE_IO_CPUS): before any model or thread starts."""
     if not hasattr(args, "cpus"):
         return
-    text = args.cpus or os.environ.get("MSERVE_CPUS")
-    if not text:
-        return
-    from mserve.common.cpu_placement import format_cpu_list, pin
+    from mserve.common.cpu_placement import format_cpu_list, pin, pin_io
 
+    text = args.cpus or os.environ.get("MSERVE_CPUS")
+    io_text = getattr(args, "io_cpus", None) or (os.environ.get("MSERVE_IO_CPUS") if hasattr(args, "io_cpus") else None)
+    log = logging.getLogger("mserve")
     try:
-        cpus = pin(text)
+        io = pin_io(io_text) if io_text else ()  # first: checked against the cores before `pin` narrows them
+        cpus = pin(text) if text else ()
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}")
-    logging.getLogger("mserve").info("running on CPU core(s) %s", format_cpu_list(cpus))
+    if cpus:
+        log.info("running on CPU core(s) %s%s", format_cpu_list(cpus),
+                 f", IO threads on {format_cpu_list(io)}" if io else "")
+    elif io:
+        log.info("IO threads on CPU core(s) %s", format_cpu_list(io))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,8 +167,9 @@ def run_up(args: argparse.Namespace) -> int:
 _OWN_FLAGS = {
     "coordinator": ("--model", "--bind", "--worker-bind", "--redis", "--shard-id", "--advertise", "--worker-advertise",
                     "--cpus", "--client-api-key", "--visual-token-pruning", "--otlp-endpoint"),
-    "worker": ("--role", "--model", "--coordinator", "--redis", "--worker-id", "--cpus", "--threads", "--transfer",
-               "--dtype", "--attention", "--host-embedding-cache-dir", "--visual-token-pruning", "--otlp-endpoint"),
+    "worker": ("--role", "--model", "--coordinator", "--redis", "--worker-id", "--cpus", "--io-cpus", "--threads",
+               "--transfer", "--dtype", "--attention", "--host-embedding-cache-dir", "--visual-token-pruning",
+               "--otlp-endpoint"),
 }
 
 

@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
 
+from mserve.common.cpu_placement import on_io_cores
+
 log = logging.getLogger("mserve.worker")
 
 # Enough that a stalled sender or two (each holds a thread for up to fetch_timeout_s) leave the others
@@ -53,6 +55,7 @@ class FetchPool:
             t.start()
 
     def _serve(self) -> None:
+        on_io_cores()  # off the model's core where the worker has IO cores (common/cpu_placement.py)
         while (job := self._jobs.get()) is not None:
             try:
                 job.result = job.fetch()

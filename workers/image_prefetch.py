@@ -12,6 +12,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
+from mserve.common.cpu_placement import on_io_cores
+
 DECODE_THREADS = 2
 
 
@@ -22,7 +24,7 @@ class Visual(Protocol):
 class ImagePrefetch:
     def __init__(self, decode: Callable[[Any], Any], threads: int = DECODE_THREADS) -> None:
         self._decode = decode  # one image reference -> what the vision forward takes (PIL, or frames)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="image-decode")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="image-decode", initializer=on_io_cores)
         self._started: dict[str, Future] = {}  # by image hash
 
     def start(self, images: list[Visual]) -> None:

@@ -12,6 +12,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from mserve.common.cpu_placement import on_io_cores
+
 log = logging.getLogger("mserve.worker")
 
 
@@ -26,6 +28,7 @@ class Pulse:
         self._thread.start()
 
     def _run(self) -> None:
+        on_io_cores()
         while not self._stop.wait(self.period_s):
             try:
                 self._beat()

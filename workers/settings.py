@@ -89,6 +89,8 @@ class WorkerSettings(BaseSettings):
     # The CPU cores this process runs on (--cpus, $MSERVE_CPUS; common/cpu_placement.py): mserve/cli.py
     # pins the process before anything starts; None: every core it may use.
     cpus: str | None = None
+    # The cores of its IO threads (--io-cpus, $MSERVE_IO_CPUS; common/cpu_placement.py); None: beside the model.
+    io_cpus: str | None = None
 
     @model_validator(mode="after")
     def _encode_batch_by_device(self) -> "WorkerSettings":

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from mserve.common import tracing
+from mserve.common.cpu_placement import io_zmq_context
 from mserve.common.model import ImageError
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, parse_message
@@ -68,6 +69,7 @@ class Worker:
             "weights_mib": round(runner.weight_bytes() / 2**20, 1),
             "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0}
         self.ctx = zmq.Context.instance()
+        io_zmq_context(self.ctx)  # zmq's socket threads beside the other IO threads (common/cpu_placement.py)
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
                                        device=settings.device, shm_pool_bytes=settings.transfer_pool_mb * 2**20,
                                        curve=keys)

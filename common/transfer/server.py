@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from mserve.common.cpu_placement import on_io_cores
 from mserve.common.protocol import ProtocolError
 from mserve.common.protocol.data_plane import (TO_SENDER, Ack, FetchFailed, FetchRequest, TensorData, TorchReady,
                                                parse_data)
@@ -122,6 +123,7 @@ class Server:
     # ------------------------------------------------------------------ server thread
 
     def _serve(self) -> None:
+        on_io_cores()  # a worker's IO cores, where it has them (common/cpu_placement.py)
         try:
             router = make_socket(self._ctx, zmq.ROUTER, bind=f"tcp://{self.host}:0", curve=self._curve)
             self.address = bound_address(router)

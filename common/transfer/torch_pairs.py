@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mserve.common.cpu_placement import on_io_cores
 from mserve.common.protocol.data_plane import TorchReady
 from mserve.common.transfer import cuda_ipc
 from mserve.common.transfer.backends import host_id, unpack_flat
@@ -122,6 +123,7 @@ class TorchSender:
         return {"gid": pair.gid, "tag": tag, "store": [self._store.host, self._store.port]}
 
     def _create(self, pair: _PairOut, backend: str) -> None:
+        on_io_cores()
         try:
             pair.pg = _new_group(self._store, pair.gid, 0, backend, self._timeout_s, self._host)
             self._on_new_group()
@@ -132,6 +134,7 @@ class TorchSender:
             pair.ready.set()
 
     def _send(self, pair: _PairOut, flat: torch.Tensor, tag: int, tid: str) -> None:
+        on_io_cores()
         if not pair.ready.wait(self._timeout_s) or pair.error is not None:
             return
         if flat.is_cuda:

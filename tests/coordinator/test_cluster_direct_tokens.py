@@ -14,6 +14,7 @@ import pytest
 from mserve.common.cpu_placement import format_cpu_list
 from mserve.coordinator.client import AsyncClient, Client
 from mserve.coordinator.launcher import LocalCluster
+from mserve.workers.fetcher import FETCH_THREADS
 from tests.coordinator.test_cluster import expected
 from tests.helpers import chat, request_mix
 
@@ -77,25 +78,34 @@ def check_direct_tokens(model: str, address: str, shard_addresses: list[str], wo
     assert token_items <= 2 * len(requests) * (MAX_TOKENS // EVERY + 2)
 
 
-def allowed_cores(pid: int) -> set[str]:
-    """Cpus_allowed_list of every thread of a process (one entry when they all agree)."""
-    out = set()
+def thread_cores(pid: int) -> dict[int, tuple[str, str]]:
+    """Every thread of a process: tid -> (its name, its Cpus_allowed_list)."""
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            comm = f.read().strip()
         with open(f"/proc/{pid}/task/{tid}/status") as f:
-            out |= {line.split()[1] for line in f if line.startswith("Cpus_allowed_list:")}
+            out[int(tid)] = comm, next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
     return out
 
 
 def test_tokens_reach_the_client_from_a_unified_worker(tiny_model_dirs):
     """Qwen2-VL on a unified worker; the disaggregated path (llava, two coordinator shards) is checked
     in test_cluster_shards.py on its cluster. This cluster is also CPU-placed (common/cpu_placement.py):
-    every thread of the worker, torch's and the fetch threads included, runs on its planned cores."""
+    the worker's model thread runs on its own core, and its IO threads (the fetch pool that decodes and
+    processes images, the transfer server, the pulse, zmq's) on the coordinator's, where no model runs."""
     model = str(tiny_model_dirs["qwen2_vl"])
     with LocalCluster(model, encode=0, prefill=0, decode=0, unified=1, cpu_placement="auto",
                       extra_coordinator_args=["--token-report-every", str(EVERY)]) as cluster:
         check_direct_tokens(model, cluster.address, cluster.shard_addresses, cluster.worker_names("unified")[0])
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) > 1:  # one core: nothing is placed
-            assert cluster.placement.workers == {"unified-0": (cores[0],)}
-            assert allowed_cores(cluster.processes["unified-0"].pid) == {str(cores[0])}
-            assert allowed_cores(cluster.processes["coordinator"].pid) == {format_cpu_list(cores[1:])}
+            rest = format_cpu_list(cores[1:])
+            assert cluster.placement.workers == {"unified-0": (cores[0],)} and cluster.placement.io == tuple(cores[1:])
+            pid = cluster.processes["unified-0"].pid
+            threads = thread_cores(pid)
+            assert threads[pid][1] == str(cores[0])  # the loop: the model's core
+            assert {c for name, c in threads.values() if name.startswith("ZMQbg/")} == {rest}
+            assert {c for _, c in threads.values()} == {str(cores[0]), rest}
+            assert sum(c == rest for _, c in threads.values()) >= FETCH_THREADS + 3  # + transfer, pulse, zmq IO
+            assert {c for _, c in thread_cores(cluster.processes["coordinator"].pid).values()} == {rest}
