@@ -132,7 +132,7 @@ class _ForkServer:
     def __init__(self) -> None:
         self._context = None
         self._env: dict[str, str] = {}
-        self._lock = threading.Lock()  # one start at a time: the first starts the server
+        self._lock = threading.Lock()
 
     def unfit(self, cmd: Sequence[str], env: Mapping[str, str]) -> str | None:
         if list(cmd[1:3]) != ["-m", "mserve.cli"] or cmd[0] != sys.executable:
@@ -142,15 +142,11 @@ class _ForkServer:
             return f"its environment differs from the fork server's in {', '.join(keys[:5])}"
         return None
 
-    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> ForkedChild:
-        with self._lock:
-            return self._start(argv, env, log_path)
-
     def ensure(self) -> None:
         with self._lock:
             self._ensure()
 
-    def _ensure(self) -> Any:
+    def _ensure(self) -> None:
         if self._context is None:
             from multiprocessing import forkserver
 
@@ -167,26 +163,26 @@ class _ForkServer:
                     os.environ.pop(key, None)
             self._context = context
             logger.info("fork server started: it imports %s once for every child", ", ".join(PRELOAD))
-        return self._context
 
-    def _start(self, argv: list[str], env: dict[str, str], log_path: str) -> ForkedChild:
-        self._ensure()
-        open(log_path, "wb").close()
-        led, leads = self._context.Pipe(duplex=False)
-        process = self._context.Process(target=_child_main, args=(argv, env, log_path, leads),
-                                        name=" ".join(argv[:2]), daemon=True)
-        process.start()
-        leads.close()
-        try:  # returns once the child leads its own group, so the launcher may signal the group at once
-            if not led.poll(_LEAD_TIMEOUT_S):
-                raise RuntimeError(f"fork server: the child (pid {process.pid}) did not start within "
-                                   f"{_LEAD_TIMEOUT_S:.0f}s")
-            led.recv()
-        except EOFError:
-            pass  # it died before: poll() reports its exit code
-        finally:
-            led.close()
-        return ForkedChild(process)
+    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> ForkedChild:
+        with self._lock:  # one start at a time: the first starts the server
+            self._ensure()
+            open(log_path, "wb").close()
+            led, leads = self._context.Pipe(duplex=False)
+            process = self._context.Process(target=_child_main, args=(argv, env, log_path, leads),
+                                            name=" ".join(argv[:2]), daemon=True)
+            process.start()
+            leads.close()
+            try:  # returns once the child leads its own group, so the launcher may signal the group at once
+                if not led.poll(_LEAD_TIMEOUT_S):
+                    raise RuntimeError(f"fork server: the child (pid {process.pid}) did not start within "
+                                       f"{_LEAD_TIMEOUT_S:.0f}s")
+                led.recv()
+            except EOFError:
+                pass  # it died before: poll() reports its exit code
+            finally:
+                led.close()
+            return ForkedChild(process)
 
 
 _forkserver = _ForkServer()
