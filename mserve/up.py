@@ -41,7 +41,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-placement", choices=["auto", "off"], default="auto",
                         help="auto: each worker on CPU cores of its own, heaviest role first (unified, prefill, "
                              "decode, encode); with no more cores than workers the last core is shared by the "
-                             "rest and the coordinator (and gateway). off: Linux places them. Uses the cores "
+                             "rest and the coordinator (and gateway); where the coordinator has a core no worker "
+                             "runs on, the workers' IO threads (image decoding and processing, transfers) run there "
+                             "too. off: Linux places them. Uses the cores "
                              "this command may run on (taskset, a container's cpuset). Default auto")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="every worker's model dtype (default: the checkpoint's; on the CPU, float32). bfloat16 "

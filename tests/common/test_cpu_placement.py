@@ -99,10 +99,14 @@ def test_io_threads_run_on_the_io_cores_and_the_rest_on_the_pinned_ones():
             "other = threading.Thread(target=lambda: seen.update(other=os.sched_getaffinity(0))); "
             "io.start(); other.start(); io.join(); other.join(); ctx = zmq.Context(); cp.io_zmq_context(ctx); "
             "s = ctx.socket(zmq.PAIR); s.bind('inproc://x'); "
-            "zt = [t for t in os.listdir('/proc/self/task') if open(f'/proc/self/task/{t}/comm').read().startswith('ZMQbg')]; "
-            "zc = {open(f'/proc/self/task/{t}/status').read().split('Cpus_allowed_list:')[1].split()[0] for t in zt}; "
+            "import time; deadline = time.monotonic() + 30\n"  # zmq's threads name and place themselves as they start
+            "while True:\n"
+            "    zt = [t for t in os.listdir('/proc/self/task') if open(f'/proc/self/task/{t}/comm').read().startswith('ZMQbg')]\n"
+            "    zc = {open(f'/proc/self/task/{t}/status').read().split('Cpus_allowed_list:')[1].split()[0] for t in zt}\n"
+            "    if (len(zt) == 2 and zc == {%r}) or time.monotonic() > deadline: break\n"
+            "    time.sleep(0.01)\n"
             "print(sorted(os.sched_getaffinity(0)), sorted(seen['io']), sorted(seen['other']), sorted(zc)); "
-            "s.close(); ctx.term()" % (str(io), str(model)))
+            "s.close(); ctx.term()" % (str(io), str(model), str(io)))
     out = _run(["-c", code])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split(" ", 3) == [f"[{model}]", f"[{io}]", f"[{model}]", f"['{io}']\n"]
