@@ -137,10 +137,6 @@ def pin_io(text: str) -> tuple[int, ...]:
     return cpus
 
 
-def io_cpus() -> tuple[int, ...]:
-    return _io_cpus
-
-
 def on_io_cores() -> None:
     """Move the calling thread to this process's IO cores, when it has them (`pin_io`). An IO thread calls
     this first (as its target's first line, or a pool's `initializer`); the threads it starts inherit them."""

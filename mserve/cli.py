@@ -361,7 +361,7 @@ def _pin(args: argparse.Namespace) -> None:
     from mserve.common.cpu_placement import format_cpu_list, pin, pin_io
 
     text = args.cpus or os.environ.get("MSERVE_CPUS")
-    io_text = getattr(args, "io_cpus", None) or (os.environ.get("MSERVE_IO_CPUS") if hasattr(args, "io_cpus") else None)
+    io_text = (args.io_cpus or os.environ.get("MSERVE_IO_CPUS")) if hasattr(args, "io_cpus") else None
     log = logging.getLogger("mserve")
     try:
         io = pin_io(io_text) if io_text else ()  # first: checked against the cores before `pin` narrows them
