@@ -6,7 +6,11 @@ coordinator"), a DECODE or RUN says how the request's tokens leave the worker (`
 * to the coordinator, only every N tokens, plus the first (it times TTFT) and the last (it ends the
   request with RESULT, which carries every token);
 * to the client, when it opened a token sink (a PULL socket it binds; `tokens_to`), every step's
-  tokens as the client protocol's TOKENS under the client's request id, pushed from here.
+  tokens as the client protocol's TOKENS under the client's request id, pushed from here; and, as the
+  request is admitted, the tokens made before it reached this worker (a prefill worker's first token,
+  an earlier attempt's), at their own indexes. The client hands tokens out in order, so without them
+  its stream would wait for the coordinator's relay of the first token, however many later ones the
+  sink already holds: under load the whole stream came out at once, at the end.
 
 The client puts the pieces together by index (client_core.Assembler drops a token it already has
 and waits for one that is late), so a re-run that streams some tokens again changes nothing: every
@@ -59,14 +63,16 @@ class TokenSinks:
         self.sent = 0
         self.dropped = 0
 
-    def push(self, route: TokenRoute, tokens: list[int]) -> None:
-        """TOKENS for `tokens`, which start at client index `route.index` (before `take` counts them)."""
+    def push(self, route: TokenRoute, tokens: list[int], index: int | None = None) -> None:
+        """TOKENS for `tokens`, which start at client index `index` (default `route.index`, before `take`
+        counts them)."""
         if route.sink is None or not tokens:
             return
+        index = route.index if index is None else index
         # At index 0 the prompt's size too: a client that stops early still learns it.
-        msg = Tokens(request_id=route.client_rid or "", index=route.index, token_ids=tokens,
-                     prompt_tokens=route.prompt_tokens if route.index == 0 else None,
-                     model=route.model if route.index == 0 else None)
+        msg = Tokens(request_id=route.client_rid or "", index=index, token_ids=tokens,
+                     prompt_tokens=route.prompt_tokens if index == 0 else None,
+                     model=route.model if index == 0 else None)
         try:
             send(self._sock(route.sink), MsgType.TOKENS, msg.to_body(), flags=zmq.NOBLOCK)
             self.sent += 1

@@ -67,10 +67,11 @@ def check_direct_tokens(model: str, address: str, shard_addresses: list[str], wo
     assert streamed == want and [r.token_ids for r in results] == want
     assert concurrent == want and [r.token_ids for r in concurrent_results] == want
     # The tokens arrived while the request ran, not all at once with RESULT: the sink delivered them (the
-    # coordinator relays none of them past the first). How many pieces a stream comes in depends on how
-    # often this busy client's event loop ran (tokens that arrived since are one piece: 8 pieces of 24 on
-    # a loaded CI host, against the 12 this asked for); that each step went out by itself is the
-    # worker's count below.
+    # coordinator relays none of them past the first; the worker pushes that one too, so the stream
+    # need not wait for the coordinator's relay: [24, 1, 1, 24, 1, 1] pieces on a CI host before it did).
+    # How many pieces a stream comes in depends on how often this busy client's event loop ran (tokens
+    # that arrived since are one piece: 8 pieces of 24 on a loaded CI host); that each step went out by
+    # itself is the worker's count below.
     assert all(len(c) >= 2 for c in chunks), [len(c) for c in chunks]
     # The worker pushed the streams itself, a message per step: about one per token past the first.
     assert direct >= 2 * len(requests) * (MAX_TOKENS - 1) * 0.5

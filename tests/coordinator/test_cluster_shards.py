@@ -14,12 +14,14 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import zmq
 
+from mserve.common.protocol import MsgType
 from mserve.common.redis_store import RedisStore
 from mserve.common.shards import ShardRegistry, client_addresses_from_redis, pick_shard
-from mserve.common.sockets import free_port
+from mserve.common.sockets import bound_address, free_port, make_socket, recv, send
 from mserve.coordinator.client import Client
-from mserve.coordinator.client_core import RequestTimeout
+from mserve.coordinator.client_core import RequestTimeout, generate_body
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import expected
 from tests.coordinator.test_cluster_direct_tokens import EVERY, check_direct_tokens
@@ -112,6 +114,43 @@ def test_tokens_reach_clients_from_the_decode_worker_whichever_shard_runs_them(s
     """--token-report-every: one token sink per client gets tokens of requests on both shards."""
     check_direct_tokens(str(tiny_model_dirs["llava"]), sharded.address, sharded.shard_addresses,
                         sharded.worker_names("decode")[0])
+
+
+def test_the_decode_workers_pushes_alone_carry_a_whole_stream_from_its_first_token(sharded, tiny_model_dirs):
+    """The sink gets every token from the decode worker, the prefill worker's first included (pushed as
+    the DECODE is admitted, before its first step): a client's stream need not wait for the coordinator's
+    relay of that token, which under load came after all the others (the whole stream at once, at the end)."""
+    model = str(tiny_model_dirs["llava"])
+    requests = request_mix(1, seed=41)
+    ctx = zmq.Context()
+    sink = make_socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:0")
+    dealer = make_socket(ctx, zmq.DEALER, connect=sharded.shard_addresses[0])
+    try:
+        body = generate_body("sink-only-1", chat(*requests[0]), True, max_tokens=MAX_TOKENS, ignore_eos=True)
+        body["tokens_to"] = bound_address(sink)
+        send(dealer, MsgType.GENERATE, body)
+        result = None
+        while result is None:  # the coordinator's replies: its TOKENS (every EVERY-th), then RESULT
+            assert dealer.poll(120_000), "no RESULT within 120 s"
+            _, kind, reply = recv(dealer)
+            assert kind != MsgType.ERROR, reply
+            if kind == MsgType.RESULT:
+                result, prompt_tokens = reply["token_ids"], reply["prompt_tokens"]
+        pushed: list[tuple[int, list[int]]] = []  # (index, tokens) in the order the sink got them
+        while sum(len(t) for _, t in pushed) < MAX_TOKENS:  # they may still be on their way after RESULT
+            assert sink.poll(30_000), f"the sink got only {pushed}"
+            _, kind, reply = recv(sink)
+            assert kind == MsgType.TOKENS and reply["request_id"] == "sink-only-1"
+            pushed.append((reply["index"], reply["token_ids"]))
+            if reply["index"] == 0:  # usage, for a client that stops early, as the coordinator's would say
+                assert reply["prompt_tokens"] == prompt_tokens and reply["model"] is not None
+    finally:
+        dealer.close(linger=0)
+        sink.close(linger=0)
+        ctx.term()
+    assert pushed[0][0] == 0 and len(pushed[0][1]) == 1  # the prefill worker's token, first
+    assert [i for i, _ in pushed] == list(range(MAX_TOKENS))  # then a step at a time, in order
+    assert [t for _, ts in pushed for t in ts] == result == expected(model, requests, MAX_TOKENS, ignore_eos=True)[0]
 
 
 def test_a_shard_that_joins_later_is_found_by_the_workers(sharded, tiny_model_dirs):

@@ -88,6 +88,10 @@ class SteppingWorker(Worker):
         if every > 1:
             rec.route = TokenRoute(every, task.tokens_to, task.client_rid, len(rec.seq.output_ids),
                                    len(rec.seq.prompt_ids), model=self.model_name)
+            # The tokens made before this worker (the prefill's first, an earlier attempt's) to the sink
+            # too, so the client's stream need not wait for the coordinator's relay of them
+            # (workers/token_sinks.py; the client drops a token it already has).
+            self.sinks.push(rec.route, list(rec.seq.output_ids), index=0)
 
     def end(self, rid: str, attempt: int | None = None) -> WorkerRequest | None:
         rec = super().end(rid, attempt)
