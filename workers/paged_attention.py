@@ -208,6 +208,16 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, tables.view(-1)).view(b, nb * bs, h, d).transpose(1, 2)
 
 
+def _tokens(query: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """query [heads, T, head_dim] -> its tokens `index` (flat) as [len(index), heads, head_dim].
+
+    An `index_select` over whole token rows (one copy a row), where advanced indexing on the middle dim
+    copies element by element: for a mixed step's two prompt chunks, the gather, the output's gather and
+    its scatter back took 437 us a layer that way and 175 this way (bench/README.md, "Where a served
+    request's time goes")."""
+    return query.transpose(0, 1).index_select(0, index)
+
+
 def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scaling: float | None, window: int | None = None) -> torch.Tensor:
     """One group's attention output as [rows, heads, head_dim] (rows = its real tokens, in `dest` order)."""
@@ -215,23 +225,23 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
     heads, _, d = query.shape
     if (group.decode_lens is not None and group.key_lens is None and (window is None or window >= group.max_len)
             and paged_decode.usable(query, k_cache)):  # decode tokens: read the pool in place, no gather
-        q = query.transpose(0, 1) if group.whole_uniform else query[:, group.query_index[:, 0]].transpose(0, 1)
+        q = query.transpose(0, 1) if group.whole_uniform else _tokens(query, group.query_index[:, 0])
         return paged_decode.attend(q, k_cache, v_cache, group.block_tables, group.decode_lens, group.max_len,
                                    scaling if scaling is not None else d ** -0.5)
     if (group.decode_lens is None and group.key_lens is None and group.causal and len(group.dest) == g * max_q
             and (window is None or window >= group.max_len) and paged_prefill.usable(query, k_cache)):
         # prompt chunks of one length in bfloat16, padded attention: read the pool in place
-        q = query.view(heads, g, max_q, d) if group.whole_uniform else query[:, group.query_index]
-        out = paged_prefill.attend(q.permute(1, 2, 0, 3), k_cache, v_cache, group.block_tables,
+        q = query.transpose(0, 1) if group.whole_uniform else _tokens(query, group.query_index.view(-1))
+        out = paged_prefill.attend(q.reshape(g, max_q, heads, d), k_cache, v_cache, group.block_tables,
                                    group.query_pos[:, 0], scaling if scaling is not None else d ** -0.5)
         out = out.view(g * max_q, heads, d)
-        return out if group.whole_uniform else out[group.out_rows]
+        return out if group.whole_uniform else out.index_select(0, group.out_rows)
     k = _gather(k_cache, group.block_tables)
     v = _gather(v_cache, group.block_tables)
     if group.whole_uniform:
         q = query.view(heads, g, max_q, d).transpose(0, 1)
     else:
-        q = query[:, group.query_index].transpose(0, 1)  # [G, heads, max_q, head_dim]
+        q = _tokens(query, group.query_index.view(-1)).view(g, max_q, heads, d).transpose(1, 2)  # [G, heads, max_q, d]
     # A window shorter than a context makes the mask not the causal one (a window as long as every
     # context, like the 32k one Qwen2-VL passes on every layer, restricts nothing).
     if group.fresh_prompt is not None and (window is None or window >= group.fresh_prompt):
@@ -245,7 +255,7 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
     else:
         out = _attend_exact(group, q, k.to(q.dtype), v.to(q.dtype), scaling)
     out = out.transpose(1, 2).reshape(g * max_q, heads, d)
-    return out if group.whole_uniform else out[group.out_rows]
+    return out if group.whole_uniform else out.index_select(0, group.out_rows)
 
 
 def exact_setting(choice: str) -> bool | None:
@@ -308,7 +318,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         heads, total, d = query[0].shape
         out = query.new_empty((total, heads, d))
         for group in batch.groups:
-            out[group.dest] = _attend(group, query[0], k_cache, v_cache, scaling, window)
+            out.index_copy_(0, group.dest, _attend(group, query[0], k_cache, v_cache, scaling, window))
     return out.unsqueeze(0), None  # [1, T, heads, head_dim], as transformers' attention functions return
 
 
