@@ -212,9 +212,9 @@ def _tokens(query: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """query [heads, T, head_dim] -> its tokens `index` (flat) as [len(index), heads, head_dim].
 
     An `index_select` over whole token rows (one copy a row), where advanced indexing on the middle dim
-    copies element by element: for a mixed step's two prompt chunks, the gather, the output's gather and
-    its scatter back took 437 us a layer that way and 175 this way (bench/README.md, "Where a served
-    request's time goes")."""
+    copies element by element: in a step of 16 decode tokens and a 496-token chunk, the chunk's query
+    gather, its output's gather and the scatter back took 392-402 us a layer that way and 146-153 this
+    way, the same bits (`lab.token_copies`; bench/README.md, "Where a served request's time goes")."""
     return query.transpose(0, 1).index_select(0, index)
 
 
