@@ -36,6 +36,47 @@ int64_t paged_prefill_scratch_words(int64_t H, int64_t KV, int64_t D, int64_t ma
 static inline __m512 bcast(const uint32_t *p) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)*p)); }
 #define DP(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)_mm512_castps_si512(a), (__m512bh)(b))
 
+/* e^(x - m) of the 16 scores at x whose first `left` are seen, 0 for the rest. */
+static inline __m512 row_exp(const float *x, __m512 m, int64_t left) {
+    if (left <= 0) return _mm512_setzero_ps();
+    return _mm512_maskz_mov_ps(first16(left), exp16(_mm512_sub_ps(_mm512_loadu_ps(x), m)));
+}
+
+/* P @ V for RO rows and 64 dims: acc[r][x] = sum over token pairs j of P[r, j] . V[j, 16x .. 16x + 15].
+ * Every bound is a constant, so the 16 sums stay in registers (with the chunk count a variable, gcc kept
+ * 12 of them on the stack, a store and a load each per vdpbf16ps). */
+static inline void pv_full(__m512 acc[RO][4], const uint32_t **pr, const uint32_t *v, int64_t D,
+                           int64_t pairs) {
+    __m512 a[RO][4];
+    for (int r = 0; r < RO; r++)
+        for (int x = 0; x < 4; x++) a[r][x] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++, v += D) {
+        const __m512i v0 = _mm512_loadu_si512(v), v1 = _mm512_loadu_si512(v + 16);
+        const __m512i v2 = _mm512_loadu_si512(v + 32), v3 = _mm512_loadu_si512(v + 48);
+        for (int r = 0; r < RO; r++) {
+            const __m512 p = bcast(pr[r] + j);
+            a[r][0] = DP(a[r][0], p, v0);
+            a[r][1] = DP(a[r][1], p, v1);
+            a[r][2] = DP(a[r][2], p, v2);
+            a[r][3] = DP(a[r][3], p, v3);
+        }
+    }
+    for (int r = 0; r < RO; r++)
+        for (int x = 0; x < 4; x++) acc[r][x] = a[r][x];
+}
+
+/* The same for the last nc < 4 chunks of 16 dims (a head size that is not a multiple of 64). */
+static void pv_part(__m512 acc[RO][4], const uint32_t **pr, const uint32_t *v, int64_t D, int64_t pairs,
+                    int64_t nc) {
+    for (int r = 0; r < RO; r++)
+        for (int x = 0; x < 4; x++) acc[r][x] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++, v += D)
+        for (int64_t x = 0; x < nc; x++) {
+            const __m512i vv = _mm512_loadu_si512(v + 16 * x);
+            for (int r = 0; r < RO; r++) acc[r][x] = DP(acc[r][x], bcast(pr[r] + j), vv);
+        }
+}
+
 /* Returns 0; -1 for a length out of range; -2 for shapes the kernel does not take. */
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
                        const int64_t *starts, float *out, uint32_t *scratch, int64_t G, int64_t n, int64_t H,
@@ -109,16 +150,15 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
                     for (int64_t t0 = 0; t0 < seen; t0 += 16)
                         mx = _mm512_mask_max_ps(mx, first16(seen - t0), mx, _mm512_loadu_ps(sr + t0));
                     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                    /* e^(score - max) of 32 keys at a time, summed in float32 and stored as bf16 pairs in one
+                     * pass; keys past the row's last are 0 without an exp */
                     __m512 total = _mm512_setzero_ps();
-                    for (int64_t t0 = 0; t0 < kpad; t0 += 16) {
-                        const __m512 e = _mm512_maskz_mov_ps(first16(seen - t0), exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + t0), m)));
-                        _mm512_storeu_ps(sr + t0, e);
-                        total = _mm512_add_ps(total, e);
+                    for (int64_t t0 = 0; t0 < kpad; t0 += 32) {
+                        const __m512 e0 = row_exp(sr + t0, m, seen - t0), e1 = row_exp(sr + t0 + 16, m, seen - t0 - 16);
+                        total = _mm512_add_ps(_mm512_add_ps(total, e0), e1);
+                        _mm512_storeu_si512(pb + r * (l32 / 2) + t0 / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
                     }
                     inv[r] = 1.0f / _mm512_reduce_add_ps(total);
-                    for (int64_t t0 = 0; t0 < kpad; t0 += 32)
-                        _mm512_storeu_si512(pb + r * (l32 / 2) + t0 / 2,
-                                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + t0 + 16), _mm512_loadu_ps(sr + t0)));
                 }
                 /* P @ V: RO rows at a time, 16 dims a pass, pairs of tokens per vdpbf16ps */
                 for (int64_t r0 = 0; r0 < nr; r0 += RO) {
@@ -127,15 +167,8 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
                     for (int64_t d0 = 0; d0 < D; d0 += 64) { /* up to 4 chunks of 16 dims in registers */
                         const int64_t nc = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
                         __m512 acc[RO][4];
-                        for (int64_t r = 0; r < RO; r++)
-                            for (int64_t x = 0; x < 4; x++) acc[r][x] = _mm512_setzero_ps();
-                        for (int64_t j = 0; j < kpad / 2; j++) {
-                            const uint32_t *vj = vp + j * D + d0;
-                            for (int64_t x = 0; x < nc; x++) {
-                                const __m512i vv = _mm512_loadu_si512(vj + 16 * x);
-                                for (int64_t r = 0; r < RO; r++) acc[r][x] = DP(acc[r][x], bcast(pr[r] + j), vv);
-                            }
-                        }
+                        if (nc == 4) pv_full(acc, pr, vp + d0, D, kpad / 2);
+                        else pv_part(acc, pr, vp + d0, D, kpad / 2, nc);
                         for (int64_t r = 0; r < RO && r0 + r < nr; r++) {
                             const int64_t rr = r0 + r, h = c * per_kv + rr / nq, i = i0 + rr % nq;
                             float *o = out + ((g * n + i) * H + h) * D + d0;
