@@ -6,7 +6,8 @@
 `trace.jsonl` is what `mserve bench compare` writes into its --out folder. Every request is greedy,
 ignores EOS and makes --max-tokens tokens, like the bench's `--ignore-eos`. Reports the wall time per
 request, split into steps that carry prompt tokens (prefill, with the decode tokens riding along),
-decode-only steps, and vision encoding (inside adding a request). One torch thread, like a worker.
+decode-only steps, and vision encoding (inside adding a request), with how many steps of each kind.
+One torch thread, like a worker.
 Used for bench/README.md, "Why 1.3x per core is out of reach".
 """
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(EngineConfig(args.model, dtype=args.dtype, exact_attention=exact_setting(args.attention),
                                  max_prefill_tokens=args.max_prefill_tokens))
     spent = {"encode": 0.0, "prefill steps": 0.0, "decode-only steps": 0.0}
+    steps = {"prefill steps": 0, "decode-only steps": 0}
     encode = engine.encode
 
     def timed_encode(*a, **kw):
@@ -72,13 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         finished = sum(o.finished for o in engine.step())
         kind = "prefill steps" if engine.counters["prefill_tokens"] != before else "decode-only steps"
         spent[kind] += time.perf_counter() - t
+        steps[kind] += 1
         done, running = done + finished, running - finished
     wall = time.perf_counter() - t0
     tokens = sum(len(pp.prompt_ids) for pp in reqs) / len(reqs)
     print(f"{len(reqs)} requests, {tokens:.0f} prompt tokens on average, {args.concurrency} at a time: "
           f"{wall:.1f} s, {wall / len(reqs) * 1e3:.0f} ms per request")
+    prompt_tokens = engine.counters["prefill_tokens"]
     for k, v in spent.items():
-        print(f"  {k}: {v:.1f} s, {v / len(reqs) * 1e3:.0f} ms per request")
+        count = ""
+        if k == "prefill steps" and steps[k]:
+            count = f" ({steps[k]} steps, {prompt_tokens / steps[k]:,.0f} prompt tokens a step)"
+        elif k in steps:
+            count = f" ({steps[k]} steps, {v / max(steps[k], 1) * 1e3:.1f} ms a step)"
+        print(f"  {k}: {v:.1f} s, {v / len(reqs) * 1e3:.0f} ms per request{count}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from lab.engine_replay import main
 from mserve.bench.traces import TraceRequest, request_to_dict
@@ -20,3 +21,5 @@ def test_replays_text_and_image_requests(tiny_model_dirs, tmp_path, capsys):
                  "--concurrency", "2", "--max-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("2 requests") and "encode:" in out and "prefill steps:" in out
+    assert re.search(r"prefill steps: .* per request \((\d+) steps, [\d,]+ prompt tokens a step\)", out), out
+    assert re.search(r"decode-only steps: .* per request \(\d+ steps, [\d.]+ ms a step\)", out), out
