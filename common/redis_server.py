@@ -89,6 +89,13 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
+    def pid(self) -> int:
+        """The server's process id (a test pauses it with SIGSTOP to play a stalled Redis)."""
+        if self._proc is None:
+            raise RuntimeError("RedisServer has no process until start() is called")
+        return self._proc.pid
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -48,12 +48,13 @@ def test_worker_flags_reach_the_worker_settings(monkeypatch):
     assert s.exact_attention() is False
 
 
-def test_the_fetch_timeout_is_a_worker_setting_and_must_be_positive(monkeypatch):
+def test_the_fetch_and_redis_timeouts_are_worker_settings_and_must_be_positive(monkeypatch):
     from pydantic import ValidationError
 
     from mserve.workers.settings import WorkerSettings
 
     monkeypatch.delenv("MSERVE_FETCH_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("MSERVE_REDIS_TIMEOUT_S", raising=False)
     parser, _ = _subparser("worker")
     args = parser.parse_args(["worker", "--role", "decode", "--model", "m", "--fetch-timeout-s", "2.5"])
     logging.getLogger("mserve").disabled = True
@@ -64,6 +65,9 @@ def test_the_fetch_timeout_is_a_worker_setting_and_must_be_positive(monkeypatch)
     assert WorkerSettings(role="decode", model="m").fetch_timeout_s == 10.0
     with pytest.raises(ValidationError, match="fetch_timeout_s must be a number of seconds above 0, not 0"):
         WorkerSettings(role="decode", model="m", fetch_timeout_s=0)
+    assert WorkerSettings(role="decode", model="m").redis_timeout_s == 0.5
+    with pytest.raises(ValidationError, match="redis_timeout_s must be a number of seconds above 0, not -1"):
+        WorkerSettings(role="decode", model="m", redis_timeout_s=-1)
 
 
 def test_an_encoder_takes_one_image_per_forward_on_the_cpu_and_eight_on_cuda(monkeypatch):

@@ -1,14 +1,17 @@
 """Keeps the cluster's Redis prefix index equal to what one worker's KV pool holds.
 
 The pool notes every hash it starts or stops holding (BlockPool.take_index_changes); this publisher
-sends those adds and removals to Redis at most every `every_s`, keeps what Redis did not take for
-the next try, and re-adds everything held every `refresh_s` so the entries' TTL (the safety net for
+collects those adds and removals at most every `every_s` on the worker's loop, sends them from the
+worker's Redis lane (workers/redis_lane.py, so the loop never waits on Redis), keeps what Redis did not
+take for the next try, and re-adds everything held every `refresh_s` so the entries' TTL (the safety net for
 a worker that dies without cleaning up) never lapses while the blocks are still here.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,7 @@ class PrefixIndexPublisher:
         self.every_s = every_s
         self.ttl_s = ttl_s
         self.refresh_s = ttl_s / 3
+        self._lock = threading.Lock()  # pending: filled on the loop, sent from the Redis lane
         self.pending: OrderedDict[str, bool] = OrderedDict()
         self._next_flush = 0.0
         self._next_refresh = 0.0
@@ -36,32 +40,52 @@ class PrefixIndexPublisher:
         self.removed = 0
 
     def flush(self, now: float, force: bool = False) -> bool:
-        """Send what changed (when due, or `force`); True when Redis now matches the pool."""
+        """collect, then send, on the caller's thread; True when Redis now matches the pool."""
+        self.collect(now, force)
+        return self.send()
+
+    def collect(self, now: float, force: bool = False) -> bool:
+        """On the loop (the pool's thread): take what changed, when due (or `force`); True when there
+        is something for `send`."""
         if not force and now < self._next_flush:
-            return not self.pending
+            return False
         self._next_flush = now + self.every_s
-        for h, held in self.pool.take_index_changes().items():
-            self.pending.pop(h, None)
-            self.pending[h] = held
-        while len(self.pending) > MAX_PENDING:
-            self.pending.popitem(last=False)
-        if now >= self._next_refresh:
+        changes = self.pool.take_index_changes()
+        refresh = now >= self._next_refresh
+        held = self.pool.cached_hashes() if refresh else ()
+        if refresh:
             self._next_refresh = now + self.refresh_s
-            for h in self.pool.cached_hashes():  # re-add all held: refreshes every entry's TTL
+        with self._lock:
+            for h, is_held in changes.items():
+                self.pending.pop(h, None)
+                self.pending[h] = is_held
+            for h in held:  # re-add all held: refreshes every entry's TTL
                 self.pending.setdefault(h, True)
-        if not self.pending:
+            while len(self.pending) > MAX_PENDING:
+                self.pending.popitem(last=False)
+            return bool(self.pending)
+
+    def send(self) -> bool:
+        """Send what `collect` gathered (on any thread: the worker's Redis lane, workers/redis_lane.py);
+        True when Redis now has it. What Redis did not take stays for the next try."""
+        with self._lock:
+            sent = dict(self.pending)
+        if not sent:
             return True
-        adds = [h for h, held in self.pending.items() if held]
-        removes = [h for h, held in self.pending.items() if not held]
+        adds = [h for h, held in sent.items() if held]
+        removes = [h for h, held in sent.items() if not held]
         if not self.store.update_prefix_blocks(self.model, self.worker_id, adds, removes, ttl_s=self.ttl_s):
             return False  # Redis is down: keep them for the next try
-        self.published += len(adds)
-        self.removed += len(removes)
-        self.pending.clear()
-        return True
+        with self._lock:
+            for h, held in sent.items():  # what changed again meanwhile stays for the next send
+                if self.pending.get(h) is held:
+                    del self.pending[h]
+            self.published += len(adds)
+            self.removed += len(removes)
+            return not self.pending
 
     def republish(self) -> int:
-        """Redis came back empty: index everything held again. Returns how many entries."""
+        """Redis came back empty: gather everything held again, for the next `send`. Returns how many."""
         self._next_refresh = 0.0
-        self.flush(0.0, force=True)
+        self.collect(time.monotonic(), force=True)
         return len(self.pool.cached_hashes())

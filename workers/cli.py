@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "their addresses comma-separated, or redis://... to connect to every shard registered there "
                         "as they come and go (shards announced in --redis are always joined too)")
     p.add_argument("--redis", help="redis URL (registry, load, cache indexes)")
+    p.add_argument("--redis-timeout-s", type=float,
+                   help="seconds one Redis call may wait before Redis counts as down for a second (default 0.5); "
+                        "every Redis call runs on a thread of its own, so a slow Redis never holds a step or a "
+                        "heartbeat to the coordinator")
     p.add_argument("--worker-id", help="unique id (default role-host-pid)")
     p.add_argument("--device", help="cpu (float32, default) or cuda (bfloat16)")
     p.add_argument("--dtype", help="override the dtype: float32, bfloat16, float16")

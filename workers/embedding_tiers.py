@@ -8,6 +8,7 @@ Encode and unified workers both own one EmbeddingTiers, so either role saves the
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from mserve.common.pruning import cache_namespace
@@ -57,11 +58,13 @@ class EmbeddingTiers:
     embedding_l2_hits), so they reach the load report like every other engine counter."""
 
     def __init__(self, *, l1_bytes: int, l2_bytes: int, l2_dir: str | None, namespace: str, model_name: str,
-                 worker_id: str, host_id: str, store: RedisStore | None, counters: dict[str, Any]) -> None:
+                 worker_id: str, host_id: str, store: RedisStore | None, counters: dict[str, Any],
+                 defer: Callable[..., None] = lambda fn, *args: fn(*args)) -> None:
         self.cache = EmbeddingCache(l1_bytes)
         self.host_cache = HostEmbeddingStore(l2_dir or default_root(), namespace, l2_bytes)
         self.host_member = host_member(host_id)  # the L2 entries' holder in the Redis index
         self.model_name, self.worker_id, self.store, self.counters = model_name, worker_id, store, counters
+        self.defer = defer  # how an index write runs: a worker queues it on its Redis lane (workers/redis_lane.py)
         for key in ("embedding_l1_hits", "embedding_l2_hits"):
             counters.setdefault(key, 0)
 
@@ -94,33 +97,33 @@ class EmbeddingTiers:
         self._l1_put(h, enc)
         evicted = self.host_cache.put(h, enc.embeds, enc.grid_thw)
         if self.store and self.host_cache.enabled:
-            self.store.add_embedding(self.model_name, h, self.host_member)
+            self.defer(self.store.add_embedding, self.model_name, h, self.host_member)
             if evicted:
-                self.store.drop_worker_embeddings(self.host_member, self.model_name, evicted)
+                self.defer(self.store.drop_worker_embeddings, self.host_member, self.model_name, evicted)
 
     def _l1_put(self, h: str, enc: EncodedImage) -> None:
         if not self.cache.capacity:
             return
         for gone in self.cache.put(h, enc):
             if self.store:
-                self.store.remove_embedding(self.model_name, gone, self.worker_id)
+                self.defer(self.store.remove_embedding, self.model_name, gone, self.worker_id)
         if self.store:
-            self.store.add_embedding(self.model_name, h, self.worker_id)
+            self.defer(self.store.add_embedding, self.model_name, h, self.worker_id)
 
     def republish(self) -> int:
         """Redis came back empty: index every entry held again. Returns how many."""
         hashes, shared = self.cache.keys(), self.host_cache.keys()
         if self.store is not None:
             if hashes:
-                self.store.add_embeddings(self.model_name, hashes, self.worker_id)
+                self.defer(self.store.add_embeddings, self.model_name, hashes, self.worker_id)
             if shared:
-                self.store.add_embeddings(self.model_name, shared, self.host_member)
+                self.defer(self.store.add_embeddings, self.model_name, shared, self.host_member)
         return len(hashes) + len(shared)
 
     def drop(self) -> None:
         """This worker leaves: its L1 entries leave the index (the host's L2 entries outlive it)."""
         if self.store is not None:
-            self.store.drop_worker_embeddings(self.worker_id, self.model_name, self.cache.keys())
+            self.defer(self.store.drop_worker_embeddings, self.worker_id, self.model_name, self.cache.keys())
 
 
 def embedding_tiers(worker: Any) -> EmbeddingTiers:
@@ -130,4 +133,5 @@ def embedding_tiers(worker: Any) -> EmbeddingTiers:
                           l2_dir=s.host_embedding_cache_dir,
                           namespace=cache_namespace(worker.model_name, s.visual_token_pruning),
                           model_name=worker.model_name, worker_id=worker.worker_id,
-                          host_id=worker.transfer.host_id, store=worker.store, counters=worker.engine.counters)
+                          host_id=worker.transfer.host_id, store=worker.store, counters=worker.engine.counters,
+                          defer=worker.lane.submit)

@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, DEFAULT_LIMITS
@@ -58,6 +58,10 @@ class WorkerSettings(BaseSettings):
     # 8 on a GPU, where a batch is what fills it (bench/README.md, "An encode batch of one on the CPU").
     max_encode_images: int | None = Field(None, ge=1)
     heartbeat_s: float = 0.25
+    # How long one Redis call may wait before Redis counts as down (its calls then skip it for a second).
+    # Every call while serving runs on the worker's Redis lane (workers/redis_lane.py): a slow Redis
+    # delays the indexes, registration and load there, never a step or a heartbeat to the coordinator.
+    redis_timeout_s: float = 0.5
     # SIGTERM drains: no new work, finish what is here, exit when the coordinator releases the worker
     # (workers/draining.py); past this many seconds it exits anyway. Keep it below the platform's kill
     # grace (Kubernetes terminationGracePeriodSeconds, compose stop_grace_period).
@@ -98,11 +102,11 @@ class WorkerSettings(BaseSettings):
             self.max_encode_images = CPU_ENCODE_IMAGES if self.device == "cpu" else GPU_ENCODE_IMAGES
         return self
 
-    @field_validator("fetch_timeout_s")
+    @field_validator("fetch_timeout_s", "redis_timeout_s")
     @classmethod
-    def _positive_timeout(cls, v: float) -> float:
+    def _positive_timeout(cls, v: float, info: ValidationInfo) -> float:
         if not v > 0:
-            raise ValueError(f"fetch_timeout_s must be a number of seconds above 0, not {v}")
+            raise ValueError(f"{info.field_name} must be a number of seconds above 0, not {v}")
         return v
 
     @field_validator("visual_token_pruning", mode="before")

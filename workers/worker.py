@@ -27,19 +27,18 @@ from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, parse_m
 from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
 from mserve.common.protocol.to_worker import TO_WORKER, Cancel
 from mserve.common.protocol.typed import Message
-from mserve.common.redis_store import RedisStore
 from mserve.common.security import CurveKeys, check_curve_settings
 from mserve.common.serde import WireError
-from mserve.common.shards import ShardRegistry, is_redis_url, split_addresses
+from mserve.common.shards import is_redis_url, split_addresses
 from mserve.common.transfer import TransferEngine, TransferError
 from mserve.workers.block_pool import OutOfBlocks
 from mserve.workers.draining import Drain
-from mserve.workers.cache_index import PrefixIndexPublisher
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.links import CoordinatorLinks, Link
 from mserve.workers.liveness import Pulse
 from mserve.workers.requests import WorkerRequest, WorkerRequests
 from mserve.workers.settings import WorkerSettings
+from mserve.workers.worker_redis import WorkerRedis
 
 log = logging.getLogger("mserve.worker")
 
@@ -73,28 +72,20 @@ class Worker:
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
                                        device=settings.device, shm_pool_bytes=settings.transfer_pool_mb * 2**20,
                                        curve=keys)
-        self.store = RedisStore(settings.redis) if settings.redis else None
+        # Registration, load, shard registry and indexes; every call while serving on the Redis lane's thread,
+        # so neither the loop nor the pulse waits on Redis (workers/worker_redis.py).
+        self.redis = WorkerRedis(settings, self.worker_id, self.model_name, self.engine.pool)
+        self.store, self.lane = self.redis.store, self.redis.lane
         # One link per coordinator shard: those named by --coordinator, and those announced in Redis (the
         # --redis store, or the one --coordinator redis://... names: then only those).
         self.requests = WorkerRequests()  # every request this worker holds, one record each (workers/requests.py)
-        static, registry_store = split_addresses(settings.coordinator), self.store
-        self._registry_store: RedisStore | None = None
-        if is_redis_url(settings.coordinator):
-            static = []
-            if settings.coordinator != settings.redis:
-                registry_store = self._registry_store = RedisStore(settings.coordinator)
-        self.links = CoordinatorLinks(self.ctx, self.worker_id, static, keys=keys,
-                                      registry=ShardRegistry(registry_store) if registry_store is not None else None,
-                                      origin_of=self.requests.origin_of)
+        self.links = CoordinatorLinks(self.ctx, self.worker_id,
+                                      [] if is_redis_url(settings.coordinator) else split_addresses(settings.coordinator),
+                                      keys=keys, registry=self.redis.registry, origin_of=self.requests.origin_of)
         self.sock_lock = self.links.lock  # the loop and the pulse thread share the sockets
-        self._next_link_refresh = 0.0
         self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
-        self.prefix_index = (PrefixIndexPublisher(self.store, self.model_name, self.worker_id, self.engine.pool,
-                                                  every_s=settings.heartbeat_s)
-                             if self.store is not None and settings.enable_prefix_caching else None)
         self.running = True
         self.drain = Drain(settings.drain_timeout_s)  # SIGTERM: finish what it has, then exit (workers/draining.py)
-        self._seen_state_losses = 0
         self._tokens_ewma = 0.0
         self._last_rate_t = time.monotonic()
         self._tokens_since = 0
@@ -168,13 +159,9 @@ class Worker:
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain())
-        ttl = max(3.0, 8 * self.s.heartbeat_s)
         info = self.info()
-        if self.store:  # registration and load in Redis before the coordinator hears of this worker
-            self.store.register_worker(self.worker_id, {k: v for k, v in info.fields().items() if k != "load"},
-                                       ttl_s=ttl)
-            self.store.publish_load(self.worker_id, redis_load(info.load), ttl_s=ttl)
-        self._refresh_links(time.monotonic())
+        self.redis.register({k: v for k, v in info.fields().items() if k != "load"}, info.load)
+        self._follow_shards(self.redis.live)
         if not self.links.links:
             log.info("no coordinator shard is registered in Redis yet: this worker joins them as they announce")
         freeze_startup_heap()
@@ -191,8 +178,9 @@ class Worker:
                     self._drain(readable)
                 if self.busy():
                     self.work()
-                self._refresh_links(time.monotonic())
-                self._publish_prefixes()
+                now = time.monotonic()
+                self._follow_shards(self.redis.registry_due(now))
+                self.redis.publish_prefixes(now)
                 self._republish_after_redis_loss()
                 if self.drain.active:
                     self._drain_check()
@@ -223,12 +211,8 @@ class Worker:
     def close(self) -> None:
         self.pulse.stop()
         self.links.close(bye=Bye(worker_id=self.worker_id))
-        if self.store:
-            self.drop_indexes()
-            self.store.deregister_worker(self.worker_id)
-            self.store.close()
-        if self._registry_store is not None:
-            self._registry_store.close()
+        self.drop_indexes()
+        self.redis.close(timeout_s=max(2.0, 4 * self.s.redis_timeout_s))
         self.transfer.close()
         log.info("worker %s stopped", self.worker_id)
 
@@ -260,32 +244,22 @@ class Worker:
         if refused and time.monotonic() >= self._next_refusal_log:
             self._next_refusal_log = time.monotonic() + 60.0
             log.error("a coordinator does not let this worker in: %s", "; ".join(refused))
-        if self.store:
-            ttl = max(3.0, 8 * self.s.heartbeat_s)
-            self.store.heartbeat(self.worker_id, ttl_s=ttl)
-            self.store.publish_load(self.worker_id, redis_load(info.load), ttl_s=ttl)
+        self.redis.beat(info.load)
 
     def _republish_after_redis_loss(self) -> None:
         """On the loop: Redis came back empty (restart, FLUSHALL); index again what this worker holds."""
-        if self.store is None or self.store.state_losses == self._seen_state_losses:
+        if not self.redis.state_lost():
             return
-        self._seen_state_losses = self.store.state_losses
         n = self.republish_indexes()
         log.warning("redis lost its state: registration restored, %d index entries republished", n)
 
     def republish_indexes(self) -> int:
-        """Put this worker's cache entries back into the Redis indexes; returns how many."""
-        return self.prefix_index.republish() if self.prefix_index is not None else 0
+        """Queue this worker's cache entries back into the Redis indexes; returns how many."""
+        return self.redis.republish_prefixes()
 
     def drop_indexes(self) -> None:
-        """On a clean exit: take this worker's entries out of the Redis indexes (the TTL covers a crash)."""
-        if self.store is not None and self.prefix_index is not None:
-            self.store.update_prefix_blocks(self.model_name, self.worker_id, [], self.engine.pool.cached_hashes())
-
-    def _publish_prefixes(self) -> None:
-        """On the loop: tell the cluster's prefix index which blocks this pool gained and evicted."""
-        if self.prefix_index is not None:
-            self.prefix_index.flush(time.monotonic())
+        """On a clean exit: queue this worker's entries out of the Redis indexes (the TTL covers a crash)."""
+        self.redis.drop_prefixes(self.engine.pool.cached_hashes())
 
     def send(self, msg: Message, kind: MsgType | None = None, to: str | None = None) -> None:
         """Non-blocking: with no coordinator connected the message is dropped (and logged) rather
@@ -298,13 +272,12 @@ class Worker:
         kind = kind or msg.KIND
         self.drain.link_down = not (self.links.send_to(to, msg, kind) if to is not None else self.links.send(msg, kind))
 
-    def _refresh_links(self, now: float) -> None:
-        """On the loop, once a second: connect to coordinator shards that joined (READY on the new link),
-        drop the ones that left the Redis registry and cancel what they sent here."""
-        if self.links.registry is None or now < self._next_link_refresh:
+    def _follow_shards(self, live: dict[str, dict[str, str]] | None) -> None:
+        """On the loop, with each read of the shard registry (made on the Redis lane): connect to coordinator
+        shards that joined (READY on the new link), drop the ones that left and cancel what they sent here."""
+        if live is None:
             return
-        self._next_link_refresh = now + 1.0
-        opened, closed = self.links.refresh()
+        opened, closed = self.links.refresh(live)
         if opened:
             with self.sock_lock:
                 info = self.info()
@@ -384,19 +357,6 @@ class Worker:
             log.exception("%s: failed", rid)
             self.failed(rid, attempt, f"{exc.__class__.__name__}: {exc}", retryable=True)
         return False
-
-
-# Cache counters that Redis load stats carry too (hit rates per tier, for `mserve status` and autoscalers).
-CACHE_COUNTERS = ("embedding_l1_hits", "embedding_l2_hits", "encoded_images", "prefix_hits", "prefix_queries",
-                  "cached_blocks", "indexed_blocks", "prefix_evictions", "encodes_skipped_by_prefix",
-                  "prefix_skip_fallbacks")
-
-
-def redis_load(load: dict[str, Any]) -> dict[str, Any]:
-    """The load as Redis keeps it (a flat hash): the queued ids and other counters go to the coordinator only."""
-    counters = load.get("counters") or {}
-    return {**{k: v for k, v in load.items() if k not in ("queued", "counters")},
-            **{k: counters[k] for k in CACHE_COUNTERS if k in counters}}
 
 
 def make_worker(settings: WorkerSettings) -> Worker:

@@ -126,7 +126,7 @@ class FakeCluster:
     def heartbeat(self) -> None:
         from mserve.common.protocol import MsgType
         from mserve.common.sockets import send
-        from mserve.workers.worker import redis_load
+        from mserve.workers.worker_redis import redis_load
 
         now = time.monotonic()
         if now < self._next_beat:

@@ -179,7 +179,7 @@ class EncodeWorker(Worker):
         self.engine.counters["encoded_images"] += len(pending)
         self.engine.counters["visual_tokens"] += sum(int(enc.embeds.shape[0]) for enc in encoded)
         if self.store:
-            self.store.incr_counter("encoded_images", self.worker_id, len(pending))
+            self.lane.submit(self.store.incr_counter, "encoded_images", self.worker_id, len(pending))
         return dict(zip(pending, encoded))
 
     def _send_encoded(self, task: EncodeTask, found: dict[str, EncodedImage], fresh: set[str]) -> None:
@@ -198,7 +198,7 @@ class EncodeWorker(Worker):
             rec.attributes["mserve.embedding_cache_hits"] = hits
         c["embedding_l1_hits"] = c["embedding_cache_hits"] - c["embedding_l2_hits"]
         if hits and self.store:
-            self.store.incr_counter("embedding_cache_hits", self.worker_id, hits)
+            self.lane.submit(self.store.incr_counter, "embedding_cache_hits", self.worker_id, hits)
         tid = f"{rid}:{attempt}:emb"
         desc = self.transfer.publish(tid, tensors)
         self.published[rid] = tid
