@@ -235,11 +235,13 @@ def multiturn_groups(records: list[Any], duration: float, slos: dict[str, float]
 def served_model_rows(rows: list[tuple[str, dict[str, Any]]]) -> tuple[list[tuple[str, dict[str, Any]]],
                                                                         list[tuple[str, tuple[str, ...]]]]:
     """(the rows with every model any row saw in each one's `served_models`, 0 where it answered none;
-    the table metrics that count them: overall, interactive, batch). Nothing added when no target said
-    which model answered; a configuration that failed (an empty summary) stays empty."""
-    models = sorted({m for _, summ in rows for m in (summ.get("served_models") or {})})
-    if not models:
+    the table metrics that count them: overall, interactive, batch). Nothing added when no configuration
+    was answered by more than one model: then the rows would only say which name each target gives its
+    one model (vLLM's served name beside MServe's path); a configuration that failed (an empty summary)
+    stays empty."""
+    if not any(len(summ.get("served_models") or {}) > 1 for _, summ in rows):
         return rows, []
+    models = sorted({m for _, summ in rows for m in (summ.get("served_models") or {})})
     groups = (("", None), ("interactive ", "interactive"), ("batch ", "batch"))
     filled = []
     for label, summ in rows:

@@ -143,18 +143,21 @@ def test_summaries_count_the_served_model_and_group_by_it_only_when_known() -> N
     assert "served_model" not in plain["by_class"] and plain["overall"]["served_models"] == {}
 
 
-def test_served_model_rows_fill_zeros_and_add_no_rows_without_models() -> None:
-    rows = [("a", {"served_models": {"x": 3}, "interactive": {"served_models": {"x": 2}}, "batch": {}}),
+def test_served_model_rows_fill_zeros_and_add_no_rows_without_a_routed_choice() -> None:
+    rows = [("a", {"served_models": {"x": 3, "y": 2}, "interactive": {"served_models": {"x": 2}}, "batch": {}}),
             ("b", {"served_models": {"y": 1}, "interactive": {}, "batch": {"served_models": {"y": 1}}}), ("failed", {})]
     filled, metrics = served_model_rows(rows)
-    assert filled[0][1]["served_models"] == {"x": 3, "y": 0} and filled[1][1]["interactive"]["served_models"] == {
+    assert filled[1][1]["served_models"] == {"x": 0, "y": 1} and filled[1][1]["interactive"]["served_models"] == {
         "x": 0, "y": 0}
-    assert filled[2] == ("failed", {}) and rows[0][1]["served_models"] == {"x": 3}  # the input is left alone
+    assert filled[2] == ("failed", {}) and rows[1][1]["served_models"] == {"y": 1}  # the input is left alone
     assert [m[0] for m in metrics] == ["answered by x", "answered by y", "interactive answered by x",
                                        "interactive answered by y", "batch answered by x", "batch answered by y"]
     assert metrics[3][1] == ("interactive", "served_models", "y")
     plain = [("a", {"served_models": {}})]
     assert served_model_rows(plain) == (plain, [])
+    # Each configuration answered by its one model (vLLM's served name, MServe's path): no rows of zeros.
+    one_each = [("openai", {"served_models": {"llava": 100}}), ("unified:1", {"served_models": {"/m/llava": 100}})]
+    assert served_model_rows(one_each) == (one_each, [])
 
 
 def test_a_zmq_result_names_its_model_only_when_it_carries_one() -> None:
