@@ -27,6 +27,9 @@ SOCKET_TIMEOUT_S = 0.5
 # While Redis is down, only one call per interval pays for a connection attempt;
 # the rest answer from cache immediately, so a black-holed host can't stall callers.
 RETRY_INTERVAL_S = 1.0
+# A call out this long makes the store unresponsive (`responsive`): a Redis round trip here is well under
+# a millisecond, and a loop that must not wait skips Redis until the call that is stuck ends.
+STUCK_S = 0.1
 
 # InvalidResponse: something that isn't Redis answers at the URL (a proxy, a
 # half-started server); to the caller that is as much an outage as a refusal.
@@ -114,6 +117,7 @@ class RedisStore:
         self._where = f"{kw.get('host', kw.get('path'))}:{kw.get('port')}/{kw.get('db', 0)}"
         self._lock = threading.Lock()
         self._healthy = True
+        self._inflight: dict[int, float] = {}  # thread id -> when its current call started
         self._down_since = 0.0
         self._next_probe = 0.0
         self._workers_cache: dict[str, dict[str, Any]] = {}
@@ -131,14 +135,30 @@ class RedisStore:
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
+    def responsive(self, stuck_s: float = STUCK_S) -> bool:
+        """Healthy, and no call on any thread out longer than `stuck_s`. A thread that must not wait on
+        Redis (the coordinator's loop) calls it only then, and leaves noticing a stall, and probing
+        while it lasts, to calls on another thread (its Redis lane, common/redis_lane.py)."""
+        if not self._healthy:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            return all(now - t < stuck_s for t in self._inflight.values())
+
     def _call(self, op: Callable[[], T], fallback: Callable[[], T]) -> T:
         if not self._healthy and time.monotonic() < self._next_probe:
             return fallback()
+        me = threading.get_ident()
+        with self._lock:
+            self._inflight[me] = time.monotonic()
         try:
             result = op()
         except _OUTAGE_ERRORS as e:
             self._mark_down(e)
             return fallback()
+        finally:
+            with self._lock:
+                self._inflight.pop(me, None)
         if not self._healthy:
             self._mark_up()
         return result

@@ -22,6 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-bind", help="worker address (default tcp://127.0.0.1:5556)")
     p.add_argument("--redis", help="redis URL, e.g. redis://127.0.0.1:6379/0 (optional: without it routing uses "
                                    "heartbeats only)")
+    p.add_argument("--redis-timeout-s", type=float,
+                   help="seconds one Redis call may wait before Redis counts as down (default 0.5); the loop never "
+                        "waits on Redis: the announcement, loads poll and lease writes run on a thread of their own, "
+                        "and routing reads its cache hints only while Redis answers")
     p.add_argument("--shard-id",
                    help="run as one of several coordinator shards under this name: it announces itself in Redis "
                         "(needs --redis), workers connect to every shard found there, and clients given "

@@ -20,79 +20,22 @@ import zmq
 
 from mserve.common import pruning
 from mserve.common.policy import LATENCY_CLASSES
-from mserve.common.hashing import item_spans, prompt_block_hashes
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
 from mserve.common.protocol.client import FROM_CLIENT, Error, Status, StatusReply
 from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, WorkerInfo
-from mserve.common.redis_store import RedisStore
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
-from mserve.common.shards import SHARD_REFRESH_S, ShardRegistry, advertised
+from mserve.common.shards import advertised
 from mserve.common.serde import WireError, decode
 from mserve.common.sockets import make_socket, send
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
-from mserve.coordinator.recent_prefixes import RecentPrefixes, merge_hits
-from mserve.coordinator.admission import Admitted, AdmissionError, Limits, admit
+from mserve.coordinator.coordinator_redis import CoordinatorRedis, RedisEncodeLeases, RedisLookups
+from mserve.coordinator.admission import AdmissionError, Limits, admit
 from mserve.coordinator.models import ModelTable, ModelUnavailable, ServedModel, VariantRouter, merged_status
 from mserve.coordinator.requests import Out, RequestMachine, ToClient
 from mserve.coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger("mserve.coordinator")
-
-
-class RedisLookups:
-    """The machine's cache hints from Redis: who holds an image's embeddings, a prompt's prefix blocks."""
-
-    def __init__(self, store: RedisStore, builder: Any, model_name: str) -> None:
-        self.store, self.builder, self.model_name = store, builder, model_name
-        self.recent = RecentPrefixes()  # prompts routed here but maybe not yet in the Redis index
-        self._hashed: tuple[Admitted, int, list[str]] | None = None  # the last request's block hashes
-
-    def embedding_holders(self, image_hash: str) -> set[str]:
-        return self.store.lookup_embedding(self.model_name, image_hash) if self.store.healthy else set()
-
-    def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]:
-        """Who holds the prompt's leading blocks: the Redis index, and where this coordinator just sent them."""
-        hashes = self._block_hashes(admitted, block_size)
-        if not hashes:
-            return {}
-        published = self.store.match_prefix(self.model_name, hashes) if self.store.healthy else {}
-        return merge_hits(published, self.recent.match(hashes))
-
-    def placed(self, admitted: Admitted, block_size: int, worker_id: str) -> None:
-        self.recent.placed(self._block_hashes(admitted, block_size), worker_id)
-
-    def forget(self, worker_id: str) -> None:
-        self.recent.forget(worker_id)
-
-    def _block_hashes(self, admitted: Admitted, block_size: int) -> list[str]:
-        """The prompt's leading block hashes, computed once per request: routing asks, then `placed` notes them."""
-        if self._hashed is not None and self._hashed[0] is admitted and self._hashed[1] == block_size:
-            return self._hashed[2]
-        ids = admitted.prompt_ids
-        hashes: list[str] = []
-        if len(ids) >= 2 * block_size:
-            # Same keys as the workers' block hashes: each image's hash and offset, not just its placeholder ids.
-            spans = item_spans(self.builder.family.image_spans(ids), [(im.hash, im.num_tokens) for im in admitted.images])
-            hashes = prompt_block_hashes(ids, block_size, spans)[:64]
-        self._hashed = (admitted, block_size, hashes)
-        return hashes
-
-
-class RedisEncodeLeases:
-    """Single-flight encode leases (coordinator/single_flight.py) every shard of one model sees."""
-
-    def __init__(self, store: RedisStore, model_name: str) -> None:
-        self.store, self.model_name = store, model_name
-
-    def claim(self, image_hash: str, owner: str, ttl_s: float) -> bool:
-        return self.store.claim_lease(self.model_name, image_hash, owner, ttl_s)
-
-    def renew(self, image_hashes: list[str], owner: str, ttl_s: float) -> None:
-        self.store.renew_leases(self.model_name, image_hashes, owner, ttl_s)
-
-    def release(self, image_hashes: list[str], owner: str) -> None:
-        self.store.release_leases(self.model_name, image_hashes, owner)
 
 
 class Coordinator:
@@ -114,21 +57,21 @@ class Coordinator:
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, bind=settings.bind)
         self.worker_sock = make_socket(self.ctx, zmq.ROUTER, bind=settings.worker_bind,
                                        curve=self._gate.apply if self._gate else None)
-        self.store = RedisStore(settings.redis) if settings.redis else None
-        # A shard announces itself where workers and clients look for every shard (common/shards.py).
+        # Announcement, loads poll, cache hints, encode leases; the loop never waits on Redis for them
+        # (coordinator/coordinator_redis.py).
         self.shard_id = settings.shard_id
-        self.registry = ShardRegistry(self.store) if self.store is not None and self.shard_id else None
+        self.redis = CoordinatorRedis(settings.redis, timeout_s=settings.redis_timeout_s, shard_id=self.shard_id,
+                                      load_poll_s=settings.load_poll_s) if settings.redis else None
+        # A shard announces itself where workers and clients look for every shard (common/shards.py).
         self._announced = (advertised(settings.bind, settings.advertise, "--bind"),
                            advertised(settings.worker_bind, settings.worker_advertise, "--worker-bind")) \
-            if self.registry is not None else None
+            if self.redis is not None and self.redis.registry is not None else None
         self._started = time.time()
-        self._next_announce = 0.0
         self._shard_owner = self.shard_id or uuid.uuid4().hex
         routing = settings.variant_routing()
         self.models = ModelTable(self.model_name, settings.model, self._serve_model,
                                  VariantRouter(*routing) if routing is not None else None)
         self._running = True
-        self._next_redis_sync = 0.0
 
     def _serve_model(self, name: str, path: str) -> ServedModel:
         """A model's tokenizer and request machine: its own pools, queues, caches (Redis keys per model)."""
@@ -145,8 +88,8 @@ class Coordinator:
             local_prefill_tokens=settings.local_prefill_tokens,
             detokenize=builder.decode, visual_token_pruning=settings.visual_token_pruning,
             encode_single_flight=settings.encode_single_flight, shard_id=self._shard_owner,
-            encode_leases=RedisEncodeLeases(self.store, name) if self.store else None,
-            lookups=RedisLookups(self.store, builder, name) if self.store else None,
+            encode_leases=RedisEncodeLeases(self.redis.store, name, self.redis.lane) if self.redis else None,
+            lookups=RedisLookups(self.redis.store, builder, name) if self.redis else None,
             adaptive_pruning=self._adaptive_pruning(settings, builder) if name == self.model_name else None)
         return ServedModel(name, path, builder, machine)
 
@@ -194,14 +137,12 @@ class Coordinator:
         self._running = False
 
     def close(self) -> None:
-        if self.registry is not None:
-            self.registry.withdraw(self.shard_id)
+        if self.redis is not None:
+            self.redis.close()
         self.client_sock.close(0)
         self.worker_sock.close(0)
         if self._gate:
             self._gate.close()
-        if self.store:
-            self.store.close()
 
     @staticmethod
     def _drain_one(sock: zmq.Socket, handler) -> bool:
@@ -352,15 +293,14 @@ class Coordinator:
     def _tick(self, now: float) -> None:
         for model in self.models:
             self._send(model.machine.tick(now=now))
-        if self.registry is not None and now >= self._next_announce:
-            self._next_announce = now + SHARD_REFRESH_S
-            self.registry.announce(self.shard_id, *self._announced, started=self._started)
-        if self.store is not None and self.settings.load_poll_s > 0 and now >= self._next_redis_sync:
-            self._next_redis_sync = now + self.settings.load_poll_s
+        if self.redis is not None:
+            loads = self.redis.tick(now, self._announced, self._started,
+                                    lambda: {model.name: model.machine.alive_workers() for model in self.models})
             for model in self.models:
-                model.machine.apply_loads(self.store.get_loads(model.machine.alive_workers()))
+                if loads and model.name in loads:
+                    model.machine.apply_loads(loads[model.name])
 
     def status(self) -> dict[str, Any]:
         return {**merged_status(self.models, self.model_name), "shard_id": self.shard_id,
                 "rss_mib": round(resident_mib(), 1),
-                "redis_healthy": bool(self.store and self.store.healthy), "unauthorized": self._unauthorized}
+                "redis_healthy": bool(self.redis and self.redis.store.responsive()), "unauthorized": self._unauthorized}

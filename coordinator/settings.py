@@ -21,6 +21,10 @@ class CoordinatorSettings(BaseSettings):
     bind: str = "tcp://127.0.0.1:5555"  # clients connect here
     worker_bind: str = "tcp://127.0.0.1:5556"  # workers connect here
     redis: str | None = None
+    # How long one Redis call may wait before Redis counts as down. The loop never waits on Redis for
+    # the announcement, loads or lease writes (they run on the Redis lane, common/redis_lane.py), and
+    # reads routing hints only while Redis answers (coordinator/coordinator_redis.py).
+    redis_timeout_s: float = Field(0.5, gt=0.0)
     # Sharded coordinators (docs/scaling.md): this process is one of several, named so in Redis
     # (`mserve:coordinator:{shard_id}`), where workers and clients find every shard. None: the only one.
     shard_id: str | None = None

@@ -2,7 +2,7 @@
 
 The pool notes every hash it starts or stops holding (BlockPool.take_index_changes); this publisher
 collects those adds and removals at most every `every_s` on the worker's loop, sends them from the
-worker's Redis lane (workers/redis_lane.py, so the loop never waits on Redis), keeps what Redis did not
+worker's Redis lane (common/redis_lane.py, so the loop never waits on Redis), keeps what Redis did not
 take for the next try, and re-adds everything held every `refresh_s` so the entries' TTL (the safety net for
 a worker that dies without cleaning up) never lapses while the blocks are still here.
 """
@@ -66,7 +66,7 @@ class PrefixIndexPublisher:
             return bool(self.pending)
 
     def send(self) -> bool:
-        """Send what `collect` gathered (on any thread: the worker's Redis lane, workers/redis_lane.py);
+        """Send what `collect` gathered (on any thread: the worker's Redis lane, common/redis_lane.py);
         True when Redis now has it. What Redis did not take stays for the next try."""
         with self._lock:
             sent = dict(self.pending)

@@ -64,7 +64,7 @@ class EmbeddingTiers:
         self.host_cache = HostEmbeddingStore(l2_dir or default_root(), namespace, l2_bytes)
         self.host_member = host_member(host_id)  # the L2 entries' holder in the Redis index
         self.model_name, self.worker_id, self.store, self.counters = model_name, worker_id, store, counters
-        self.defer = defer  # how an index write runs: a worker queues it on its Redis lane (workers/redis_lane.py)
+        self.defer = defer  # how an index write runs: a worker queues it on its Redis lane (common/redis_lane.py)
         for key in ("embedding_l1_hits", "embedding_l2_hits"):
             counters.setdefault(key, 0)
 

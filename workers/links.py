@@ -82,7 +82,7 @@ class CoordinatorLinks:
     # -- shards coming and going (the loop calls refresh, under the lock) ------------------------------
     def refresh(self, live: dict[str, dict[str, str]] | None = None) -> tuple[list[Link], list[Link]]:
         """Follow the registry: (links opened, links closed: their shards left). `live`: a read of it
-        made elsewhere (a worker reads it on its Redis lane, workers/redis_lane.py); None: read it here.
+        made elsewhere (a worker reads it on its Redis lane, common/redis_lane.py); None: read it here.
         Takes the lock itself, after the Redis read, so the pulse thread never waits on Redis."""
         if live is None:
             live = self.registry.live() if self.registry is not None else {}

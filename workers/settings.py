@@ -59,7 +59,7 @@ class WorkerSettings(BaseSettings):
     max_encode_images: int | None = Field(None, ge=1)
     heartbeat_s: float = 0.25
     # How long one Redis call may wait before Redis counts as down (its calls then skip it for a second).
-    # Every call while serving runs on the worker's Redis lane (workers/redis_lane.py): a slow Redis
+    # Every call while serving runs on the worker's Redis lane (common/redis_lane.py): a slow Redis
     # delays the indexes, registration and load there, never a step or a heartbeat to the coordinator.
     redis_timeout_s: float = 0.5
     # SIGTERM drains: no new work, finish what is here, exit when the coordinator releases the worker

@@ -1,6 +1,6 @@
 """One worker's part in the cluster's Redis: its registration and load, the coordinator shard registry it
 follows, and the prefix index of its KV pool. Every call while it serves runs on its Redis lane
-(workers/redis_lane.py); only the registration before READY and the goodbye are made in line.
+(common/redis_lane.py); only the registration before READY and the goodbye are made in line.
 
 The embedding index is the embedding tiers' (workers/embedding_tiers.py): they queue on the same lane.
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mserve.common.redis_store import RedisStore
 from mserve.common.shards import ShardRegistry, is_redis_url
 from mserve.workers.cache_index import PrefixIndexPublisher
-from mserve.workers.redis_lane import RedisLane
+from mserve.common.redis_lane import RedisLane
 
 if TYPE_CHECKING:
     from mserve.workers.block_pool import BlockPool

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,3 +266,19 @@ def test_encode_leases_go_to_one_owner_until_released_or_expired(store: RedisSto
     assert _wait_for(lambda: store.claim_lease("m", "img", "shard-a", ttl_s=0.2))  # expired: free again
     store.renew_leases("m", ["img"], "shard-a", ttl_s=60.0)
     assert store._r.pttl(store._k("encoding", "m", "img")) > 30_000
+
+
+def test_a_call_stuck_on_another_thread_makes_the_store_unresponsive() -> None:
+    # What the coordinator's loop asks before reading a routing hint in line: its Redis lane's call is
+    # stuck (a listener that never answers), so the loop must not try, though no call has failed yet.
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)
+        store = RedisStore(f"redis://127.0.0.1:{hole.getsockname()[1]}/0", socket_timeout_s=3.0)
+        assert store.responsive()
+        lane = threading.Thread(target=store.ping)
+        lane.start()
+        assert _wait_for(lambda: store.healthy and not store.responsive(), timeout_s=2.5)  # while the call hangs
+        lane.join(10)
+        assert not store.healthy and not store.responsive()  # the call timed out: down
+        store.close()

@@ -1,4 +1,4 @@
-"""The worker's Redis lane (workers/redis_lane.py): jobs run in order on one thread, submit never waits,
+"""The Redis lane (common/redis_lane.py): jobs run in order on one thread, submit never waits,
 a named job waits at most once, one-off writes past the bound are dropped oldest first, a failing job
 does not end the lane, and close waits a bounded time. The prefix index publisher (workers/cache_index.py)
 gathers on one thread and sends on another without losing a change made between the two."""
@@ -10,7 +10,7 @@ import time
 
 from mserve.common.redis_store import RedisStore
 from mserve.workers.cache_index import PrefixIndexPublisher
-from mserve.workers.redis_lane import RedisLane
+from mserve.common.redis_lane import RedisLane
 
 
 def _blocked(lane: RedisLane) -> threading.Event:

@@ -5,7 +5,7 @@ The test plays the coordinator (one ROUTER the worker connects to). With Redis a
 lands in the prefix and embedding indexes. Then Redis is paused, and every Redis call the worker makes
 waits its `--redis-timeout-s` (10 s here). Three image requests sent meanwhile finish, HF-exact, in a small
 part of that, and heartbeats keep their 0.25 s pace: the worker's Redis calls run on its Redis lane
-(workers/redis_lane.py), not on the loop or the heartbeat thread. (Before the lane, the loop's prefix index
+(common/redis_lane.py), not on the loop or the heartbeat thread. (Before the lane, the loop's prefix index
 flush and the tiers' embedding index writes waited the whole timeout, and so did every running decode.)
 Once Redis resumes, the prefix index catches up with what the paused requests cached, and a SHUTDOWN
 takes the worker's entries out and deregisters it.

@@ -1,20 +1,21 @@
-"""Every Redis call a serving worker makes, on one thread of its own: the loop and the pulse only queue.
+"""Redis calls on one thread of their own, so the thread that serves (a worker's loop and heartbeat
+thread, the coordinator's loop) only queues them.
 
 A Redis call may wait up to the store's socket timeout (`--redis-timeout-s`), and a stalled Redis makes
-every probe wait that long. Run on the loop thread, that wait held every running decode; run on the
-pulse thread, it held the coordinator's heartbeats. Here it delays only what Redis is for: the cluster's
-cache indexes, this worker's registration and load, the coordinator shard registry.
+every probe wait that long. On a worker's loop that wait held every running decode; on its pulse thread,
+the coordinator's heartbeats; on the coordinator's loop, every stream. Here it delays only what Redis is
+for: cache indexes, registrations and loads, the shard registry, encode leases.
 
 Two kinds of job, run one at a time in the order they were queued:
-- a named job (`key`): the heartbeat with the load, the prefix index publish, the registry read. At
-  most one of each waits; queueing it again while it waits keeps the earlier place and runs the newer
-  call, so a stall never piles them up (each reads its state when it runs, or carries the newest).
-- a one-off write (embedding index adds and removals, counters). When more than `max_queued` wait
-  (Redis stalled under heavy traffic), the oldest are dropped and counted: those indexes are hints that
-  expire, and the heartbeat republishes them when Redis comes back empty.
+- a named job (`key`): a heartbeat with the load, the prefix index publish, a registry read or
+  announce, the loads poll. At most one of each waits; queueing it again while it waits keeps the
+  earlier place and runs the newer call, so a stall never piles them up (each reads its state when it
+  runs, or carries the newest).
+- a one-off write (embedding index adds and removals, counters, lease releases). When more than
+  `max_queued` wait (Redis stalled under heavy traffic), the oldest are dropped and counted: those
+  writes are hints that expire, and the indexes are republished when Redis comes back empty.
 
-Startup (registration before READY) and exit (`close` waits a bounded time for what is queued) are
-the only Redis calls anywhere else in a worker.
+Users: workers/worker_redis.py, coordinator/coordinator_redis.py.
 """
 
 from __future__ import annotations
