@@ -13,7 +13,8 @@ Two kinds of job, run one at a time in the order they were queued:
   runs, or carries the newest).
 - a one-off write (embedding index adds and removals, counters, lease releases). When more than
   `max_queued` wait (Redis stalled under heavy traffic), the oldest are dropped and counted: those
-  writes are hints that expire, and the indexes are republished when Redis comes back empty.
+  writes are hints that expire, and a worker republishes its indexes after an outage or a Redis that
+  came back empty.
 
 Users: workers/worker_redis.py, coordinator/coordinator_redis.py.
 """
@@ -81,7 +82,7 @@ class RedisLane:
         if time.monotonic() >= self._next_drop_log:
             self._next_drop_log = time.monotonic() + 60.0
             log.warning("redis is not keeping up: %d index write(s) dropped so far (indexes are hints; they are "
-                        "republished when Redis comes back empty)", self.dropped)
+                        "republished after an outage)", self.dropped)
 
     def pending(self) -> int:
         """Jobs queued or running."""

@@ -101,6 +101,7 @@ class RedisStore:
         self.prefix = prefix
         self.retry_interval_s = retry_interval_s
         self.state_losses = 0  # times a registration we kept alive had vanished (restart / FLUSHALL)
+        self.recoveries = 0  # times Redis answered again after an outage, whose writes were dropped
         # One retry without backoff lets a pooled connection that went stale across
         # a server restart reconnect; redis-py's default (10 backed-off retries)
         # would stall every call for seconds during an outage. Timeouts are not
@@ -180,6 +181,7 @@ class RedisStore:
             if self._healthy:
                 return
             self._healthy = True
+            self.recoveries += 1
             outage = time.monotonic() - self._down_since
         logger.warning("redis back at %s after %.1fs", self._where, outage)
 

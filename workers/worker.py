@@ -79,9 +79,9 @@ class Worker:
         # One link per coordinator shard: those named by --coordinator, and those announced in Redis (the
         # --redis store, or the one --coordinator redis://... names: then only those).
         self.requests = WorkerRequests()  # every request this worker holds, one record each (workers/requests.py)
-        self.links = CoordinatorLinks(self.ctx, self.worker_id,
-                                      [] if is_redis_url(settings.coordinator) else split_addresses(settings.coordinator),
-                                      keys=keys, registry=self.redis.registry, origin_of=self.requests.origin_of)
+        static = [] if is_redis_url(settings.coordinator) else split_addresses(settings.coordinator)
+        self.links = CoordinatorLinks(self.ctx, self.worker_id, static, keys=keys, registry=self.redis.registry,
+                                      origin_of=self.requests.origin_of)
         self.sock_lock = self.links.lock  # the loop and the pulse thread share the sockets
         self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
         self.running = True
@@ -247,11 +247,13 @@ class Worker:
         self.redis.beat(info.load)
 
     def _republish_after_redis_loss(self) -> None:
-        """On the loop: Redis came back empty (restart, FLUSHALL); index again what this worker holds."""
-        if not self.redis.state_lost():
+        """On the loop: Redis came back empty (restart, FLUSHALL), or after an outage that dropped index
+        writes; index again what this worker holds."""
+        if not self.redis.indexes_lost():
             return
         n = self.republish_indexes()
-        log.warning("redis lost its state: registration restored, %d index entries republished", n)
+        log.warning("redis is back (empty, or after an outage that dropped index writes): %d index entries "
+                    "republished", n)
 
     def republish_indexes(self) -> int:
         """Queue this worker's cache entries back into the Redis indexes; returns how many."""

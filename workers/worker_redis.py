@@ -49,7 +49,7 @@ class WorkerRedis:
                              if self.store is not None and s.enable_prefix_caching else None)
         self.live: dict[str, dict[str, str]] | None = None  # the latest read of the shard registry
         self._next_registry_read = 0.0
-        self._seen_state_losses = 0
+        self._seen_losses = 0  # state losses and recoveries republished for
 
     # -- in line: before READY ------------------------------------------------------------------------
     def register(self, fields: dict[str, Any], load: dict[str, Any]) -> None:
@@ -90,11 +90,12 @@ class WorkerRedis:
         if self.prefix_index is not None and self.prefix_index.collect(now):
             self.lane.submit(self.prefix_index.send, key="prefix-index")
 
-    def state_lost(self) -> bool:
-        """Redis came back empty (restart, FLUSHALL) since the last call: the indexes need republishing."""
-        if self.store is None or self.store.state_losses == self._seen_state_losses:
+    def indexes_lost(self) -> bool:
+        """Since the last call Redis came back empty (restart, FLUSHALL), or came back after an outage whose
+        index writes the store dropped: the indexes need republishing."""
+        if self.store is None or self.store.state_losses + self.store.recoveries == self._seen_losses:
             return False
-        self._seen_state_losses = self.store.state_losses
+        self._seen_losses = self.store.state_losses + self.store.recoveries
         return True
 
     def republish_prefixes(self) -> int:

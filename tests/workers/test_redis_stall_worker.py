@@ -7,8 +7,11 @@ waits its `--redis-timeout-s` (10 s here). Three image requests sent meanwhile f
 part of that, and heartbeats keep their 0.25 s pace: the worker's Redis calls run on its Redis lane
 (common/redis_lane.py), not on the loop or the heartbeat thread. (Before the lane, the loop's prefix index
 flush and the tiers' embedding index writes waited the whole timeout, and so did every running decode.)
-Once Redis resumes, the prefix index catches up with what the paused requests cached, and a SHUTDOWN
-takes the worker's entries out and deregisters it.
+Once Redis resumes, both indexes catch up with what the paused requests cached and encoded, and a
+SHUTDOWN takes the worker's entries out and deregisters it.
+
+The second test keeps Redis paused past a short timeout, so the store counts it down and drops the
+embedding index writes meanwhile; when Redis answers again the worker republishes its entries.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ MODEL_NAME = "tiny"
 
 
 def _run(router: zmq.Socket, rid: str, pp, image: bytes) -> None:
-    task = RunTask(request_id=rid, attempt=0, prompt_ids=pp.prompt_ids, sampling=Sampling(max_tokens=TOKENS, ignore_eos=True),
+    task = RunTask(request_id=rid, attempt=0, prompt_ids=pp.prompt_ids,
+                   sampling=Sampling(max_tokens=TOKENS, ignore_eos=True),
                    images=[ImageRef(hash=image_hash(image), data=image)])
     send(router, MsgType.RUN, task.to_body(), identity=WORKER.encode())
 
@@ -91,7 +95,8 @@ def test_a_stalled_redis_holds_no_step_and_no_heartbeat(tiny_model_dirs, tmp_pat
         # Redis answering: the first request lands in both indexes.
         _run(router, "r0", prompts[0], images[0])
         _serve(router, {"r0"}, [])
-        wait_for(lambda: WORKER in store.lookup_embedding(MODEL_NAME, image_hash(images[0])), what="r0's embedding index entry")
+        wait_for(lambda: WORKER in store.lookup_embedding(MODEL_NAME, image_hash(images[0])),
+                 what="r0's embedding index entry")
         wait_for(lambda: store.prefix_blocks_of(MODEL_NAME, WORKER), what="r0's prefix index entries")
         before = store.prefix_blocks_of(MODEL_NAME, WORKER)
 
@@ -110,9 +115,12 @@ def test_a_stalled_redis_holds_no_step_and_no_heartbeat(tiny_model_dirs, tmp_pat
 
         os.kill(server.pid, signal.SIGCONT)
         paused = False
-        # What the paused requests cached reaches the prefix index once Redis answers again.
+        # What the paused requests cached and encoded reaches both indexes once Redis answers again: the
+        # writes waited on the lane (the pause was shorter than the timeout, so none was dropped).
         wait_for(lambda: len(store.prefix_blocks_of(MODEL_NAME, WORKER) - before) > 0, timeout_s=3 * REDIS_TIMEOUT_S,
                  what="the prefix index to catch up after the pause")
+        wait_for(lambda: all(WORKER in store.lookup_embedding(MODEL_NAME, image_hash(images[i])) for i in (1, 2, 3)),
+                 timeout_s=3 * REDIS_TIMEOUT_S, what="the embedding index to catch up after the pause")
     finally:
         if paused:
             os.kill(server.pid, signal.SIGCONT)
@@ -137,3 +145,49 @@ def test_a_stalled_redis_holds_no_step_and_no_heartbeat(tiny_model_dirs, tmp_pat
     for i in (1, 2, 3):
         assert done[f"r{i}"][0] == hf_generate(model, prompts[i].prompt_ids, prompts[i].images, TOKENS,
                                                ignore_eos=True), f"r{i}"
+
+
+def test_index_writes_dropped_in_an_outage_are_republished_when_redis_answers(tiny_model_dirs, tmp_path):
+    model = str(tiny_model_dirs["llava"])
+    builder = PromptBuilder(model)
+    image = make_image(112, 80, seed=70)
+    prompt = builder.prepare_text(PROMPTS[0], [image])
+    server = RedisServer(binary=find_redis_server()).start()
+    store = RedisStore(server.url)
+    ctx = zmq.Context.instance()
+    router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+    log_path = tmp_path / "worker.log"
+    proc = subprocess.Popen([sys.executable, "-m", "mserve.cli", "worker", "--role", "unified", "--model", model,
+                             "--model-name", MODEL_NAME, "--coordinator", bound_address(router), "--worker-id", WORKER,
+                             "--redis", server.url, "--redis-timeout-s", "0.3",
+                             "--host-embedding-cache-dir", str(tmp_path / "l2")],
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=open(log_path, "wb"))
+    paused = False
+    try:
+        wait_for(lambda: router.poll(50) and recv(router)[1] in (MsgType.READY, MsgType.HEARTBEAT), timeout_s=120,
+                 what="the worker's READY")
+        os.kill(server.pid, signal.SIGSTOP)
+        paused = True
+        wait_for(lambda: b"redis unreachable" in log_path.read_bytes(), timeout_s=30,
+                 what="the worker to count Redis down")
+        _run(router, "r0", prompt, image)  # encoded while Redis is down: its index write is dropped
+        _serve(router, {"r0"}, [])
+        os.kill(server.pid, signal.SIGCONT)
+        paused = False
+        wait_for(lambda: WORKER in store.lookup_embedding(MODEL_NAME, image_hash(image)), timeout_s=30,
+                 what="the worker to republish the embedding index entry Redis missed")
+        assert b"index entries republished" in log_path.read_bytes()
+    finally:
+        if paused:
+            os.kill(server.pid, signal.SIGCONT)
+        send(router, MsgType.SHUTDOWN, Shutdown().to_body(), identity=WORKER.encode())
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        finally:
+            router.close(0)
+            store.close()
+            server.stop()
