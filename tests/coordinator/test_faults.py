@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+import redis
 import zmq
 
 from mserve.common.protocol import ErrorCode, MsgType, body
@@ -46,19 +47,29 @@ async def stream_all_and_kill(cluster: LocalCluster, requests, victim: str, afte
 def test_kill_9_mid_stream_every_request_completes_once(tiny_model_dirs, redis_url, victim_role):
     model = str(tiny_model_dirs["llava"])
     requests = request_mix(12, seed=3)
-    # Small prefill chunks keep the prefill workers busy long enough to be killed mid-work.
-    with LocalCluster(model, encode=1, prefill=2, decode=2, redis_url=redis_url,
-                      extra_worker_args=["--max-num-batched-tokens", "48"],
-                      extra_coordinator_args=["--dead-after-s", "1.0"]) as cluster:
-        victim = cluster.worker_names(victim_role)[0]
-        out = asyncio.run(stream_all_and_kill(cluster, requests, victim, after_tokens=2))
     want = expected(model, requests, LONG, ignore_eos=True)
-    reruns = 0
-    for (streamed, result), exp in zip(out, want):
-        assert result is not None
-        assert streamed == result.token_ids == exp  # no duplicated, missing or wrong token in the stream
-        reruns += result.attempts > 1
-    assert reruns >= 1  # the kill really hit requests in flight
+    # The kill must hit requests in flight for the test to mean anything, and whether the victim still
+    # holds one when the first stream has two tokens depends on the machine's load (a tiny model
+    # prefills in milliseconds): every try must end each request once and exactly, until one kill hits.
+    for attempt in range(3):
+        if attempt:  # the killed worker's entries would read as the next cluster's (the same worker ids)
+            flush = redis.Redis.from_url(redis_url)
+            flush.flushall()
+            flush.close()
+        # Small prefill chunks keep the prefill workers busy long enough to be killed mid-work.
+        with LocalCluster(model, encode=1, prefill=2, decode=2, redis_url=redis_url,
+                          extra_worker_args=["--max-num-batched-tokens", "48"],
+                          extra_coordinator_args=["--dead-after-s", "1.0"]) as cluster:
+            victim = cluster.worker_names(victim_role)[0]
+            out = asyncio.run(stream_all_and_kill(cluster, requests, victim, after_tokens=2))
+        reruns = 0
+        for (streamed, result), exp in zip(out, want):
+            assert result is not None
+            assert streamed == result.token_ids == exp  # no duplicated, missing or wrong token in the stream
+            reruns += result.attempts > 1
+        if reruns >= 1:  # the kill really hit requests in flight
+            return
+    raise AssertionError(f"in 3 tries the kill of the {victim_role} worker never hit a request in flight")
 
 
 def test_redis_outage_degrades_routing_but_loses_nothing(tiny_model_dirs):
