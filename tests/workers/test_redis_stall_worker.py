@@ -43,6 +43,34 @@ WORKER = "unified-under-test"
 MODEL_NAME = "tiny"
 
 
+def _start_worker(model: str, router: zmq.Socket, redis_url: str, timeout_s: float, tmp_path) -> subprocess.Popen:
+    """A unified worker connected to `router` (the test plays the coordinator), once it said READY."""
+    proc = subprocess.Popen([sys.executable, "-m", "mserve.cli", "worker", "--role", "unified", "--model", model,
+                             "--model-name", MODEL_NAME, "--coordinator", bound_address(router), "--worker-id", WORKER,
+                             "--redis", redis_url, "--redis-timeout-s", str(timeout_s),
+                             "--host-embedding-cache-dir", str(tmp_path / "l2")],
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "worker.log", "wb"))
+    wait_for(lambda: router.poll(50) and recv(router)[1] in (MsgType.READY, MsgType.HEARTBEAT), timeout_s=120,
+             what="the worker's READY")
+    return proc
+
+
+def _stop_worker(router: zmq.Socket, proc: subprocess.Popen, server: RedisServer, paused: bool) -> None:
+    """Redis resumed if still paused; then, as a coordinator would, SHUTDOWN: the worker exits (its goodbye
+    to Redis included)."""
+    if paused:
+        os.kill(server.pid, signal.SIGCONT)
+    try:
+        send(router, MsgType.SHUTDOWN, Shutdown().to_body(), identity=WORKER.encode())
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    finally:
+        router.close(0)
+
+
 def _run(router: zmq.Socket, rid: str, pp, image: bytes) -> None:
     task = RunTask(request_id=rid, attempt=0, prompt_ids=pp.prompt_ids,
                    sampling=Sampling(max_tokens=TOKENS, ignore_eos=True),
@@ -82,16 +110,9 @@ def test_a_stalled_redis_holds_no_step_and_no_heartbeat(tiny_model_dirs, tmp_pat
     store = RedisStore(server.url)
     ctx = zmq.Context.instance()
     router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mserve.cli", "worker", "--role", "unified", "--model", model,
-                             "--model-name", MODEL_NAME, "--coordinator", bound_address(router), "--worker-id", WORKER,
-                             "--redis", server.url, "--redis-timeout-s", str(REDIS_TIMEOUT_S),
-                             "--host-embedding-cache-dir", str(tmp_path / "l2")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "worker.log", "wb"))
+    proc = _start_worker(model, router, server.url, REDIS_TIMEOUT_S, tmp_path)
     paused = False
     try:
-        wait_for(lambda: router.poll(50) and recv(router)[1] in (MsgType.READY, MsgType.HEARTBEAT), timeout_s=120,
-                 what="the worker's READY")
         # Redis answering: the first request lands in both indexes.
         _run(router, "r0", prompts[0], images[0])
         _serve(router, {"r0"}, [])
@@ -122,16 +143,7 @@ def test_a_stalled_redis_holds_no_step_and_no_heartbeat(tiny_model_dirs, tmp_pat
         wait_for(lambda: all(WORKER in store.lookup_embedding(MODEL_NAME, image_hash(images[i])) for i in (1, 2, 3)),
                  timeout_s=3 * REDIS_TIMEOUT_S, what="the embedding index to catch up after the pause")
     finally:
-        if paused:
-            os.kill(server.pid, signal.SIGCONT)
-        send(router, MsgType.SHUTDOWN, Shutdown().to_body(), identity=WORKER.encode())
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        finally:
-            router.close(0)
+        _stop_worker(router, proc, server, paused)
     try:
         # The goodbye went through the lane too: entries out, registration gone.
         assert store.prefix_blocks_of(MODEL_NAME, WORKER) == set()
@@ -157,16 +169,9 @@ def test_index_writes_dropped_in_an_outage_are_republished_when_redis_answers(ti
     ctx = zmq.Context.instance()
     router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
     log_path = tmp_path / "worker.log"
-    proc = subprocess.Popen([sys.executable, "-m", "mserve.cli", "worker", "--role", "unified", "--model", model,
-                             "--model-name", MODEL_NAME, "--coordinator", bound_address(router), "--worker-id", WORKER,
-                             "--redis", server.url, "--redis-timeout-s", "0.3",
-                             "--host-embedding-cache-dir", str(tmp_path / "l2")],
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=open(log_path, "wb"))
+    proc = _start_worker(model, router, server.url, 0.3, tmp_path)
     paused = False
     try:
-        wait_for(lambda: router.poll(50) and recv(router)[1] in (MsgType.READY, MsgType.HEARTBEAT), timeout_s=120,
-                 what="the worker's READY")
         os.kill(server.pid, signal.SIGSTOP)
         paused = True
         wait_for(lambda: b"redis unreachable" in log_path.read_bytes(), timeout_s=30,
@@ -179,15 +184,8 @@ def test_index_writes_dropped_in_an_outage_are_republished_when_redis_answers(ti
                  what="the worker to republish the embedding index entry Redis missed")
         assert b"index entries republished" in log_path.read_bytes()
     finally:
-        if paused:
-            os.kill(server.pid, signal.SIGCONT)
-        send(router, MsgType.SHUTDOWN, Shutdown().to_body(), identity=WORKER.encode())
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+            _stop_worker(router, proc, server, paused)
         finally:
-            router.close(0)
             store.close()
             server.stop()
