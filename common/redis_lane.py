@@ -30,7 +30,7 @@ from typing import Any
 
 from mserve.common.cpu_placement import on_io_cores
 
-log = logging.getLogger("mserve.worker")
+log = logging.getLogger(__name__)  # mserve.common.redis_lane, in the worker and the coordinator alike
 
 MAX_QUEUED = 4096
 
