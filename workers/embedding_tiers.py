@@ -111,7 +111,8 @@ class EmbeddingTiers:
             self.defer(self.store.add_embedding, self.model_name, h, self.worker_id)
 
     def republish(self) -> int:
-        """Redis came back empty: index every entry held again. Returns how many."""
+        """Redis came back empty, or answers again after an outage (whose writes the lane dropped): index
+        every entry held again. Returns how many."""
         hashes, shared = self.cache.keys(), self.host_cache.keys()
         if self.store is not None:
             if hashes:

@@ -15,7 +15,9 @@
  *   P @ V keeps each head's sums in registers over a tile of 16 rows (two heads sharing a kv head at
  *   once), adding row after row in the order the portable build does.
  * - portable C: 16 independent float lanes per dot product, which the compiler vectorises without
- *   reassociating any one sum (no -ffast-math), and libm's expf.
+ *   reassociating any one sum (no -ffast-math); the softmax's exp is the same polynomial 8 lanes at a
+ *   time where the host has AVX2 and FMA (a float32 step of 16 requests of 670 tokens went from 26-41 to
+ *   26-36 ms on an AVX2-only AMD EPYC, faster in 7 of 8 interleaved rounds), libm's expf elsewhere.
  * Both compute the same attention; they differ in summation order and exp's last bits (within 1e-6). */
 #include <math.h>
 #include <stdint.h>
@@ -215,6 +217,48 @@ static float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* e^x for x <= 0, 8 lanes: 2^n * p(r), r = x - n ln2, p of degree 7 (simd.h's exp16; within 2 ulp). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* s[t] = e^(s[t] - mx) for t < len; returns their sum. */
+static inline float exp_sum(float *s, int64_t len, float mx) {
+    float total = 0.0f;
+    int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 m = _mm256_set1_ps(mx);
+    for (; t + 8 <= len; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int j = 0; j < 8; j++) total += lanes[j];
+#endif
+    for (; t < len; t++) total += (s[t] = expf(s[t] - mx));
+    return total;
+}
+
 static void axpy(float *y, float w, const float *x, int64_t d) {
     for (int64_t i = 0; i < d; i++) y[i] += w * x[i];
 }
@@ -260,11 +304,7 @@ int NAME(const ELEM *q, const ELEM *k, const ELEM *v, const int64_t *tables, con
                 if (s > mx[h]) mx[h] = s;                                                               \
             }                                                                                           \
         }                                                                                               \
-        for (int64_t h = 0; h < H; h++) {                                                               \
-            float *sh = scores + h * stride, total = 0.0f;                                              \
-            for (int64_t t = 0; t < len; t++) total += (sh[t] = expf(sh[t] - mx[h]));                   \
-            sum[h] = total;                                                                             \
-        }                                                                                               \
+        for (int64_t h = 0; h < H; h++) sum[h] = exp_sum(scores + h * stride, len, mx[h]);              \
         memset(og, 0, sizeof(float) * H * D);                                                           \
         for (int64_t t = 0; t < len; t++) {                                                             \
             prefetch_row((const char *)v, sizeof(ELEM), table, t, len, bs, block, row);                 \
