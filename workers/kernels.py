@@ -115,7 +115,8 @@ def _bind(lib: ctypes.CDLL, name: str, restype, argtypes: list) -> object:
 def load(path: Path) -> dict:
     """The C functions of a built library: decode attention by pool dtype (torch.float32,
     torch.bfloat16), and where the CPU has AVX512_BF16 the prompt kernel ("prefill_bf16",
-    "prefill_scratch_words") and the elementwise ops ("rms_norm_bf16", "silu_mul_bf16", "rope_bf16");
+    "prefill_scratch_words"; "prefill_amx", whether its products run on AMX tiles here, and
+    "prefill_use_amx", which turns them off for a comparison) and the elementwise ops ("rms_norm_bf16", "silu_mul_bf16", "rope_bf16");
     everywhere the float32 rotary embedding ("rope_f32")."""
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -125,6 +126,8 @@ def load(path: Path) -> dict:
     if hasattr(lib, "paged_prefill_bf16"):
         fns["prefill_bf16"] = _bind(lib, "paged_prefill_bf16", ctypes.c_int, [p] * 7 + [i64] * 9 + [ctypes.c_float])
         fns["prefill_scratch_words"] = _bind(lib, "paged_prefill_scratch_words", i64, [i64] * 4)
+        fns["prefill_amx"] = _bind(lib, "paged_prefill_amx", ctypes.c_int, [])
+        fns["prefill_use_amx"] = _bind(lib, "paged_prefill_use_amx", None, [i64])
     if hasattr(lib, "rms_norm_bf16"):
         fns["rms_norm_bf16"] = _bind(lib, "rms_norm_bf16", ctypes.c_int, [p] * 3 + [i64] * 4 + [ctypes.c_float])
         fns["silu_mul_bf16"] = _bind(lib, "silu_mul_bf16", None, [p] * 3 + [i64] * 5)

@@ -14,9 +14,12 @@ It runs only with `--attention padded` in bfloat16 (EngineConfig.exact_attention
 promise HF generate's bits; exact-length attention and float32 keep SDPA. Built with the decode kernel
 into one library (workers/kernels.py), on hosts whose CPU has AVX512_BF16; elsewhere SDPA runs.
 
-Not where the CPU has AMX (`preferred`): there torch's SDPA multiplies on AMX's tiles, and on an
-Intel Xeon with AMX it beat this kernel 2.3x on a 673-token prompt and 3.9x on a vision layer, while
-`vdpbf16ps` ran at half its AMD rate (bench/README.md, "an Intel Xeon with AMX").
+Where the CPU has AMX, torch's SDPA multiplies on its tiles and beat the `vdpbf16ps` products 2.3x on
+a 673-token prompt and 3.9x on a vision layer (`vdpbf16ps` runs at half its AMD rate there;
+bench/README.md, "an Intel Xeon with AMX"). So there the kernel runs only where its own build
+multiplies on the tiles too (`kernels.library()["prefill_amx"]`, a -march=native build on such a
+CPU) and the head size is a multiple of 32, a tile's row; it then beat gather + SDPA 1.2-2.4x
+(bench/README.md, "Prompt attention on AMX tiles"). Otherwise SDPA runs there (`policy`).
 `MSERVE_PROMPT_KERNEL=on` or `off` overrides that choice.
 """
 
@@ -43,33 +46,50 @@ def _amx() -> bool:
     return bool(probe and probe())
 
 
+def _kernel_amx() -> bool:
+    """Whether the loaded kernel multiplies on AMX tiles (built with them, and the OS granted them)."""
+    fns = kernels.library()
+    return bool(fns and "prefill_amx" in fns and fns["prefill_amx"]())
+
+
 @functools.cache
-def preferred() -> bool:
-    """Whether prompt and vision attention should run in the kernel on this host rather than in SDPA:
-    MSERVE_PROMPT_KERNEL=on or off, else (auto) only where the CPU has no AMX. Read once a process."""
+def policy() -> tuple[bool, int]:
+    """(whether prompt and vision attention should run in the kernel on this host rather than in SDPA,
+    the head size it must be a multiple of for that). MSERVE_PROMPT_KERNEL=on or off, else (auto): the
+    kernel where the CPU has no AMX, or where the kernel's products run on AMX tiles too (head sizes
+    that fill a tile's row); SDPA on an AMX CPU whose kernel build has no tiles. Read once a process."""
     if kernels.switched_off("MSERVE_PROMPT_KERNEL"):  # off, 0, false, no: as the other switches read
-        return False
+        return False, 16
     choice = os.environ.get("MSERVE_PROMPT_KERNEL", "auto").strip().lower()
     if choice in ("on", "1", "true", "yes"):
-        return True
+        return True, 16
     if choice != "auto":
         raise ValueError(f"MSERVE_PROMPT_KERNEL must be auto, on or off, not {choice!r}")
-    if _amx():
-        log.info("prompt and vision attention: torch's SDPA, which multiplies on this CPU's AMX tiles "
-                 "(faster here than the vdpbf16ps kernel; MSERVE_PROMPT_KERNEL=on to use the kernel)")
-        return False
-    return True
+    if not _amx():
+        return True, 16
+    if _kernel_amx():
+        log.info("prompt and vision attention: the kernel, multiplying on this CPU's AMX tiles (head sizes "
+                 "that are multiples of 32; SDPA for others)")
+        return True, 32
+    log.info("prompt and vision attention: torch's SDPA, which multiplies on this CPU's AMX tiles (the "
+             "kernel's build has no tiles; MSERVE_PROMPT_KERNEL=on to use it anyway)")
+    return False, 16
+
+
+def preferred() -> bool:
+    """Whether prompt and vision attention should run in the kernel on this host (`policy`)."""
+    return policy()[0]
 
 
 def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether a group of prompt chunks (query [heads, rows, head_dim]) can and should (`preferred`) run
+    """Whether a group of prompt chunks (query [heads, rows, head_dim]) can and should (`policy`) run
     in the kernel."""
     heads, _, d = query.shape
     kv_heads = k_cache.shape[2]
     if torch.compiler.is_compiling() or not (query.dtype == k_cache.dtype == torch.bfloat16) or not preferred():
         return False
     fns = kernels.library()
-    return (fns is not None and "prefill_bf16" in fns and query.device.type == "cpu" and d % 16 == 0
+    return (fns is not None and "prefill_bf16" in fns and query.device.type == "cpu" and d % policy()[1] == 0
             and d <= 256 and heads % kv_heads == 0 and heads <= paged_decode.MAX_HEADS)
 
 

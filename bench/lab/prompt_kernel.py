@@ -9,6 +9,11 @@ and a vision layer without the causal mask (577 patches, 16 heads as CLIP-L, and
 tower). For each case: whether `--against`'s output has this build's bits (else the largest
 difference), then the median ms of 20 calls a round, the builds interleaved round by round. Needs a CPU
 with AVX512_BF16 (the kernel is built only there). Used for bench/README.md, "The prompt kernel's registers".
+
+Where this build multiplies on AMX tiles (paged_prefill_amx), it also runs with them off ("this,
+vdpbf16ps"), and `--sdpa` adds what the kernel replaces: the request's blocks gathered and torch's SDPA
+(a bool mask for a chunk after a prefix), in bf16. Each variant's largest difference from the first
+variant is printed. Used for bench/README.md, "Prompt attention on AMX tiles".
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", help="a git revision whose kernel runs beside this checkout's")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=20, help="calls a round per build and case (default 20)")
+    p.add_argument("--sdpa", action="store_true", help="also time gather + torch SDPA, as the engine runs it")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -68,6 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.against:
         builds[args.against] = build(args.against, tmp / "against.so")
+    amx = ctypes.CDLL(str(tmp / "this.so"))
+    variants = dict(builds)
+    if hasattr(amx, "paged_prefill_amx") and amx.paged_prefill_amx():
+        amx.paged_prefill_use_amx.argtypes = [ctypes.c_int64]
+        variants = {"this, AMX": "this", "this, vdpbf16ps": "this"}
+        variants.update({b: b for b in builds if b != "this"})
+    else:
+        variants = {b: b for b in builds}
+    if args.sdpa:
+        variants["gather + SDPA"] = None
     bs, blocks, d = 16, 2048, 64
     for name, g, n, heads, kv, starts, causal in CASES:
         k, v = (torch.randn(blocks, bs, kv, d).bfloat16() for _ in range(2))
@@ -76,9 +92,28 @@ def main(argv: list[str] | None = None) -> int:
         tables = torch.stack([torch.randperm(blocks)[:mb] for _ in range(g)]).contiguous()
         first = torch.tensor(starts, dtype=torch.int64)
         q = torch.randn(g, n, heads, d).bfloat16()
-        outs, times = {}, {b: [] for b in builds}
+        outs, times = {}, {b: [] for b in variants}
 
-        def call(b):
+        def sdpa():
+            from torch.nn.functional import scaled_dot_product_attention as attention
+            res = []
+            for i in range(g):  # each chunk: its blocks gathered [1, kv, len, d], a mask after a prefix
+                length = starts[i] + n
+                kk, vv = (x[tables[i]].reshape(-1, kv, d)[:length].transpose(0, 1)[None] for x in (k, v))
+                qq = q[i].transpose(0, 1)[None]
+                mask = None
+                if causal and starts[i]:
+                    mask = torch.arange(length)[None] <= (starts[i] + torch.arange(n))[:, None]
+                res.append(attention(qq, kk, vv, attn_mask=mask, is_causal=bool(causal and not starts[i]),
+                                     scale=d ** -0.5, enable_gqa=heads != kv)[0].transpose(0, 1))
+            return torch.stack(res).float()
+
+        def call(name):
+            b = variants[name]
+            if b is None:
+                return sdpa()
+            if b == "this" and name.startswith("this, "):
+                amx.paged_prefill_use_amx(int(name == "this, AMX"))
             kernel, words = builds[b]
             scratch = torch.empty(words(heads, kv, d, max_len), dtype=torch.int32)
             out = torch.empty(q.shape, dtype=torch.float32)
@@ -87,19 +122,23 @@ def main(argv: list[str] | None = None) -> int:
             assert rc == 0, rc
             return out
 
-        for b in builds:
+        for b in variants:
             outs[b] = call(b)
         for _ in range(args.rounds):
-            for b in builds:
+            for b in variants:
                 t = time.perf_counter()
                 for _ in range(args.calls):
                     call(b)
                 times[b].append((time.perf_counter() - t) / args.calls * 1e3)
         line = f"{name}: " + ", ".join(f"{b} {statistics.median(ts):.3f} ms" for b, ts in times.items())
-        if args.against:
-            same = torch.equal(outs["this"], outs[args.against])
-            line += "; the same bits" if same else \
-                f"; largest difference {float((outs['this'] - outs[args.against]).abs().max()):.3g}"
+        first = next(iter(variants))
+        pairs = [(first, b) for b in list(variants)[1:]]
+        if args.against and "this, vdpbf16ps" in variants:  # the same products in both builds
+            pairs.append(("this, vdpbf16ps", args.against))
+        for first, b in pairs:
+            same = torch.equal(outs[first], outs[b])
+            line += f"; {b} vs {first}: the same bits" if same else \
+                f"; {b} vs {first}: largest difference {float((outs[first] - outs[b]).abs().max()):.3g}"
         print(line)
     return 0
 

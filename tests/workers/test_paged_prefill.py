@@ -18,31 +18,53 @@ needs_kernel = pytest.mark.skipif(not kernels.library() or "prefill_bf16" not in
                                   reason="the prompt kernel is built only where the CPU has AVX512_BF16")
 
 
+needs_tiles = pytest.mark.skipif(not paged_prefill._kernel_amx(),
+                                 reason="the kernel multiplies on AMX tiles only where its build and the CPU have them")
+
+
 @pytest.fixture(autouse=True)
 def kernel_on(monkeypatch):
-    """These tests check the kernel itself, so it runs on every host, AMX ones included (where `auto`
-    leaves prompt attention to SDPA: test_amx_hosts_leave_prompts_to_sdpa)."""
+    """These tests check the kernel itself, so it runs on every host and head size, AMX ones included
+    (where `auto` may leave prompt attention to SDPA: test_amx_hosts_use_the_kernel_only_on_tiles)."""
     monkeypatch.setenv("MSERVE_PROMPT_KERNEL", "on")
-    paged_prefill.preferred.cache_clear()
+    paged_prefill.policy.cache_clear()
     yield
-    paged_prefill.preferred.cache_clear()
+    paged_prefill.policy.cache_clear()
 
 
-@pytest.mark.parametrize("choice,amx,want", [("auto", True, False), ("auto", False, True), ("on", True, True),
-                                             ("off", False, False), ("0", False, False), ("True", True, True)])
-def test_amx_hosts_leave_prompts_to_sdpa(choice, amx, want, monkeypatch):
+@pytest.fixture(params=["tiles", "vdpbf16ps"])
+def products(request):
+    """Each product path of the kernel: AMX tiles where they run here, and vdpbf16ps everywhere."""
+    fns = kernels.library()
+    if request.param == "tiles" and not paged_prefill._kernel_amx():
+        pytest.skip("no AMX tiles in this host's kernel build")
+    if fns and "prefill_use_amx" in fns:
+        fns["prefill_use_amx"](int(request.param == "tiles"))
+    yield request.param
+    if fns and "prefill_use_amx" in fns:
+        fns["prefill_use_amx"](1)
+
+
+@pytest.mark.parametrize("choice,amx,tiles,want,multiple", [
+    ("auto", True, False, False, 16),  # torch's SDPA on AMX beats the vdpbf16ps products
+    ("auto", True, True, True, 32),  # the kernel on tiles beats SDPA, for head sizes that fill a tile row
+    ("auto", False, False, True, 16), ("on", True, False, True, 16), ("off", False, False, False, 16),
+    ("0", False, True, False, 16), ("True", True, True, True, 16)])
+def test_amx_hosts_use_the_kernel_only_on_tiles(choice, amx, tiles, want, multiple, monkeypatch):
     monkeypatch.setenv("MSERVE_PROMPT_KERNEL", choice)
     monkeypatch.setattr(paged_prefill, "_amx", lambda: amx)
-    paged_prefill.preferred.cache_clear()
-    assert paged_prefill.preferred() is want
+    monkeypatch.setattr(paged_prefill, "_kernel_amx", lambda: tiles)
+    paged_prefill.policy.cache_clear()
+    assert paged_prefill.policy() == (want, multiple) and paged_prefill.preferred() is want
     if kernels.library() and "prefill_bf16" in kernels.library():
-        q, k = torch.zeros(4, 9, 16, dtype=torch.bfloat16), torch.zeros(8, 16, 2, 16, dtype=torch.bfloat16)
-        assert paged_prefill.usable(q, k) is want
+        k16, k32 = (torch.zeros(8, 16, 2, d, dtype=torch.bfloat16) for d in (16, 32))
+        assert paged_prefill.usable(torch.zeros(4, 9, 32, dtype=torch.bfloat16), k32) is want
+        assert paged_prefill.usable(torch.zeros(4, 9, 16, dtype=torch.bfloat16), k16) is (want and multiple == 16)
 
 
 def test_a_prompt_kernel_setting_it_does_not_know_is_an_error(monkeypatch):
     monkeypatch.setenv("MSERVE_PROMPT_KERNEL", "sometimes")
-    paged_prefill.preferred.cache_clear()
+    paged_prefill.policy.cache_clear()
     with pytest.raises(ValueError, match="MSERVE_PROMPT_KERNEL must be auto, on or off"):
         paged_prefill.preferred()
 
@@ -65,9 +87,10 @@ def causal_reference(q, k_cache, v_cache, tables, starts, scale):
     (4, 4, 32, 1, [0, 16, 300]),  # one token each, no GQA
     (12, 2, 128, 17, [3, 31]),  # 6 query heads a kv head, two passes over the head's dims
     (4, 2, 48, 20, [0, 33]),  # a head size of three 16-lane chunks
+    (4, 2, 96, 20, [0, 33]),  # on tiles: 64 dims, then the last 32
     (4, 2, 16, 9, [0, 7]),  # the tiny test models' head size
 ])
-def test_kernel_is_float32_attention_to_within_bf16(heads, kv_heads, head_dim, n, starts):
+def test_kernel_is_float32_attention_to_within_bf16(heads, kv_heads, head_dim, n, starts, products):
     g = torch.Generator().manual_seed(heads * 1000 + head_dim + n)
     bs, num_blocks = 16, 200
     k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).bfloat16()
@@ -130,6 +153,27 @@ def test_engine_prompt_attention_with_the_kernel_is_the_gathers(family, tiny_mod
     assert sorted(results) == sorted(requests) and all(len(ids) == 4 for ids in results.values())
     layers = engine.runner.model.config.text_config.num_hidden_layers
     assert len(compared) >= layers * len(requests) * 2  # every prompt went in two chunks or more
+
+
+@needs_kernel
+@needs_tiles
+def test_tiles_and_vdpbf16ps_differ_only_in_rounding():
+    """The same inputs through both product paths: the scores and outputs summed in another order, so
+    the bf16 probabilities may round the other way for a few keys, never more."""
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(64, 16, 2, 64, generator=g).bfloat16() for _ in range(2))
+    tables = torch.randperm(64, generator=g)[:44].view(1, 44).contiguous()
+    q, starts = torch.randn(1, 161, 8, 64, generator=g).bfloat16(), torch.tensor([512])
+    fns = kernels.library()
+    try:
+        outs = []
+        for tiles in (1, 0):
+            fns["prefill_use_amx"](tiles)
+            outs.append(paged_prefill.attend(q, k_cache, v_cache, tables, starts, 0.125).float())
+    finally:
+        fns["prefill_use_amx"](1)
+    assert not torch.equal(outs[0], outs[1])  # two paths ran
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2 ** -7)
 
 
 @needs_kernel

@@ -13,7 +13,14 @@
  * against 32 keys, 8 query rows at a time (exact bf16 products, float32 sums; each broadcast feeds two
  * `vdpbf16ps`, 11 % quicker than one on the AMD EPYC host of 2026-12-05), a causal float32 softmax with
  * the vectorised exp, the probabilities rounded to bfloat16, and P @ V the same way. No gather and no
- * masked padding. Only built where the CPU has AVX512_BF16; D must be a multiple of 16 (paged_prefill.usable). */
+ * masked padding. Only built where the CPU has AVX512_BF16; D must be a multiple of 16 (paged_prefill.usable).
+ *
+ * Where the build has AMX (-march=native on an Intel Xeon with AMX-BF16) and the OS lets the process use
+ * its tiles, the two products run on them instead (amx_scores, amx_pv): the layouts above are the
+ * ones a tile multiply reads (K's pairs of dims are its B operand for Q @ K^T, V's pairs of tokens its
+ * B operand for P @ V), so only the query rows are copied, to a block of 16 rows at a fixed stride.
+ * The softmax and everything else stay as they are; sums run in another order, so the output differs
+ * from the vdpbf16ps path's within float32 rounding. paged_prefill_amx reports which path runs. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -27,19 +34,114 @@
 
 static inline int64_t round32(int64_t x) { return (x + 31) / 32 * 32; }
 
-/* The scratch, in 4-byte words, for requests up to max_len tokens (paged_prefill.py allocates it). */
+/* The scratch, in 4-byte words, for requests up to max_len tokens (paged_prefill.py allocates it): the
+ * laid-out K and V, the scores, the bf16 probabilities, and the query rows the AMX path copies. */
 int64_t paged_prefill_scratch_words(int64_t H, int64_t KV, int64_t D, int64_t max_len) {
     const int64_t l = round32(max_len), rows = H / KV * QT;
-    return D / 2 * l + l / 2 * D + rows * l + rows * l / 2;
+    return D / 2 * l + l / 2 * D + rows * l + rows * l / 2 + rows * D / 2;
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_granted = -1; /* -1 not asked yet, 0 refused, 1 granted (a process-wide permission) */
+static int amx_wanted = 1;   /* paged_prefill_use_amx(0) runs the vdpbf16ps products (tests, lab) */
+
+/* Whether this call runs the products on AMX tiles: built with them, wanted, D a multiple of 32 (a
+ * tile row is 32 bf16), and the kernel granted the tile state (Linux asks each process to request it;
+ * torch does the same before its own AMX kernels, so a second request is a no-op). */
+static int amx_on(int64_t D) {
+    if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_granted && amx_wanted && D % 32 == 0;
+}
+
+/* Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, 16 x 16 float32 sums. Loaded at each call, as
+ * oneDNN loads its own configuration at each of its kernels. */
+static void amx_configure(void) {
+    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+/* Scores of 16 query rows (qa: [16][D] bf16) against keys [0, keys) rounded up to 32 (kt's pair rows,
+ * zero past the request's last token), unscaled, into s (rows of l32 floats). */
+static void amx_scores(const uint16_t *qa, const uint32_t *kt, float *s, int64_t D, int64_t l32, int64_t keys) {
+    for (int64_t t0 = 0; t0 < keys; t0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+            _tile_loadd(2, qa + 2 * p0, D * 2);
+            _tile_loadd(4, kt + p0 * l32 + t0, l32 * 4);
+            _tile_loadd(5, kt + p0 * l32 + t0 + 16, l32 * 4);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 2, 5);
+        }
+        _tile_stored(0, s + t0, l32 * 4);
+        _tile_stored(1, s + t0 + 16, l32 * 4);
+    }
+}
+
+/* P @ V of 16 rows (pr: bf16 pairs, rows of l32/2 words) over `pairs` token pairs (a multiple of 16) for
+ * dims d0 .. d0 + 16 nc (nc 2 or 4) into o ([16][64] floats). */
+static void amx_pv(const uint32_t *pr, const uint32_t *vp, float *o, int64_t D, int64_t l32, int64_t pairs,
+                   int64_t nc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
+        const uint32_t *v = vp + j0 * D;
+        _tile_loadd(4, pr + j0, l32 * 2);
+        _tile_loadd(5, v, D * 4);
+        _tile_loadd(6, v + 16, D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        if (nc == 4) {
+            _tile_loadd(7, v + 32, D * 4);
+            _tile_loadd(5, v + 48, D * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, o, 64 * 4);
+    _tile_stored(1, o + 16, 64 * 4);
+    if (nc == 4) {
+        _tile_stored(2, o + 32, 64 * 4);
+        _tile_stored(3, o + 48, 64 * 4);
+    }
+}
+
+static void amx_release(void) { _tile_release(); }
+int paged_prefill_amx(void) { return amx_on(32); }
+void paged_prefill_use_amx(int64_t on) { amx_wanted = on != 0; }
+#else /* never called: amx_on is 0 */
+static int amx_on(int64_t D) { (void)D; return 0; }
+static void amx_configure(void) {}
+static void amx_release(void) {}
+static void amx_scores(const uint16_t *qa, const uint32_t *kt, float *s, int64_t D, int64_t l32, int64_t keys) {
+    (void)qa, (void)kt, (void)s, (void)D, (void)l32, (void)keys;
+}
+static void amx_pv(const uint32_t *pr, const uint32_t *vp, float *o, int64_t D, int64_t l32, int64_t pairs,
+                   int64_t nc) {
+    (void)pr, (void)vp, (void)o, (void)D, (void)l32, (void)pairs, (void)nc;
+}
+int paged_prefill_amx(void) { return 0; }
+void paged_prefill_use_amx(int64_t on) { (void)on; }
+#endif
 
 static inline __m512 bcast(const uint32_t *p) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)*p)); }
 #define DP(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)_mm512_castps_si512(a), (__m512bh)(b))
 
-/* e^(x - m) of the 16 scores at x whose first `left` are seen, 0 for the rest. */
-static inline __m512 row_exp(const float *x, __m512 m, int64_t left) {
+/* e^(sc x - m) of the 16 scores at x whose first `left` are seen, 0 for the rest (sc is 1 where the
+ * scores were scaled as they were stored, the scale where they come unscaled from the tiles). */
+static inline __m512 row_exp(const float *x, __m512 m, int64_t left, __m512 sc) {
     if (left <= 0) return _mm512_setzero_ps();
-    return _mm512_maskz_mov_ps(first16(left), exp16(_mm512_sub_ps(_mm512_loadu_ps(x), m)));
+    return _mm512_maskz_mov_ps(first16(left), exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(x), sc), m)));
 }
 
 /* P @ V for RO rows and 64 dims: acc[r][x] = sum over token pairs j of P[r, j] . V[j, 16x .. 16x + 15].
@@ -89,11 +191,15 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
     uint32_t *vp = kt + pairs * l32;           /* [l32/2][D]: tokens 2j, 2j+1 of dim d at vp[j * D + d] */
     float *s = (float *)(vp + l32 / 2 * D);    /* [rows][l32] scores, then probabilities */
     uint32_t *pb = (uint32_t *)(s + rows * l32); /* [rows][l32/2] probabilities of tokens 2j, 2j+1 in bf16 */
+    uint16_t *qa = (uint16_t *)(pb + rows * (l32 / 2)); /* [rows][D]: the tile's query rows (AMX) */
     float inv[QT * 256];
     if (rows > QT * 256) return -2;
+    for (int64_t g = 0; g < G; g++)
+        if (starts[g] < 0 || starts[g] + n > max_len || starts[g] + n > max_blocks * bs) return -1;
+    const int amx = amx_on(D) && scale > 0; /* the softmax scales the tiles' max (below) */
+    if (amx) amx_configure();
     for (int64_t g = 0; g < G; g++) {
         const int64_t start = starts[g], len = start + n;
-        if (start < 0 || len > max_len || len > max_blocks * bs) return -1;
         const int64_t *table = tables + g * max_blocks, lpad = round32(len);
         for (int64_t c = 0; c < KV; c++) {
             /* this kv head's keys and values in pair order; zeros past the last token */
@@ -118,9 +224,14 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
                     qrow[r] = (const uint32_t *)(q + ((g * n + i) * H + h) * D);
                     pos[r] = causal ? start + i : len - 1; /* the last key it sees */
                 }
+                if (amx) { /* scores on tiles, 16 rows at a time; rows past nr repeat the last (not kept) */
+                    for (int64_t r = 0; r < (nr + 15) / 16 * 16; r++)
+                        memcpy(qa + r * D, qrow[r < nr ? r : nr - 1], sizeof(uint16_t) * D);
+                    for (int64_t r0 = 0; r0 < nr; r0 += 16) amx_scores(qa + r0 * D, kt, s + r0 * l32, D, l32, keys);
+                }
                 /* scores: RG rows at a time against 32 keys (kt is zero up to l32, so the last 32 may run past
                  * the tile's keys); rows past nr repeat the last (not kept) */
-                for (int64_t r0 = 0; r0 < nr; r0 += RG) {
+                for (int64_t r0 = 0; r0 < nr && !amx; r0 += RG) {
                     const uint32_t *qr[RG];
                     for (int64_t r = 0; r < RG; r++) qr[r] = qrow[r0 + r < nr ? r0 + r : nr - 1];
                     for (int64_t t0 = 0; t0 < keys; t0 += 32) { /* 32 keys: each broadcast query pair used twice */
@@ -141,27 +252,46 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
                         }
                     }
                 }
-                /* causal softmax per row; probabilities to bf16 pairs, zeros up to the tile's key count */
+                /* causal softmax per row; probabilities to bf16 pairs, zeros up to the tile's key count. The
+                 * tiles' scores come unscaled: the max of the scaled ones is the scaled max (scale > 0). */
                 const int64_t kpad = round32(keys);
+                const float sc1 = amx ? scale : 1.0f;
+                const __m512 sc = _mm512_set1_ps(sc1);
                 for (int64_t r = 0; r < nr; r++) {
                     float *sr = s + r * l32;
                     const int64_t seen = pos[r] + 1;
                     __m512 mx = _mm512_set1_ps(-INFINITY);
                     for (int64_t t0 = 0; t0 < seen; t0 += 16)
                         mx = _mm512_mask_max_ps(mx, first16(seen - t0), mx, _mm512_loadu_ps(sr + t0));
-                    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * sc1);
                     /* e^(score - max) of 32 keys at a time, summed in float32 and stored as bf16 pairs in one
                      * pass; keys past the row's last are 0 without an exp */
                     __m512 total = _mm512_setzero_ps();
                     for (int64_t t0 = 0; t0 < kpad; t0 += 32) {
-                        const __m512 e0 = row_exp(sr + t0, m, seen - t0), e1 = row_exp(sr + t0 + 16, m, seen - t0 - 16);
+                        const __m512 e0 = row_exp(sr + t0, m, seen - t0, sc);
+                        const __m512 e1 = row_exp(sr + t0 + 16, m, seen - t0 - 16, sc);
                         total = _mm512_add_ps(_mm512_add_ps(total, e0), e1);
                         _mm512_storeu_si512(pb + r * (l32 / 2) + t0 / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
                     }
                     inv[r] = 1.0f / _mm512_reduce_add_ps(total);
                 }
+                if (amx) { /* P @ V on tiles: 16 rows and 64 dims (or the last 32) at a time */
+                    float o16[16 * 64];
+                    for (int64_t r0 = 0; r0 < nr; r0 += 16)
+                        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                            const int64_t nc = D - d0 >= 64 ? 4 : 2;
+                            amx_pv(pb + r0 * (l32 / 2), vp + d0, o16, D, l32, kpad / 2, nc);
+                            for (int64_t r = 0; r < 16 && r0 + r < nr; r++) {
+                                const int64_t rr = r0 + r, h = c * per_kv + rr / nq, i = i0 + rr % nq;
+                                float *o = out + ((g * n + i) * H + h) * D + d0;
+                                for (int64_t x = 0; x < nc; x++)
+                                    _mm512_storeu_ps(o + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(o16 + r * 64 + 16 * x),
+                                                                               _mm512_set1_ps(inv[rr])));
+                            }
+                        }
+                }
                 /* P @ V: RO rows at a time, 16 dims a pass, pairs of tokens per vdpbf16ps */
-                for (int64_t r0 = 0; r0 < nr; r0 += RO) {
+                for (int64_t r0 = 0; r0 < nr && !amx; r0 += RO) {
                     const uint32_t *pr[RO];
                     for (int64_t r = 0; r < RO; r++) pr[r] = pb + (r0 + r < nr ? r0 + r : nr - 1) * (l32 / 2);
                     for (int64_t d0 = 0; d0 < D; d0 += 64) { /* up to 4 chunks of 16 dims in registers */
@@ -180,6 +310,7 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
             }
         }
     }
+    if (amx) amx_release();
     return 0;
 }
 

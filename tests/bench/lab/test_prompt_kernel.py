@@ -1,4 +1,5 @@
-"""lab.prompt_kernel builds this checkout's prompt kernel beside a revision's and compares their bits."""
+"""lab.prompt_kernel builds this checkout's prompt kernel beside a revision's (and, on AMX hosts, with its
+tiles off) and gather + SDPA, and compares their outputs."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ from lab.prompt_kernel import CASES, main
 
 
 def test_against_a_revision_reports_bits_and_times(capsys):
-    assert main(["--against", "HEAD", "--rounds", "1", "--calls", "1"]) == 0
+    assert main(["--against", "HEAD", "--rounds", "1", "--calls", "1", "--sdpa"]) == 0
     out = capsys.readouterr().out
     if "no AVX512_BF16" in out:  # nothing to time on this CPU, and it says so
         return
     for name, *_ in CASES:  # HEAD's kernel source is this checkout's unless it is being edited
-        assert re.search(rf"^{re.escape(name)}: this [\d.]+ ms, HEAD [\d.]+ ms; (the same bits|largest difference)",
-                         out, re.M), out
+        line = re.search(rf"^{re.escape(name)}: this(, AMX)? [\d.]+ ms, .*HEAD [\d.]+ ms, gather \+ SDPA [\d.]+ ms;.*",
+                         out, re.M)
+        assert line, out
+        # the same products in both builds: the vdpbf16ps ones where this build also has tiles
+        assert re.search(r"HEAD vs this(, vdpbf16ps)?: (the same bits|largest difference)", line[0]), line[0]
+        assert re.search(r"gather \+ SDPA vs this(, AMX)?: (the same bits|largest difference)", line[0]), line[0]
