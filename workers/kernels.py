@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "fused_ops.c")
-HEADERS = (CSRC / "simd.h",)
+HEADERS = (CSRC / "simd.h", CSRC / "amx.h")
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler does not know the host
 _OFF = ("off", "0", "false", "no")
 _UNSET = object()

@@ -41,31 +41,19 @@ int64_t paged_prefill_scratch_words(int64_t H, int64_t KV, int64_t D, int64_t ma
     return D / 2 * l + l / 2 * D + rows * l + rows * l / 2 + rows * D / 2;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static int amx_granted = -1; /* -1 not asked yet, 0 refused, 1 granted (a process-wide permission) */
-static int amx_wanted = 1;   /* paged_prefill_use_amx(0) runs the vdpbf16ps products (tests, lab) */
+#include "amx.h"
+#ifdef MSERVE_AMX
+static int amx_wanted = 1; /* paged_prefill_use_amx(0) runs the vdpbf16ps products (tests, lab) */
 
 /* Whether this call runs the products on AMX tiles: built with them, wanted, D a multiple of 32 (a
- * tile row is 32 bf16), and the kernel granted the tile state (Linux asks each process to request it;
- * torch does the same before its own AMX kernels, so a second request is a no-op). */
-static int amx_on(int64_t D) {
-    if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return amx_granted && amx_wanted && D % 32 == 0;
-}
+ * tile row is 32 bf16), and the OS granted the tile state (amx.h). */
+static int amx_on(int64_t D) { return amx_wanted && D % 32 == 0 && amx_granted(); }
 
-/* Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, 16 x 16 float32 sums. Loaded at each call, as
- * oneDNN loads its own configuration at each of its kernels. */
-static void amx_configure(void) {
-    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    _tile_loadconfig(&cfg);
+/* Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, 16 x 16 float32 sums. */
+static void amx_prefill_tiles(void) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure(8, rows, colsb);
 }
 
 /* Scores of 16 query rows (qa: [16][D] bf16) against keys [0, keys) rounded up to 32 (kt's pair rows,
@@ -117,11 +105,11 @@ static void amx_pv(const uint32_t *pr, const uint32_t *vp, float *o, int64_t D, 
 }
 
 static void amx_release(void) { _tile_release(); }
-int paged_prefill_amx(void) { return amx_on(32); }
+int paged_prefill_amx(void) { return amx_granted(); }
 void paged_prefill_use_amx(int64_t on) { amx_wanted = on != 0; }
 #else /* never called: amx_on is 0 */
 static int amx_on(int64_t D) { (void)D; return 0; }
-static void amx_configure(void) {}
+static void amx_prefill_tiles(void) {}
 static void amx_release(void) {}
 static void amx_scores(const uint16_t *qa, const uint32_t *kt, float *s, int64_t D, int64_t l32, int64_t keys) {
     (void)qa, (void)kt, (void)s, (void)D, (void)l32, (void)keys;
@@ -197,7 +185,7 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
     for (int64_t g = 0; g < G; g++)
         if (starts[g] < 0 || starts[g] + n > max_len || starts[g] + n > max_blocks * bs) return -1;
     const int amx = amx_on(D) && scale > 0; /* the softmax scales the tiles' max (below) */
-    if (amx) amx_configure();
+    if (amx) amx_prefill_tiles();
     for (int64_t g = 0; g < G; g++) {
         const int64_t start = starts[g], len = start + n;
         const int64_t *table = tables + g * max_blocks, lpad = round32(len);
