@@ -38,16 +38,17 @@ class RedisLookups:
     def embedding_holders(self, image_hash: str) -> set[str]:
         return self.store.lookup_embedding(self.model_name, image_hash) if self.store.responsive() else set()
 
-    def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]:
-        """Who holds the prompt's leading blocks: the Redis index, and where this coordinator just sent them."""
+    def prefix_hits(self, admitted: Admitted, block_size: int, sent_since: float | None = None) -> dict[str, int]:
+        """Who holds the prompt's leading blocks: the Redis index, and where this coordinator sent them
+        (with `sent_since`, only what it sent at or after then: recent_prefixes.SKIP_HORIZON_S)."""
         hashes = self._block_hashes(admitted, block_size)
         if not hashes:
             return {}
         published = self.store.match_prefix(self.model_name, hashes) if self.store.responsive() else {}
-        return merge_hits(published, self.recent.match(hashes))
+        return merge_hits(published, self.recent.match(hashes, since=sent_since))
 
-    def placed(self, admitted: Admitted, block_size: int, worker_id: str) -> None:
-        self.recent.placed(self._block_hashes(admitted, block_size), worker_id)
+    def placed(self, admitted: Admitted, block_size: int, worker_id: str, now: float = 0.0) -> None:
+        self.recent.placed(self._block_hashes(admitted, block_size), worker_id, now)
 
     def forget(self, worker_id: str) -> None:
         self.recent.forget(worker_id)

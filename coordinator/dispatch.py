@@ -27,6 +27,7 @@ import random
 from mserve.common.hashing import host_member
 from mserve.common.policy import request_blocks
 from mserve.coordinator.membership import Membership
+from mserve.coordinator.recent_prefixes import SKIP_HORIZON_S
 from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
                                         RequestTable, Stage, stage_message)
 from mserve.coordinator.routing import (WorkerView, alive, pipeline_for, prefix_covered, route_decode, route_encode,
@@ -103,7 +104,7 @@ class Dispatcher:
                     continue  # parked until the encode of one of its images, in flight elsewhere, ends
                 worker = self._route(st, ws, holders)
                 if worker is not None and stage in (Stage.PREFILL, Stage.RUN):  # its blocks are there next turn
-                    self.lookups.placed(st.admitted, self.members.block_size, worker.worker_id)
+                    self.lookups.placed(st.admitted, self.members.block_size, worker.worker_id, now)
                 if stage == Stage.ENCODE and self.flights is not None:
                     self.stats["encode_deduplicated"] += self.flights.deduplicated(st.rid, holders)
                 assert worker is not None, (stage, ws)
@@ -118,7 +119,8 @@ class Dispatcher:
         a, block_size = st.admitted, self.members.block_size
         if st.prefix_skip_off or not self.settings.prefix_skip or not any(im.skippable for im in a.images):
             return False
-        hits = self.lookups.prefix_hits(a, block_size)
+        # What this coordinator sent a worker counts only within the horizon: it never hears of evictions
+        hits = self.lookups.prefix_hits(a, block_size, sent_since=self.outbox.now - SKIP_HORIZON_S)
         prefill = hits and route_prefill(self._draw(alive(self.members.routable(), "prefill"), set(hits)),
                                          len(a.prompt_ids), hits, block_size)
         if not prefill:

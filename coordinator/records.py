@@ -111,10 +111,12 @@ class Lookups(Protocol):
 
     def embedding_holders(self, image_hash: str) -> set[str]: ...
 
-    def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]: ...
+    def prefix_hits(self, admitted: Admitted, block_size: int, sent_since: float | None = None) -> dict[str, int]:
+        """Who holds the prompt's leading blocks, by worker; `sent_since`: count what this coordinator
+        sent a worker itself (`placed`) only from then on."""
 
-    def placed(self, admitted: Admitted, block_size: int, worker_id: str) -> None:
-        """The request's prompt was just sent to `worker_id` to prefill: it will hold those blocks."""
+    def placed(self, admitted: Admitted, block_size: int, worker_id: str, now: float = 0.0) -> None:
+        """The request's prompt was sent to `worker_id` to prefill at `now`: it will hold those blocks."""
 
     def forget(self, worker_id: str) -> None:
         """The worker is gone: credit it with nothing any more."""
@@ -124,10 +126,10 @@ class NoLookups:
     def embedding_holders(self, image_hash: str) -> set[str]:
         return set()
 
-    def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]:
+    def prefix_hits(self, admitted: Admitted, block_size: int, sent_since: float | None = None) -> dict[str, int]:
         return {}
 
-    def placed(self, admitted: Admitted, block_size: int, worker_id: str) -> None:
+    def placed(self, admitted: Admitted, block_size: int, worker_id: str, now: float = 0.0) -> None:
         pass
 
     def forget(self, worker_id: str) -> None:

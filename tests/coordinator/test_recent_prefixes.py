@@ -41,11 +41,11 @@ class RecentOnly(NoLookups):
     def __init__(self) -> None:
         self.recent = RecentPrefixes()
 
-    def prefix_hits(self, admitted, block_size):
-        return self.recent.match(prompt_block_hashes(admitted.prompt_ids, block_size))
+    def prefix_hits(self, admitted, block_size, sent_since=None):
+        return self.recent.match(prompt_block_hashes(admitted.prompt_ids, block_size), since=sent_since)
 
-    def placed(self, admitted, block_size, worker_id):
-        self.recent.placed(prompt_block_hashes(admitted.prompt_ids, block_size), worker_id)
+    def placed(self, admitted, block_size, worker_id, now=0.0):
+        self.recent.placed(prompt_block_hashes(admitted.prompt_ids, block_size), worker_id, now)
 
     def forget(self, worker_id):
         self.recent.forget(worker_id)
@@ -100,3 +100,44 @@ def test_a_unified_request_that_decodes_no_longer_weighs_as_prefill_work():
     h.step(first, long, [2], finished=True)
     # t2's charge only, less the 12 blocks (192 tokens) routing credited it with there: nothing went negative
     assert (view.inflight, view.inflight_tokens) == (1, 400 - 192)
+
+
+def test_since_counts_only_what_was_sent_from_then_on():
+    recent = RecentPrefixes()
+    recent.placed(["a", "b"], "u0", now=1.0)
+    recent.placed(["a", "b", "c"], "u1", now=9.0)
+    assert recent.match(["a", "b", "c"], since=5.0) == {"u1": 3}
+    assert recent.match(["a", "b", "c"]) == {"u0": 2, "u1": 3}  # routing: every placement
+    recent.placed(["a"], "u0", now=10.0)  # sent again: fresh again, for the blocks it was sent
+    assert recent.match(["a", "b"], since=5.0) == {"u0": 1, "u1": 2}
+
+
+def held_images(rid: str):
+    adm = make_admitted(rid, images=2, prompt_len=80)
+    for i, (im, end) in enumerate(zip(adm.images, (20, 50))):
+        im.hash, im.end, im.skippable = f"img-{i}", end, True  # the same images in every request
+    return adm
+
+
+def test_an_encode_skip_trusts_what_the_coordinator_sent_only_until_the_index_has_caught_up():
+    """The same two-image prompt again: right after the first was sent to prefill, its images are not
+    encoded (the prefill worker holds them, and Redis may not know yet); after SKIP_HORIZON_S only the
+    Redis index counts (here it holds nothing: the worker evicted the blocks), so both are encoded,
+    where before the skip was planned and the PREFILL failed and ran again (a re-run)."""
+    from mserve.coordinator.recent_prefixes import SKIP_HORIZON_S
+    from tests.coordinator.test_request_machine import DISAGG
+
+    h = Harness(*DISAGG, lookups=RecentOnly())
+    h.m.settings.spread_encode = False
+    enc = only(h.submit(held_images("first")), MsgType.ENCODE)
+    pre = only(h.encoded(enc.worker_id, enc), MsgType.PREFILL)
+    dec = only(h.prefilled(pre.worker_id, pre, 7), MsgType.DECODE)
+    only(h.step(dec.worker_id, dec, [8], finished=True), MsgType.RESULT)
+    again = only(h.submit(held_images("soon")), MsgType.PREFILL)  # within the horizon: skipped, sent there
+    assert again.worker_id == pre.worker_id and again.body["skipped_images"] == [0, 1]
+    dec = only(h.prefilled(again.worker_id, again, 7, skipped_images=2), MsgType.DECODE)
+    only(h.step(dec.worker_id, dec, [8], finished=True), MsgType.RESULT)
+    h.advance(SKIP_HORIZON_S + 1, beating=tuple(w for w, _ in DISAGG))
+    later = only(h.submit(held_images("later")), MsgType.ENCODE)
+    assert [im["hash"] for im in later.body["images"]] == ["img-0", "img-1"]
+    assert h.m.stats["reruns"] == 0

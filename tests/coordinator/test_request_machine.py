@@ -818,7 +818,7 @@ class PrefixHits(NoLookups):
     def embedding_holders(self, image_hash: str) -> set[str]:
         return set()
 
-    def prefix_hits(self, admitted: Admitted, block_size: int) -> dict[str, int]:
+    def prefix_hits(self, admitted: Admitted, block_size: int, sent_since: float | None = None) -> dict[str, int]:
         return self.hits
 
 
