@@ -77,6 +77,10 @@ COMPARE_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("prefix cache hit rate", ("cache_hit_rate", "prefix")),
     ("embedding cache hit rate", ("cache_hit_rate", "encoder")),
     ("images skipped by prefix rate", ("cache_hit_rate", "prefix_skip")),
+    # an MServe coordinator's own counts over the trace (Target.counters; a dash elsewhere)
+    ("stage re-runs", ("loadgen", "server_counts", "reruns")),
+    ("prompts lent to decode", ("loadgen", "server_counts", "local_prefills")),
+    ("requests shed", ("loadgen", "server_counts", "shed")),
 )
 
 

@@ -278,12 +278,19 @@ async def _warmup(target: Target, n: int, max_tokens: int) -> None:
 
 async def run_trace(target: Target, trace: Sequence[Any], *, max_concurrency: int | None = None, warmup: int = 0,
                     max_tokens: int = 8, progress_label: str | None = "serve") -> tuple[list[Any], dict[str, Any]]:
-    """Open the target, warm it up, drive the trace, close the target."""
+    """Open the target, warm it up, drive the trace, close the target. The loadgen dict also carries
+    "server_counts": what the target's own counters (Target.counters) gained over the trace, when it
+    has them."""
     await target.open()
     try:
         await _warmup(target, warmup, max_tokens)
+        before = await target.counters()
         progress = Progress(len(trace), progress_label or "", enabled=progress_label is not None)
-        return await drive(target, trace, max_concurrency=max_concurrency, progress=progress)
+        records, lg = await drive(target, trace, max_concurrency=max_concurrency, progress=progress)
+        after = await target.counters() if before is not None else None
+        if after is not None:
+            lg["server_counts"] = {k: v - before.get(k, 0) for k, v in sorted(after.items())}
+        return records, lg
     finally:
         await target.close()
 
@@ -336,6 +343,9 @@ def _extra_markdown(meta: dict[str, Any], stages: dict[str, Any]) -> str:
     rate = lg.get("achieved_send_rate")
     parts.append(f"Offered rate {lg.get('offered_rate') or 'inf'} req/s; achieved send rate "
                  f"{rate and round(rate, 1)} req/s.")
+    if lg.get("server_counts"):  # the coordinator's counters over the measured requests
+        parts += ["", "The server's own counts over the trace: "
+                  + ", ".join(f"{k} {v}" for k, v in lg["server_counts"].items() if v) + "."]
     if stages:
         parts += ["", "## Cluster stage timings (ms, mean / p99)", ""]
         parts.append("| modality | " + " | ".join(s[:-2] for s in STAGES) + " |")

@@ -40,6 +40,11 @@ class Target(Protocol):
         """Send one request and record its timings into ``rec``; failures go into rec.error."""
         raise NotImplementedError
 
+    async def counters(self) -> dict[str, int] | None:
+        """The server's own running counts (an MServe coordinator's re-runs, prompts lent to decode...),
+        read before and after the measured requests; None where the target has none. Default: None."""
+        return None
+
 
 ZMQ_SCHEMES = ("zmq://", "tcp://", "ipc://", "redis://", "rediss://")  # redis: the shards' registry
 HTTP_SCHEMES = ("http://", "https://")

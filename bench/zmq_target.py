@@ -27,6 +27,23 @@ def served_model(result: Any) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
+def coordinator_stats(addresses: list[str], timeout_s: float = 2.0) -> dict[str, int] | None:
+    """Each coordinator's integer STATUS stats, summed; None if one does not answer."""
+    from mserve.coordinator.client import Client, MServeError
+
+    total: dict[str, int] = {}
+    for address in addresses:
+        try:
+            with Client(address, timeout_s=timeout_s) as client:
+                stats = client.status().get("stats")
+        except (MServeError, OSError):
+            return None
+        for k, v in (stats or {}).items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                total[k] = total.get(k, 0) + v
+    return total
+
+
 class ZmqTarget(Target):
     """MServe's AsyncClient: one DEALER (per coordinator shard) for all requests; each TOKENS message's arrival
     is timestamped. ``address``: zmq:// (or tcp://, ipc://), comma-separated for shards, or redis://..."""
@@ -46,6 +63,16 @@ class ZmqTarget(Target):
     async def close(self) -> None:
         if self.client is not None:
             await self.client.close()
+
+    async def counters(self) -> dict[str, int] | None:
+        """The coordinators' STATUS `stats` (admitted, reruns, local_prefills, shed, ...), summed over the
+        shards; None for a redis:// registry address or when a shard does not answer within 2 s."""
+        import asyncio
+
+        addresses = self.address.split(",")
+        if any(a.startswith(("redis://", "rediss://")) for a in addresses):
+            return None
+        return await asyncio.to_thread(coordinator_stats, addresses)
 
     def prepare(self, req: Any) -> Any:
         """The stream object (request body built, nothing sent): done before the clock starts."""

@@ -57,6 +57,8 @@ def test_compare_runs_each_configuration(tiny_model_dirs, redis_url, tmp_path, m
     assert "| metric | unified:1 | hf-sequential (vs unified:1) |" in printed and printed.strip() in md
     for label in ("text-only TTFT p99 ms", "image TTFT p50 ms", "goodput req/s", "req/s"):
         assert f"| {label} |" in md
+    # the coordinator's own counts over the trace; HF's server has none
+    assert "| stage re-runs | 0 | — |" in md and "| prompts lent to decode | 0 | — |" in md
     data = json.loads((out / "compare.json").read_text())
     assert data["configs"] == ["unified:1", "hf-sequential"] and not data["failures"]
     for sub in ("0-unified_1", "1-hf-sequential"):

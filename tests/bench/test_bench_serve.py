@@ -131,9 +131,12 @@ def test_bench_serve_against_a_tiny_cluster(shared_cluster, tmp_path) -> None:
             assert rec["visual_tokens"] == 0
     assert overall["total_output_tokens"] == sum(r["output_tokens"] for r in records)
     assert meta["loadgen"]["requests"] == 12 and meta["loadgen"]["dispatch_lag_ms"]["max"] >= 0
+    counts = meta["loadgen"]["server_counts"]  # the coordinator's counters gained over the 12, warmup excluded
+    assert counts["admitted"] == counts["completed"] == 12 and counts["reruns"] == 0
     assert set(results["summary"]["stage_timings_ms"]) >= {"all", "text", "image"}
     report = (out / "report.md").read_text()
     assert "## Load generator" in report and "## Cluster stage timings" in report
+    assert "The server's own counts over the trace: admitted 12, completed 12" in report
     for name in ("latency_cdf.png", "throughput.png"):
         _check_png(out / name)
 
