@@ -59,6 +59,25 @@ static void amx_prefill_tiles(void) {
 /* Scores of 16 query rows (qa: [16][D] bf16) against keys [0, keys) rounded up to 32 (kt's pair rows,
  * zero past the request's last token), unscaled, into s (rows of l32 floats). */
 static void amx_scores(const uint16_t *qa, const uint32_t *kt, float *s, int64_t D, int64_t l32, int64_t keys) {
+    if (D == 64) { /* the query's two chunks of 32 dims stay in tiles 2 and 3 across the keys */
+        _tile_loadd(2, qa, D * 2);
+        _tile_loadd(3, qa + 32, D * 2);
+        for (int64_t t0 = 0; t0 < keys; t0 += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(4, kt + t0, l32 * 4);
+            _tile_loadd(5, kt + t0 + 16, l32 * 4);
+            _tile_loadd(6, kt + 16 * l32 + t0, l32 * 4);
+            _tile_loadd(7, kt + 16 * l32 + t0 + 16, l32 * 4);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 2, 5);
+            _tile_dpbf16ps(0, 3, 6);
+            _tile_dpbf16ps(1, 3, 7);
+            _tile_stored(0, s + t0, l32 * 4);
+            _tile_stored(1, s + t0 + 16, l32 * 4);
+        }
+        return;
+    }
     for (int64_t t0 = 0; t0 < keys; t0 += 32) {
         _tile_zero(0);
         _tile_zero(1);
