@@ -13,7 +13,8 @@ with AVX512_BF16 (the kernel is built only there). Used for bench/README.md, "Th
 Where this build multiplies on AMX tiles (paged_prefill_amx), it also runs with them off ("this,
 vdpbf16ps"), and `--sdpa` adds what the kernel replaces: the request's blocks gathered and torch's SDPA
 (a bool mask for a chunk after a prefix), in bf16. Each variant's largest difference from the first
-variant is printed. Used for bench/README.md, "Prompt attention on AMX tiles".
+variant is printed, and `--against`'s from this build's same products (on tiles where both have them,
+else "this, vdpbf16ps"). Used for bench/README.md, "Prompt attention on AMX tiles".
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.against:
         builds[args.against] = build(args.against, tmp / "against.so")
     amx = ctypes.CDLL(str(tmp / "this.so"))
+    against_tiles = bool(args.against) and bool(getattr(ctypes.CDLL(str(tmp / "against.so")), "paged_prefill_amx",
+                                                        lambda: 0)())  # then "this, AMX" is its peer
     variants = dict(builds)
     if hasattr(amx, "paged_prefill_amx") and amx.paged_prefill_amx():
         amx.paged_prefill_use_amx.argtypes = [ctypes.c_int64]
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         line = f"{name}: " + ", ".join(f"{b} {statistics.median(ts):.3f} ms" for b, ts in times.items())
         first = next(iter(variants))
         pairs = [(first, b) for b in list(variants)[1:]]
-        if args.against and "this, vdpbf16ps" in variants:  # the same products in both builds
+        if args.against and "this, vdpbf16ps" in variants and not against_tiles:  # the same products in both
             pairs.append(("this, vdpbf16ps", args.against))
         for first, b in pairs:
             same = torch.equal(outs[first], outs[b])
