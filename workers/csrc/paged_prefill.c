@@ -20,7 +20,8 @@
  * ones a tile multiply reads (K's pairs of dims are its B operand for Q @ K^T, V's pairs of tokens its
  * B operand for P @ V), so only the query rows are copied, to a block of 16 rows at a fixed stride.
  * The softmax and everything else stay as they are; sums run in another order, so the output differs
- * from the vdpbf16ps path's within float32 rounding. paged_prefill_amx reports which path runs. */
+ * from the vdpbf16ps path's within float32 rounding. paged_prefill_amx says whether the tiles can run
+ * here (built with them, granted by the OS); paged_prefill_use_amx(0) turns them off (tests, lab). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
