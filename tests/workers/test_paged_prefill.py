@@ -123,8 +123,28 @@ def test_what_the_kernel_refuses():
 def test_engine_prompt_attention_with_the_kernel_is_the_gathers(family, tiny_model_dirs, monkeypatch):
     """bf16 with `--attention padded`, a ragged batch of text and image prompts in 24-token chunks (first
     chunks, later chunks, decode tokens beside them): every prompt group's attention output with the
-    kernel is the gather + SDPA output for the same inputs, to within bf16 rounding."""
-    model_dir = str(tiny_model_dirs[family])
+    kernel is the gather + SDPA output for the same inputs, to within bf16 rounding. (The tiny models'
+    head size, 16, runs the vdpbf16ps products everywhere.)"""
+    engine_prompts_match_the_gathers(str(tiny_model_dirs[family]), monkeypatch, chunk=24)
+
+
+@pytest.fixture(scope="module")
+def small_llava(tmp_path_factory):
+    """The `small` llava: head size 64, so its prompt attention runs on AMX tiles where they are."""
+    from mserve.common.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("small") / "llava", "llava", "small", seed=0)
+
+
+@needs_kernel
+@needs_tiles
+def test_engine_prompt_attention_on_tiles_is_the_gathers(small_llava, monkeypatch):
+    """The same in an engine whose prompt kernel multiplies on AMX tiles (the `small` llava, 64-token
+    chunks: images of hundreds of tokens in several chunks)."""
+    engine_prompts_match_the_gathers(str(small_llava), monkeypatch, chunk=64)
+
+
+def engine_prompts_match_the_gathers(model_dir: str, monkeypatch, chunk: int) -> None:
     from mserve.common.prompt import PromptBuilder
 
     builder = PromptBuilder(model_dir)
@@ -146,7 +166,7 @@ def test_engine_prompt_attention_with_the_kernel_is_the_gathers(family, tiny_mod
 
     monkeypatch.setattr(paged_attention, "_attend", both)
     engine = Engine(EngineConfig(model_dir, dtype="bfloat16", exact_attention=False, num_blocks=512, block_size=16,
-                                 max_prefill_tokens=24))
+                                 max_prefill_tokens=chunk))
     for rid, pp in requests.items():
         engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=4))
     results = engine.run_until_done()
