@@ -15,7 +15,8 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from mserve.common.redis_store import DEFAULT_INDEX_TTL_S, RedisStore
+from mserve.common.redis_indexes import DEFAULT_INDEX_TTL_S
+from mserve.common.redis_store import RedisStore
 
 if TYPE_CHECKING:
     from mserve.workers.block_pool import BlockPool
