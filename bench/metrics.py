@@ -227,3 +227,28 @@ def run_duration(records: Iterable[RequestRecord]) -> float:
     if not starts or not ends:
         return 0.0
     return max(ends) - min(starts)
+
+
+# The cluster's own stage timings a ZeroMQ target's RESULT carries, in the order a request meets them.
+STAGES = ("queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s", "worker_s", "total_s")
+
+
+def stage_breakdown(records: Sequence[Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per modality (and "all"): mean/p50/p99 ms of each cluster stage timing (ZeroMQ targets)."""
+    import numpy as np
+
+    groups: dict[str, list[Any]] = {"all": []}
+    for r in records:
+        if r.ok and r.timings:
+            groups["all"].append(r)
+            groups.setdefault(r.modality, []).append(r)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, group in groups.items():
+        if not group:
+            continue
+        out[name] = {}
+        for stage in STAGES:
+            vals = np.asarray([r.timings.get(stage, 0.0) for r in group], dtype=float) * 1e3
+            out[name][stage] = {"mean": float(vals.mean()), "p50": float(np.percentile(vals, 50)),
+                                "p99": float(np.percentile(vals, 99))}
+    return out

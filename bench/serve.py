@@ -25,7 +25,6 @@ from mserve.bench.targets import Target, make_target
 # Only stdlib at module level (targets.py included): `mserve --help` builds this module's parser. numpy,
 # the targets' clients and the trace/metric modules are imported where used.
 
-STAGES = ("queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s", "worker_s", "total_s")
 
 
 # --------------------------------------------------------------------------- flags
@@ -312,27 +311,6 @@ def build_trace(args: argparse.Namespace) -> list[Any]:
         raise SystemExit(f"error: {exc}") from None
 
 
-def stage_breakdown(records: Sequence[Any]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per modality (and "all"): mean/p50/p99 ms of each cluster stage timing (ZeroMQ targets)."""
-    import numpy as np
-
-    groups: dict[str, list[Any]] = {"all": []}
-    for r in records:
-        if r.ok and r.timings:
-            groups["all"].append(r)
-            groups.setdefault(r.modality, []).append(r)
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name, group in groups.items():
-        if not group:
-            continue
-        out[name] = {}
-        for stage in STAGES:
-            vals = np.asarray([r.timings.get(stage, 0.0) for r in group], dtype=float) * 1e3
-            out[name][stage] = {"mean": float(vals.mean()), "p50": float(np.percentile(vals, 50)),
-                                "p99": float(np.percentile(vals, 99))}
-    return out
-
-
 def _extra_markdown(meta: dict[str, Any], stages: dict[str, Any]) -> str:
     lg = meta.get("loadgen", {})
     lag = lg.get("dispatch_lag_ms") or {}
@@ -347,6 +325,8 @@ def _extra_markdown(meta: dict[str, Any], stages: dict[str, Any]) -> str:
         parts += ["", "The server's own counts over the trace: "
                   + ", ".join(f"{k} {v}" for k, v in lg["server_counts"].items() if v) + "."]
     if stages:
+        from mserve.bench.metrics import STAGES
+
         parts += ["", "## Cluster stage timings (ms, mean / p99)", ""]
         parts.append("| modality | " + " | ".join(s[:-2] for s in STAGES) + " |")
         parts.append("|---|" + "---|" * len(STAGES))
@@ -358,7 +338,7 @@ def _extra_markdown(meta: dict[str, Any], stages: dict[str, Any]) -> str:
 def finish_run(out_dir: str | Path, trace: Sequence[Any], records: Sequence[Any], lg: dict[str, Any],
                meta: dict[str, Any], slos: dict[str, float], plots: bool = True) -> tuple[dict[str, Any], dict]:
     """Summarize and write results.json, report.md (+ load generator and stage sections) and plots."""
-    from mserve.bench.metrics import run_duration, summarize
+    from mserve.bench.metrics import run_duration, stage_breakdown, summarize
     from mserve.bench.report import write_report
 
     summary = summarize(records, run_duration(records), slos or None)
