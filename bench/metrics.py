@@ -235,8 +235,6 @@ STAGES = ("queue_s", "encode_s", "prefill_s", "transfer_s", "decode_s", "worker_
 
 def stage_breakdown(records: Sequence[Any]) -> dict[str, dict[str, dict[str, float]]]:
     """Per modality (and "all"): mean/p50/p99 ms of each cluster stage timing (ZeroMQ targets)."""
-    import numpy as np
-
     groups: dict[str, list[Any]] = {"all": []}
     for r in records:
         if r.ok and r.timings:
