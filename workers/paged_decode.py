@@ -9,9 +9,10 @@ request's block table instead and reads each K and V row once, for all the query
 The kernel is built with the others into one library (workers/kernels.py). On a host with
 AVX-512 (-march=native), 16 tokens' scores are reduced at once and a bfloat16 query meets
 its keys in `vdpbf16ps` (bench/README.md, "bf16 on the CPU": 1.4x in float32 and 2.4x in bfloat16
-over the kernel before it, on an AMD EPYC host), and P @ V sums stay in registers; elsewhere the
-portable C runs (tested on every host: the tests build it too). Both prefetch each request's rows
-into L2 two blocks ahead, which on that host took the step from ~9 GB/s to memory's pace.
+over the kernel before it, on an AMD EPYC host), and P @ V sums stay in registers; with AVX2 and FMA
+but no AVX-512 the same method runs 8 lanes wide (csrc/paged_decode_avx2.h); elsewhere the portable C
+runs (the tests build all three where the CPU can run them). All prefetch each request's rows into L2
+two blocks ahead, which on that host took the step from ~9 GB/s to memory's pace.
 Float32 and bfloat16 pools; exact-length attention (reduced precision's default,
 paged_attention.exact_lengths) keeps one SDPA call per length, since only that gives HF's bits, so
 in bfloat16 the kernel runs with `--attention padded`. Where the library is not built (no compiler:

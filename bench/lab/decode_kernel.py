@@ -1,13 +1,13 @@
 """The decode attention kernel alone (workers/csrc/paged_decode.c), builds of it side by side.
 
-    cd bench && PYTHONPATH=. ../.venv/bin/python -m lab.decode_kernel [--against REV] [--portable] [--rounds 3]
+    cd bench && PYTHONPATH=. ../.venv/bin/python -m lab.decode_kernel [--against REV] [--portable] [--avx2] [--rounds 3]
         [--blocks scattered|contiguous|descending|shared] [--huge-pages on|off]
 
 Times one decode step's attention over 8 layers' pools (16 requests of 640-700 tokens, blocks scattered
 over pools of 2,048 blocks (`--pool-blocks`), the peer's `small` llava shapes: 8 heads, 4 KV heads,
 head size 64), in float32 and bfloat16, for this checkout's kernel and, interleaved in the same
-process: `--against REV` (the kernel at a git revision) and `--portable` (this kernel built without
--march=native). Each build's largest difference from gather + SDPA in float32 is printed first. `--huge-pages on` allocates the
+process: `--against REV` (the kernel at a git revision), `--portable` (this kernel built without
+-march=native) and `--avx2` (built for AVX2 and FMA, the build AVX2-only hosts get). Each build's largest difference from gather + SDPA in float32 is printed first. `--huge-pages on` allocates the
 pools as the engine does (workers/huge_pages.py). Used for bench/README.md, "bf16 on the CPU".
 """
 
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", help="a git revision whose kernel runs beside this checkout's")
     p.add_argument("--portable", action="store_true", help="also this kernel built without -march=native")
+    p.add_argument("--avx2", action="store_true",
+                   help="also this kernel built for AVX2 and FMA without AVX-512 (csrc/paged_decode_avx2.h)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--blocks", choices=("scattered", "contiguous", "descending", "shared"), default="scattered",
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     builds = {"this": build(SOURCE.read_text(), ["-O3", "-march=native"], tmp / "this.so")}
     if args.portable:
         builds["portable"] = build(SOURCE.read_text(), ["-O3"], tmp / "portable.so")
+    if args.avx2:
+        builds["avx2"] = build(SOURCE.read_text(), ["-O3", "-mavx2", "-mfma"], tmp / "avx2.so")
     if args.against:
         old = subprocess.run(["git", "show", f"{args.against}:workers/csrc/paged_decode.c"], cwd=SOURCE.parent,
                              capture_output=True, text=True, check=True).stdout

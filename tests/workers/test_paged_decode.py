@@ -33,13 +33,35 @@ def portable(tmp_path_factory):
     return kernels.load(out)
 
 
-@pytest.fixture(params=["native", "portable"])
+def cpu_has(*flags: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return set(flags) <= set(line.split())
+
+
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory):
+    """The kernel built for AVX2 and FMA without AVX-512 (paged_decode_avx2.h): what the AVX2-only
+    AMD EPYCs run, checked on every x86 host that can run it."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx2", "fma"):
+        pytest.skip("needs an x86 CPU with AVX2 and FMA, and a C compiler")
+    out = tmp_path_factory.mktemp("avx2") / "paged_decode.so"
+    error = kernels.compile_library(cc, ["-O3", "-mavx2", "-mfma"], out)
+    assert error is None, error
+    return kernels.load(out)
+
+
+@pytest.fixture(params=["native", "portable", "avx2"])
 def build(request, monkeypatch):
     """Which build of the kernel `paged_decode.attend` calls."""
-    if request.param == "portable":
-        fns = request.getfixturevalue("portable")
+    if request.param != "native":
+        fns = request.getfixturevalue(request.param)
         if platform.machine() in ("x86_64", "AMD64"):
-            assert "prefill_bf16" not in fns  # the portable build has no AVX-512 code in it
+            assert "prefill_bf16" not in fns  # neither has AVX-512 code in it
         monkeypatch.setattr(kernels, "_library", fns)
     return request.param
 
@@ -55,9 +77,10 @@ def gathered(q, k_cache, v_cache, tables, lens, scale):
 
 @needs_kernel
 # Two query heads per kv head summed at once (8/4/64, 12/2/72, 8/2/128), one at a time (4/4/32: no
-# sharing, 14/2/80: an odd share), and a head wider than the kernel's 256-wide register sums (4/2/288).
+# sharing, 14/2/80: an odd share), a head wider than the kernel's 256-wide register sums (4/2/288), and
+# one that is not a multiple of 8 (6/3/36: the AVX2 build hands it to the portable code).
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32), (12, 2, 72), (14, 2, 80), (8, 2, 128),
-                                                     (4, 2, 288)])
+                                                     (4, 2, 288), (6, 3, 36)])
 def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, build):
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     bs, num_blocks = 16, 300

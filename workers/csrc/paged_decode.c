@@ -14,11 +14,12 @@
  *   AVX512_BF16 (bf16 products are exact in float32), and V rows are widened to float32 in registers.
  *   P @ V keeps each head's sums in registers over a tile of 16 rows (two heads sharing a kv head at
  *   once), adding row after row in the order the portable build does.
+ * - AVX2 and FMA without AVX-512 (paged_decode_avx2.h): the AVX-512 build's method 8 lanes wide, for
+ *   head sizes that are a multiple of 8 (the portable code below takes the others).
  * - portable C: 16 independent float lanes per dot product, which the compiler vectorises without
  *   reassociating any one sum (no -ffast-math); the softmax's exp is the same polynomial 8 lanes at a
- *   time where the host has AVX2 and FMA (a float32 step of 16 requests of 670 tokens went from 26-41 to
- *   26-36 ms on an AVX2-only AMD EPYC, faster in 7 of 8 interleaved rounds), libm's expf elsewhere.
- * Both compute the same attention; they differ in summation order and exp's last bits (within 1e-6). */
+ *   time where the host has AVX2 and FMA, libm's expf elsewhere.
+ * All compute the same attention; they differ in summation order and exp's last bits (within 1e-6). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -202,7 +203,7 @@ int NAME(const ELEM *q, const ELEM *k, const ELEM *v, const int64_t *tables, con
 PAGED_DECODE(paged_decode_f32, float, dot_f32, load16_f32)
 PAGED_DECODE(paged_decode_bf16, uint16_t, dot_bf16, load16_bf16)
 
-#else /* portable C */
+#else /* portable C, and the AVX2 build over it */
 
 #define LANES 16
 
@@ -282,7 +283,7 @@ static inline const float *row_bf16(const uint16_t *r, float *buf, int64_t n) {
 }
 
 #define PAGED_DECODE(NAME, ELEM, ROW)                                                                    \
-int NAME(const ELEM *q, const ELEM *k, const ELEM *v, const int64_t *tables, const int64_t *lens,      \
+static int NAME##_c(const ELEM *q, const ELEM *k, const ELEM *v, const int64_t *tables, const int64_t *lens,      \
          float *out, float *scores, int64_t G, int64_t H, int64_t KV, int64_t D, int64_t bs,            \
          int64_t max_blocks, int64_t max_len, float scale) {                                            \
     const int64_t per_kv = H / KV, row = KV * D, block = bs * row, stride = score_stride(max_len);      \
@@ -318,5 +319,18 @@ int NAME(const ELEM *q, const ELEM *k, const ELEM *v, const int64_t *tables, con
 
 PAGED_DECODE(paged_decode_f32, float, row_f32)
 PAGED_DECODE(paged_decode_bf16, uint16_t, row_bf16)
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include "paged_decode_avx2.h"
+#else
+#define PORTABLE(NAME, ELEM)                                                                             \
+int NAME(const ELEM *q, const ELEM *k, const ELEM *v, const int64_t *tables, const int64_t *lens,        \
+         float *out, float *scores, int64_t G, int64_t H, int64_t KV, int64_t D, int64_t bs,            \
+         int64_t max_blocks, int64_t max_len, float scale) {                                            \
+    return NAME##_c(q, k, v, tables, lens, out, scores, G, H, KV, D, bs, max_blocks, max_len, scale);   \
+}
+PORTABLE(paged_decode_f32, float)
+PORTABLE(paged_decode_bf16, uint16_t)
+#endif
 
 #endif
