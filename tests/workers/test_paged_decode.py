@@ -130,17 +130,17 @@ def test_a_length_past_the_table_is_refused():
                             torch.tensor([17]), 17, 1.0)
 
 
-@pytest.mark.parametrize("kernel", ["kernel", "portable", "gather"])
+@pytest.mark.parametrize("kernel", ["kernel", "portable", "avx2", "gather"])
 def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model_dirs, monkeypatch, request):
     """A ragged batch (text-only and image prompts of different lengths) decoded together, by the kernel,
-    by its portable build (a host without AVX-512) and by the gather it replaces (the path of a host
-    without a compiler), against HF generate."""
+    by its portable and AVX2 builds (hosts without AVX-512: each runs here too, where the CPU can) and by
+    the gather it replaces (the path of a host without a compiler), against HF generate."""
     if kernel != "gather" and kernels.library() is None:
         pytest.skip("no C compiler: the kernel is not built")
     if kernel == "gather":
         monkeypatch.setattr(kernels, "_library", None)
-    if kernel == "portable":
-        monkeypatch.setattr(kernels, "_library", request.getfixturevalue("portable"))
+    if kernel in ("portable", "avx2"):
+        monkeypatch.setattr(kernels, "_library", request.getfixturevalue(kernel))
     calls = []
     attend = paged_decode.attend
     monkeypatch.setattr(paged_decode, "attend", lambda *a: calls.append(a[0].shape[0]) or attend(*a))
