@@ -3,8 +3,8 @@
 One shared library holds them all: decode attention over the paged pool (paged_decode.c, used by
 workers/paged_decode.py), prompt attention (paged_prefill.c, workers/paged_prefill.py) and the bf16
 elementwise ops (fused_ops.c, workers/fused_ops.py), with the AVX-512 helpers they share (simd.h).
-The attention kernels are built everywhere (AVX-512 where the host has it; decode attention in AVX2
-where that is the best it has, paged_decode_avx2.h; portable C elsewhere);
+The attention kernels are built everywhere (AVX-512 where the host has it; decode attention's vector
+build, paged_decode_simd.h, 8 lanes wide in AVX2 where that is the best it has; portable C elsewhere);
 the bf16-only ones only where the CPU has AVX512_BF16.
 
 It is plain C (no torch headers), compiled into the user's cache the first time a worker needs it
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "fused_ops.c")
-HEADERS = (CSRC / "simd.h", CSRC / "amx.h", CSRC / "paged_decode_avx2.h")
+HEADERS = (CSRC / "simd.h", CSRC / "amx.h", CSRC / "paged_decode_simd.h")
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the compiler does not know the host
 _OFF = ("off", "0", "false", "no")
 _UNSET = object()

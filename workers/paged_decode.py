@@ -10,7 +10,8 @@ The kernel is built with the others into one library (workers/kernels.py). On a 
 AVX-512 (-march=native), 16 tokens' scores are reduced at once and a bfloat16 query meets
 its keys in `vdpbf16ps` (bench/README.md, "bf16 on the CPU": 1.4x in float32 and 2.4x in bfloat16
 over the kernel before it, on an AMD EPYC host), and P @ V sums stay in registers; with AVX2 and FMA
-but no AVX-512 the same method runs 8 lanes wide (csrc/paged_decode_avx2.h); elsewhere the portable C
+but no AVX-512 the same code runs 8 lanes wide (csrc/paged_decode_simd.h: one body, the lane width
+and its operations chosen by the build); elsewhere the portable C
 runs (the tests build all three where the CPU can run them). All prefetch each request's rows into L2
 two blocks ahead, which on that host took the step from ~9 GB/s to memory's pace.
 Float32 and bfloat16 pools; exact-length attention (reduced precision's default,

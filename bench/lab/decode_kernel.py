@@ -6,8 +6,9 @@
 Times one decode step's attention over 8 layers' pools (16 requests of 640-700 tokens, blocks scattered
 over pools of 2,048 blocks (`--pool-blocks`), the peer's `small` llava shapes: 8 heads, 4 KV heads,
 head size 64), in float32 and bfloat16, for this checkout's kernel and, interleaved in the same
-process: `--against REV` (the kernel at a git revision), `--portable` (this kernel built without
--march=native) and `--avx2` (built for AVX2 and FMA, the build AVX2-only hosts get). Each build's largest difference from gather + SDPA in float32 is printed first. `--huge-pages on` allocates the
+process: `--against REV` (the kernel at a git revision, its headers included), `--portable` (built
+without -march=native) and `--avx2` (built for AVX2 and FMA, the build AVX2-only hosts get); with
+`--against`, each of those is built from both sources. Each build's largest difference from gather + SDPA in float32 is printed first. `--huge-pages on` allocates the
 pools as the engine does (workers/huge_pages.py). Used for bench/README.md, "bf16 on the CPU".
 """
 
@@ -23,13 +24,11 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parents[2] / "workers" / "csrc" / "paged_decode.c"
 
 
-def build(source: str, flags: list[str], out: Path) -> dict:
+def build(csrc: Path, flags: list[str], out: Path) -> dict:
     import torch
 
-    src = out.with_suffix(".c")
-    src.write_text(source)
-    subprocess.run(["cc", *flags, "-I", str(SOURCE.parent), "-shared", "-fPIC", "-o", str(out), str(src), "-lm"],
-                   check=True)  # -I: the helpers header (csrc/simd.h)
+    subprocess.run(["cc", *flags, "-I", str(csrc), "-shared", "-fPIC", "-o", str(out), str(csrc / SOURCE.name), "-lm"],
+                   check=True)  # -I: its headers (csrc/simd.h, csrc/paged_decode_simd.h)
     lib, fns = ctypes.CDLL(str(out)), {}
     for name, dtype in (("paged_decode_f32", torch.float32), ("paged_decode_bf16", torch.bfloat16)):
         fn = getattr(lib, name)
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", help="a git revision whose kernel runs beside this checkout's")
     p.add_argument("--portable", action="store_true", help="also this kernel built without -march=native")
     p.add_argument("--avx2", action="store_true",
-                   help="also this kernel built for AVX2 and FMA without AVX-512 (csrc/paged_decode_avx2.h)")
+                   help="also this kernel built for AVX2 and FMA without AVX-512 (the 8-lane vector build)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--blocks", choices=("scattered", "contiguous", "descending", "shared"), default="scattered",
@@ -63,16 +62,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="decode-kernel-"))
-    builds = {"this": build(SOURCE.read_text(), ["-O3", "-march=native"], tmp / "this.so")}
+    variants = {"": ["-O3", "-march=native"]}
     if args.portable:
-        builds["portable"] = build(SOURCE.read_text(), ["-O3"], tmp / "portable.so")
+        variants[" portable"] = ["-O3"]
     if args.avx2:
-        builds["avx2"] = build(SOURCE.read_text(), ["-O3", "-mavx2", "-mfma"], tmp / "avx2.so")
-    if args.against:
-        old = subprocess.run(["git", "show", f"{args.against}:workers/csrc/paged_decode.c"], cwd=SOURCE.parent,
-                             capture_output=True, text=True, check=True).stdout
-        builds[args.against] = build(old, ["-O3", "-march=native"], tmp / "against.so")
-    float_query = {args.against} if args.against and "int NAME(const float *q," in old else set()
+        variants[" avx2"] = ["-O3", "-mavx2", "-mfma"]
+    sources = {"this": SOURCE.parent}
+    old = ""
+    if args.against:  # the revision's csrc folder, headers and all
+        rev = tmp / "against"
+        rev.mkdir()
+        archive = subprocess.run(["git", "archive", args.against, "."], cwd=SOURCE.parent, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(rev)], input=archive, check=True)
+        sources[args.against] = rev
+        old = (rev / SOURCE.name).read_text()
+    builds = {f"{name}{suffix}": build(csrc, flags, tmp / f"{i}-{j}.so")
+              for i, (name, csrc) in enumerate(sources.items()) for j, (suffix, flags) in enumerate(variants.items())}
+    float_query = {name for name in builds if args.against and name.startswith(args.against)
+                   and "int NAME(const float *q," in old}
     heads, kv, d, bs, blocks, layers, g = 8, 4, 64, 16, args.pool_blocks, 8, args.batch
     lens = torch.randint(640, 700, (g,))
     max_len, mb = int(lens.max()), int(-(-lens.max() // bs))
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                               enable_gqa=True)[:, :, 0]
         for name, fns in builds.items():
             err = (call(name, fns, q, kc, vc) - want).abs().max().item()
-            print(f"{str(dtype):15} {name:10} largest difference from gather + SDPA: {err:.2e}")
+            print(f"{str(dtype):15} {name:16} largest difference from gather + SDPA: {err:.2e}")
         times: dict[str, list[float]] = {name: [] for name in builds}
         for _ in range(args.rounds):
             for name, fns in builds.items():
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                         call(name, fns, q, kc, vc)
                 times[name].append((time.perf_counter() - t) / 5 * 1e3)
         for name, ts in times.items():
-            print(f"{str(dtype):15} {name:10} " + " / ".join(f"{t:.2f}" for t in ts) + f" ms a step ({layers} layers)")
+            print(f"{str(dtype):15} {name:16} " + " / ".join(f"{t:.2f}" for t in ts) + f" ms a step ({layers} layers)")
     return 0
 
 

@@ -44,7 +44,7 @@ def cpu_has(*flags: str) -> bool:
 
 @pytest.fixture(scope="module")
 def avx2(tmp_path_factory):
-    """The kernel built for AVX2 and FMA without AVX-512 (paged_decode_avx2.h): what the AVX2-only
+    """The kernel built for AVX2 and FMA without AVX-512 (paged_decode_simd.h, 8 lanes): what the AVX2-only
     AMD EPYCs run, checked on every x86 host that can run it."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx2", "fma"):
