@@ -120,7 +120,7 @@ def route_prefill(workers: Iterable[WorkerView], prompt_tokens: int,
 # Lending's defaults (the coordinator's local_prefill_tokens and local_prefill_ratio): a prefill worker
 # lends once it has more prompt tokens waiting than one engine step takes at the workers' default
 # budget, to a decode worker holding fewer than 3x its requests. On an AMD EPYC host (bench/README.md,
-# "Prompts lent by where requests pile up") a ratio of 1 lent too little to shorten the tail, and 3 lent
+# "... prompts lent by where requests pile up") a ratio of 1 lent too little to shorten the tail, and 3 lent
 # about as much as no limit; on the AMX host where lending cost throughput, decode workers held ~6x the
 # prefill worker's requests (its decode took 2.4 s of a request, prefill and its queue 0.4).
 LEND_BACKLOG_TOKENS = DEFAULT_ENGINE.max_num_batched_tokens
