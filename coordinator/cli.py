@@ -54,12 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-tokens", type=int,
                    help="conditional disaggregation: when the chosen prefill worker already has this many prompt "
                         "tokens waiting, a decode worker with room and fewer waiting prefills the prompt itself "
-                        "and decodes it on, with no KV transfer (default 2048, one engine step's prompt tokens at "
-                        "the workers' default budget; 0: never)")
-    p.add_argument("--local-prefill-ratio", type=float,
-                   help="lend a prompt only to a decode worker holding fewer than this many times the requests "
-                        "the chosen prefill worker holds: requests pile up at the slower stage, and a lent prompt "
-                        "must not slow decode where decode is that stage (default 3; 0: no such limit)")
+                        "and decodes it on, with no KV transfer (default 0: never)")
     p.add_argument("--spread-encode", choices=("on", "off"), default=None,
                    help="share a multi-image request's images with idle encode workers, which encode their parts "
                         "at the same time (default on)")

@@ -202,7 +202,7 @@ class Dispatcher:
         a = st.admitted
         need = request_blocks(len(a.prompt_ids), a.request.sampling.max_tokens, self.members.block_size)
         local = route_local_prefill(chosen, self._draw(alive(self.members.routable(), "decode")),
-                                    len(a.prompt_ids), need, n, self.settings.local_prefill_ratio)
+                                    len(a.prompt_ids), need, n)
         if local is not None:
             self.stats["local_prefills"] += 1
         return local

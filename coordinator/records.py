@@ -17,7 +17,6 @@ from mserve.common.protocol import MsgType
 from mserve.common.protocol.client import Error, Result
 from mserve.common.protocol.to_worker import DecodeTask, EmbeddingPart, EncodeTask, ImageRef, PrefillTask, RunTask
 from mserve.coordinator.admission import Admitted
-from mserve.coordinator.routing import LEND_HOLD_RATIO
 from mserve.coordinator.tracing import RequestTrace
 
 
@@ -103,8 +102,6 @@ class MachineSettings:
     # A prefill worker with this many prompt tokens waiting lends the next prompt to a decode worker
     # with fewer, which prefills and decodes it (dispatch.py `_local_prefill`); 0: never.
     local_prefill_tokens: int = 0
-    # ...to a decode worker holding fewer than this many times the prefill worker's requests (0: any).
-    local_prefill_ratio: float = LEND_HOLD_RATIO
     # Admission counts placeholders at this keep ratio: encoding workers must prune to the same one.
     visual_token_pruning: float | None = None
 

@@ -40,7 +40,6 @@ from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (ACTIVE_STAGES, STAGE_ROLE, Lookups, MachineSettings, NoLookups, Out, Outbox,
                                         RequestState, RequestTable, Stage, ToClient, ToWorker, stage_message)
 from mserve.coordinator.replies import StageReplies
-from mserve.coordinator.routing import LEND_HOLD_RATIO
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
 from mserve.coordinator.single_flight import Leases, LocalLeases, SingleFlight
 from mserve.coordinator.stage_queues import StageQueues
@@ -81,14 +80,13 @@ class RequestMachine:
                  class_aging_s: float = CLASS_AGING_S, spread_encode: bool = True, route_choices: int = 0,
                  seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
                  encode_leases: Leases | None = None, shard_id: str = "coordinator",
-                 prefix_skip: bool = True, local_prefill_tokens: int = 0, local_prefill_ratio: float = LEND_HOLD_RATIO,
-                 adaptive_pruning: AdaptivePruning | None = None) -> None:
+                 prefix_skip: bool = True, local_prefill_tokens: int = 0, adaptive_pruning: AdaptivePruning | None = None) -> None:
         self.settings = MachineSettings(
             stage_timeout_s=stage_timeout_s, dead_after_s=dead_after_s, max_attempts=max_attempts,
             max_waiting_requests=max_waiting_requests, kv_hand_back=kv_hand_back,
             max_stages_per_worker=max_stages_per_worker, spread_encode=spread_encode, route_choices=route_choices,
             token_report_every=token_report_every, visual_token_pruning=visual_token_pruning, prefix_skip=prefix_skip,
-            local_prefill_tokens=local_prefill_tokens, local_prefill_ratio=local_prefill_ratio)
+            local_prefill_tokens=local_prefill_tokens)
         self.rng = random.Random(seed)
         self.first_tokens = FirstTokenRate()
         self.telemetry = Telemetry()

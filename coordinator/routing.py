@@ -117,36 +117,21 @@ def route_prefill(workers: Iterable[WorkerView], prompt_tokens: int,
     return min(candidates, key=cost)
 
 
-# Lending's defaults (the coordinator's local_prefill_tokens and local_prefill_ratio): a prefill worker
-# lends once it has more prompt tokens waiting than one engine step takes at the workers' default
-# budget, to a decode worker holding fewer than 3x its requests. On an AMD EPYC host (bench/README.md,
-# "... prompts lent by where requests pile up") a ratio of 1 lent too little to shorten the tail, and 3 lent
-# about as much as no limit; on the AMX host where lending cost throughput, decode workers held ~6x the
-# prefill worker's requests (its decode took 2.4 s of a request, prefill and its queue 0.4).
-LEND_BACKLOG_TOKENS = DEFAULT_ENGINE.max_num_batched_tokens
-LEND_HOLD_RATIO = 3.0
-
-
 def route_local_prefill(prefill: WorkerView, workers: Iterable[WorkerView], prompt_tokens: int, blocks_needed: int,
-                        backlog_tokens: int, hold_ratio: float = LEND_HOLD_RATIO) -> WorkerView | None:
+                        backlog_tokens: int) -> WorkerView | None:
     """A decode worker to prefill this prompt on and decode it there (conditional disaggregation), or
     None: the prefill worker routing chose keeps it.
 
     Only when that prefill worker already has at least `backlog_tokens` prompt tokens waiting (0: never;
-    the coordinator's local_prefill_tokens), and a decode worker with room for the whole request
-    - has fewer prompt tokens of its own waiting than the prefill worker would with this one, and
-    - holds fewer than `hold_ratio` times the requests the prefill worker holds (0: no such limit):
-      requests pile up where the pipeline's slower stage is (Little's law), so this lends only while
-      prefill is that stage. Where decode is the busy role, its workers hold the most requests and
-      nothing is lent, since a lent prompt would slow the stage that sets the throughput.
-    A prefill pool that falls behind its decode pool lends it prompts, instead of every request queueing
-    at prefill while the decode workers run small batches. Among those, the least busy."""
+    the coordinator's local_prefill_tokens), and a decode worker with room for the whole request has
+    fewer prompt tokens of its own waiting than the prefill worker would with this one: a prefill pool
+    that falls behind its decode pool lends it prompts, instead of every request queueing at prefill
+    while the decode workers run small batches. Among those, the least busy."""
     if backlog_tokens <= 0 or prefill.inflight_tokens < backlog_tokens:
         return None
     ahead = prefill.inflight_tokens + prompt_tokens
     fits = [w for w in alive(workers, "decode") if (w.total_blocks == 0 or w.spare_blocks >= blocks_needed)
-            and w.inflight_tokens + prompt_tokens < ahead
-            and (hold_ratio <= 0 or w.inflight < hold_ratio * prefill.inflight)]
+            and w.inflight_tokens + prompt_tokens < ahead]
     return min(fits, key=lambda w: (w.inflight_tokens, w.busy, w.worker_id), default=None)
 
 

@@ -8,7 +8,6 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mserve.common.policy import CLASS_AGING_S, DEFAULT_LIMITS, Limits
-from mserve.coordinator.routing import LEND_BACKLOG_TOKENS, LEND_HOLD_RATIO
 
 
 class CoordinatorSettings(BaseSettings):
@@ -79,10 +78,7 @@ class CoordinatorSettings(BaseSettings):
     # Conditional disaggregation: a prefill worker with at least this many prompt tokens waiting lends
     # the next prompt to a decode worker with room and fewer waiting, which prefills it and decodes it
     # on (no KV transfer). 0: never, every prompt goes to the prefill pool.
-    local_prefill_tokens: int = Field(LEND_BACKLOG_TOKENS, ge=0)
-    # ...and only to a decode worker holding fewer than this many times the requests the prefill worker
-    # holds (routing.route_local_prefill: requests pile up at the slower stage). 0: no such limit.
-    local_prefill_ratio: float = Field(LEND_HOLD_RATIO, ge=0)
+    local_prefill_tokens: int = Field(0, ge=0)
     # Admission limits (common/policy.py `Limits` says what each bounds).
     max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
     max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
