@@ -73,6 +73,7 @@ def summarize(reqs: list[Req], cluster: Cluster, slo_ms: dict[str, float], wall_
             sum(c.messages for c in cluster.coords) / duration,
         "coordinator_max_queue": max(c.max_queue for c in cluster.coords),
         "worker_cpu_per_role": {r: sum(v) / len(v) for r, v in roles.items()},
+        "prompts_lent": sum(c.lent for c in cluster.coords),
         "events": cluster.loop.events, "sim_wall_s": wall_s,
     }
 
@@ -81,7 +82,8 @@ def simulate(costs: Costs, requests: list[SimRequest], *, encode: int = 1, prefi
              coordinators: int = 1, max_concurrency: int | None = None, slo_ms: dict[str, float] | None = None,
              until_s: float = math.inf, **cluster_options: Any) -> dict[str, Any]:
     """One configuration over one request list; returns the summary. `cluster_options`: the other
-    `Cluster` fields (coordinator_cost_scale, stream_via_coordinator, heartbeat_cost_scale)."""
+    `Cluster` fields (coordinator_cost_scale, stream_via_coordinator, heartbeat_cost_scale,
+    local_prefill_tokens)."""
     t0 = time.perf_counter()
     cluster = Cluster(costs, encode=encode, prefill=prefill, decode=decode, coordinators=coordinators,
                       **cluster_options)
@@ -101,6 +103,7 @@ def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     metrics = [("completed", ("completed",)), ("req/s", ("request_throughput",)), ("goodput req/s", ("goodput",)),
                ("TTFT p50 ms", ("ttft_ms", "p50")), ("TTFT p99 ms", ("ttft_ms", "p99")),
                ("TPOT p50 ms", ("tpot_ms", "p50")), ("TPOT p99 ms", ("tpot_ms", "p99")),
+               ("prompts lent to decode", ("prompts_lent",)),
                ("coordinator utilisation", ("coordinator_utilisation",)),
                ("coordinator msgs/s", ("coordinator_messages_per_s",))]
     out = ["| metric | " + " | ".join(label for label, _ in rows) + " |", "|---" * (len(rows) + 1) + "|"]
@@ -135,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--costs", default="cpu-small-llava", help="cost file, or a name in bench/lab/costs/")
     p.add_argument("--configs", default="disagg:1e1p1d", help="comma-separated disagg:XeYpZd[@Kc]")
     add_trace_arguments(p)
+    p.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="the coordinator's --local-prefill-tokens: lend prompts to decode workers once a prefill "
+                        "worker has this many prompt tokens waiting (default 0: never, as the coordinator)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     costs = Costs.load(args.costs)
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for cfg in args.configs.split(","):
         pools = parse_config(cfg)
-        rows.append((cfg, simulate(costs, reqs, max_concurrency=args.max_concurrency, slo_ms=args.slo, **pools)))
+        rows.append((cfg, simulate(costs, reqs, max_concurrency=args.max_concurrency, slo_ms=args.slo,
+                                   local_prefill_tokens=args.local_prefill_tokens, **pools)))
     print(f"costs {costs.name}; trace {args.trace}, {args.num_requests} requests, rate {args.rate}, "
           f"max_concurrency {args.max_concurrency}, max_tokens {args.max_tokens}, seed {args.seed}")
     print(table(rows))

@@ -16,7 +16,9 @@ Mirrors the real processes closely enough for capacity and latency:
   STEP_TOKENS per coordinator per step; both pools are `kv_blocks` of the cost file;
 * coordinator: one thread, a FIFO of messages, each paid with the calibrated CPU; it routes with
   coordinator/routing.py's own route_encode / route_prefill / route_decode over routing.WorkerView
-  (no embedding cache or prefix hits here); `inflight` is the coordinator's own count,
+  (no embedding cache or prefix hits here), and with `local_prefill_tokens` (the coordinator's
+  setting, off by default there too) lends a prompt to a decode worker where route_local_prefill says
+  so, which prefills it in its own steps and decodes on; `inflight` is the coordinator's own count,
   `queue_len` / `running` / `free_blocks` are the workers' reports, refreshed every heartbeat
   period (0.25 s);
 * load shedding: a GENERATE arriving while `max_waiting_requests` admitted requests wait for
@@ -40,7 +42,8 @@ from lab.sim.costs import Costs
 from lab.sim.workers import DecodeWorker, EncodeWorker, PrefillWorker, Req, Worker
 from lab.sim.workload import SimRequest
 from mserve.common.policy import request_blocks
-from mserve.coordinator.routing import WorkerView, route_decode, route_encode, route_prefill
+from mserve.coordinator.routing import WorkerView, route_decode, route_encode, route_local_prefill, route_prefill
+from mserve.coordinator.settings import CoordinatorSettings
 
 # How the per-request coordinator CPU is spread over the messages that carry it (stated assumption:
 # admission, which tokenizes and hashes the images, dominates GENERATE).
@@ -69,6 +72,7 @@ class Coordinator:
         self.busy_in = 0.0
         self.rng = random.Random(idx)
         self.waiting = 0  # admitted requests without a first token (load shedding bounds them)
+        self.lent = 0  # prompts lent to decode workers (the coordinator's `local_prefills`)
 
     def receive(self, msg: Any) -> None:
         q = self.queues["client" if msg[0] == "generate" else "worker"]
@@ -133,6 +137,10 @@ class Coordinator:
         elif kind == "step":
             self.step_items += len(msg[1])
             for q, finished in msg[1]:
+                if q.lent and not q.first_heard:  # a lent prompt's first token
+                    q.first_heard = True
+                    self.waiting -= 1
+                    self._uncharge_tokens(q)  # its prompt is done there; the stage stays open
                 if finished:
                     self._uncharge(q)
                 if finished or self.cl.stream_via_coordinator:  # a progress report: the client has them
@@ -154,12 +162,33 @@ class Coordinator:
         elif role == "prefill":
             tokens = q.r.prompt_tokens
             v = route_prefill(views, tokens)
+            v = self._lend(q, v) or v
         else:  # the blocks the whole reply needs, as coordinator/dispatch.py asks route_decode
             v = route_decode(views, request_blocks(q.r.prompt_tokens, q.r.max_tokens, self.cl.costs.kv_blocks[1]))
         v.inflight += 1
         v.inflight_tokens += tokens
         q.charged = (v, tokens)
         self.cl.loop.after(self.cl.hop, self.cl.worker[v.worker_id].receive, q)
+
+    def _lend(self, q: Req, prefill: WorkerView) -> WorkerView | None:
+        """A decode worker to prefill the prompt on (coordinator/dispatch.py `_local_prefill`), or None.
+        Never while workers stream tokens to the client themselves, as there."""
+        cl = self.cl
+        if prefill is None or cl.local_prefill_tokens <= 0 or not cl.stream_via_coordinator:
+            return None
+        need = request_blocks(q.r.prompt_tokens, q.r.max_tokens, cl.costs.kv_blocks[1])
+        v = route_local_prefill(prefill, self.by_role.get("decode", []), q.r.prompt_tokens, need,
+                                cl.local_prefill_tokens)
+        if v is not None:
+            q.lent = True
+            self.lent += 1
+        return v
+
+    def _uncharge_tokens(self, q: Req) -> None:
+        if q.charged:
+            v, tokens = q.charged
+            v.inflight_tokens = max(0, v.inflight_tokens - tokens)
+            q.charged = (v, 0)
 
     def _uncharge(self, q: Req) -> None:
         if q.charged:
@@ -229,6 +258,8 @@ class Cluster:
     admission_offload: bool = False  # admission (validate, hash, tokenize) done by stateless front ends
     max_waiting_requests: int = 256  # the coordinator's shedding bound (coordinator/settings.py)
     routing: str = "least"  # "least": routing.py over every worker; "p2c": the same rule over 2 sampled workers
+    # The coordinator's lending backlog (coordinator/settings.py, its default): 0, never lend.
+    local_prefill_tokens: int = CoordinatorSettings.model_fields["local_prefill_tokens"].default
     loop: Loop = field(default_factory=Loop)
 
     def __post_init__(self) -> None:

@@ -30,6 +30,8 @@ class Req:
     tokens: int = 0
     charged: tuple[Any, int] | None = None
     shed: bool = False  # answered `overloaded` at admission
+    lent: bool = False  # its prompt was lent to a decode worker (prefilled and decoded there)
+    first_heard: bool = False  # the coordinator has heard a lent prompt's first token
 
 
 class Worker:
@@ -120,6 +122,13 @@ def _sequence(q: Req, prefill_only: bool) -> Sequence:
                     priority=q.r.priority, latency_class=q.r.latency_class, prefill_only=prefill_only)
 
 
+def _embeddings_fetch_s(cl: Cluster, q: Req) -> float:
+    """Fetching a request's image embeddings from its encoder (none for a text-only one)."""
+    if not q.r.has_images:
+        return 0.0
+    return cl.costs.transfer_s(cl.costs.embedding_bytes(len(q.r.image_sizes)))
+
+
 def _scheduler(cl: Cluster) -> Scheduler:
     """The worker's own scheduler (workers/scheduler.py) and KV pool on the simulated clock. No prefix
     caching: the sim's prompts are placeholders, all alike, so every block would hit."""
@@ -147,9 +156,7 @@ class PrefillWorker(Worker):
         return self.sched.waiting + self.sched.running
 
     def accept_cost(self, q: Req) -> float:
-        if not q.r.has_images:
-            return 0.0
-        return self.cl.costs.transfer_s(self.cl.costs.embedding_bytes(len(q.r.image_sizes)))
+        return _embeddings_fetch_s(self.cl, q)
 
     def accept(self, q: Req) -> None:
         self.reqs[str(q.r.rid)] = q
@@ -186,7 +193,8 @@ class DecodeWorker(Worker):
     """The continuous batch as workers/scheduler.py runs it on an adopted request's KV: every running
     request one token a step, its blocks grown from the pool, the latest preempted (and recomputed
     later) when the pool runs dry. An import the pool cannot hold waits here for blocks to free; the
-    real worker fails it (retryable) and the coordinator sends it again."""
+    real worker fails it (retryable) and the coordinator sends it again. A prompt lent to it
+    (roles/decode.py) joins the scheduler whole and is prefilled in its steps, as a recompute is."""
 
     role = "decode"
 
@@ -202,10 +210,16 @@ class DecodeWorker(Worker):
         return self.sched.running + self.sched.waiting + self.imports
 
     def accept_cost(self, q: Req) -> float:
+        if q.lent:  # the images' embeddings, as a prefill worker fetches them
+            return _embeddings_fetch_s(self.cl, q)
         return self.cl.costs.kv_handoff_s(q.r.prompt_tokens)[1]
 
     def accept(self, q: Req) -> None:
-        self.imports.append(q)
+        if q.lent:
+            self.reqs[str(q.r.rid)] = q
+            self.sched.add(_sequence(q, prefill_only=False))
+        else:
+            self.imports.append(q)
 
     def _adopt(self) -> None:
         """Engine.import_kv: the prompt's blocks and its first token, one token left to compute."""
@@ -226,7 +240,7 @@ class DecodeWorker(Worker):
         if not chunks:
             return None
         costs = self.cl.costs
-        steps, recompute = [], []  # a decode token, or a prompt recomputed after a preemption
+        steps, recompute = [], []  # a decode token, or a prompt (lent, or recomputed after a preemption)
         for c in chunks:
             (steps if c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids) else recompute).append(c)
         cost = costs.decode_step_s(len(steps), sum(c.seq.num_tokens for c in steps)) if steps else 0.0

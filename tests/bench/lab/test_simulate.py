@@ -174,3 +174,18 @@ def test_committed_cost_files_simulate(name):
     reqs = trace(costs, "mixed", 30, rate=5.0 if costs.cores else 100.0, max_tokens=8)
     s = simulate(costs, reqs, encode=1, prefill=1, decode=1, slo_ms={"ttft": 2000})
     assert s["completed"] == 30 and not math.isnan(s["ttft_ms"]["p99"])
+
+
+def test_the_model_lends_prompts_to_decode_workers_as_the_coordinator_does():
+    """`local_prefill_tokens` (the coordinator's --local-prefill-tokens, off by default as there): prompts
+    waiting behind a busy prefill worker go to the decode worker through route_local_prefill, which
+    prefills them in its own steps and decodes on; every request still gets all its tokens."""
+    costs = make_costs(prefill__per_token_s=1e-3)  # a 200-token prompt: 0.2 s of prefill, decode steps 5 ms
+    reqs = trace(costs, "text", 32, words=200)
+    off = simulate(costs, reqs, max_concurrency=16)
+    lent = simulate(costs, reqs, max_concurrency=16, local_prefill_tokens=400)
+    assert off["prompts_lent"] == 0 and lent["prompts_lent"] > 0
+    assert off["completed"] == lent["completed"] == 32
+    assert lent["output_throughput"] / lent["request_throughput"] == pytest.approx(
+        off["output_throughput"] / off["request_throughput"])  # every request its max_tokens either way
+    assert lent["ttft_ms"]["p99"] < 0.8 * off["ttft_ms"]["p99"]
