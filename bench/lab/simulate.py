@@ -138,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--costs", default="cpu-small-llava", help="cost file, or a name in bench/lab/costs/")
     p.add_argument("--configs", default="disagg:1e1p1d", help="comma-separated disagg:XeYpZd[@Kc]")
     add_trace_arguments(p)
-    p.add_argument("--local-prefill-tokens", type=int, default=0,
+    p.add_argument("--local-prefill-tokens", type=int, default=Cluster.local_prefill_tokens,
                    help="the coordinator's --local-prefill-tokens: lend prompts to decode workers once a prefill "
-                        "worker has this many prompt tokens waiting (default 0: never, as the coordinator)")
+                        f"worker has this many prompt tokens waiting (default {Cluster.local_prefill_tokens}, the "
+                        "coordinator's; 0: never)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     costs = Costs.load(args.costs)

@@ -83,6 +83,14 @@ static inline __m256 exp8(__m256 x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+
+/* The sum of x's 8 lanes, first to last. */
+static inline float hsum8(__m256 x) {
+    float lanes[8], s = 0.0f;
+    _mm256_storeu_ps(lanes, x);
+    for (int j = 0; j < 8; j++) s += lanes[j];
+    return s;
+}
 #endif
 
 /* s[t] = e^(s[t] - mx) for t < len; returns their sum. */
@@ -97,9 +105,7 @@ static inline float exp_sum(float *s, int64_t len, float mx) {
         _mm256_storeu_ps(s + t, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    for (int j = 0; j < 8; j++) total += lanes[j];
+    total = hsum8(acc);
 #endif
     for (; t < len; t++) total += (s[t] = expf(s[t] - mx));
     return total;

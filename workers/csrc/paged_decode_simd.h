@@ -11,7 +11,7 @@
  *   a share a head. (Offsets of the rows ahead made a tile at a time, as the tile's own are, were 4-10 %
  *   slower with AVX-512 and in float32 with AVX2 on an AMD EPYC with AVX-512: bench/README.md.)
  * AVX-512 takes every head size (masked loads); AVX2 those that are a multiple of 8, and the portable
- * code the rest. It uses paged_decode.c's AHEAD, prefetch_row, score_stride, normalise and exp8, so it is included
+ * code the rest. It uses paged_decode.c's AHEAD, prefetch_row, score_stride, normalise, exp8 and hsum8, so it is included
  * after them, and defines NAME (the exported function) over NAME##_c (the portable one).
  *
  * On an AVX2-only AMD EPYC (lab.decode_kernel, 16 requests of 640-700 tokens, 8 layers, blocks
@@ -102,13 +102,6 @@ static inline float hmax8(__m256 x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float hsum8(__m256 x) {
-    float lanes[8], s = 0.0f;
-    _mm256_storeu_ps(lanes, x);
-    for (int j = 0; j < 8; j++) s += lanes[j];
-    return s;
 }
 
 /* lane j of the result = the sum of v[j]'s 8 lanes. */
