@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from mserve.common.serving_defaults import add_dtype_arguments
+
 
 # Set before any import of transformers: nothing reaches a model hub, and transformers' progress bars and advice
 # are noise in a CLI that prints JSON (coordinator/spawn.py's fork server imports it with these too).
@@ -40,6 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from mserve.common.model import ImageError
     from mserve.common.prompt import PromptBuilder
     from mserve.workers.engine import Engine, EngineConfig
+    from mserve.workers.paged_attention import exact_setting
     from mserve.workers.sequence import SamplingParams
 
     images = []
@@ -53,7 +56,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = builder.prepare_text(args.prompt, images)
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed)
-        engine = Engine(EngineConfig(args.model, device=args.device, threads=args.threads,
+        engine = Engine(EngineConfig(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
+                                     exact_attention=exact_setting(args.attention),
                                      num_blocks=args.num_blocks, block_size=args.block_size,
                                      visual_token_pruning=builder.visual_token_pruning))
         t0 = time.perf_counter()
@@ -265,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampled output")
-    p.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16); default cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    add_dtype_arguments(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks (default 1024)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")

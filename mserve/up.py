@@ -27,17 +27,25 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "FOLDER, \"encode\": N, \"prefill\": N, \"decode\": N, \"unified\": N}, ...]}; a missing "
                              "count is 1 (0 for unified, and for the stage roles of an entry with only unified); "
                              "combines with --model, whose models come first")
-    parser.add_argument("--encode", type=int, default=None, help="encode workers (default 1; 0 with --unified)")
-    parser.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 with --unified)")
-    parser.add_argument("--decode", type=int, default=None, help="decode workers (default 1; 0 with --unified)")
-    parser.add_argument("--unified", type=int, default=0, help="workers running all three stages (default 0)")
+    parser.add_argument("--encode", type=int, default=None,
+                        help="encode workers (with no role flag at all: picked for the host, see --unified; naming "
+                             "any stage role makes the others default to 1 and --unified to 0)")
+    parser.add_argument("--prefill", type=int, default=None, help="prefill workers (as --encode)")
+    parser.add_argument("--decode", type=int, default=None, help="decode workers (as --encode)")
+    parser.add_argument("--unified", type=int, default=None,
+                        help="workers running all three stages. With no role flag at all, mserve up picks the roles "
+                             "for the host and prints them: one unified worker per CPU core, at most 8, the cores "
+                             "shared out as threads (the fastest layout measured on small hosts, bench/README.md); "
+                             "name --encode/--prefill/--decode for separate pools")
     parser.add_argument("--redis", default=None, metavar="URL",
                         help="existing redis (default: $REDIS_URL, else a private redis-server)")
     parser.add_argument("--port", type=int, default=None, help="client port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--coordinators", type=int, default=1,
                         help="coordinator shards (default 1); with more, each announces itself in Redis, every worker "
                              "joins every shard, and clients spread requests over them (docs/scaling.md)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per worker (default 1; with roles picked for the host, its cores "
+                             "shared out)")
     parser.add_argument("--cpu-placement", choices=["auto", "off"], default="auto",
                         help="auto: each worker on CPU cores of its own, heaviest role first (unified, prefill, "
                              "decode, encode); with no more cores than workers the last core is shared by the "
@@ -45,14 +53,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs on, the workers' IO threads (image decoding and processing, transfers) run there "
                              "too. off: Linux places them. Uses the cores "
                              "this command may run on (taskset, a container's cpuset). Default auto")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="every worker's model dtype (default: the checkpoint's; on the CPU, float32). bfloat16 "
-                             "with --attention padded is the fast choice on a CPU with AVX512_BF16; on one without AVX-512, "
-                             "float32 is (docs/operations.md)")
-    parser.add_argument("--attention", default=None, choices=["auto", "exact", "padded"],
-                        help="every worker's attention (default auto: exact in bfloat16 / float16, giving HF "
-                             "generate's tokens; padded: one call per batch and, on the CPU, the kernels that read "
-                             "the bf16 pool in place)")
+    from mserve.common.serving_defaults import add_dtype_arguments
+
+    add_dtype_arguments(parser, "every worker")
     parser.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"], default="auto",
                         help="worker-to-worker tensor transport (default auto)")
     parser.add_argument("--http-port", type=int, default=None,
@@ -79,13 +82,39 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add_tracing_argument(parser)
 
 
+def role_counts(args: argparse.Namespace) -> tuple[dict[str, int], int]:
+    """The role counts of each --model and the threads per worker. With no role flag at all, the host's
+    default layout (common/serving_defaults.py), logged; with --unified alone, no stage pools; naming
+    any stage role, the unnamed ones are 1 and unified 0, as before."""
+    named = {r: getattr(args, r) for r in ("encode", "prefill", "decode", "unified")}
+    if all(n is None for n in named.values()):
+        from mserve.common.cpu_placement import usable_cores
+        from mserve.common.serving_defaults import default_layout
+
+        layout = default_layout(len(usable_cores()))
+        threads = args.threads or layout.threads
+        logger.info("mserve up: no roles named, picked %s; name --encode/--prefill/--decode/--unified to choose",
+                    layout.describe() if args.threads is None else f"{layout.describe()}, --threads {threads}")
+        return {"encode": layout.encode, "prefill": layout.prefill, "decode": layout.decode,
+                "unified": layout.unified}, threads
+    stage_default = 0 if named["unified"] and all(named[r] is None for r in ("encode", "prefill", "decode")) else 1
+    counts = {r: stage_default if named[r] is None else named[r] for r in ("encode", "prefill", "decode")}
+    return {**counts, "unified": named["unified"] or 0}, args.threads or 1
+
+
+def run_as(args: argparse.Namespace, model: str) -> str:
+    """The dtype and attention the workers run (their --dtype / --attention, else the serving defaults)."""
+    from mserve.common.serving_defaults import checkpoint_dtype, serving_dtype
+
+    dtype = serving_dtype("cpu", getattr(args, "dtype", None), checkpoint_dtype(model))
+    return f"{dtype} weights, {'exact' if getattr(args, 'attention', None) == 'exact' else 'padded'} attention"
+
+
 def run_up(args: argparse.Namespace) -> int:
     """Start a cluster, print where to send requests, and keep it up until Ctrl-C or SIGTERM."""
-    # With --unified alone, the user asked for a monolithic cluster: no stage pools unless named.
-    default_pool = 0 if args.unified and all(getattr(args, r) is None for r in ("encode", "prefill", "decode")) else 1
-    pools = {r: default_pool if getattr(args, r) is None else getattr(args, r) for r in ("encode", "prefill", "decode")}
+    pools, threads = role_counts(args)
     try:
-        models = [(m, {**pools, "unified": args.unified}) for m in args.model or []]
+        models = [(m, pools) for m in args.model or []]
         models += read_models_file(args.models_file) if args.models_file else []
     except (OSError, ValueError) as exc:
         logger.error("mserve up failed: %s", exc)
@@ -123,7 +152,7 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     (first, counts), *others = models
     cluster = LocalCluster(first, **counts, other_models=others, redis_url=args.redis, port=args.port,
-                           threads=args.threads, transfer=args.transfer, log_dir=args.log_dir,
+                           threads=threads, transfer=args.transfer, log_dir=args.log_dir,
                            client_api_key=args.client_api_key, curve_dir=args.curve_dir,
                            extra_worker_args=[*worker_args, *worker_flags],
                            extra_coordinator_args=[*pruning_args, *coordinator_flags],
@@ -148,7 +177,8 @@ def run_up(args: argparse.Namespace) -> int:
             return 1
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        print(f"MServe cluster up: {cluster._describe()}; clients connect to {cluster.address}", flush=True)
+        print(f"MServe cluster up: {cluster._describe()}, {run_as(args, first)}; clients connect to "
+              f"{cluster.address}", flush=True)
         if len(cluster.models) > 1:
             print(f"  models (send one as 'model'): {cluster.models[0]} (the default), "
                   + ", ".join(cluster.models[1:]), flush=True)

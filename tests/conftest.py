@@ -13,6 +13,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # (coordinator/spawn.py): a cluster starts in about half the time on two cores. tests/coordinator/test_spawn.py
 # checks a forked child against an exec'd one; MSERVE_START_METHOD=exec runs the suite the users' way.
 os.environ.setdefault("MSERVE_START_METHOD", "forkserver")
+# The oracle is float32, bit for bit: the workers the suite starts run in float32 whatever this host's
+# serving default is (bfloat16 on a CPU with native bf16, common/serving_defaults.py). The default path
+# itself is tested with this variable removed (tests/coordinator/test_cluster_bf16.py,
+# tests/workers/test_generate_cli.py), against HF in the dtype it picks.
+os.environ.setdefault("MSERVE_DTYPE", "float32")
 
 # The package under test is the installed one (`make test` installs this checkout editable):
 # common/, coordinator/, workers/ and bench/ import as mserve.* only through the install's

@@ -62,12 +62,21 @@ def hf_generate(model_dir: str, prompt_ids: Sequence[int], images: Sequence[byte
     ignore_eos: EOS does not stop generation (it can still be picked), as in vLLM and our engine.
     dtype: the reference model's weights ("bfloat16" for the engine's bf16 path).
     """
-    return list(_hf_generate(str(model_dir), tuple(prompt_ids), tuple(images), max_new_tokens, ignore_eos, dtype))
+    return list(_hf_generate(str(model_dir), tuple(prompt_ids), tuple(images), max_new_tokens, ignore_eos, dtype)[0])
+
+
+def hf_generate_top2(model_dir: str, prompt_ids: Sequence[int], images: Sequence[bytes], max_new_tokens: int,
+                     ignore_eos: bool = False, dtype: str = "float32") -> tuple[list[int], list[tuple[float, float]]]:
+    """hf_generate's ids and, per step, HF's two largest logits: what common/exactness.compare_greedy
+    needs to tell a reduced-precision tie from a wrong token."""
+    ids, top2 = _hf_generate(str(model_dir), tuple(prompt_ids), tuple(images), max_new_tokens, ignore_eos, dtype)
+    return list(ids), list(top2)
 
 
 @lru_cache(maxsize=1024)
 def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[bytes, ...], max_new_tokens: int,
                  ignore_eos: bool, dtype: str = "float32"):
+    """(generated ids, each step's top-2 logits), both tuples."""
     import copy
 
     model, processor = reference_model(model_dir, dtype)
@@ -85,9 +94,11 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     config.max_new_tokens, config.do_sample = max_new_tokens, False
     if ignore_eos:
         config.eos_token_id = None
+    config.output_logits, config.return_dict_in_generate = True, True
     with torch.inference_mode():
         out = model.generate(**kwargs, generation_config=config)
-    return tuple(out[0, ids.shape[1]:].tolist())
+    top2 = tuple(tuple(step[0].float().topk(2).values.tolist()) for step in out.logits)
+    return tuple(out.sequences[0, ids.shape[1]:].tolist()), top2
 
 
 def _image_kwargs(config) -> dict:
@@ -167,9 +178,11 @@ def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tupl
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()
     config = copy.deepcopy(model.generation_config)
     config.max_new_tokens, config.do_sample = max_new_tokens, False
+    config.output_logits, config.return_dict_in_generate = True, True
     with torch.inference_mode():
         out = model.generate(**kwargs, generation_config=config)
-    return tuple(out[0, ids.shape[1]:].tolist())
+    top2 = tuple(tuple(step[0].float().topk(2).values.tolist()) for step in out.logits)
+    return tuple(out.sequences[0, ids.shape[1]:].tolist()), top2
 
 
 def make_frames(width: int, height: int, count: int, seed: int = 0, fmt: str = "PNG") -> list[bytes]:

@@ -100,3 +100,27 @@ def test_mserve_up_refuses_bad_passed_flags_before_starting_anything(flags, why,
     assert _main(["--model", str(tiny_model_dirs["llava"]), *flags]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and errors[0].startswith("mserve up failed: --") and why in errors[0], errors
+
+
+@pytest.mark.parametrize("flags, pools, threads", [
+    ([], {"encode": 0, "prefill": 0, "decode": 0, "unified": 2}, 1),  # picked for the 2 cores given below
+    (["--threads", "3"], {"encode": 0, "prefill": 0, "decode": 0, "unified": 2}, 3),
+    (["--unified", "1"], {"encode": 0, "prefill": 0, "decode": 0, "unified": 1}, 1),
+    (["--decode", "2"], {"encode": 1, "prefill": 1, "decode": 2, "unified": 0}, 1),
+    (["--unified", "1", "--encode", "1"], {"encode": 1, "prefill": 1, "decode": 1, "unified": 1}, 1),
+])
+def test_mserve_up_picks_roles_for_the_host_only_when_none_are_named(flags, pools, threads, tiny_model_dirs,
+                                                                    launched_with, monkeypatch, caplog):
+    import mserve.common.cpu_placement as placement
+    import mserve.up as up
+    from mserve.cli import build_parser
+
+    monkeypatch.setattr(placement, "usable_cores", lambda: (0, 1))
+    args = build_parser().parse_args(["up", "--model", str(tiny_model_dirs["llava"]), *flags])
+    with caplog.at_level("INFO", logger="mserve.coordinator.launcher"):
+        assert up.run_up(args) == 1
+    assert {r: launched_with[r] for r in pools} == pools and launched_with["threads"] == threads
+    picked = [r.getMessage() for r in caplog.records if "no roles named" in r.getMessage()]
+    assert bool(picked) == (not flags or flags[0] == "--threads")
+    if picked:
+        assert "unified:2" in picked[0] and "one unified worker per core on 2 core(s)" in picked[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from mserve.common.serving_defaults import add_dtype_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE
@@ -29,17 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every Redis call runs on a thread of its own, so a slow Redis never holds a step or a "
                         "heartbeat to the coordinator")
     p.add_argument("--worker-id", help="unique id (default role-host-pid)")
-    p.add_argument("--device", help="cpu (float32, default) or cuda (bfloat16)")
-    p.add_argument("--dtype", help="override the dtype: float32, bfloat16, float16")
+    p.add_argument("--device", help="cpu (default) or cuda, cuda:N")
+    add_dtype_arguments(p)
     p.add_argument("--compile", action="store_true", default=None,
                    help="run decode steps through torch.compile (inductor): about 1.35x decode speed at batch 1 "
                         "on the CPU, none from batch 16; the first decode steps compile for 15-50 s (cached in "
                         "TORCHINDUCTOR_CACHE_DIR); float32, or --attention padded (default off)")
-    p.add_argument("--attention", choices=["auto", "exact", "padded"],
-                   help="exact: each request attends over exactly its own keys, giving HF generate's greedy tokens "
-                        "in bfloat16/float16 at one SDPA call per context length and layer; padded: one call per "
-                        "batch over masked padding, much faster in a large batch on a GPU, tokens may differ from "
-                        "HF's where bf16 logits tie (default auto: exact in bfloat16/float16, padded in float32)")
     p.add_argument("--threads", type=int, help="torch threads (default 1)")
     p.add_argument("--transfer", choices=["auto", "shm", "tcp", "torch"],
                    help="tensor transfer backend (default auto: shm on the same host, tcp otherwise)")

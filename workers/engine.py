@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     model_dir: str
     device: str = "cpu"
-    dtype: str | None = None
+    dtype: str | None = None  # None: the serving default for the device (common/serving_defaults.py)
     block_size: int = DEFAULT_ENGINE.block_size
     num_blocks: int = DEFAULT_ENGINE.num_blocks
     max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs
@@ -48,8 +48,8 @@ class EngineConfig:
     threads: int | None = None
     parts: str = "all"  # "vision" (encode), "text" (prefill/decode) or "all": which weights stay loaded
     visual_token_pruning: float | None = None  # FasterVLM keep ratio on the encode path; None = off (common/pruning.py)
-    # Attention over each request's exact key count (workers/paged_attention.exact_lengths); None: on in
-    # bf16/fp16, where it keeps HF's tokens. False trades that for one padded SDPA call per group.
+    # Attention over each request's exact key count: HF bf16's bits where its top-2 logits tie, at a
+    # fraction of the rate. None / False: one padded call per group (workers/paged_attention.exact_setting).
     exact_attention: bool | None = None
     # Decode steps through torch.compile (ModelRunner._compile_decode); off: it pays at small batches only
     # and the first decode steps compile for 10-30 s (bench/README.md, "Where a decode step's time goes").

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from mserve.common.model import ModelFamily, load_family
+from mserve.common.serving_defaults import serving_dtype
 from mserve.common.video import seconds_per_grid
 from mserve.workers import fused_ops, packed_linear, paged_attention, paged_prefill
 from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
@@ -37,10 +38,13 @@ class EncodedImage:
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid; None for LLaVA
 
 
-def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+def resolve_dtype(device: str, dtype: str | None, model_dir: str | os.PathLike | None = None) -> torch.dtype:
+    """The torch dtype to load in: the one named, else the serving default for this device and checkpoint
+    (common/serving_defaults.py)."""
+    from mserve.common.serving_defaults import checkpoint_dtype
+
+    checkpoint = checkpoint_dtype(model_dir) if model_dir is not None else None
+    return getattr(torch, serving_dtype(device, dtype, checkpoint))
 
 
 def _cpu_bf16_matmuls() -> bool:
@@ -77,7 +81,7 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
 
     if parts not in PARTS:
         raise ValueError(f"parts must be one of {PARTS}, got {parts!r}")
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype))
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype, model_dir))
     if parts == "text":
         for name in _VISION_MODULES:
             if getattr(model.model, name, None) is not None:
@@ -129,7 +133,7 @@ class ModelRunner:
                         "bf16 matrix multiplies here, and torch's fallback was 6x slower than float32 on an "
                         "AVX2-only AMD EPYC (bench/README.md, \"An AVX2 host\"); float32, the CPU's default, is "
                         "the fast choice on this host", torch.backends.cpu.get_cpu_capability())
-        self.exact_attention = paged_attention.exact_lengths(self.dtype) if exact_attention is None else exact_attention
+        self.exact_attention = bool(exact_attention)  # None (auto) is padded: paged_attention.exact_setting says why
         if (not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu"
                 and paged_prefill.preferred()):  # read here: a bad MSERVE_PROMPT_KERNEL fails the start
             paged_prefill.use_for_vision(self.model)  # the vision tower's attention in the bf16 kernel too

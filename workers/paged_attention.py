@@ -181,7 +181,7 @@ class PagedBatch:
         """`chunks`: per request (block ids, first position computed, number of tokens). `image_runs`:
         per request, the (start, end) of each image whose tokens attend to each other both ways
         (families with bidirectional images; None: all attention is causal). `exact`: attend over each
-        request's exact key count (exact_lengths says when that is needed)."""
+        request's exact key count (`--attention exact`: the note under exact_setting says when that matters)."""
         bs = kv.block_size
         slots, by_len = [], {}
         packed = 0
@@ -258,22 +258,22 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
     return out if group.whole_uniform else out.index_select(0, group.out_rows)
 
 
-def exact_setting(choice: str) -> bool | None:
-    """A worker's `--attention` as EngineConfig.exact_attention (None: exact_lengths decides by dtype)."""
-    return {"auto": None, "exact": True, "padded": False}[choice]
+def exact_setting(choice: str | None) -> bool:
+    """`--attention` as EngineConfig.exact_attention: auto (or none named) is padded (the note below says why)."""
+    return choice == "exact"
 
 
-def exact_lengths(dtype: torch.dtype) -> bool:
-    """Whether attention must run over each request's exact key count to give HF generate's tokens.
-
-    SDPA's CPU kernel sums a row's softmax in vector lanes over the keys it is given: masked padding
-    keys add zeros but regroup the sum, so a request padded to its batch's longest context can land
-    one ulp away from HF's unpadded call (measured, torch 2.13 CPU/AVX2: 1 call in ~12 whenever the
-    length is not a multiple of 8). In float32 such an ulp has not changed a token; bf16 logits tie
-    often enough that it does (tests/workers/test_engine_bf16.py). So reduced precision attends
-    request by request (one SDPA call per distinct context length and layer); float32 keeps the
-    one padded call per group."""
-    return dtype in (torch.bfloat16, torch.float16)
+# Why exact attention exists, and why it is not the default.
+#
+# SDPA's CPU kernel sums a row's softmax in vector lanes over the keys it is given: masked padding keys
+# add zeros but regroup the sum, so a request padded to its batch's longest context can land one ulp
+# away from HF's unpadded call (measured, torch 2.13 CPU/AVX2: 1 call in ~12 whenever the length is not
+# a multiple of 8); the CPU bf16 kernels (paged_decode.py, paged_prefill.py) round differently again.
+# In float32 such an ulp has not changed a token. In bfloat16 it changes one only where HF's own top-2
+# logits are within bf16 rounding of each other, a tie either order is a correct reading of
+# (common/exactness.py; vLLM checks its kernels the same way). Exact attention (one SDPA call per
+# distinct context length and layer) reproduces HF bf16's bits there too, at a fraction of the padded
+# path's rate (bench/README.md): it is what `--attention exact` asks for, and the default is padded.
 
 
 def _attend_exact(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -14,9 +14,9 @@ but no AVX-512 the same code runs 8 lanes wide (csrc/paged_decode_simd.h: one bo
 and its operations chosen by the build); elsewhere the portable C
 runs (the tests build all three where the CPU can run them). All prefetch each request's rows into L2
 two blocks ahead, which on that host took the step from ~9 GB/s to memory's pace.
-Float32 and bfloat16 pools; exact-length attention (reduced precision's default,
-paged_attention.exact_lengths) keeps one SDPA call per length, since only that gives HF's bits, so
-in bfloat16 the kernel runs with `--attention padded`. Where the library is not built (no compiler:
+Float32 and bfloat16 pools; exact-length attention (`--attention exact`, paged_attention.exact_setting)
+keeps one SDPA call per length, since only that gives HF's bits at bf16 ties, so the kernel runs with
+padded attention, the default. Where the library is not built (no compiler:
 the offline deploy image has none) or `MSERVE_DECODE_KERNEL=off`, attention gathers as before;
 either way the tokens are HF generate's (tests/workers/test_paged_decode.py, and the engine tests,
 which run with it).

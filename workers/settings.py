@@ -26,14 +26,14 @@ class WorkerSettings(BaseSettings):
     redis: str | None = None
     worker_id: str | None = None
     device: str = "cpu"
-    dtype: str | None = None
+    dtype: str | None = None  # None / auto: common/serving_defaults.serving_dtype
     # Decode steps through torch.compile (EngineConfig.compile): 1.35x at batch 1 on the CPU, ~1.0x at 16,
     # and 15-50 s to compile on first use (bench/README.md). Off by default; refused while attention is exact.
     compile: bool = False
-    # exact: attention over each request's exact key count, HF generate's tokens in bf16 / float16, one
-    # SDPA call per context length and layer; padded: one call per group over masked padding, the float32
-    # default (bench/README.md, "The CUDA path": 6.9x exact's decode rate for a 7B at batch 32 on an H200).
-    # auto: exact in reduced precision, padded in float32.
+    # exact: attention over each request's exact key count, HF generate's bits in bf16 / float16, one
+    # SDPA call per context length and layer; padded: one call per group over masked padding
+    # (bench/README.md, "The CUDA path": 6.9x exact's decode rate for a 7B at batch 32 on an H200).
+    # auto: padded (workers/paged_attention.exact_setting says why).
     attention: Literal["auto", "exact", "padded"] = "auto"
     threads: int = 1  # torch threads; 1 per worker on small hosts so pools do not fight over cores
     transfer: Literal["auto", "shm", "tcp", "torch"] = "auto"

@@ -17,8 +17,8 @@ by `partition_worker`, on a CUDA device, so the sizing itself is tested on CPU. 
     num_blocks = floor(kv_budget / block)
 
 T = max_num_batched_tokens, S = max_num_seqs, H/I/V/L = the text model's hidden, intermediate, vocab
-sizes and layers, b = bytes per element of the serving dtype (bfloat16 on CUDA, float32 on CPU unless
-`dtype` says otherwise), weights = the parameters this role keeps (encode: vision tower + projector;
+sizes and layers, b = bytes per element of the serving dtype (common/serving_defaults.serving_dtype: bfloat16 on
+CUDA and on CPUs with native bf16, float32 on other CPUs, unless `dtype` says otherwise), weights = the parameters this role keeps (encode: vision tower + projector;
 prefill/decode: language model + head; unified: all), counted from the safetensors headers.
 """
 
@@ -296,13 +296,13 @@ def plan_for_model(model_dir: str | os.PathLike, *, total_bytes: int, fraction: 
 # --------------------------------------------------------------------------- a worker's settings
 
 
-def serving_dtype_bytes(device: str, dtype: str | None) -> int:
-    """As model_runner.resolve_dtype: bfloat16 on CUDA and float32 on CPU unless `dtype` names one."""
-    if dtype in (None, "auto"):
-        return 2 if device.startswith("cuda") else 4
-    if dtype not in DTYPE_BYTES:
+def serving_dtype_bytes(device: str, dtype: str | None, model_dir: str | None = None) -> int:
+    """Bytes per element of the dtype the worker will load (common/serving_defaults.serving_dtype)."""
+    from mserve.common.serving_defaults import checkpoint_dtype, serving_dtype
+
+    if dtype not in (None, "auto") and dtype not in DTYPE_BYTES:
         raise SizingError(f"dtype={dtype!r}: one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
+    return DTYPE_BYTES[serving_dtype(device, dtype, checkpoint_dtype(model_dir) if model_dir else None)]
 
 
 def select_mig_device(mig_device: str, device: str) -> None:
@@ -347,7 +347,7 @@ def partition_worker(s: Any, parts: str) -> int:
                           f"memory to take a fraction of; set device_memory_gb (the memory to size against) too, "
                           f"or unset gpu_memory_fraction and give num_blocks")
     plan = plan_for_model(s.model, total_bytes=total, fraction=s.gpu_memory_fraction, parts=parts,
-                          dtype_bytes=serving_dtype_bytes(s.device, s.dtype), block_size=s.block_size,
+                          dtype_bytes=serving_dtype_bytes(s.device, s.dtype, s.model), block_size=s.block_size,
                           max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
     if device_total is not None:  # the allocator's cap is the budget, whatever memory it was taken of
         torch.cuda.set_per_process_memory_fraction(min(1.0, plan.budget_bytes / device_total), index)

@@ -167,8 +167,11 @@ class Worker:
         freeze_startup_heap()
         self.send(info)
         self.pulse.start()
-        log.info("worker %s ready: role %s, %s weights, %.0f MiB resident, data plane %s (%s)", self.worker_id,
-                 self.role, self.PARTS, resident_mib(), self.transfer.address, self.s.transfer)
+        runner = self.engine.runner
+        log.info("worker %s ready: role %s, %s weights in %s, %s attention, %.0f MiB resident, data plane %s (%s)",
+                 self.worker_id, self.role, self.PARTS, str(runner.dtype).removeprefix("torch."),
+                 "exact" if runner.exact_attention else "padded", resident_mib(), self.transfer.address,
+                 self.s.transfer)
         try:
             while self.running:
                 wait_ms = self.poll_ms()

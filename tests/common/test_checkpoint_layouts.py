@@ -189,5 +189,5 @@ def test_worker_sizes_images_with_admissions_processor(tiny_model_dirs):
     """Admission's count and the worker's pixels come from one image processor object: they cannot disagree."""
     from mserve.workers.model_runner import ModelRunner
 
-    runner = ModelRunner(tiny_model_dirs["qwen2_vl"], num_blocks=4)
+    runner = ModelRunner(tiny_model_dirs["qwen2_vl"], num_blocks=4, dtype="float32")
     assert runner.image_processor is runner.family.processor.image_processor

@@ -1,8 +1,11 @@
-"""A 1e1p1d cluster serving in bfloat16 (`--dtype bfloat16`): embeddings and KV blocks cross the data
-plane as bf16, and every reply equals Hugging Face generate in bf16.
+"""Reduced precision through a real 1e1p1d cluster: embeddings and KV blocks cross the data plane in
+the workers' dtype, and every reply is HF generate's in that dtype (common/exactness.py's rule).
 
-One lean cluster per (family, transfer): LLaVA over tcp, Qwen2-VL over shm (the sender picks the
-backend, so one cluster exercises one of them on both of its links).
+Two lean clusters: LLaVA over tcp with `--dtype bfloat16` named, and Qwen2-VL over shm started as a
+user starts one, with no dtype or attention flag (the suite's MSERVE_DTYPE removed): its replies are
+checked against HF in the dtype the serving default picks on this host (bfloat16 where the CPU has
+native bf16, else float32 bit for bit). The sender picks the transfer backend, so each cluster
+exercises its backend on both of its links.
 """
 
 from __future__ import annotations
@@ -11,32 +14,47 @@ import asyncio
 
 import pytest
 
+from mserve.common.exactness import compare_greedy
 from mserve.common.prompt import PromptBuilder
+from mserve.common.serving_defaults import checkpoint_dtype, serving_dtype
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import MAX_TOKENS, generate_all
-from tests.helpers import hf_generate, request_mix, wait_for
+from tests.helpers import hf_generate_top2, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[("llava", "tcp"), ("qwen2_vl", "shm")], ids=["llava-tcp", "qwen2_vl-shm"])
-def bf16_cluster(request, tiny_model_dirs, redis_server):
-    arch, transfer = request.param
+@pytest.fixture(scope="module", params=[("llava", "tcp", "bfloat16"), ("qwen2_vl", "shm", None)],
+                ids=["llava-tcp-bf16", "qwen2_vl-shm-default"])
+def reduced_cluster(request, tiny_model_dirs, redis_server):
+    arch, transfer, dtype = request.param
     model = str(tiny_model_dirs[arch])
-    with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_server.url, transfer=transfer,
-                      extra_worker_args=["--dtype", "bfloat16"]) as cluster:
-        yield model, transfer, cluster
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("MSERVE_DTYPE", raising=False)  # the default path: what `mserve up` gives a user
+        with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_server.url, transfer=transfer,
+                          extra_worker_args=["--dtype", dtype] if dtype else []) as cluster:
+            yield model, transfer, serving_dtype("cpu", dtype, checkpoint_dtype(model)), cluster
 
 
-def test_bf16_cluster_matches_hf_bf16(bf16_cluster):
-    model, transfer, cluster = bf16_cluster
+def test_cluster_matches_hf_in_its_dtype(reduced_cluster):
+    model, transfer, dtype, cluster = reduced_cluster
     requests = request_mix(6, seed=5)  # text-only, one image, two images
     results = asyncio.run(generate_all(cluster.address, requests))
     builder = PromptBuilder(model)
+    compared = full = 0
     for i, ((text, images), res) in enumerate(zip(requests, results)):
-        want = hf_generate(model, builder.prepare_text(text, images).prompt_ids, images, MAX_TOKENS, dtype="bfloat16")
-        assert res.token_ids == want, f"request {i} ({len(images)} images): {res.token_ids} != {want}"
+        want, top2 = hf_generate_top2(model, builder.prepare_text(text, images).prompt_ids, images, MAX_TOKENS,
+                                      dtype=dtype)
+        verdict = compare_greedy(want, res.token_ids, top2, dtype)
+        assert verdict.exact, f"request {i} ({len(images)} images, {dtype}): {verdict.describe()}"
+        compared += verdict.compared
+        full += verdict.compared == len(want)
+    # Not vacuous: a tiny random model's logits are flat (near-ties are common), yet a third of all steps
+    # and at least one whole sequence were compared.
+    assert compared >= len(requests) * MAX_TOKENS // 3 and full >= 1
+    for worker in ("encode-0", "prefill-0", "decode-0"):  # the dtype compared in is the one the workers run
+        assert f"weights in {dtype}, padded attention" in cluster.log_path(worker).read_text(), worker
     # Embeddings reached prefill, and KV blocks decode, over `transfer` (counters come with heartbeats).
     wait_for(lambda: all(fetched(cluster.address, w, transfer) > 0 for w in ("prefill-0", "decode-0")),
              timeout_s=30, what=f"prefill and decode fetches over {transfer} in STATUS")

@@ -28,7 +28,8 @@ def model_dir(request, tiny_model_dirs) -> str:
 def test_compiled_decode_gives_hf_tokens(model_dir):
     builder = PromptBuilder(model_dir)
     requests = {f"r{i}": builder.prepare_text(text, images) for i, (text, images) in enumerate(request_mix(6, seed=7))}
-    engine = Engine(EngineConfig(model_dir, num_blocks=512, block_size=16, max_num_batched_tokens=4096, compile=True))
+    engine = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=512, block_size=16, max_num_batched_tokens=4096,
+                                 compile=True))
     assert engine.runner._compiled_decode is not None
     compiled_steps = 0
     real = engine.runner._compiled_decode

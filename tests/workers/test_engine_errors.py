@@ -18,7 +18,7 @@ def llava_dir(tiny_model_dirs) -> str:
 
 @pytest.fixture(scope="module")
 def engine(llava_dir) -> Engine:
-    return Engine(EngineConfig(llava_dir, num_blocks=256, max_image_pixels=640 * 480, max_image_bytes=2_000_000))
+    return Engine(EngineConfig(llava_dir, dtype="float32", num_blocks=256, max_image_pixels=640 * 480, max_image_bytes=2_000_000))
 
 
 @pytest.fixture(scope="module")

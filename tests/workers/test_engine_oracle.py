@@ -38,7 +38,7 @@ def builder(model_dir) -> PromptBuilder:
 
 
 def new_engine(model_dir: str, **overrides) -> Engine:
-    cfg = {"num_blocks": 512, "block_size": 16, "max_num_batched_tokens": 4096, **overrides}
+    cfg = {"dtype": "float32", "num_blocks": 512, "block_size": 16, "max_num_batched_tokens": 4096, **overrides}
     # An engine only reads its model (KV pool, exact-attention choice and pruner live in its runner): the
     # engines of one checkpoint share one load of the whole model. Lean parts and other dtypes load their own.
     shared = not {"parts", "dtype", "device", "visual_token_pruning"} & overrides.keys()
@@ -47,7 +47,7 @@ def new_engine(model_dir: str, **overrides) -> Engine:
 
 @lru_cache(maxsize=1)  # this module's tests run one family after another (model_dir is module-scoped)
 def whole_model(model_dir: str):
-    return load_vlm(model_dir)
+    return load_vlm(model_dir, dtype="float32")
 
 
 def prepared(builder: PromptBuilder, i: int, n_images: int, size=(200, 150)):

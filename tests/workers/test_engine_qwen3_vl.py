@@ -44,7 +44,7 @@ def deepstack_dropped(model_dir: str):
 
 
 def run(model_dir: str, pp, **config) -> tuple[list[int], object]:
-    engine = Engine(EngineConfig(model_dir, **{"num_blocks": 128, "block_size": 16, **config}))
+    engine = Engine(EngineConfig(model_dir, **{"dtype": "float32", "num_blocks": 128, "block_size": 16, **config}))
     seq = engine.add_request("r", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
     return engine.run_until_done()["r"], seq
 
@@ -53,7 +53,7 @@ def test_deepstack_changes_the_tokens_and_chunks_cutting_the_image_get_their_row
     pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
     expected = hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
     with deepstack_dropped(model_dir):  # hf_generate caches by its inputs: the uncached function here
-        without = list(_hf_generate.__wrapped__(model_dir, tuple(pp.prompt_ids), tuple(pp.images), MAX_NEW, False))
+        without = list(_hf_generate.__wrapped__(model_dir, tuple(pp.prompt_ids), tuple(pp.images), MAX_NEW, False)[0])
     assert without != expected  # not vacuous: the features move this prompt's greedy tokens
     (start, length), = builder.family.image_spans(pp.prompt_ids)
     assert start % 8 and length > 8  # 8-token chunks start and end inside the image
@@ -65,7 +65,7 @@ def test_prefix_hit_ending_inside_the_image(model_dir, builder):
     image = make_image(200, 120, seed=2)
     first = builder.prepare_text(PROMPTS[1], [image])
     second = builder.prepare_text(PROMPTS[6], [image])
-    engine = Engine(EngineConfig(model_dir, num_blocks=128, block_size=16))
+    engine = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=128, block_size=16))
     engine.add_request("a", first.prompt_ids, images=first.images, sampling=SamplingParams(max_tokens=MAX_NEW))
     engine.run_until_done()
     seq = engine.add_request("b", second.prompt_ids, images=second.images, sampling=SamplingParams(max_tokens=MAX_NEW))
@@ -79,13 +79,13 @@ def test_encoded_image_carries_its_deepstack_features_as_columns(model_dir, buil
     """What the transfer and the caches move: [tokens, hidden * (1 + DeepStack layers)], and an encoder's
     output prefilled on a text-only engine gives HF's tokens."""
     pp = builder.prepare_text(PROMPTS[5], [make_image(150, 100, seed=7)])
-    encoder = Engine(EngineConfig(model_dir, num_blocks=16, parts="vision"))
+    encoder = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=16, parts="vision"))
     (encoded,) = encoder.encode(pp.images)
     config = encoder.runner.model.config
     layers = len(config.vision_config.deepstack_visual_indexes)
     assert layers == 2 and encoded.embeds.shape == (pp.prompt_ids.count(config.image_token_id),
                                                     config.text_config.hidden_size * (1 + layers))
-    prefill = Engine(EngineConfig(model_dir, num_blocks=64, parts="text"))
+    prefill = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=64, parts="text"))
     prefill.add_request("r", pp.prompt_ids, encoded=[encoded], sampling=SamplingParams(max_tokens=MAX_NEW))
     assert prefill.run_until_done()["r"] == hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
 
@@ -127,7 +127,7 @@ def test_ragged_batch_of_video_image_and_text(model_dir, builder):
     prompts = {"video": video_prompt(builder, [{"type": "video", "video": frames}], PROMPTS[2]),
                "image": builder.prepare_text(PROMPTS[3], [make_image(150, 100, seed=7)]),
                "text": builder.prepare_text(PROMPTS[4])}
-    engine = Engine(EngineConfig(model_dir, num_blocks=128, block_size=16, max_num_batched_tokens=48))
+    engine = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=128, block_size=16, max_num_batched_tokens=48))
     for rid, pp in prompts.items():
         engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
     out = engine.run_until_done()
@@ -140,7 +140,7 @@ def test_prefix_hit_inside_the_video_and_encoded_elsewhere(model_dir, builder):
     frames = make_frames(120, 90, 6, seed=4)
     first = video_prompt(builder, [{"type": "video", "video": frames}], PROMPTS[1])
     second = video_prompt(builder, [{"type": "video", "video": frames}], PROMPTS[6])
-    engine = Engine(EngineConfig(model_dir, num_blocks=128, block_size=16))
+    engine = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=128, block_size=16))
     engine.add_request("a", first.prompt_ids, images=first.images, sampling=SamplingParams(max_tokens=MAX_NEW))
     engine.run_until_done()
     seq = engine.add_request("b", second.prompt_ids, images=second.images, sampling=SamplingParams(max_tokens=MAX_NEW))
@@ -149,9 +149,9 @@ def test_prefix_hit_inside_the_video_and_encoded_elsewhere(model_dir, builder):
     assert runs[0][0] < seq.num_cached_tokens < runs[-1][0] + runs[-1][1]
     assert out == hf_generate_visual(model_dir, second.prompt_ids, [frames], MAX_NEW)
     # the disaggregated path: a vision-only engine encodes, a text-only engine prefills and decodes
-    (encoded,) = Engine(EngineConfig(model_dir, num_blocks=16, parts="vision")).encode(second.images)
+    (encoded,) = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=16, parts="vision")).encode(second.images)
     assert encoded.grid_thw == builder.family.video_grid(second.image_sizes[0])
-    prefill = Engine(EngineConfig(model_dir, num_blocks=64, parts="text"))
+    prefill = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=64, parts="text"))
     prefill.add_request("r", second.prompt_ids, encoded=[encoded], sampling=SamplingParams(max_tokens=MAX_NEW))
     assert prefill.run_until_done()["r"] == out
 

@@ -30,7 +30,7 @@ def builder(model_dir) -> PromptBuilder:
 
 
 def new_engine(model_dir: str, **overrides) -> Engine:
-    cfg = {"num_blocks": 512, "block_size": 16, "max_num_batched_tokens": 4096, **overrides}
+    cfg = {"dtype": "float32", "num_blocks": 512, "block_size": 16, "max_num_batched_tokens": 4096, **overrides}
     return Engine(EngineConfig(model_dir, **cfg))
 
 

@@ -32,7 +32,7 @@ def llava(tiny_model_dirs) -> str:
 
 
 def new_engine(model_dir: str, **overrides) -> Engine:
-    return Engine(EngineConfig(model_dir, **{"num_blocks": 256, "block_size": 16, **overrides}))
+    return Engine(EngineConfig(model_dir, **{"dtype": "float32", "num_blocks": 256, "block_size": 16, **overrides}))
 
 
 def video_prompt(builder: PromptBuilder, parts: list, text: str):

@@ -122,7 +122,7 @@ def rotary_fused(module) -> bool:
 def fused_counts(model_dir: str, **cfg) -> tuple[int, int, int, int]:
     """An engine's fused RMSNorms, fused MLPs and attention layers with the fused rotary embedding, and
     its language model's layer count."""
-    model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner.model
+    model = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **{"dtype": "float32", **cfg})).runner.model
     return (sum(isinstance(m, fused_ops.FusedRMSNorm) for m in model.modules()),
             sum(isinstance(m, fused_ops.FusedMLP) for m in model.modules()),
             sum(rotary_fused(m) for m in model.modules()),

@@ -17,8 +17,8 @@ BS = 16
 def test_handed_back_reply_blocks_are_a_prefix_hit_for_the_next_turn(tiny_model_dirs, arch):
     model = str(tiny_model_dirs[arch])
     pp = PromptBuilder(model).prepare_text(PROMPTS[1], [make_image(150, 110, seed=5)])
-    prefill = Engine(EngineConfig(model, num_blocks=128, block_size=BS))
-    decode = Engine(EngineConfig(model, num_blocks=96, block_size=BS))
+    prefill = Engine(EngineConfig(model, dtype="float32", num_blocks=128, block_size=BS))
+    decode = Engine(EngineConfig(model, dtype="float32", num_blocks=96, block_size=BS))
     prefill.add_request("t1", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=40, ignore_eos=True),
                         prefill_only=True)
     first = prefill.run_until_done()["t1"]

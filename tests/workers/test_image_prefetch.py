@@ -61,7 +61,7 @@ def test_the_engine_encodes_an_image_decoded_ahead_as_it_would_decode_it(tiny_mo
     from mserve.common.video import visual_hash
     from mserve.workers.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(str(tiny_model_dirs["llava"])))
+    engine = Engine(EngineConfig(str(tiny_model_dirs["llava"]), dtype="float32"))
     image = make_image(96, 80, seed=4)
     want = engine.encode([image])[0].embeds
     h = visual_hash(image)
@@ -84,7 +84,7 @@ def test_an_image_processed_ahead_embeds_as_on_the_loop(family, tiny_model_dirs)
     from mserve.workers.engine import Engine, EngineConfig
     from mserve.workers.model_runner import PreparedImage
 
-    engine = Engine(EngineConfig(str(tiny_model_dirs[family])))
+    engine = Engine(EngineConfig(str(tiny_model_dirs[family]), dtype="float32"))
     a, b = make_image(96, 80, seed=4), make_image(150, 60, seed=6)
     want = [e.embeds for e in engine.encode([a, b])]
     prepared = engine.runner.prepare_image(engine.decode_visual(a))

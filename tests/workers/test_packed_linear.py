@@ -62,7 +62,7 @@ def _counter(tiny_model_dirs, sizes):
     model_dir = str(tiny_model_dirs["llava"])
 
     def count(**cfg):
-        runner = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg)).runner
+        runner = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **{"dtype": "float32", **cfg})).runner
         sizes.append(runner.weight_bytes() / runner.dtype.itemsize)  # weights, packed or not, in values
         return sum(isinstance(m, packed_linear.PackedLinear) for m in runner.model.modules()), \
             sum(type(m) is nn.Linear for m in runner.model.modules())

@@ -150,7 +150,7 @@ def test_engine_decodes_hf_tokens_with_and_without_the_kernel(kernel, tiny_model
     for i in range(5):
         images = [make_image(90 + 30 * i, 70 + 20 * i, seed=i)] if i % 2 else []
         requests[f"r{i}"] = builder.prepare_text(PROMPTS[i % len(PROMPTS)], images)
-    engine = Engine(EngineConfig(model_dir, num_blocks=256, block_size=16))
+    engine = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=256, block_size=16))
     for rid, pp in requests.items():
         engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=12))
     results = engine.run_until_done()

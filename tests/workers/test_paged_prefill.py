@@ -221,8 +221,8 @@ def test_only_padded_bf16_routes_the_vision_tower(tiny_model_dirs):
     from tests.helpers import make_image
 
     impl = {}
-    for name, cfg in {"padded": dict(dtype="bfloat16", exact_attention=False), "exact": dict(dtype="bfloat16"),
-                      "float32": dict(exact_attention=False)}.items():
+    for name, cfg in {"padded": dict(dtype="bfloat16", exact_attention=False), "exact": dict(dtype="bfloat16", exact_attention=True),
+                      "float32": dict(dtype="float32", exact_attention=False)}.items():
         engine = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16, **cfg))
         impl[name] = engine.runner.model.config.vision_config._attn_implementation
     assert impl == {"padded": paged_prefill.VISION_ATTN_IMPLEMENTATION, "exact": "sdpa", "float32": "sdpa"}
@@ -232,7 +232,7 @@ def test_only_padded_bf16_routes_the_vision_tower(tiny_model_dirs):
     got = [e.embeds.float() for e in runner.encode_visuals(images)]
     runner.model.config.vision_config._attn_implementation = "sdpa"
     sdpa = [e.embeds.float() for e in runner.encode_visuals(images)]
-    reference = Engine(EngineConfig(model_dir, num_blocks=64, block_size=16))  # float32: what both approximate
+    reference = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=64, block_size=16))  # float32: what both approximate
     want = [e.embeds for e in reference.runner.encode_visuals(images)]
     for k, s_, w in zip(got, sdpa, want):  # the kernel's bf16 error is SDPA's bf16 error, give or take
         assert k.shape == w.shape

@@ -24,7 +24,7 @@ def test_index_equals_pool_through_churn_and_evicted_prompts_stay_exact(tiny_mod
                "b": builder.prepare_text(PROMPTS[2], [image_b]), "ab": builder.prepare_text(PROMPTS[3], [image_a, image_b])}
     longest = max(len(p.prompt_ids) for p in prompts.values())
     # Room for about two prompts at once: every new prompt evicts some cached blocks.
-    engine = Engine(EngineConfig(model, num_blocks=2 * (longest + MAX_NEW) // 16 + 2, block_size=16))
+    engine = Engine(EngineConfig(model, dtype="float32", num_blocks=2 * (longest + MAX_NEW) // 16 + 2, block_size=16))
     down = RedisStore("redis://127.0.0.1:1/0", socket_timeout_s=0.2)  # nothing listens there
     store = RedisStore(redis_url)
     pub = PrefixIndexPublisher(down, "m", "w0", engine.pool, every_s=0)

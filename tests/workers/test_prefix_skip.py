@@ -24,7 +24,7 @@ def model_dir(request, tiny_model_dirs) -> str:
 def turns(model_dir):
     """Turn 1's prompt (an image, then text) and turn 2's: turn 1, its reply and a follow-up question."""
     pp = PromptBuilder(model_dir).prepare_text(PROMPTS[4], [make_image(200, 150, seed=7)])
-    engine = Engine(EngineConfig(model_dir, num_blocks=64, block_size=BS))
+    engine = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=64, block_size=BS))
     engine.add_request("t1", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
     reply = engine.run_until_done()["t1"]
     follow_up = PromptBuilder(model_dir).tokenizer.encode(" And the sky?", add_special_tokens=False)
@@ -33,7 +33,7 @@ def turns(model_dir):
 
 def after_turn_one(model_dir, turns, **overrides) -> Engine:
     first, _, images = turns
-    engine = Engine(EngineConfig(model_dir, **{"num_blocks": 64, "block_size": BS, **overrides}))
+    engine = Engine(EngineConfig(model_dir, **{"dtype": "float32", "num_blocks": 64, "block_size": BS, **overrides}))
     engine.add_request("t1", first, images=images, sampling=SamplingParams(max_tokens=MAX_NEW))
     engine.run_until_done()
     return engine

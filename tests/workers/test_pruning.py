@@ -39,7 +39,7 @@ def llava(tiny_model_dirs) -> str:
 @pytest.fixture(scope="module")
 def model(llava):
     """One loaded copy of the weights, shared by every engine below (each with its own ratio)."""
-    return load_vlm(llava)
+    return load_vlm(llava, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def images() -> list[bytes]:
 
 
 def engine(llava: str, model, ratio: float | None) -> Engine:
-    return Engine(EngineConfig(llava, num_blocks=128, visual_token_pruning=ratio), model=model)
+    return Engine(EngineConfig(llava, dtype="float32", num_blocks=128, visual_token_pruning=ratio), model=model)
 
 
 def run(llava: str, model, ratio: float | None, images: list[bytes]) -> tuple[list[int], list[int]]:
@@ -153,7 +153,7 @@ def test_refusals_name_the_setting(tiny_model_dirs):
     with pytest.raises(PruningError, match=r"--visual-token-pruning.*qwen2_vl"):
         PromptBuilder(qwen, visual_token_pruning=0.5)
     with pytest.raises(PruningError, match="--visual-token-pruning"):  # before any weight is loaded
-        Engine(EngineConfig(qwen, visual_token_pruning=0.5))
+        Engine(EngineConfig(qwen, dtype="float32", visual_token_pruning=0.5))
     PromptBuilder(qwen, visual_token_pruning="off")  # off is fine for every family
     for cls, extra in ((WorkerSettings, {"role": "encode"}), (CoordinatorSettings, {})):
         with pytest.raises(ValidationError, match="visual_token_pruning"):

@@ -88,7 +88,7 @@ def test_encode_worker_refuses_other_roles_and_encodes_exactly(tiny_model_dirs, 
         assert kind is MsgType.ENCODED, payload
         encoded = Encoded.from_body(payload)
         got = receiver.fetch(encoded.descriptor, timeout_s=30)["img0"]
-        want = Engine(EngineConfig(model)).encode([image])[0].embeds
+        want = Engine(EngineConfig(model, dtype="float32")).encode([image])[0].embeds
         assert encoded.images[0].tokens == want.shape[0]
         assert torch.equal(got, want)
     finally:

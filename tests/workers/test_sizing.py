@@ -218,13 +218,13 @@ def test_settings_from_environment(checkpoints, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_cpu_worker_sizes_against_device_memory_gb(checkpoints, arch):
-    s = _settings(checkpoints[arch], gpu_memory_fraction=0.5, device_memory_gb=2.0, max_num_seqs=8)
+    s = _settings(checkpoints[arch], gpu_memory_fraction=0.5, device_memory_gb=2.0, max_num_seqs=8, dtype="float32")
     n = sizing.partition_worker(s, "text")
     g = sizing.read_geometry(checkpoints[arch])
     counts = sizing.parameter_counts(checkpoints[arch])
     reserve = sizing.WORKSPACE_BYTES + 2048 * (4 * g.hidden_size + 3 * g.intermediate_size) * 4 + 8 * g.vocab_size * 8
     expected = int((GIB - counts["text"] * 4 - reserve) / (1 + 1 / g.num_layers)) // g.block_bytes(16, 4)
-    assert n == expected > s.num_blocks  # float32 on CPU; far more than the default 2048 for a tiny model
+    assert n == expected > s.num_blocks  # float32; far more than the default 2048 for a tiny model
     assert sizing.partition_worker(s, "vision") == s.num_blocks  # an encoder keeps no KV pool
 
 
@@ -235,10 +235,10 @@ def test_cuda_branch_reads_the_device_and_caps_the_allocator(checkpoints, monkey
     caps = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * GIB))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: caps.append((f, i)))
-    s = _settings(checkpoints["llava"], device="cuda", gpu_memory_fraction=0.5)
+    s = _settings(checkpoints["llava"], device="cuda", gpu_memory_fraction=0.5, dtype="auto")
     n = sizing.partition_worker(s, "text")
     assert n == sizing.plan_for_model(checkpoints["llava"], total_bytes=80 * GIB, fraction=0.5,
-                                      dtype_bytes=2).num_blocks  # bfloat16 on CUDA
+                                      dtype_bytes=2).num_blocks  # auto: bfloat16 on CUDA for a float32 checkpoint
     assert caps == [(0.5, 0)]
     s = _settings(checkpoints["llava"], device="cuda:1", gpu_memory_fraction=0.5, device_memory_gb=40)
     sizing.partition_worker(s, "text")

@@ -17,7 +17,7 @@ from tests.helpers import make_image
 def test_llava_runs_its_tower_up_to_the_feature_layer_only(tiny_model_dirs):
     model_dir = str(tiny_model_dirs["llava"])
     full = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    trimmed = load_vlm(model_dir)
+    trimmed = load_vlm(model_dir, dtype="float32")
     n = len(full.model.vision_tower.encoder.layers)
     assert full.config.vision_feature_layer == -2  # LLaVA-1.5's penultimate layer
     assert len(trimmed.model.vision_tower.encoder.layers) == n - 1
@@ -33,7 +33,7 @@ def test_llava_runs_its_tower_up_to_the_feature_layer_only(tiny_model_dirs):
 def test_a_tower_whose_last_layer_is_read_keeps_every_layer(tiny_model_dirs):
     model_dir = str(tiny_model_dirs["mistral3"])  # Pixtral: vision_feature_layer -1
     full = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    trimmed = load_vlm(model_dir)
+    trimmed = load_vlm(model_dir, dtype="float32")
     assert trimmed.config.vision_feature_layer == full.config.vision_feature_layer
     assert sum(p.numel() for p in trimmed.parameters()) == sum(p.numel() for p in full.parameters())
 
