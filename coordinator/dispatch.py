@@ -31,7 +31,8 @@ from mserve.coordinator.recent_prefixes import SKIP_HORIZON_S
 from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
                                         RequestTable, Stage, stage_message)
 from mserve.coordinator.routing import (WorkerView, alive, pipeline_for, prefix_covered, route_decode, route_encode,
-                                        route_local_prefill, route_prefill, route_unified, spread_encode)
+                                        route_lend_adaptive, route_local_prefill, route_prefill, route_unified,
+                                        spread_encode)
 from mserve.coordinator.single_flight import Parked, SingleFlight
 from mserve.coordinator.stage_queues import StageQueues, takers
 
@@ -196,13 +197,14 @@ class Dispatcher:
         (routing.route_local_prefill): it decodes the request on where it prefilled it. Not for a
         request whose images are still encoding in parts (EMBEDDINGS follow only to prefill workers)
         or whose tokens the workers stream to the client themselves (a PREFILL carries no token route)."""
-        n = self.settings.local_prefill_tokens
-        if chosen is None or n <= 0 or st.parts or self.settings.token_report_every > 1:
+        n, adaptive = self.settings.local_prefill_tokens, self.settings.adaptive_lending
+        if chosen is None or (n <= 0 and not adaptive) or st.parts or self.settings.token_report_every > 1:
             return None
         a = st.admitted
         need = request_blocks(len(a.prompt_ids), a.request.sampling.max_tokens, self.members.block_size)
-        local = route_local_prefill(chosen, self._draw(alive(self.members.routable(), "decode")),
-                                    len(a.prompt_ids), need, n)
+        decoders = self._draw(alive(self.members.routable(), "decode"))
+        local = (route_lend_adaptive(chosen, decoders, len(a.prompt_ids), need) if adaptive
+                 else route_local_prefill(chosen, decoders, len(a.prompt_ids), need, n))
         if local is not None:
             self.stats["local_prefills"] += 1
         return local

@@ -102,6 +102,8 @@ class MachineSettings:
     # A prefill worker with this many prompt tokens waiting lends the next prompt to a decode worker
     # with fewer, which prefills and decodes it (dispatch.py `_local_prefill`); 0: never.
     local_prefill_tokens: int = 0
+    # Lend by routing.route_lend_adaptive instead: only where the time saved exceeds the time it costs.
+    adaptive_lending: bool = False
     # Admission counts placeholders at this keep ratio: encoding workers must prune to the same one.
     visual_token_pruning: float | None = None
 

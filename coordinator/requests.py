@@ -80,13 +80,14 @@ class RequestMachine:
                  class_aging_s: float = CLASS_AGING_S, spread_encode: bool = True, route_choices: int = 0,
                  seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
                  encode_leases: Leases | None = None, shard_id: str = "coordinator",
-                 prefix_skip: bool = True, local_prefill_tokens: int = 0, adaptive_pruning: AdaptivePruning | None = None) -> None:
+                 prefix_skip: bool = True, local_prefill_tokens: int = 0, adaptive_pruning: AdaptivePruning | None = None,
+                 adaptive_lending: bool = False) -> None:
         self.settings = MachineSettings(
             stage_timeout_s=stage_timeout_s, dead_after_s=dead_after_s, max_attempts=max_attempts,
             max_waiting_requests=max_waiting_requests, kv_hand_back=kv_hand_back,
             max_stages_per_worker=max_stages_per_worker, spread_encode=spread_encode, route_choices=route_choices,
             token_report_every=token_report_every, visual_token_pruning=visual_token_pruning, prefix_skip=prefix_skip,
-            local_prefill_tokens=local_prefill_tokens)
+            local_prefill_tokens=local_prefill_tokens, adaptive_lending=adaptive_lending)
         self.rng = random.Random(seed)
         self.first_tokens = FirstTokenRate()
         self.telemetry = Telemetry()

@@ -135,6 +135,30 @@ def route_local_prefill(prefill: WorkerView, workers: Iterable[WorkerView], prom
     return min(fits, key=lambda w: (w.inflight_tokens, w.busy, w.worker_id), default=None)
 
 
+def route_lend_adaptive(prefill: WorkerView, workers: Iterable[WorkerView], prompt_tokens: int,
+                        blocks_needed: int) -> WorkerView | None:
+    """A decode worker to prefill this prompt on and decode it there, or None: lent only where the time the
+    prompt saves exceeds the time it costs the requests already on that decode worker.
+
+    Both sides are counted in prompt tokens of compute, so no rate is needed (the prefill and decode
+    workers run the same model on the same kind of cores): on the prefill worker this prompt waits for
+    the `inflight_tokens` queued there; on decode worker `w` for `w.inflight_tokens`; the gain is the
+    difference. Its own `prompt_tokens` of compute, run in `w`'s steps, hold back every request `w` holds
+    (coordinator-assigned or reported, whichever is more): the cost is their number times the prompt.
+    So a decode worker that is busy (the decode-heavy regime, where lending cost 9-27 % of throughput) is
+    lent nothing, while prompts queue at a prefill pool that is behind (where lending cut the image
+    tail from ~9 s to ~2.4 s) go where they start soonest (bench/README.md, "Adaptive lending")."""
+    best, best_margin = None, 0
+    for w in alive(workers, "decode"):
+        if w.total_blocks and w.spare_blocks < blocks_needed:
+            continue
+        held = max(w.inflight, w.running + w.queue_len)
+        margin = (prefill.inflight_tokens - w.inflight_tokens) - held * prompt_tokens
+        if margin > best_margin or (best is not None and margin == best_margin and w.worker_id < best.worker_id):
+            best, best_margin = w, margin
+    return best
+
+
 def prefix_covered(ends: Sequence[int | None], prompt_tokens: int, hit_blocks: int, block_size: int) -> list[int]:
     """The images (by index) whose whole placeholder range, ending at `ends[i]` (None: never skipped), lies
     in the `hit_blocks` leading prompt blocks a prefill worker holds: it needs no embeddings for them.

@@ -85,7 +85,7 @@ class Coordinator:
             kv_hand_back=settings.kv_hand_back, max_stages_per_worker=settings.max_stages_per_worker,
             class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode, prefix_skip=settings.prefix_skip,
             route_choices=settings.route_choices, token_report_every=settings.token_report_every,
-            local_prefill_tokens=settings.local_prefill_tokens,
+            local_prefill_tokens=settings.local_prefill_tokens, adaptive_lending=settings.adaptive_lending,
             detokenize=builder.decode, visual_token_pruning=settings.visual_token_pruning,
             encode_single_flight=settings.encode_single_flight, shard_id=self._shard_owner,
             encode_leases=RedisEncodeLeases(self.redis.store, name, self.redis.lane) if self.redis else None,

@@ -79,6 +79,10 @@ class CoordinatorSettings(BaseSettings):
     # the next prompt to a decode worker with room and fewer waiting, which prefills it and decodes it
     # on (no KV transfer). 0: never, every prompt goes to the prefill pool.
     local_prefill_tokens: int = Field(0, ge=0)
+    # Adaptive lending: lend a prompt to a decode worker only where the time it saves there exceeds the
+    # time its compute costs the requests that worker holds (routing.route_lend_adaptive); overrides
+    # local_prefill_tokens' fixed threshold.
+    adaptive_lending: bool = False
     # Admission limits (common/policy.py `Limits` says what each bounds).
     max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
     max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels

@@ -250,6 +250,16 @@ def test_a_prompt_lent_to_a_decode_worker_is_prefilled_and_decoded_there():
     assert only(h.submit(make_admitted("c")), MsgType.PREFILL, "p0")
 
 
+def test_adaptive_lending_lends_to_an_idle_decode_worker_once_prompts_wait_at_prefill():
+    h = Harness(("p0", "prefill"), ("d0", "decode"), adaptive_lending=True)
+    only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")  # nothing waits at p0: nothing to save
+    lent = only(h.submit(make_admitted("b", stream=True)), MsgType.PREFILL, "d0")  # 20 tokens wait at p0
+    assert h.m.status()["stats"]["local_prefills"] == 1 and h.m.members.get("d0").inflight_tokens == 20
+    # d0 now holds one request: a third prompt would save 20 - 20 = 0 tokens there, and cost it 20.
+    only(h.submit(make_admitted("c")), MsgType.PREFILL, "p0")
+    assert lent.body["prompt_ids"] == list(range(100, 120))
+
+
 def test_a_lent_prompt_that_fails_reruns_and_a_stale_first_token_is_ignored():
     h = Harness(("p0", "prefill"), ("d0", "decode"), local_prefill_tokens=1)
     only(h.submit(make_admitted("a")), MsgType.PREFILL, "p0")

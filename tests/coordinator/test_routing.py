@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from mserve.coordinator.routing import (WorkerView, pipeline_for, prefix_covered, route_decode, route_encode,
-                                        route_local_prefill, route_prefill, route_unified, spread_encode)
+                                        route_lend_adaptive, route_local_prefill, route_prefill, route_unified,
+                                        spread_encode)
 
 
 def w(wid: str, role: str, **kw) -> WorkerView:
@@ -15,6 +16,31 @@ def test_encode_prefers_the_worker_holding_the_images_then_the_least_busy():
     assert route_encode(ws, ["a"], {}).worker_id == "e1"
     assert route_encode(ws, ["a", "b"], {"a": {"e2"}, "b": {"e2", "e0"}}).worker_id == "e2"
     assert route_encode([w("e0", "encode", alive=False)], ["a"], {}) is None
+
+
+def test_adaptive_lending_lends_where_the_time_saved_exceeds_what_it_costs_the_decode_worker():
+    """Prefill-heavy: prompts queue at the prefill worker while a decode worker holds little; decode-heavy:
+    the decode worker holds a full batch and the prefill worker keeps up. Counted in prompt tokens."""
+    idle = w("d0", "decode", free_blocks=100, total_blocks=100)
+    one = w("d1", "decode", free_blocks=100, total_blocks=100, inflight=1, inflight_tokens=0)
+    # Prefill-heavy: 4 prompts of 700 queued at p0. Lent to the idle decode worker (saves 2,800 tokens of
+    # waiting, costs nobody anything) before the one holding a request (saves 2,800, costs 700).
+    behind = w("p0", "prefill", inflight_tokens=2800)
+    assert route_lend_adaptive(behind, [one, idle], 700, 50).worker_id == "d0"
+    assert route_lend_adaptive(behind, [one], 700, 50).worker_id == "d1"
+    # Decode-heavy: 16 requests decoding (reported running, or the coordinator's own count), p0 keeping up.
+    busy = [w("d0", "decode", free_blocks=100, total_blocks=100, running=16),
+            w("d1", "decode", free_blocks=100, total_blocks=100, inflight=16)]
+    assert route_lend_adaptive(w("p0", "prefill", inflight_tokens=700), busy, 700, 50) is None
+    # Even with a backlog, a full batch's delay outweighs what one prompt saves: 2,800 < 16 x 700.
+    assert route_lend_adaptive(behind, busy, 700, 50) is None
+    # Nothing queued at the prefill worker: nothing to save, whatever the decode worker holds.
+    assert route_lend_adaptive(w("p0", "prefill"), [idle], 700, 50) is None
+    # Room for the whole request, and alive, or not at all.
+    assert route_lend_adaptive(behind, [w("d0", "decode", free_blocks=10, total_blocks=100)], 700, 50) is None
+    assert route_lend_adaptive(behind, [w("d0", "decode", alive=False)], 700, 50) is None
+    # A decode worker with as much prompt work queued as the prefill worker saves nothing.
+    assert route_lend_adaptive(behind, [w("d0", "decode", inflight_tokens=2800)], 700, 50) is None
 
 
 def test_prefill_balances_pending_tokens_and_credits_cached_prefixes():

@@ -42,7 +42,8 @@ from lab.sim.costs import Costs
 from lab.sim.workers import DecodeWorker, EncodeWorker, PrefillWorker, Req, Worker
 from lab.sim.workload import SimRequest
 from mserve.common.policy import request_blocks
-from mserve.coordinator.routing import WorkerView, route_decode, route_encode, route_local_prefill, route_prefill
+from mserve.coordinator.routing import (WorkerView, route_decode, route_encode, route_lend_adaptive, route_local_prefill,
+                                       route_prefill)
 from mserve.coordinator.settings import CoordinatorSettings
 
 # How the per-request coordinator CPU is spread over the messages that carry it (stated assumption:
@@ -174,11 +175,12 @@ class Coordinator:
         """A decode worker to prefill the prompt on (coordinator/dispatch.py `_local_prefill`), or None.
         Never while workers stream tokens to the client themselves, as there."""
         cl = self.cl
-        if prefill is None or cl.local_prefill_tokens <= 0 or not cl.stream_via_coordinator:
+        if prefill is None or not (cl.local_prefill_tokens > 0 or cl.adaptive_lending) or not cl.stream_via_coordinator:
             return None
         need = request_blocks(q.r.prompt_tokens, q.r.max_tokens, cl.costs.kv_blocks[1])
-        v = route_local_prefill(prefill, self.by_role.get("decode", []), q.r.prompt_tokens, need,
-                                cl.local_prefill_tokens)
+        decoders = self.by_role.get("decode", [])
+        v = (route_lend_adaptive(prefill, decoders, q.r.prompt_tokens, need) if cl.adaptive_lending
+             else route_local_prefill(prefill, decoders, q.r.prompt_tokens, need, cl.local_prefill_tokens))
         if v is not None:
             q.lent = True
             self.lent += 1
@@ -260,6 +262,7 @@ class Cluster:
     routing: str = "least"  # "least": routing.py over every worker; "p2c": the same rule over 2 sampled workers
     # The coordinator's lending backlog (coordinator/settings.py, its default): 0, never lend.
     local_prefill_tokens: int = CoordinatorSettings.model_fields["local_prefill_tokens"].default
+    adaptive_lending: bool = CoordinatorSettings.model_fields["adaptive_lending"].default
     loop: Loop = field(default_factory=Loop)
 
     def __post_init__(self) -> None:

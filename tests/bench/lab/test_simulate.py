@@ -189,3 +189,24 @@ def test_the_model_lends_prompts_to_decode_workers_as_the_coordinator_does():
     assert lent["output_throughput"] / lent["request_throughput"] == pytest.approx(
         off["output_throughput"] / off["request_throughput"])  # every request its max_tokens either way
     assert lent["ttft_ms"]["p99"] < 0.8 * off["ttft_ms"]["p99"]
+
+
+@pytest.mark.parametrize("regime, costs_over", [
+    ("prefill-heavy", {"prefill__per_token_s": 1e-3}),  # 0.2 s a prompt, 5 ms decode steps
+    ("decode-heavy", {"prefill__per_token_s": 2e-5, "decode__step_s": 0.05, "decode__per_seq_s": 0.005}),
+])
+def test_adaptive_lending_lends_where_prefill_is_behind_and_not_where_decode_is_busy(regime, costs_over):
+    """The coordinator's --adaptive-lending (routing.route_lend_adaptive) in the model: where prompts queue at
+    the prefill worker it lends and cuts the tail; where decode is the slower stage it lends little and
+    costs at most a few per cent of throughput; every request gets all its tokens either way."""
+    costs = make_costs(**costs_over)
+    reqs = trace(costs, "text", 32, words=200)
+    off = simulate(costs, reqs, max_concurrency=16)
+    adaptive = simulate(costs, reqs, max_concurrency=16, adaptive_lending=True)
+    assert off["completed"] == adaptive["completed"] == 32
+    if regime == "prefill-heavy":
+        assert adaptive["prompts_lent"] >= 8 and adaptive["ttft_ms"]["p99"] < 0.8 * off["ttft_ms"]["p99"]
+        assert adaptive["request_throughput"] > off["request_throughput"]
+    else:
+        assert adaptive["prompts_lent"] <= 8  # in the opening burst only, while the decode worker holds little
+        assert adaptive["request_throughput"] >= 0.95 * off["request_throughput"]
