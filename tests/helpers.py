@@ -129,7 +129,7 @@ def hf_generate_visual(model_dir: str, prompt_ids: Sequence[int], items: Sequenc
     key = tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in items)
     meta = tuple(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in m.items()))
                  for m in video_metadata or ())
-    return list(_hf_generate_visual(str(model_dir), tuple(prompt_ids), key, max_new_tokens, meta))
+    return list(_hf_generate_visual(str(model_dir), tuple(prompt_ids), key, max_new_tokens, meta)[0])
 
 
 def _second_per_grid_ts(videos: list, metadata: tuple, temporal_patch_size: int) -> torch.Tensor:
@@ -153,6 +153,7 @@ def _pil(data: bytes) -> Image.Image:
 @lru_cache(maxsize=256)
 def _hf_generate_visual(model_dir: str, prompt_ids: tuple[int, ...], items: tuple, max_new_tokens: int,
                         metadata: tuple = ()):
+    """(generated ids, each step's top-2 logits), as _hf_generate."""
     import copy
 
     from mserve.common.model import load_family

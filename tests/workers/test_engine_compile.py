@@ -59,4 +59,5 @@ def test_compiled_decode_gives_hf_tokens(model_dir):
 
 def test_compile_refuses_exact_length_attention(tiny_model_dirs):
     with pytest.raises(ValueError, match="exact_attention"):
-        Engine(EngineConfig(str(tiny_model_dirs["llava"]), dtype="bfloat16", num_blocks=64, compile=True))
+        Engine(EngineConfig(str(tiny_model_dirs["llava"]), dtype="bfloat16", exact_attention=True, num_blocks=64,
+                            compile=True))

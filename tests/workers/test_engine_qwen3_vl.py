@@ -116,7 +116,7 @@ def test_video_and_image_chunked_with_deepstack_at_the_video_rows(model_dir, bui
     assert len(runs) == 1 + 3 and builder.tokenizer.decode(pp.prompt_ids).count(" seconds>") == 3
     expected = hf_generate_visual(model_dir, pp.prompt_ids, [image, frames], MAX_NEW)
     with deepstack_dropped(model_dir):
-        without = list(_hf_generate_visual.__wrapped__(model_dir, tuple(pp.prompt_ids), (image, tuple(frames)), MAX_NEW))
+        without = list(_hf_generate_visual.__wrapped__(model_dir, tuple(pp.prompt_ids), (image, tuple(frames)), MAX_NEW)[0])
     assert without != expected
     assert run(model_dir, pp)[0] == expected
     assert run(model_dir, pp, max_num_batched_tokens=8)[0] == expected
