@@ -22,11 +22,11 @@ from mserve.common.families import FamilyRules, rules_for
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "internvl", "smolvlm",
-                      "idefics3", "qwen3_vl")
+                      "idefics3", "qwen3_vl", "qwen3_vl_moe")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
-# second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL: with its per-frame-group
+# second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
 # timestamps as text, common/families/qwen3_vl.py).
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "

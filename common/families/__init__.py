@@ -46,4 +46,5 @@ def rules_for(model_type: str | None) -> FamilyRules:
     from mserve.common.families import gemma3, pixtral, qwen3_vl, tiled
 
     return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "internvl": tiled.INTERNVL, "smolvlm": tiled.SMOLVLM,
-            "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES}.get(model_type or "", FamilyRules())
+            "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
+            "qwen3_vl_moe": qwen3_vl.RULES}.get(model_type or "", FamilyRules())
