@@ -56,6 +56,8 @@ NESTED_TEXT_TYPES = {
     "internvl": "qwen2",
     "smolvlm": "llama",
     "idefics3": "llama",
+    "glm46v": "glm4v_text",
+    "glm4v": "glm4v_text",
 }
 
 # What transformers' config classes default to when a config.json leaves a key out (published llava-hf
