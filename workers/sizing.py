@@ -58,6 +58,7 @@ NESTED_TEXT_TYPES = {
     "idefics3": "llama",
     "glm46v": "glm4v_text",
     "glm4v": "glm4v_text",
+    "glm4v_moe": "glm4v_moe_text",
 }
 
 # What transformers' config classes default to when a config.json leaves a key out (published llava-hf

@@ -50,4 +50,5 @@ def rules_for(model_type: str | None) -> FamilyRules:
 
     return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "internvl": tiled.INTERNVL, "smolvlm": tiled.SMOLVLM,
             "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
-            "qwen3_vl_moe": qwen3_vl.RULES, "glm46v": glm4v.RULES, "glm4v": glm4v.RULES}.get(model_type or "", FamilyRules())
+            "qwen3_vl_moe": qwen3_vl.RULES, "glm46v": glm4v.RULES, "glm4v": glm4v.RULES,
+            "glm4v_moe": glm4v.RULES}.get(model_type or "", FamilyRules())

@@ -3,7 +3,9 @@
 GLM-4.6V (`glm46v`: zai-org/GLM-4.6V-Flash and its kind) and GLM-4.1V (`glm4v`: zai-org/GLM-4.1V-9B-Thinking)
 share the model code (Glm46VModel is Glm4vModel with AutoModel parts), the image processor (Qwen-like
 patches of 14 px, merged 2x2, but GLM's own smart_resize that sizes an image as two frames) and the
-processor's image expansion; they differ in config class, processor class and video tokens. The text
+processor's image expansion; they differ in config class, processor class and video tokens. GLM-4.5V
+(`glm4v_moe`) is GLM-4.1V's tower and processor with GLM-4.5-Air's mixture-of-experts text model: a dense
+first layer, then sigmoid-scored routed experts (top-k of them, renormalised) beside a shared expert. The text
 model rotates half of each head (partial_rotary_factor 0.5) with M-RoPE sections in the published
 8:12:12 share. Its video processor needs torchvision: its settings are written by hand, as for Qwen.
 """
@@ -86,13 +88,22 @@ def glm4v_config(dims: dict, tok, std: float):
     return _glm_config(dims, tok, std, "Glm4vConfig", "glm4v_text")
 
 
+def glm4v_moe_config(dims: dict, tok, std: float):
+    # Several routed experts, two chosen per token, plus the shared one; the first layer dense, as published
+    # (GLM-4.5V: 128 routed, 8 per token, 1 shared, first_k_dense_replace 1).
+    return _glm_config(dims, tok, std, "Glm4vMoeConfig", "glm4v_moe_text", moe_intermediate_size=dims["moe_inter"],
+                       n_routed_experts=dims["experts"], num_experts_per_tok=dims["experts_per_tok"],
+                       n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                       routed_scaling_factor=1.0, attention_bias=True)
+
+
 def _save_processor(out: Path, dims: dict, tok, layout: str, processor_class: str) -> None:
     """processor_config.json (image and video processors nested), tokenizer and template through the
     processor's save_pretrained; the hub's preprocessor_config.json / video_preprocessor_config.json too
     unless layout is "processor"."""
     import transformers
 
-    image_class = processor_class.replace("Processor", "ImageProcessorPil")
+    image_class = processor_class.replace("Processor", "ImageProcessorPil")  # GLM-4.5V's is GLM-4.1V's
     # The published settings at a tiny pixel budget: GLM's smart_resize counts an image as two frames.
     image_processor = getattr(transformers, image_class)(
         size={"shortest_edge": 112 * 112, "longest_edge": dims["max_pixels"]}, patch_size=GLM_PATCH, merge_size=2,
@@ -140,6 +151,14 @@ GLM46V = TinyFamily(
 GLM4V = TinyFamily(
     arch="glm4v", dims=_DIMS, init_std={"tiny": 0.15, "small": 0.15},
     tokenizer=glm4v_tokenizer, config=glm4v_config,
+    save_processor=lambda out, dims, tok, layout: _save_processor(out, dims, tok, layout, "Glm4vProcessor"),
+    generation_config=generation_config,
+)
+GLM4V_MOE = TinyFamily(
+    arch="glm4v_moe", dims={size: {**dims, **moe} for (size, dims), moe in zip(_DIMS.items(), (
+        dict(experts=8, experts_per_tok=2, moe_inter=64), dict(experts=16, experts_per_tok=4, moe_inter=344)))},
+    init_std={"tiny": 0.15, "small": 0.15},
+    tokenizer=glm4v_tokenizer, config=glm4v_moe_config,
     save_processor=lambda out, dims, tok, layout: _save_processor(out, dims, tok, layout, "Glm4vProcessor"),
     generation_config=generation_config,
 )

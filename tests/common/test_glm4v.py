@@ -16,7 +16,7 @@ from mserve.common.model import smart_resize
 from mserve.common.prompt import PromptBuilder
 from tests.helpers import make_frames, make_image
 
-ARCHS = ["glm46v", "glm4v"]
+ARCHS = ["glm46v", "glm4v", "glm4v_moe"]
 # Tiny (scaled up), square, wide, tall, extreme, over the pixel budget only as two frames, large.
 SIZES = [(20, 20), (27, 90), (56, 56), (100, 60), (60, 100), (300, 40), (40, 300), (1000, 30), (200, 150),
          (300, 250), (500, 500), (64, 700)]

@@ -15,7 +15,7 @@ from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
                "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
                "idefics3": "<image>", "qwen3_vl": "<|image_pad|>", "qwen3_vl_moe": "<|image_pad|>",
-               "glm46v": "<|image|>", "glm4v": "<|image|>"}
+               "glm46v": "<|image|>", "glm4v": "<|image|>", "glm4v_moe": "<|image|>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -24,19 +24,21 @@ ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLFo
                 "internvl": "InternVLForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
                 "idefics3": "Idefics3ForConditionalGeneration",
                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-                "glm46v": "Glm46VForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration"}
+                "glm46v": "Glm46VForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration",
+                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
              "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor",
              "gemma3": "Gemma3Processor", "internvl": "InternVLProcessor",
              "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor", "qwen3_vl": "Qwen3VLProcessor",
-             "qwen3_vl_moe": "Qwen3VLProcessor", "glm46v": "Glm46VProcessor", "glm4v": "Glm4vProcessor"}
+             "qwen3_vl_moe": "Qwen3VLProcessor", "glm46v": "Glm46VProcessor", "glm4v": "Glm4vProcessor",
+             "glm4v_moe": "Glm4vProcessor"}
 # Processors transformers' AutoProcessor hands out only with torchvision installed (a video processor, or
 # PixtralProcessor's module importing a helper from the torchvision image processor).
 NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3", "internvl", "smolvlm",
-                     "glm46v", "glm4v")
+                     "glm46v", "glm4v", "glm4v_moe")
 # Families whose test inputs come from mserve's processor build (common/processor.py).
-BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3", "glm46v", "glm4v")
-GLM = ("glm46v", "glm4v")
+BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3", "glm46v", "glm4v", "glm4v_moe")
+GLM = ("glm46v", "glm4v", "glm4v_moe")
 CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl")  # eos [<|im_end|>, <|endoftext|>]
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # one tower, processor and template; the MoE differs in its text MLPs
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None

@@ -44,7 +44,8 @@ def _settings(model: Path, **kw) -> WorkerSettings:
 # --------------------------------------------------------------------------- geometry and weights
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "gemma3", "internvl", "smolvlm", "qwen3_vl_moe", "glm46v"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "gemma3", "internvl", "smolvlm", "qwen3_vl_moe", "glm46v",
+                                  "glm4v_moe"])
 def test_geometry_is_the_checkpoints_text_model(checkpoints, arch):
     cfg = json.loads((checkpoints[arch] / "config.json").read_text())
     text = cfg["text_config"]  # the tiny families are saved with a nested text_config
