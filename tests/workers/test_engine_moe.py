@@ -10,6 +10,8 @@ and batched with other prompts, keeps HF's.
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 
 import pytest
 import torch
@@ -90,3 +92,21 @@ def test_top1_shortcut_changes_the_tokens_and_the_engine_keeps_every_expert(mode
     out = engine.run_until_done()
     assert out["image"] == expected
     assert out["text"] == hf_generate(model_dir, text.prompt_ids, [], MAX_NEW)
+
+
+def test_glm46v_class_over_per_expert_weights_is_refused_at_load(tiny_model_dirs, tmp_path):
+    """GLM-4.6V's config over GLM-4.5-Air's MoE text model, its experts saved one by one as transformers saves
+    them: Glm46VModel builds the MoE text model (AutoModel on text_config), but transformers fuses per-expert
+    weights only for glm4v_moe's model_type, so it leaves the experts newly initialized, different on every
+    load (HF's own generate with them). The engine refuses to load it, naming the weights."""
+    from mserve.common.processor import UnsupportedModelError
+    from mserve.workers.model_runner import load_vlm
+
+    folder = tmp_path / "glm46v-over-moe"
+    shutil.copytree(tiny_model_dirs["glm4v_moe"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="glm46v", architectures=["Glm46VForConditionalGeneration"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"transformers leaves 4 weights of Glm46VForConditionalGeneration "
+                                                    r"unloaded \(newly initialized\), e\.g\. model\.language_model\.layers\.1\.mlp\.experts"):
+        load_vlm(folder)
