@@ -14,7 +14,9 @@ from PIL import Image
 
 from mserve.common.model import smart_resize
 from mserve.common.prompt import PromptBuilder
-from tests.helpers import make_frames, make_image
+from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.sequence import SamplingParams
+from tests.helpers import PROMPTS, hf_generate, make_frames, make_image
 
 ARCHS = ["glm46v", "glm4v", "glm4v_moe"]
 # Tiny (scaled up), square, wide, tall, extreme, over the pixel budget only as two frames, large.
@@ -70,3 +72,14 @@ def test_video_is_refused_at_admission_naming_why(builder):
                                           {"type": "text", "text": "What happens?"}]}]
     with pytest.raises(ValueError, match="GLM-4V video .* is not built by mserve yet"):
         builder.prepare(video)
+
+
+def test_two_images_in_chunks_ending_inside_them_give_hf_tokens(builder):
+    """Each GLM class through the engine once (the generic oracle runs glm46v and glm4v_moe in full)."""
+    pp = builder.prepare_text(PROMPTS[3], [make_image(300, 250, seed=5), make_image(60, 100, seed=6)])
+    spans = builder.family.image_spans(pp.prompt_ids)
+    cuts = range(16, len(pp.prompt_ids), 16)  # where 16-token chunks end
+    assert len(spans) == 2 and all(any(start < cut < start + length for cut in cuts) for start, length in spans)
+    engine = Engine(EngineConfig(builder.model_dir, num_blocks=64, block_size=16, max_num_batched_tokens=16))
+    engine.add_request("r", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=10))
+    assert engine.run_until_done()["r"] == hf_generate(builder.model_dir, pp.prompt_ids, pp.images, 10)
