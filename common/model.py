@@ -22,11 +22,12 @@ from mserve.common.families import FamilyRules, rules_for
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "internvl", "smolvlm",
-                      "idefics3", "qwen3_vl")
+                      "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
+                      "glm4v_moe")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
-# second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL: with its per-frame-group
+# second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
 # timestamps as text, common/families/qwen3_vl.py).
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # What the engine lacks for families whose processor and model do have the generic hooks.
 KNOWN_GAPS = {
     "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
@@ -196,6 +197,8 @@ class ModelFamily:
         cfg = self.processor_config
         size = cfg.get("size") or {}
         low, high = cfg.get("min_pixels") or size.get("shortest_edge"), cfg.get("max_pixels") or size.get("longest_edge")
+        if self.uses_mrope and self.rules.image_grid is not None:
+            return self.rules.image_grid(self.processor, image_size)
         if not self.uses_mrope or "patch_size" not in cfg or not low or not high:
             return None
         patch = int(cfg["patch_size"])
@@ -356,7 +359,7 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None
-    if video_token_id is not None:
+    if video_token_id is not None and rules.no_video is None:
         from mserve.common.video import read_video_settings  # video.py builds on this module
 
         video_config = read_video_settings(model_dir, rules.timestamped_video_defaults)

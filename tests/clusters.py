@@ -44,13 +44,13 @@ LLAVA_UNIFIED = Lean("llava", encode=0, prefill=0, decode=0, unified=1)
 QWEN2_VL_UNIFIED = Lean("qwen2_vl", encode=0, prefill=0, decode=0, unified=1)
 
 
-# Qwen3-VL's family cluster prefills in chunks of this many tokens: its video request is cut into several.
+# Qwen3-VL's family clusters (dense and MoE) prefill in chunks of this many tokens: its video request is cut into several.
 VIDEO_CHUNK = 48
 
 
 def family_1e1p1d(arch: str) -> Lean:
     """The families' cluster (tests/coordinator/test_cluster_families.py), tcp between the stages."""
-    chunked = ("--max-num-batched-tokens", str(VIDEO_CHUNK)) if arch == "qwen3_vl" else ()
+    chunked = ("--max-num-batched-tokens", str(VIDEO_CHUNK)) if arch.startswith("qwen3_vl") else ()
     return Lean(arch, transfer="tcp", worker_args=chunked)
 
 

@@ -85,7 +85,7 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         kwargs.update(_model_image_inputs(model, processor(images=pil, return_tensors="pt", **_image_kwargs(model.config))))
-    if model.config.model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    if _uses_mrope(model.config):  # its processor marks the image tokens for the rope index
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     if model.config.model_type == "gemma3":  # as Gemma3Processor returns them: 1 on image soft tokens
         kwargs["token_type_ids"] = (ids == model.config.image_token_id).int()
@@ -99,6 +99,12 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
         out = model.generate(**kwargs, generation_config=config)
     top2 = tuple(tuple(step[0].float().topk(2).values.tolist()) for step in out.logits)
     return tuple(out.sequences[0, ids.shape[1]:].tolist()), top2
+
+
+def _uses_mrope(config) -> bool:
+    """M-RoPE, as mserve.common.model.ModelFamily.uses_mrope reads it from the text config."""
+    rope = getattr(config.get_text_config(), "rope_parameters", None) or {}
+    return "mrope_section" in rope
 
 
 def _image_kwargs(config) -> dict:

@@ -81,7 +81,9 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
 
     if parts not in PARTS:
         raise ValueError(f"parts must be one of {PARTS}, got {parts!r}")
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype, model_dir))
+    model, info = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype, model_dir),
+                                                              output_loading_info=True)
+    refuse_unloaded_weights(model_dir, model, info)
     if parts == "text":
         for name in _VISION_MODULES:
             if getattr(model.model, name, None) is not None:
@@ -93,6 +95,20 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
         drop_unread_vision_layers(model)
     gc.collect()
     return use_paged_attention(model.to(device).eval())
+
+
+def refuse_unloaded_weights(model_dir: str | os.PathLike, model: torch.nn.Module, info: dict) -> None:
+    """A checkpoint whose weights transformers leaves missing (newly initialized at random) is refused: the
+    model would answer, and differently on every load. transformers converts some layouts by model_type (a
+    MoE's per-expert weights into the fused experts), so a config that pairs a model_type with a text model
+    whose conversion it does not run (GLM-4.6V's class over GLM-4.5-Air's experts) loads this way."""
+    from mserve.common.processor import UnsupportedModelError
+
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise UnsupportedModelError(
+            f"{model_dir}: transformers leaves {len(missing)} weights of {type(model).__name__} unloaded (newly "
+            f"initialized), e.g. {missing[0]}: the checkpoint's weights are not in a layout this class reads")
 
 
 def use_paged_attention(model):

@@ -40,10 +40,15 @@ class FamilyRules:
     # own rule, sized as one clip, and expanded as text with per-frame-group timestamps
     # (common/families/qwen3_vl.py). None: Qwen2-VL's video (one run, common/video.py defaults).
     timestamped_video_defaults: dict | None = None
+    # (processor, (width, height)) -> an image's (t, h, w) patch grid, when the image processor does not
+    # resize by Qwen2-VL's smart_resize (common/model.py's default for M-RoPE families).
+    image_grid: Callable[[Any, tuple[int, int]], tuple[int, int, int]] | None = None
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import gemma3, pixtral, qwen3_vl, tiled
+    from mserve.common.families import gemma3, glm4v, pixtral, qwen3_vl, tiled
 
     return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "internvl": tiled.INTERNVL, "smolvlm": tiled.SMOLVLM,
-            "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES}.get(model_type or "", FamilyRules())
+            "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
+            "qwen3_vl_moe": qwen3_vl.RULES, "glm46v": glm4v.RULES, "glm4v": glm4v.RULES,
+            "glm4v_moe": glm4v.RULES}.get(model_type or "", FamilyRules())

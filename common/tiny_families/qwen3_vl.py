@@ -1,5 +1,8 @@
 """Qwen3-VL: a SigLIP-style tower with DeepStack features, Qwen3 text (q/k norm) with interleaved M-RoPE.
 
+Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B) is the same tower, processor and template with a
+mixture-of-experts text model: every decoder layer's MLP is a router over experts (no shared expert).
+
 The processor is Qwen3VLProcessor around Qwen2-VL's image processor (16 px patches, mean/std 0.5), as
 the published Qwen/Qwen3-VL-*-Instruct checkpoints pair them; the video processor's settings are written
 by hand (Qwen3VLVideoProcessor needs torchvision), as for Qwen2-VL (qwen.py).
@@ -43,8 +46,8 @@ def qwen3_vl_tokenizer(vocab_size: int):
     )
 
 
-def qwen3_vl_config(dims: dict, tok, std: float):
-    from transformers import Qwen3VLConfig
+def qwen3_vl_config(dims: dict, tok, std: float, config_class: str = "Qwen3VLConfig", **text_extra):
+    import transformers
 
     ids = tok.convert_tokens_to_ids
     # DeepStack: the merged features of these tower blocks are added to the image tokens' hidden states
@@ -65,8 +68,9 @@ def qwen3_vl_config(dims: dict, tok, std: float):
         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
                          "mrope_section": [t_dim, half * 5 // 16, half * 5 // 16]},
         bos_token_id=ids("<|endoftext|>"), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        **text_extra,
     )
-    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+    return getattr(transformers, config_class)(text_config=text, vision_config=vision, tie_word_embeddings=False,
                          image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
                          vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
 
@@ -109,5 +113,23 @@ QWEN3_VL = TinyFamily(
     # 0.3 (the other tiny families' scale) makes this tower + q/k-normed text model repeat one token.
     init_std={"tiny": 0.15, "small": 0.15},
     tokenizer=qwen3_vl_tokenizer, config=qwen3_vl_config, save_processor=save_qwen3_vl_processor,
+    generation_config=generation_config,
+)
+
+
+def qwen3_vl_moe_config(dims: dict, tok, std: float):
+    # Several experts, several chosen per token (the 30B-A3B picks 8 of 128), each layer sparse as there:
+    # a shortcut that took only the top expert, or dropped the routing weights, changes the tokens.
+    return qwen3_vl_config(dims, tok, std, "Qwen3VLMoeConfig", num_experts=dims["experts"],
+                           num_experts_per_tok=dims["experts_per_tok"], moe_intermediate_size=dims["moe_inter"],
+                           decoder_sparse_step=1, mlp_only_layers=[])
+
+
+QWEN3_VL_MOE = TinyFamily(
+    arch="qwen3_vl_moe",
+    dims={size: {**dims, **moe} for (size, dims), moe in zip(QWEN3_VL.dims.items(), (
+        dict(experts=8, experts_per_tok=2, moe_inter=64), dict(experts=16, experts_per_tok=4, moe_inter=344)))},
+    init_std=QWEN3_VL.init_std,
+    tokenizer=qwen3_vl_tokenizer, config=qwen3_vl_moe_config, save_processor=save_qwen3_vl_processor,
     generation_config=generation_config,
 )

@@ -23,7 +23,7 @@ from mserve.common.tiny_model import LAYOUTS, make_tiny_model
 from tests.helpers import make_image
 from tests.workers.test_engine_oracle import check_against_hf, greedy, new_engine, prepared
 
-ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 SIZES = [(64, 48), (300, 200), (500, 120), (17, 301)]  # (width, height)
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 IMAGE_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")

@@ -51,7 +51,7 @@ def test_video_to_a_family_without_video_support_is_refused_naming_it():
     family = ModelFamily(model_type="some_vl", image_token_id=1, text_config={}, processor_config={},
                          vision_config={}, video_token_id=2, video_config={})
     assert family.video_unsupported() == ("video input is not supported for model_type some_vl (video is served "
-                                          "for qwen2_vl, qwen2_5_vl, qwen3_vl and the families that take frames as images)")
+                                          "for qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe and the families that take frames as images)")
 
 
 def test_qwen2_5_vl_takes_video(tiny_model_dirs):

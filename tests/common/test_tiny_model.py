@@ -14,7 +14,8 @@ from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
                "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
-               "idefics3": "<image>", "qwen3_vl": "<|image_pad|>"}
+               "idefics3": "<image>", "qwen3_vl": "<|image_pad|>", "qwen3_vl_moe": "<|image_pad|>",
+               "glm46v": "<|image|>", "glm4v": "<|image|>", "glm4v_moe": "<|image|>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -22,17 +23,24 @@ ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLFo
                 "gemma3": "Gemma3ForConditionalGeneration",
                 "internvl": "InternVLForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
                 "idefics3": "Idefics3ForConditionalGeneration",
-                "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+                "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                "glm46v": "Glm46VForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration",
+                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
              "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor",
              "gemma3": "Gemma3Processor", "internvl": "InternVLProcessor",
-             "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor", "qwen3_vl": "Qwen3VLProcessor"}
+             "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor", "qwen3_vl": "Qwen3VLProcessor",
+             "qwen3_vl_moe": "Qwen3VLProcessor", "glm46v": "Glm46VProcessor", "glm4v": "Glm4vProcessor",
+             "glm4v_moe": "Glm4vProcessor"}
 # Processors transformers' AutoProcessor hands out only with torchvision installed (a video processor, or
 # PixtralProcessor's module importing a helper from the torchvision image processor).
-NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3", "internvl", "smolvlm")
+NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3", "internvl", "smolvlm",
+                     "glm46v", "glm4v", "glm4v_moe")
 # Families whose test inputs come from mserve's processor build (common/processor.py).
-BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3")
-CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")  # eos [<|im_end|>, <|endoftext|>]
+BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3", "glm46v", "glm4v", "glm4v_moe")
+GLM = ("glm46v", "glm4v", "glm4v_moe")
+CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl")  # eos [<|im_end|>, <|endoftext|>]
+QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # one tower, processor and template; the MoE differs in its text MLPs
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
@@ -92,7 +100,7 @@ def _model_inputs(arch, path, tokenizer, image_processor, image) -> dict:
     n_tokens = int(pixels["image_grid_thw"][0].prod()) // image_processor.merge_size**2
     text = _prompt(tokenizer).replace("<|image_pad|>", "<|image_pad|>" * n_tokens)
     inputs = {**tokenizer(text, return_tensors="pt"), **pixels}
-    if arch == "qwen3_vl":  # its processor marks the image tokens for the rope index; generate() needs them
+    if arch in QWEN3_VL:  # its processor marks the image tokens for the rope index; generate() needs them
         inputs["mm_token_type_ids"] = (inputs["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).int()
     return inputs
 
@@ -126,6 +134,12 @@ def test_config_ids_match_tokenizer(loaded):
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
     elif arch in ("smolvlm", "idefics3"):
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<end_of_utterance>")
+    elif arch in GLM:
+        assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids(
+            ["<|endoftext|>", "<|user|>", "<|observation|>"])
+        for attr, token in [("video_token_id", "<|video|>"), ("image_start_token_id", "<|begin_of_image|>"),
+                            ("image_end_token_id", "<|end_of_image|>"), ("video_start_token_id", "<|begin_of_video|>")]:
+            assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
     else:
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("</s>")
 
@@ -148,14 +162,17 @@ def test_chat_template_renders_image_token(loaded):
         assert prompt == "<|begin_of_text|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
     elif arch == "smolvlm":
         assert prompt == "<|im_start|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
-    elif arch == "qwen3_vl":  # no default system turn in Qwen3-VL's template
+    elif arch in QWEN3_VL:  # no default system turn in Qwen3-VL's template
         assert prompt.startswith("<|im_start|>user\n<|vision_start|>")
         assert "<|vision_start|><|image_pad|><|vision_end|>What is shown" in prompt
         assert prompt.endswith("<|im_start|>assistant\n")
+    elif arch in GLM:  # [gMASK]<sop> is GLM's BOS, written by the template
+        assert prompt == ("[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>What is shown in this "
+                          "image?<|assistant|>\n")
     elif not arch.startswith("qwen"):
         assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
         assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
-    elif arch == "qwen3_vl":  # no default system turn in Qwen3-VL's template
+    elif arch in QWEN3_VL:  # no default system turn in Qwen3-VL's template
         assert prompt.startswith("<|im_start|>user\n<|vision_start|>")
         assert "<|vision_start|><|image_pad|><|vision_end|>What is shown" in prompt
         assert prompt.endswith("<|im_start|>assistant\n")
@@ -196,12 +213,12 @@ def test_image_processing_shapes(loaded):
         # 200x150 -> rescaled to a 168 px longest edge (168x126) -> 3x3 tiles of 56 px plus the global view
         assert tuple(inputs["pixel_values"].shape) == (1, 10, 3, 56, 56)
         assert n_image_tokens == 10 * 4
-    elif arch == "qwen3_vl":
+    elif arch in QWEN3_VL:
         # 150x200 -> smart_resize (16 px patches, 2x2 merge: factor 32) -> 160x192 = 10x12 patches -> 30 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 12]]
         assert tuple(inputs["pixel_values"].shape) == (120, 3 * 2 * 16 * 16)
         assert n_image_tokens == 30
-    else:
+    else:  # Qwen2-VL, Qwen2.5-VL, GLM-4V (GLM's smart_resize: 2 x 140 x 196 is within its budget)
         # 150x200 -> smart_resize -> 140x196 = 10x14 patches, merged 2x2 -> 35 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 14]]
         assert tuple(inputs["pixel_values"].shape) == (140, 3 * 2 * 14 * 14)

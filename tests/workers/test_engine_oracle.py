@@ -13,7 +13,9 @@ from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.model_runner import load_vlm
 from mserve.workers.sequence import SamplingParams
 
-ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3", "qwen3_vl"]
+ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v_moe"]
+# glm4v (GLM-4.1V) is glm46v's model code and processor under another config class: its engine check is one
+# chunked two-image request (tests/common/test_glm4v.py), not this whole module again.
 # The scheduler's own mechanics (requests joining, preemption, seeded sampling, stop tokens, the prefill
 # chunk cap) do not depend on the family once its prompts and positions are right: they run on one family
 # of each position scheme (1-D: llava, M-RoPE: qwen2_vl); every family runs the tests of what it brings

@@ -22,9 +22,9 @@ from tests.helpers import (PROMPTS, _hf_generate, _hf_generate_visual, hf_genera
 MAX_NEW = 10
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dirs) -> str:
-    return str(tiny_model_dirs["qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])  # one tower and processor, two text models
+def model_dir(request, tiny_model_dirs) -> str:
+    return str(tiny_model_dirs[request.param])
 
 
 @pytest.fixture(scope="module")

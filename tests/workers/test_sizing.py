@@ -44,7 +44,8 @@ def _settings(model: Path, **kw) -> WorkerSettings:
 # --------------------------------------------------------------------------- geometry and weights
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "gemma3", "internvl", "smolvlm"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "gemma3", "internvl", "smolvlm", "qwen3_vl_moe", "glm46v",
+                                  "glm4v_moe"])
 def test_geometry_is_the_checkpoints_text_model(checkpoints, arch):
     cfg = json.loads((checkpoints[arch] / "config.json").read_text())
     text = cfg["text_config"]  # the tiny families are saved with a nested text_config
@@ -100,7 +101,7 @@ def test_unknown_text_key_names_it():
         sizing.text_geometry({"model_type": "bert"})
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "internvl", "smolvlm"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "internvl", "smolvlm", "qwen3_vl_moe", "glm46v"])
 def test_weight_split_matches_what_each_role_loads(checkpoints, arch):
     """The safetensors header count per part equals the parameters load_vlm keeps for that part."""
     from mserve.workers.model_runner import load_vlm
