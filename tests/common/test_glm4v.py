@@ -80,6 +80,6 @@ def test_two_images_in_chunks_ending_inside_them_give_hf_tokens(builder):
     spans = builder.family.image_spans(pp.prompt_ids)
     cuts = range(16, len(pp.prompt_ids), 16)  # where 16-token chunks end
     assert len(spans) == 2 and all(any(start < cut < start + length for cut in cuts) for start, length in spans)
-    engine = Engine(EngineConfig(builder.model_dir, num_blocks=64, block_size=16, max_num_batched_tokens=16))
+    engine = Engine(EngineConfig(builder.model_dir, dtype="float32", num_blocks=64, block_size=16, max_num_batched_tokens=16))
     engine.add_request("r", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=10))
     assert engine.run_until_done()["r"] == hf_generate(builder.model_dir, pp.prompt_ids, pp.images, 10)

@@ -66,7 +66,7 @@ def test_tokens_spread_over_the_experts_with_several_per_token(model_dir, builde
     assert getattr(text, "n_shared_experts", 1) == 1
     pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
     try:
-        list(_hf_generate.__wrapped__(model_dir, tuple(pp.prompt_ids), tuple(pp.images), 1, False))
+        list(_hf_generate.__wrapped__(model_dir, tuple(pp.prompt_ids), tuple(pp.images), 1, False)[0])
     finally:
         for h in hooks:
             h.remove()
@@ -82,11 +82,11 @@ def test_top1_shortcut_changes_the_tokens_and_the_engine_keeps_every_expert(mode
     text = builder.prepare_text(PROMPTS[4])
     expected = hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
     with top1_routing(model_dir):  # hf_generate caches by its inputs: the uncached function here
-        shortcut = list(_hf_generate.__wrapped__(model_dir, tuple(pp.prompt_ids), tuple(pp.images), MAX_NEW, False))
+        shortcut = list(_hf_generate.__wrapped__(model_dir, tuple(pp.prompt_ids), tuple(pp.images), MAX_NEW, False)[0])
     assert shortcut != expected  # not vacuous: the second expert moves this prompt's greedy tokens
     (start, length), = builder.family.image_spans(pp.prompt_ids)
     assert start % 8 and length > 8  # 8-token chunks start and end inside the image
-    engine = Engine(EngineConfig(model_dir, num_blocks=128, block_size=16, max_num_batched_tokens=8))
+    engine = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=128, block_size=16, max_num_batched_tokens=8))
     for rid, p in (("image", pp), ("text", text)):  # one packed forward routes both prompts' tokens
         engine.add_request(rid, p.prompt_ids, images=p.images, sampling=SamplingParams(max_tokens=MAX_NEW))
     out = engine.run_until_done()
