@@ -63,10 +63,11 @@ class CaseResult:
     engine_seconds: float
     detail: str = ""  # the chunk sizes or the prefix tokens the case really exercised
     mismatch: int | None = None  # first position that differs outside a tie
+    prompt_error: str = ""  # mserve's prompt ids differ from the processor's own (admission would miscount)
 
     @property
     def ok(self) -> bool:
-        return self.mismatch is None
+        return self.mismatch is None and not self.prompt_error
 
 
 @dataclass
@@ -108,6 +109,17 @@ def compare(expected: Sequence[int], produced: Sequence[int], ties: Sequence[boo
     return (len(expected) if len(produced) > len(expected) else None), len(expected)
 
 
+class CaseFailed(Exception):
+    """A case could not run at all (HF or the engine raised): the checkpoint is refused, naming both."""
+
+
+def _named(case: Case, who: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # any failure of an unproven family is a refusal, not a crash
+        raise CaseFailed(f"case {case.name!r}: {who} failed ({type(exc).__name__}: {exc})") from exc
+
+
 class Probe:
     """Runs the cases on one checkpoint: HF first, then the engine on the same weights."""
 
@@ -130,20 +142,39 @@ class Probe:
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
-        reference = {c.name: self._hf(model, c) for c in CASES}
+        reference = {c.name: _named(c, "Hugging Face generate", self._hf, model, c) for c in CASES}
         self._ready_for_engine(model)
         results: list[CaseResult] = []
         engines: dict[str, Any] = {}
         for case in CASES:
             (expected, ties, hf_s), pp = reference[case.name], self.prompts[case.name]
-            engine = engines[case.prefix_of] if case.prefix_of else self._engine(model, case)
+            engine = engines[case.prefix_of] if case.prefix_of else _named(case, "the engine", self._engine, model, case)
             engines[case.name] = engine
             start = time.perf_counter()
-            produced, detail = self._engine_run(engine, case, pp)
+            produced, detail = _named(case, "the engine", self._engine_run, engine, case, pp)
             mismatch, compared = compare(expected, produced, ties)
             results.append(CaseResult(case.name, len(pp.prompt_ids), expected, produced, compared, hf_s,
-                                      time.perf_counter() - start, detail, mismatch))
+                                      time.perf_counter() - start, detail, mismatch, self._prompt_error(pp)))
         return results
+
+    def _prompt_error(self, pp) -> str:
+        """Where mserve's prompt ids (admission's count, placeholders expanded) differ from the ids the
+        checkpoint's own processor makes of the same rendered text and images; "" when equal."""
+        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in pp.images]
+        try:
+            out = self.family.processor(text=[pp.text], images=pil or None, add_special_tokens=False)
+        except Exception as exc:  # transformers raises many types; the user reads which
+            return f"the processor cannot run on this prompt ({type(exc).__name__}: {exc})"
+        theirs = list(out["input_ids"][0])
+        bos = self.builder.bos_token_id
+        if bos is not None and (not theirs or theirs[0] != bos):
+            theirs = [bos] + theirs  # the BOS its tokenizer adds itself (PromptBuilder._implicit_bos)
+        ours = list(pp.prompt_ids)
+        if ours == theirs:
+            return ""
+        i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        return (f"prompt token {i} differs from the processor's own ids (processor "
+                f"{theirs[i] if i < len(theirs) else 'end'}, mserve {ours[i] if i < len(ours) else 'end'})")
 
     # -- Hugging Face -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -160,8 +191,8 @@ class Probe:
             pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in pp.images]
             inputs = self.family.image_inputs(pil)
             kwargs.update({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items() if k in params})
-            if "pixel_values" in kwargs:
-                kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
+            kwargs.update({k: v.to(self.dtype) for k, v in kwargs.items()
+                           if k.startswith("pixel_values") and torch.is_tensor(v) and v.is_floating_point()})
         image_rows = (ids == self.family.image_token_id).int()
         for name in ("mm_token_type_ids", "token_type_ids"):  # as the family's processor returns them
             if name in params:
@@ -222,6 +253,8 @@ class Probe:
 def failure(results: Sequence[CaseResult]) -> str | None:
     """The first failed case in one line: the case, the position, HF's token and the engine's."""
     for r in results:
+        if r.prompt_error:
+            return f"case {r.name!r}: {r.prompt_error}"
         if not r.ok:
             want = r.expected[r.mismatch] if r.mismatch < len(r.expected) else "end of output"
             got = r.produced[r.mismatch] if r.mismatch < len(r.produced) else "end of output"
@@ -243,7 +276,10 @@ def verify(model_dir: str, device: str = "cpu", dtype: str | None = None) -> Ver
     except UnsupportedModelError as exc:
         return Verdict(str(cfg.get("model_type")), name, False, str(exc), traits.describe(),
                        seconds=time.perf_counter() - start)
-    results = Probe(model_dir, device, dtype).run()
+    try:
+        results = Probe(model_dir, device, dtype).run()
+    except CaseFailed as exc:
+        return Verdict(traits.model_type, name, False, str(exc), traits.describe(), seconds=time.perf_counter() - start)
     why = failure(results)
     return Verdict(traits.model_type, name, why is None, why or "every case equals Hugging Face generate",
                    traits.describe(), results, time.perf_counter() - start)
