@@ -63,11 +63,10 @@ class CaseResult:
     engine_seconds: float
     detail: str = ""  # the chunk sizes or the prefix tokens the case really exercised
     mismatch: int | None = None  # first position that differs outside a tie
-    prompt_error: str = ""  # mserve's prompt ids differ from the processor's own (admission would miscount)
 
     @property
     def ok(self) -> bool:
-        return self.mismatch is None and not self.prompt_error
+        return self.mismatch is None
 
 
 @dataclass
@@ -154,10 +153,10 @@ class Probe:
             produced, detail = _named(case, "the engine", self._engine_run, engine, case, pp)
             mismatch, compared = compare(expected, produced, ties)
             results.append(CaseResult(case.name, len(pp.prompt_ids), expected, produced, compared, hf_s,
-                                      time.perf_counter() - start, detail, mismatch, self._prompt_error(pp)))
+                                      time.perf_counter() - start, detail, mismatch))
         return results
 
-    def _prompt_error(self, pp) -> str:
+    def prompt_error(self, pp) -> str:
         """Where mserve's prompt ids (admission's count, placeholders expanded) differ from the ids the
         checkpoint's own processor makes of the same rendered text and images; "" when equal."""
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in pp.images]
@@ -253,8 +252,6 @@ class Probe:
 def failure(results: Sequence[CaseResult]) -> str | None:
     """The first failed case in one line: the case, the position, HF's token and the engine's."""
     for r in results:
-        if r.prompt_error:
-            return f"case {r.name!r}: {r.prompt_error}"
         if not r.ok:
             want = r.expected[r.mismatch] if r.mismatch < len(r.expected) else "end of output"
             got = r.produced[r.mismatch] if r.mismatch < len(r.produced) else "end of output"
@@ -271,15 +268,27 @@ def verify(model_dir: str, device: str = "cpu", dtype: str | None = None) -> Ver
     cfg = read_model_config(model_dir)
     traits = read_traits(cfg)
     name = str(resolve_dtype(device, dtype)).removeprefix("torch.")
+
+    def refused(reason: str) -> Verdict:
+        return Verdict(str(cfg.get("model_type")), name, False, reason, traits.describe(),
+                       seconds=time.perf_counter() - start)
+
     try:
         load_family(model_dir)
     except UnsupportedModelError as exc:
-        return Verdict(str(cfg.get("model_type")), name, False, str(exc), traits.describe(),
-                       seconds=time.perf_counter() - start)
+        return refused(str(exc))
     try:
-        results = Probe(model_dir, device, dtype).run()
+        runner = Probe(model_dir, device, dtype)
+    except Exception as exc:  # an unproven family whose prompts cannot even be built is refused, not a crash
+        return refused(f"the probe's prompts cannot be built ({type(exc).__name__}: {exc})")
+    # Admission first: its ids must be the processor's before HF or the engine is given them.
+    for case in CASES:
+        if why := runner.prompt_error(runner.prompts[case.name]):
+            return refused(f"case {case.name!r}: {why}")
+    try:
+        results = runner.run()
     except CaseFailed as exc:
-        return Verdict(traits.model_type, name, False, str(exc), traits.describe(), seconds=time.perf_counter() - start)
+        return refused(str(exc))
     why = failure(results)
     return Verdict(traits.model_type, name, why is None, why or "every case equals Hugging Face generate",
                    traits.describe(), results, time.perf_counter() - start)
