@@ -46,6 +46,12 @@ def test_text_image_and_multi_image_requests_match_hf(family_cluster):
 
         assert json.loads((cache_dir() / f"{verdict_key(model, 'float32')}.json").read_text())["served"]
 
+        async def status():
+            async with AsyncClient(cluster.address, timeout_s=30) as client:
+                return await client.status()
+
+        assert asyncio.run(status())["verification"] == "verified at load"  # mserve status and /v1/models show it
+
 
 def test_bad_input_ends_with_an_error_naming_the_limit_or_family_and_the_cluster_goes_on(family_cluster):
     """Too many images (the coordinator's max_images_per_request, 8 by default), and a video to a family
