@@ -51,3 +51,14 @@ def test_engine_answers_equal_hf_generate(model_dir):
     for rid, pp in requests.items():
         assert results[rid] == hf_generate(model_dir, pp.prompt_ids, pp.images, 8), rid
     engine.pool.check_integrity()
+
+
+def test_a_family_the_traits_allow_but_the_engine_gets_wrong_is_refused_by_the_probe_naming_the_case(tiny_model_dirs):
+    """LightOnOCR's traits are all honoured and one image serves exactly, but two images in a row are one
+    run of identical placeholder tokens that the engine cannot split by image: refused, naming the case."""
+    model = str(tiny_model_dirs["lighton_ocr"])
+    assert load_family(model).tested is False  # admitted at load ...
+    verdict = verify(model)
+    assert not verdict.served  # ... refused by the probe
+    assert verdict.reason.startswith("case 'two images': the engine failed (ValueError: request two images: prompt "
+                                     "has 1 image placeholder runs but 2 images")

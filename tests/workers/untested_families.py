@@ -217,3 +217,32 @@ def llava_onevision1_5(out: Path) -> Path:
 
 
 BUILDERS["llava_onevision1_5"] = llava_onevision1_5
+
+
+def lighton_ocr(out: Path) -> Path:
+    """LightOnOCR: a Pixtral tower whose processor lays each image out in rows ended by [IMG_BREAK] and
+    [IMG_END], which the generic path (one run of image tokens per image) does not: the probe must refuse it."""
+    from transformers import LightOnOcrConfig, LightOnOcrProcessor, PixtralImageProcessorPil, PreTrainedTokenizerFast
+    from transformers import PixtralVisionConfig
+
+    from mserve.common.tiny_families.base import train_bpe
+    from mserve.common.tiny_families.mistral3 import MISTRAL3_CHAT_TEMPLATE, MISTRAL3_SPECIALS
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(VOCAB, MISTRAL3_SPECIALS, []), unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", chat_template=MISTRAL3_CHAT_TEMPLATE,
+        extra_special_tokens={"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 head_dim=16, image_size=112, patch_size=14, hidden_act="silu")
+    text = {"model_type": "qwen3", "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "tie_word_embeddings": False}
+    config = LightOnOcrConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("[IMG]"),
+                              spatial_merge_size=2, tie_word_embeddings=False)
+    image_processor = PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size={"height": 14, "width": 14})
+    processor = LightOnOcrProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14, spatial_merge_size=2,
+                                    chat_template=MISTRAL3_CHAT_TEMPLATE)
+    return _save(out, config, tok, processor)
+
+
+BUILDERS["lighton_ocr"] = lighton_ocr
