@@ -162,6 +162,9 @@ class ModelFamily:
         """Why this checkpoint cannot take a video, or None."""
         if self.rules.no_video is not None:
             return self.rules.no_video
+        if not self.tested:  # the load-time probe proves images only (workers/probe.py)
+            return (f"video input is not supported for model_type {self.model_type}: a family verified at load "
+                    "is proven on images only")
         if self.video_as_frames:
             return None
         if self.model_type not in VIDEO_MODEL_TYPES:

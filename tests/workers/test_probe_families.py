@@ -62,3 +62,8 @@ def test_a_family_the_traits_allow_but_the_engine_gets_wrong_is_refused_by_the_p
     assert not verdict.served  # ... refused by the probe
     assert verdict.reason.startswith("case 'two images': the engine failed (ValueError: request two images: prompt "
                                      "has 1 image placeholder runs but 2 images")
+
+
+def test_video_to_a_family_verified_at_load_is_refused_naming_why(model_dir):
+    """The probe proves images only: a video (even as frames) is refused at admission, not guessed at."""
+    assert load_family(model_dir).video_unsupported().endswith("a family verified at load is proven on images only")
