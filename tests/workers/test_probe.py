@@ -38,6 +38,17 @@ def test_rope_index_replaced_by_1d_positions_is_refused_naming_an_image_case(tin
     assert verdict.reason.startswith("case 'one image (small)': token ") and "expected" in verdict.reason
 
 
+def test_bidirectional_image_attention_dropped_is_refused_naming_an_image_case(tiny_model_dirs, monkeypatch):
+    """Gemma 3's image tokens attend to each other both ways (its own token_type_ids mask): made causal only."""
+    from mserve.common.model import ModelFamily
+
+    monkeypatch.setattr(ModelFamily, "bidirectional_images", property(lambda self: False))
+    verdict = probe.verify(str(tiny_model_dirs["gemma3"]))
+    assert not verdict.served
+    assert verdict.cases[0].ok  # text only: no image, nothing to attend both ways
+    assert verdict.reason.startswith("case 'one image (small)': token ") and "expected" in verdict.reason
+
+
 def test_admission_count_off_by_one_is_refused_naming_the_prompt(tiny_model_dirs, monkeypatch):
     """The probe proves admission too: a visual-token count that differs from the processor's refuses."""
     from mserve.common.model import ModelFamily
