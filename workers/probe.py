@@ -186,16 +186,17 @@ class Probe:
         ids = torch.tensor([list(pp.prompt_ids)], device=self.device)
         kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         params = inspect.signature(model.forward).parameters
-        if pp.images:
-            pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in pp.images]
-            inputs = self.family.image_inputs(pil)
-            kwargs.update({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items() if k in params})
-            kwargs.update({k: v.to(self.dtype) for k, v in kwargs.items()
-                           if k.startswith("pixel_values") and torch.is_tensor(v) and v.is_floating_point()})
-        image_rows = (ids == self.family.image_token_id).int()
-        for name in ("mm_token_type_ids", "token_type_ids"):  # as the family's processor returns them
-            if name in params:
-                kwargs[name] = image_rows
+        # The model inputs besides the ids are the checkpoint processor's own, not mserve's preparation
+        # (family.image_inputs, which the engine uses): a difference between the two shows in the tokens.
+        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in pp.images]
+        inputs = self.family.processor(text=[pp.text], images=pil or None, add_special_tokens=False, return_tensors="pt")
+        kwargs.update({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()
+                       if k in params and k not in kwargs})
+        kwargs.update({k: v.to(self.dtype) for k, v in kwargs.items()
+                       if k.startswith("pixel_values") and torch.is_tensor(v) and v.is_floating_point()})
+        for name in ("mm_token_type_ids", "token_type_ids"):  # for a processor that does not return them
+            if name in params and name not in kwargs:
+                kwargs[name] = (ids == self.family.image_token_id).int()
         config = copy.deepcopy(model.generation_config)
         config.max_new_tokens, config.do_sample = self.max_new_tokens, False
         config.output_logits, config.return_dict_in_generate = True, True
