@@ -64,6 +64,7 @@ def cached_verdict(model_dir: str | os.PathLike, device: str = "cpu", dtype: str
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a worker starting beside us waits, then reads our verdict
         if path.is_file() and not refresh:
+            log.info("probe verdict of %s (%s) read from %s", model_dir, name, path)
             return json.loads(path.read_text()), True
         start = time.perf_counter()
         verdict = verify(str(model_dir), device, dtype).to_json()

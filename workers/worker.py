@@ -65,7 +65,7 @@ class Worker:
                                         authorized_keys=settings.curve_authorized_keys)
         # A family without tests here proves its tokens against HF before this worker can say READY
         # (workers/probe.py; the verdict is cached, so a restart pays nothing).
-        self.probe_verdict = require_verified(settings.model, settings.device, settings.dtype)
+        require_verified(settings.model, settings.device, settings.dtype)
         self.engine = Engine(self.engine_config(settings))
         runner = self.engine.runner
         self.memory_mib = {  # what this role holds, for `rss_mib` to be read against
