@@ -67,3 +67,20 @@ def test_a_family_the_traits_allow_but_the_engine_gets_wrong_is_refused_by_the_p
 def test_video_to_a_family_verified_at_load_is_refused_naming_why(model_dir):
     """The probe proves images only: a video (even as frames) is refused at admission, not guessed at."""
     assert load_family(model_dir).video_unsupported().endswith("a family verified at load is proven on images only")
+
+
+def test_worker_of_a_family_the_probe_refuses_exits_before_ready_in_one_line(tiny_model_dirs, tmp_path):
+    """`mserve worker` probes before it connects: the coordinator address is never dialled."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MSERVE_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "mserve.cli", "worker", "--role", "unified", "--model",
+                           str(tiny_model_dirs["lighton_ocr"]), "--coordinator", "tcp://127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(
+        "error: model_type 'lighton_ocr' failed the load-time exactness probe: case 'two images': the engine failed")
+    assert len(list((tmp_path / "verdicts").glob("*.json"))) == 1  # a restart reads the refusal, not probing again
