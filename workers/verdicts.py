@@ -68,12 +68,25 @@ def cached_verdict(model_dir: str | os.PathLike, device: str = "cpu", dtype: str
             return json.loads(path.read_text()), True
         start = time.perf_counter()
         verdict = verify(str(model_dir), device, dtype).to_json()
+        _release_probe_memory(device)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(verdict, indent=1))
         tmp.replace(path)
         log.info("probe of %s (%s): %s in %.1f s, verdict in %s", model_dir, name,
                  "served" if verdict["served"] else "refused", time.perf_counter() - start, path)
         return verdict, False
+
+
+def _release_probe_memory(device: str) -> None:
+    """The probe's model and engines are garbage now: free them before the worker loads its own copy, so
+    the two are never resident together."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def require_verified(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | None = None) -> dict | None:
