@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from mserve.workers import paged_attention, probe, verdicts
