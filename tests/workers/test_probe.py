@@ -4,9 +4,6 @@ monkeypatched, the model untouched), and its verdict is cached per checkpoint co
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import torch
@@ -90,16 +87,13 @@ def test_tested_family_skips_the_probe(tiny_model_dirs, tmp_path, monkeypatch):
 
 
 def test_mserve_verify_prints_cases_traits_and_verdict(tiny_model_dirs, tmp_path, monkeypatch, capsys):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MSERVE_CACHE_DIR": str(tmp_path)}
-    model = str(tiny_model_dirs["llava_next_video"])
-    proc = subprocess.run([sys.executable, "-m", "mserve.cli", "verify", "--model", model, "--json"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    verdict = json.loads(proc.stdout)
-    assert verdict["served"] and verdict["traits"]["layer_types"] == {"sliding_attention": 2}
-    assert [c["ok"] for c in verdict["cases"]] == [True] * len(probe.CASES)
+    """In process (the worker test in test_probe_families.py runs the CLI as a process)."""
     from mserve.cli import main
 
     monkeypatch.setenv("MSERVE_CACHE_DIR", str(tmp_path))
+    assert main(["verify", "--model", str(tiny_model_dirs["llava_next_video"]), "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["served"] and verdict["traits"]["layer_types"] == {"sliding_attention": 2}
+    assert [c["ok"] for c in verdict["cases"]] == [True] * len(probe.CASES)
     assert main(["verify", "--model", str(tiny_model_dirs["qwen3_5"])]) == 1
     assert "REFUSED: model_type 'qwen3_5': linear attention layers (Gated DeltaNet): not supported" in capsys.readouterr().out

@@ -56,11 +56,13 @@ def test_engine_answers_equal_hf_generate(model_dir):
 def test_a_family_the_traits_allow_but_the_engine_gets_wrong_is_refused_by_the_probe_naming_the_case(tiny_model_dirs):
     """LightOnOCR's traits are all honoured and one image serves exactly, but two images in a row are one
     run of identical placeholder tokens that the engine cannot split by image: refused, naming the case."""
+    from mserve.workers.verdicts import cached_verdict
+
     model = str(tiny_model_dirs["lighton_ocr"])
     assert load_family(model).tested is False  # admitted at load ...
-    verdict = verify(model)
-    assert not verdict.served  # ... refused by the probe
-    assert verdict.reason.startswith("case 'two images': the engine failed (ValueError: request two images: prompt "
+    verdict, _ = cached_verdict(model)  # (cached for the worker test below)
+    assert not verdict["served"]  # ... refused by the probe
+    assert verdict["reason"].startswith("case 'two images': the engine failed (ValueError: request two images: prompt "
                                      "has 1 image placeholder runs but 2 images")
 
 
@@ -69,13 +71,17 @@ def test_video_to_a_family_verified_at_load_is_refused_naming_why(model_dir):
     assert load_family(model_dir).video_unsupported().endswith("a family verified at load is proven on images only")
 
 
-def test_worker_of_a_family_the_probe_refuses_exits_before_ready_in_one_line(tiny_model_dirs, tmp_path):
-    """`mserve worker` probes before it connects: the coordinator address is never dialled."""
+def test_worker_of_a_family_the_probe_refused_exits_before_ready_in_one_line(tiny_model_dirs):
+    """`mserve worker` checks the verdict before it connects (the coordinator address is never dialled); a
+    restart after the refusal above reads it from the cache instead of probing again."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MSERVE_CACHE_DIR": str(tmp_path)}
+    from mserve.workers.verdicts import cached_verdict
+
+    cached_verdict(tiny_model_dirs["lighton_ocr"])  # the refusal, as the test above left it (or made now)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "mserve.cli", "worker", "--role", "unified", "--model",
                            str(tiny_model_dirs["lighton_ocr"]), "--coordinator", "tcp://127.0.0.1:9"],
                           capture_output=True, text=True, timeout=300, env=env)
@@ -83,4 +89,4 @@ def test_worker_of_a_family_the_probe_refuses_exits_before_ready_in_one_line(tin
     assert "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith(
         "error: model_type 'lighton_ocr' failed the load-time exactness probe: case 'two images': the engine failed")
-    assert len(list((tmp_path / "verdicts").glob("*.json"))) == 1  # a restart reads the refusal, not probing again
+    assert "probe verdict of" in proc.stderr and "read from" in proc.stderr  # not probed again
