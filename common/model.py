@@ -18,9 +18,11 @@ from PIL import Image
 
 from mserve.common.checkpoint_files import CheckpointError, read_image_processor_config, read_model_config
 from mserve.common.families import FamilyRules, rules_for
+from mserve.common.traits import read_traits
 
-# Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
-# refused at load, naming what it lacks: serving it untested could give wrong tokens.
+# Families tested token-exact here (each one against Hugging Face generate). Any other model_type serves
+# only after a load-time probe proves it token-exact (workers/probe.py), and is refused at load naming
+# the trait the engine cannot honour (common/traits.py) or the case the probe failed.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "internvl", "smolvlm",
                       "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
                       "glm4v_moe")
@@ -129,6 +131,8 @@ class ModelFamily:
     # Opt-in visual-token pruning (common/pruning.py): the share of each image's visual tokens
     # kept; None = off. Set only through pruning.apply, which refuses families that cannot prune.
     visual_keep_ratio: float | None = None
+    # A family with tests here (SERVED_MODEL_TYPES); False: served only once a probe proved it (workers/probe.py).
+    tested: bool = True
 
     @property
     def uses_mrope(self) -> bool:
@@ -159,6 +163,9 @@ class ModelFamily:
         """Why this checkpoint cannot take a video, or None."""
         if self.rules.no_video is not None:
             return self.rules.no_video
+        if not self.tested:  # the load-time probe proves images only (workers/probe.py)
+            return (f"video input is not supported for model_type {self.model_type}: a family verified at load "
+                    "is proven on images only")
         if self.video_as_frames:
             return None
         if self.model_type not in VIDEO_MODEL_TYPES:
@@ -345,9 +352,11 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if model_type in KNOWN_GAPS:
         raise UnsupportedModelError(f"model_type {model_type!r} needs {KNOWN_GAPS[model_type]}")
     processor_class(model_type)  # names a processor without the token-count hook
-    if model_type not in SERVED_MODEL_TYPES:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not verified token-exact in mserve "
-                                    f"(served: {', '.join(SERVED_MODEL_TYPES)})")
+    # A family without tests here serves if its traits are all ones the engine honours; a worker then
+    # proves its tokens against HF before it says READY (workers/probe.py).
+    tested = model_type in SERVED_MODEL_TYPES
+    if not tested and (gaps := read_traits(cfg).unsupported()):
+        raise UnsupportedModelError(f"model_type {model_type!r}: {'; '.join(gaps)}")
     rules = rules_for(model_type)
     if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
@@ -374,4 +383,5 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         video_token_id=None if video_token_id is None else int(video_token_id),
         video_config=video_config,
         rules=rules,
+        tested=tested,
     )

@@ -180,7 +180,9 @@ def merged_status(models: ModelTable, default: str | None) -> dict[str, Any]:
     """STATUS over every model: the cluster's totals at the top (as with one model, so `mserve status`, the
     gateway and the autoscaler read a one-model cluster as before), each model's own under "models".
     "model" / "model_path" name the default model (else the first that joined)."""
-    per = {m.name: {**m.machine.status(), "model_path": m.path} for m in models}
+    # "verification": a family with tests here, or one its workers proved at load (workers/probe.py)
+    per = {m.name: {**m.machine.status(), "model_path": m.path,
+                    "verification": "tested" if m.builder.family.tested else "verified at load"} for m in models}
     workers: dict[str, Any] = {}
     roles: dict[str, int] = {}
     stats: dict[str, float] = {}

@@ -295,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_io_cpus_argument(p)
     p.set_defaults(func=cmd_worker)
 
+    from mserve import verify
+
+    p = sub.add_parser("verify", help="prove a checkpoint token-exact against its own HF generate (the load-time probe)",
+                       description=verify.__doc__)
+    verify.add_arguments(p)
+    p.set_defaults(func=verify.main)
+
     p = sub.add_parser("keygen", help="write a CURVE keypair for one process (NAME.key, NAME.key_secret)",
                        description="Write NAME.key (public, share it with the peers that must let this process "
                                    "in) and NAME.key_secret (secret, mode 0600) into DIR. Every process gets its "

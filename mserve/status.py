@@ -193,6 +193,9 @@ def build_report(coordinator: str, coord: dict[str, Any] | None, coord_error: st
         "coordinator": {
             "address": coordinator, "reachable": coord is not None, "error": coord_error,
             "model": coord.get("model") if coord else None,
+            # only for a family without tests here, served after its workers' load-time probe
+            **({"verification": coord["verification"]} if coord and coord.get("verification") == "verified at load"
+               else {}),
             "redis_healthy": coord.get("redis_healthy") if coord else None,
             "requests_in_flight": _int(coord.get("requests_in_flight")) if coord else None,
             # only from a coordinator that reports its class queues (the key is absent otherwise)
@@ -270,7 +273,7 @@ def format_report(report: dict[str, Any]) -> str:
     if c["reachable"]:
         healthy = {True: "healthy", False: "down or unset"}.get(c["redis_healthy"], "?")  # as the coordinator sees it
         lines.append(f"coordinator {c['address']}  redis {healthy}  requests in flight {_f(c['requests_in_flight'])}  "
-                     f"model {c['model']}")
+                     f"model {c['model']}" + (f" ({c['verification']})" if c.get("verification") else ""))
     else:
         lines.append(f"coordinator {c['address']} UNREACHABLE: {c['error']}")
         lines.append("  (workers below are Redis's registry only; load is what they last published there)"

@@ -59,10 +59,12 @@ def _cpu_bf16_matmuls() -> bool:
 # The parts a stage needs: an encoder runs the vision tower + projector only; prefill and decode the
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
 # multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
-# Qwen2-VL, Qwen3-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector).
+# Qwen2-VL, Qwen3-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector;
+# Video-LLaVA: image_tower + video_tower; DeepSeek-VL: vision_model + aligner).
 # The language model is `language_model`, or `text_model` in SmolVLM.
 PARTS = ("all", "vision", "text")
-_VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual", "vision_model", "connector")
+_VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual", "vision_model", "connector",
+                   "image_tower", "video_tower", "aligner")
 _TEXT_MODULES = ("language_model", "text_model")
 
 
@@ -210,8 +212,9 @@ class ModelRunner:
         else:
             inputs = self.family.image_inputs([im.image if isinstance(im, PreparedImage) else im for im in images])
         kwargs = {k: v for k, v in inputs.items() if k in self._image_feature_inputs}
-        kwargs["pixel_values"] = kwargs["pixel_values"].to(self.device, self.dtype)
-        kwargs.update({k: v.to(self.device) for k, v in kwargs.items() if k != "pixel_values" and torch.is_tensor(v)})
+        # Pixels in the model's dtype, whatever the processor calls them (Video-LLaVA: pixel_values_images).
+        kwargs.update({k: v.to(self.device, self.dtype) if k.startswith("pixel_values") and v.is_floating_point()
+                       else v.to(self.device) for k, v in kwargs.items() if torch.is_tensor(v)})
         pruner = self.pruner_for(keep_ratio)
         with pruner.capture() if pruner else contextlib.nullcontext() as scores:
             out = self.model.model.get_image_features(**kwargs, return_dict=True)

@@ -38,6 +38,7 @@ from mserve.workers.links import CoordinatorLinks, Link
 from mserve.workers.liveness import Pulse
 from mserve.workers.requests import WorkerRequest, WorkerRequests
 from mserve.workers.settings import WorkerSettings
+from mserve.workers.verdicts import require_verified
 from mserve.workers.worker_redis import WorkerRedis
 
 log = logging.getLogger("mserve.worker")
@@ -62,6 +63,9 @@ class Worker:
                                 curve_authorized_keys=settings.curve_authorized_keys):
             keys = CurveKeys.from_files(settings.curve_secret_key, server_key=settings.curve_server_key,
                                         authorized_keys=settings.curve_authorized_keys)
+        # A family without tests here proves its tokens against HF before this worker can say READY
+        # (workers/probe.py; the verdict is cached, so a restart pays nothing).
+        require_verified(settings.model, settings.device, settings.dtype)
         self.engine = Engine(self.engine_config(settings))
         runner = self.engine.runner
         self.memory_mib = {  # what this role holds, for `rss_mib` to be read against

@@ -294,7 +294,9 @@ class Gateway:
             await self.catalog.refresh()
         except MServeError as exc:  # the last list stands; /health says the coordinator is away
             log.warning("models: coordinator status unavailable: %s", exc)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mserve"}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mserve",
+                                            **({"mserve_verification": v} if (v := self.catalog.verification(name))
+                                               else {})}
                                            for name in self.catalog.names()]}
 
     async def health(self) -> Response:

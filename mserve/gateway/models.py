@@ -28,6 +28,7 @@ class ModelCatalog:
         self._served: list[str] = []  # coordinator names
         self._tokenizers: dict[str, Any] = {}  # folder -> tokenizer
         self._groups: dict[str, list[str]] = {}  # variant group -> its variants (--variant-groups)
+        self._verification: dict[str, str | None] = {}  # coordinator name -> "tested" / "verified at load"
 
     async def refresh(self) -> None:
         status = await self._status()
@@ -40,6 +41,7 @@ class ModelCatalog:
             folders[self.default] = self._default_folder
         self._folders = folders
         self._served = list(status.get("served_models") or ([self.default] if self.default else []))
+        self._verification = {name: m.get("verification") for name, m in per_model.items()}
         self._groups = dict(status.get("variant_groups") or {})
 
     def is_group(self, name: str) -> bool:
@@ -49,6 +51,12 @@ class ModelCatalog:
     def public(self, name: str) -> str:
         """How clients see a coordinator name (the default one under --served-model-name)."""
         return self._alias if self._alias and name == self.default else name
+
+    def verification(self, public_name: str) -> str | None:
+        """"tested" (a family with tests here) or "verified at load" (proven by its workers' probe); None
+        from a coordinator that does not say."""
+        name = self.default if self._alias and public_name == self._alias else public_name
+        return self._verification.get(name)
 
     def names(self) -> list[str]:
         """The names /v1/models lists, the default model first."""

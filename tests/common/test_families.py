@@ -20,8 +20,9 @@ def config_only(root: Path, model_type: str) -> Path:
 @pytest.mark.parametrize("model_type, match", [
     ("idefics", r"'idefics': IdeficsProcessor has no _get_num_multimodal_tokens, so the visual-token count"),
     ("not_a_vlm", r"'not_a_vlm': transformers has no processor class for it"),
-    ("paligemma", r"'paligemma' is not verified token-exact in mserve \(served: llava, qwen2_vl"),
-], ids=["no-count-hook", "unknown", "unverified"])
+    ("paligemma", r"'paligemma': prefix-LM attention \(bidirectional over the whole prompt, from token_type_ids\): "
+                  r"not supported"),
+], ids=["no-count-hook", "unknown", "untested-trait"])
 def test_unservable_model_type_is_refused_at_load_in_one_line(tmp_path, model_type, match):
     with pytest.raises(UnsupportedModelError, match=match) as info:
         load_family(config_only(tmp_path, model_type))
@@ -73,4 +74,4 @@ def test_mserve_up_refuses_before_starting_anything(tmp_path, caplog):
     assert _main(["--model", str(config_only(tmp_path, "paligemma"))]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1
-    assert errors[0].startswith("mserve up failed: model_type 'paligemma' is not verified token-exact in mserve")
+    assert errors[0].startswith("mserve up failed: model_type 'paligemma': prefix-LM attention")

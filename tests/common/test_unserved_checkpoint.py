@@ -1,8 +1,8 @@
 """A real checkpoint of a VLM type mserve does not serve is refused at load, in one line naming what is
 missing, wherever it is loaded: load_family, `mserve worker` (exit status, no traceback) and `mserve up`.
 
-The checkpoints are built offline from tiny transformers configs of other VLM types: PaliGemma (not
-verified token-exact here) and LLaVA-OneVision (a known gap: a multi-image prompt takes each image at its
+The checkpoints are built offline from tiny transformers configs of other VLM types: PaliGemma (its
+prefix-LM attention, read from the checkpoint: common/traits.py) and LLaVA-OneVision (a known gap: a multi-image prompt takes each image at its
 base view only, so an image's token count depends on the other images in its prompt, while its
 processor's _get_num_multimodal_tokens counts every image with its any-res tiles).
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from mserve.common.model import KNOWN_GAPS, SERVED_MODEL_TYPES, load_family
+from mserve.common.model import KNOWN_GAPS, load_family
 from mserve.common.processor import UnsupportedModelError
 
-UNVERIFIED = ("model_type 'paligemma' is not verified token-exact in mserve "
-              f"(served: {', '.join(SERVED_MODEL_TYPES)})")
+UNVERIFIED = ("model_type 'paligemma': prefix-LM attention (bidirectional over the whole prompt, from "
+              "token_type_ids): not supported; bidirectional text attention (use_bidirectional_attention): not supported")
 
 
 def _save(config, out: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import pytest
@@ -15,7 +16,11 @@ from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import chat, make_frames, make_image, request_mix
 
 pytestmark = pytest.mark.slow
-FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm46v", "mistral3", "gemma3", "internvl", "smolvlm", "idefics3"]
+# The last two have no code or tests here (tests/workers/untested_families.py): each worker proves the
+# checkpoint at start (workers/probe.py; one probes, the others read its cached verdict) and the coordinator
+# admits them through their processor's own count.
+FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm46v", "mistral3", "gemma3", "internvl", "smolvlm",
+            "idefics3", "deepseek_vl", "llava_next_video"]
 
 
 @pytest.fixture(scope="module", params=[family_1e1p1d(f) for f in FAMILIES], ids=FAMILIES)
@@ -36,6 +41,16 @@ def test_text_image_and_multi_image_requests_match_hf(family_cluster):
         assert res.token_ids == exp, f"request {i} ({len(requests[i][1])} images): {res.token_ids} != {exp}"
     assert [r.token_ids for r in again] == [r.token_ids for r in results[1:3]]
     assert all(r.timings["encode_s"] > 0 for r, (_, ims) in zip(results, requests) if ims)
+    if not load_family(model).tested:  # its workers proved it before READY: the verdict they wrote
+        from mserve.workers.verdicts import cache_dir, verdict_key
+
+        assert json.loads((cache_dir() / f"{verdict_key(model, 'float32')}.json").read_text())["served"]
+
+        async def status():
+            async with AsyncClient(cluster.address, timeout_s=30) as client:
+                return await client.status()
+
+        assert asyncio.run(status())["verification"] == "verified at load"  # mserve status and /v1/models show it
 
 
 def test_bad_input_ends_with_an_error_naming_the_limit_or_family_and_the_cluster_goes_on(family_cluster):

@@ -52,3 +52,12 @@ def test_served_model_name_renames_the_default_model_for_clients():
         return catalog.names(), await catalog.resolve("llava"), await catalog.resolve("/m/qwen")
 
     assert asyncio.run(run()) == (["llava", "/m/qwen"], "/m/llava", "/m/qwen")  # the default first
+
+
+def test_each_model_says_whether_its_family_is_tested_or_verified_at_load():
+    status = Statuses({"model": "/m/llava", "served_models": ["/m/llava", "/m/vip"],
+                       "models": {"/m/llava": {"model_path": "/m/llava", "verification": "tested"},
+                                  "/m/vip": {"model_path": "/m/vip", "verification": "verified at load"}}})
+    catalog = ModelCatalog(status, "tiny", None)
+    asyncio.run(catalog.refresh())
+    assert [(n, catalog.verification(n)) for n in catalog.names()] == [("tiny", "tested"), ("/m/vip", "verified at load")]
