@@ -22,14 +22,12 @@ from PIL import Image
 
 from mserve.common.model import load_family
 from mserve.common.processor import UnsupportedModelError
+from mserve.common.exactness import compare_greedy
 from mserve.common.prompt import PromptBuilder
 from mserve.common.traits import read_traits
 from mserve.common.checkpoint_files import read_model_config
 
 MAX_NEW_TOKENS = 8
-# A bf16 step whose top-2 logits are closer than this share of the top one is a tie within bf16's
-# rounding (8 significant bits): HF itself could have picked either, so the rest is not compared.
-BF16_TIE = 2.0 ** -7
 
 
 @dataclass(frozen=True)
@@ -97,15 +95,12 @@ def probe_image(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def compare(expected: Sequence[int], produced: Sequence[int], ties: Sequence[bool]) -> tuple[int | None, int]:
-    """(first position that differs where it counts, tokens compared). `ties[i]`: HF's step i was a tie
-    within rounding; that step may differ and nothing after it is compared."""
-    for i, want in enumerate(expected):
-        if i >= len(produced) or produced[i] != want:
-            return (None if i < len(ties) and ties[i] else i), i + 1
-        if i < len(ties) and ties[i]:
-            return None, i + 1
-    return (len(expected) if len(produced) > len(expected) else None), len(expected)
+def compare(expected: Sequence[int], produced: Sequence[int], top2: Sequence[tuple[float, float]],
+            dtype: str) -> tuple[int | None, int]:
+    """(first position that differs where it counts, tokens compared), by the one exactness rule
+    (common/exactness.py): float32 token for token; reduced precision up to HF's first top-2 tie."""
+    v = compare_greedy(expected, produced, top2, dtype)
+    return (None if v.exact else v.first_difference), (v.compared if v.exact else v.first_difference + 1)
 
 
 class CaseFailed(Exception):
@@ -127,7 +122,8 @@ class Probe:
         from mserve.workers.model_runner import resolve_dtype
 
         self.model_dir, self.device = str(model_dir), device
-        self.dtype = resolve_dtype(device, dtype)
+        self.dtype = resolve_dtype(device, dtype, model_dir)
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.max_new_tokens = max_new_tokens
         self.builder = PromptBuilder(model_dir)
         self.family = self.builder.family
@@ -146,12 +142,12 @@ class Probe:
         results: list[CaseResult] = []
         engines: dict[str, Any] = {}
         for case in CASES:
-            (expected, ties, hf_s), pp = reference[case.name], self.prompts[case.name]
+            (expected, top2, hf_s), pp = reference[case.name], self.prompts[case.name]
             engine = engines[case.prefix_of] if case.prefix_of else _named(case, "the engine", self._engine, model, case)
             engines[case.name] = engine
             start = time.perf_counter()
             produced, detail = _named(case, "the engine", self._engine_run, engine, case, pp)
-            mismatch, compared = compare(expected, produced, ties)
+            mismatch, compared = compare(expected, produced, top2, self.dtype_name)
             results.append(CaseResult(case.name, len(pp.prompt_ids), expected, produced, compared, hf_s,
                                       time.perf_counter() - start, detail, mismatch))
         return results
@@ -178,7 +174,7 @@ class Probe:
     # -- Hugging Face -------------------------------------------------------------------------
     @torch.inference_mode()
     def _hf(self, model, case: Case) -> tuple[list[int], list[bool], float]:
-        """HF's greedy tokens and, per step, whether its top-2 logits tie within bf16 rounding."""
+        """HF's greedy tokens and, per step, its top-2 logits (common/exactness.py tells a tie from them)."""
         import copy
         import inspect
 
@@ -204,11 +200,8 @@ class Probe:
         out = model.generate(**kwargs, generation_config=config)
         seconds = time.perf_counter() - start
         tokens = out.sequences[0, ids.shape[1]:].tolist()
-        ties = []
-        for logits in out.logits:
-            top = logits[0].float().topk(2).values
-            ties.append(self.dtype != torch.float32 and bool(top[0] - top[1] <= BF16_TIE * top[0].abs()))
-        return tokens, ties, seconds
+        top2 = [tuple(logits[0].float().topk(2).values.tolist()) for logits in out.logits]
+        return tokens, top2, seconds
 
     # -- the engine ---------------------------------------------------------------------------
     def _ready_for_engine(self, model) -> None:
@@ -227,8 +220,7 @@ class Probe:
             spans = self.family.image_spans(self.prompts[case.name].prompt_ids)
             start, length = spans[0]
             budget = start + max(1, length // 2)  # the first chunk stops halfway through the image
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
-        return Engine(EngineConfig(self.model_dir, device=self.device, dtype=dtype, num_blocks=256, block_size=4,
+        return Engine(EngineConfig(self.model_dir, device=self.device, dtype=self.dtype_name, num_blocks=256, block_size=4,
                                    max_num_batched_tokens=budget), model=model)
 
     def _engine_run(self, engine, case: Case, pp) -> tuple[list[int], str]:
@@ -268,7 +260,7 @@ def verify(model_dir: str, device: str = "cpu", dtype: str | None = None) -> Ver
     start = time.perf_counter()
     cfg = read_model_config(model_dir)
     traits = read_traits(cfg)
-    name = str(resolve_dtype(device, dtype)).removeprefix("torch.")
+    name = str(resolve_dtype(device, dtype, model_dir)).removeprefix("torch.")
 
     def refused(reason: str) -> Verdict:
         return Verdict(str(cfg.get("model_type")), name, False, reason, traits.describe(),

@@ -58,7 +58,7 @@ def cached_verdict(model_dir: str | os.PathLike, device: str = "cpu", dtype: str
     from mserve.workers.model_runner import resolve_dtype
     from mserve.workers.probe import verify
 
-    name = str(resolve_dtype(device, dtype)).removeprefix("torch.")
+    name = str(resolve_dtype(device, dtype, model_dir)).removeprefix("torch.")
     path = cache_dir() / f"{verdict_key(model_dir, name)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:

@@ -17,7 +17,7 @@ def test_sliding_window_ignored_is_refused_naming_the_case(tiny_model_dirs, monk
     attend = paged_attention._attend
     monkeypatch.setattr(paged_attention, "_attend",
                         lambda group, q, k, v, scaling, window=None: attend(group, q, k, v, scaling, None))
-    verdict = probe.verify(str(tiny_model_dirs["llava_next_video"]))
+    verdict = probe.verify(str(tiny_model_dirs["llava_next_video"]), dtype="float32")
     assert not verdict.served
     assert verdict.reason.startswith("case 'text only': token 0 differs from Hugging Face generate (expected ")
 
@@ -28,7 +28,7 @@ def test_rope_index_replaced_by_1d_positions_is_refused_naming_an_image_case(tin
         return torch.arange(len(prompt_ids)).expand(3, -1), 0
 
     monkeypatch.setattr(ModelRunner, "mrope_positions", one_d)
-    verdict = probe.verify(str(tiny_model_dirs["qwen2_vl"]))
+    verdict = probe.verify(str(tiny_model_dirs["qwen2_vl"]), dtype="float32")
     assert not verdict.served
     assert verdict.cases[0].ok  # text only: 1-D positions are M-RoPE's own there
     assert verdict.reason.startswith("case 'one image (small)': token ") and "expected" in verdict.reason
@@ -39,7 +39,7 @@ def test_bidirectional_image_attention_dropped_is_refused_naming_an_image_case(t
     from mserve.common.model import ModelFamily
 
     monkeypatch.setattr(ModelFamily, "bidirectional_images", property(lambda self: False))
-    verdict = probe.verify(str(tiny_model_dirs["gemma3"]))
+    verdict = probe.verify(str(tiny_model_dirs["gemma3"]), dtype="float32")
     assert not verdict.served
     assert verdict.cases[0].ok  # text only: no image, nothing to attend both ways
     assert verdict.reason.startswith("case 'one image (small)': token ") and "expected" in verdict.reason
@@ -51,16 +51,18 @@ def test_admission_count_off_by_one_is_refused_naming_the_prompt(tiny_model_dirs
 
     count = ModelFamily.visual_token_count
     monkeypatch.setattr(ModelFamily, "visual_token_count", lambda self, size, keep_ratio=None: count(self, size) + 1)
-    verdict = probe.verify(str(tiny_model_dirs["vipllava"]))
+    verdict = probe.verify(str(tiny_model_dirs["vipllava"]), dtype="float32")
     assert not verdict.served
     assert verdict.reason.startswith("case 'one image (small)': ") and "differs from the processor's own ids" in verdict.reason
 
 
 def test_bf16_compare_stops_after_a_tie():
-    assert probe.compare([1, 2, 3], [1, 2, 3], [False] * 3) == (None, 3)
-    assert probe.compare([1, 2, 3], [1, 5, 3], [False] * 3) == (1, 2)
-    assert probe.compare([1, 2, 3], [1, 5, 9], [False, True, False]) == (None, 2)  # a tie at 1: rest not compared
-    assert probe.compare([1, 2], [1], [False, False]) == (1, 2)
+    clear, tie = (5.0, 1.0), (2.0, 2.0)
+    assert probe.compare([1, 2, 3], [1, 2, 3], [clear] * 3, "bfloat16") == (None, 3)
+    assert probe.compare([1, 2, 3], [1, 5, 3], [clear] * 3, "bfloat16") == (1, 2)
+    assert probe.compare([1, 2, 3], [1, 5, 9], [clear, tie, clear], "bfloat16") == (None, 2)  # a tie at 1: rest not compared
+    assert probe.compare([1, 2, 3], [1, 5, 9], [clear, tie, clear], "float32") == (1, 2)  # float32 excuses nothing
+    assert probe.compare([1, 2], [1], [clear, clear], "float32") == (1, 2)
 
 
 def test_verdict_is_cached_and_a_restart_reads_it(tiny_model_dirs, tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ def test_untested_family_loads_as_untested(model_dir):
 
 
 def test_probe_serves_it_every_case_exact(model_dir):
-    verdict = verify(model_dir)
+    verdict = verify(model_dir, dtype="float32")
     assert verdict.served, verdict.reason
     assert [c.name for c in verdict.cases] == [c.name for c in CASES]
     assert all(c.ok and c.expected == c.produced and len(c.expected) > 0 for c in verdict.cases)
