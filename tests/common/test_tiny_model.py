@@ -14,7 +14,7 @@ from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
                "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
-               "idefics3": "<image>", "qwen3_vl": "<|image_pad|>"}
+               "idefics3": "<image>", "qwen3_vl": "<|image_pad|>", "qwen3_5": "<|image_pad|>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -22,17 +22,19 @@ ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLFo
                 "gemma3": "Gemma3ForConditionalGeneration",
                 "internvl": "InternVLForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
                 "idefics3": "Idefics3ForConditionalGeneration",
-                "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+                "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
              "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor",
              "gemma3": "Gemma3Processor", "internvl": "InternVLProcessor",
-             "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor", "qwen3_vl": "Qwen3VLProcessor"}
+             "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor", "qwen3_vl": "Qwen3VLProcessor",
+             "qwen3_5": "Qwen3VLProcessor"}
 # Processors transformers' AutoProcessor hands out only with torchvision installed (a video processor, or
 # PixtralProcessor's module importing a helper from the torchvision image processor).
-NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3", "internvl", "smolvlm")
+NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "mistral3", "internvl", "smolvlm")
 # Families whose test inputs come from mserve's processor build (common/processor.py).
 BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3")
-CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")  # eos [<|im_end|>, <|endoftext|>]
+CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")  # eos [<|im_end|>, <|endoftext|>]
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
@@ -92,7 +94,7 @@ def _model_inputs(arch, path, tokenizer, image_processor, image) -> dict:
     n_tokens = int(pixels["image_grid_thw"][0].prod()) // image_processor.merge_size**2
     text = _prompt(tokenizer).replace("<|image_pad|>", "<|image_pad|>" * n_tokens)
     inputs = {**tokenizer(text, return_tensors="pt"), **pixels}
-    if arch == "qwen3_vl":  # its processor marks the image tokens for the rope index; generate() needs them
+    if arch in ("qwen3_vl", "qwen3_5"):  # its processor marks the image tokens for the rope index; generate() needs them
         inputs["mm_token_type_ids"] = (inputs["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).int()
     return inputs
 
@@ -148,10 +150,12 @@ def test_chat_template_renders_image_token(loaded):
         assert prompt == "<|begin_of_text|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
     elif arch == "smolvlm":
         assert prompt == "<|im_start|>User:<image>What is shown in this image?<end_of_utterance>\nAssistant:"
-    elif arch == "qwen3_vl":  # no default system turn in Qwen3-VL's template
+    elif arch in ("qwen3_vl", "qwen3_5"):  # no default system turn in Qwen3-VL's template
         assert prompt.startswith("<|im_start|>user\n<|vision_start|>")
         assert "<|vision_start|><|image_pad|><|vision_end|>What is shown" in prompt
-        assert prompt.endswith("<|im_start|>assistant\n")
+        # Qwen3.5 opens its thinking block on the generation prompt, <think> one special token
+        assert prompt.endswith("<|im_start|>assistant\n" + ("<think>\n" if arch == "qwen3_5" else ""))
+        assert arch != "qwen3_5" or tokenizer.convert_tokens_to_ids("<think>") in ids
     elif not arch.startswith("qwen"):
         assert prompt == "USER: <image>\nWhat is shown in this image? ASSISTANT:"
         assert ids[0] == tokenizer.bos_token_id  # added by the tokenizer, as for llava-hf
@@ -196,7 +200,7 @@ def test_image_processing_shapes(loaded):
         # 200x150 -> rescaled to a 168 px longest edge (168x126) -> 3x3 tiles of 56 px plus the global view
         assert tuple(inputs["pixel_values"].shape) == (1, 10, 3, 56, 56)
         assert n_image_tokens == 10 * 4
-    elif arch == "qwen3_vl":
+    elif arch in ("qwen3_vl", "qwen3_5"):
         # 150x200 -> smart_resize (16 px patches, 2x2 merge: factor 32) -> 160x192 = 10x12 patches -> 30 tokens
         assert inputs["image_grid_thw"].tolist() == [[1, 10, 12]]
         assert tuple(inputs["pixel_values"].shape) == (120, 3 * 2 * 16 * 16)
