@@ -9,7 +9,7 @@ and exports their KV blocks, a decode worker imports blocks and steps; the unifi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -88,13 +88,20 @@ class Engine:
                                   parts=config.parts, visual_token_pruning=config.visual_token_pruning,
                                   exact_attention=config.exact_attention, compile_decode=config.compile)
         self.family = self.runner.family
+        if self.runner.linear_states is not None and config.enable_prefix_caching:
+            # A prefix hit would need each linear layer's state at the end of the cached prefix, and no
+            # snapshots are kept: reuse is off, so no hit is ever served (or published) with a wrong state.
+            log.info("prefix caching off: %s has linear-attention layers %s, whose per-sequence state is not "
+                     "snapshotted at block boundaries", config.model_dir, self.runner.linear_states.layers)
+            config = replace(config, enable_prefix_caching=False)
+            self.config = config
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    reserve_tokens=config.reserve_tokens, class_aging_s=config.class_aging_s,
                                    enable_prefix_caching=config.enable_prefix_caching,
-                                   whole_images=self.family.bidirectional_images)
+                                   whole_images=self.family.bidirectional_images, release=self.runner.release)
         gen = self.runner.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -266,7 +273,9 @@ class Engine:
             # A prefilled request keeps its blocks until export_kv hands them on; a reply to hand
             # back, until its full blocks are copied out here.
             if seq.is_finished and seq.hand_back and seq.finish_reason != "prefilled":
-                out.hand_back = reply_blocks(self.pool, self.runner.kv, seq)
+                # No prefix reuse (a hybrid model's state is not in the blocks): nothing to hand back.
+                out.hand_back = (reply_blocks(self.pool, self.runner.kv, seq)
+                                 if self.config.enable_prefix_caching else None)
                 self.scheduler.free(seq)
             outputs.append(out)
         return outputs
@@ -376,6 +385,8 @@ class Engine:
 
     def adopt_blocks(self, token_ids: Sequence[int], images: Sequence[Any], first_block: int, kv: torch.Tensor) -> int:
         """Keep KV blocks another engine computed as cached prefix blocks here (workers/hand_back.py)."""
+        if not self.config.enable_prefix_caching:  # nothing would read them (see __init__)
+            return 0
         n = adopt_blocks(self.pool, self.runner.kv, token_ids, images, first_block, kv)
         self.counters["adopted_blocks"] = self.counters.get("adopted_blocks", 0) + n
         return n

@@ -74,7 +74,10 @@ class Worker:
                                        curve=keys)
         # Registration, load, shard registry and indexes; every call while serving on the Redis lane's thread,
         # so neither the loop nor the pulse waits on Redis (workers/worker_redis.py).
-        self.redis = WorkerRedis(settings, self.worker_id, self.model_name, self.engine.pool)
+        # The engine's own prefix-caching flag: off for models it cannot reuse a prefix of (engine.py).
+        self.redis = WorkerRedis(settings.model_copy(update={"enable_prefix_caching":
+                                                             self.engine.config.enable_prefix_caching}),
+                                 self.worker_id, self.model_name, self.engine.pool)
         self.store, self.lane = self.redis.store, self.redis.lane
         # One link per coordinator shard: those named by --coordinator, and those announced in Redis (the
         # --redis store, or the one --coordinator redis://... names: then only those).

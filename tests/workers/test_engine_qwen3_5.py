@@ -1,0 +1,102 @@
+"""Qwen3.5's hybrid text model on the engine: Gated DeltaNet layers keep a per-sequence state beside the
+paged K/V of the full-attention layers (workers/linear_state.py). HF generate (float32) is the oracle for
+text, one and two images, a ragged batch and a prompt prefilled in chunks that end inside an image."""
+
+from __future__ import annotations
+
+import pytest
+
+from mserve.common.prompt import PromptBuilder
+from mserve.workers.engine import Engine, EngineConfig
+from mserve.workers.linear_state import state_bytes_per_sequence
+from mserve.workers.sequence import SamplingParams
+from tests.helpers import PROMPTS, hf_generate, make_image
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs) -> str:
+    return str(tiny_model_dirs["qwen3_5"])
+
+
+@pytest.fixture(scope="module")
+def builder(model_dir) -> PromptBuilder:
+    return PromptBuilder(model_dir)
+
+
+def engine(model_dir: str, **config) -> Engine:
+    return Engine(EngineConfig(model_dir, **{"dtype": "float32", "num_blocks": 128, "block_size": 16, **config}))
+
+
+def run(model_dir: str, pp, **config) -> list[int]:
+    e = engine(model_dir, **config)
+    e.add_request("r", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+    out = e.run_until_done()["r"]
+    assert len(e.runner.linear_states) == 0  # the finished request's state is freed
+    return out
+
+
+def test_pool_holds_kv_of_the_full_layers_only_and_state_per_sequence(model_dir):
+    e = engine(model_dir)
+    text = e.runner.model.config.text_config
+    full = [i for i, kind in enumerate(text.layer_types) if kind == "full_attention"]
+    assert len(e.runner.kv.k) == len(full) == 1 and e.runner.kv.slot == {full[0]: 0}
+    assert e.runner.linear_states.layers == [0, 1, 2, 4]
+    # 4 layers x (conv: (2*2*16 + 4*16) channels x 4 taps x 4 bytes + recurrent: 4 heads x 16 x 16 x 4 bytes)
+    assert state_bytes_per_sequence(text, e.runner.dtype) == 4 * (128 * 4 * 4 + 4 * 16 * 16 * 4) == 24576
+
+
+@pytest.mark.parametrize("images", [0, 1, 2], ids=["text", "one_image", "two_images"])
+def test_matches_hf_generate(model_dir, builder, images):
+    pictures = [make_image(200, 120, seed=2), make_image(90, 150, seed=5)][:images]
+    pp = builder.prepare_text(PROMPTS[1 + images], pictures)
+    assert run(model_dir, pp) == hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+
+
+def test_ragged_batch(model_dir, builder):
+    """Several sequences in one step: prompt chunks and decode tokens of different requests, each with its state."""
+    prompts = {"image": builder.prepare_text(PROMPTS[3], [make_image(150, 100, seed=7)]),
+               "text": builder.prepare_text(PROMPTS[4]), "short": builder.prepare_text(PROMPTS[3])}
+    e = engine(model_dir, max_num_batched_tokens=48)
+    for i, (rid, pp) in enumerate(prompts.items()):
+        e.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW + i))
+    out = e.run_until_done()
+    for i, (rid, pp) in enumerate(prompts.items()):
+        assert out[rid] == hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW + i), rid
+    assert e.counters["steps"] < sum(len(v) for v in out.values())  # they did share steps
+
+
+def test_chunked_prefill_ending_inside_the_image(model_dir, builder):
+    pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
+    (start, length), = builder.family.image_spans(pp.prompt_ids)
+    assert start % 8 and length > 8  # 8-token chunks start and end inside the image
+    assert run(model_dir, pp, max_num_batched_tokens=8) == hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+
+
+def test_prefix_reuse_is_off(model_dir, builder):
+    """No state snapshots at block boundaries: a repeated prompt is computed again, never served a hit."""
+    pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
+    e = engine(model_dir)
+    assert e.config.enable_prefix_caching is False and e.scheduler.enable_prefix_caching is False
+    expected = hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+    for rid in ("a", "b"):
+        seq = e.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+        assert e.run_until_done()[rid] == expected
+        assert seq.num_cached_tokens == 0
+
+
+def test_preempted_request_recomputes_its_state(model_dir, builder):
+    """Room for two prompts and a spare block, admission on the prompt alone: decode growth preempts, the
+    victim's state is dropped with its blocks and recomputed from its first token."""
+    prompts = {f"r{i}": builder.prepare_text(PROMPTS[i]) for i in (2, 4, 5, 9)}
+    longest = max(len(p.prompt_ids) for p in prompts.values())
+    e = engine(model_dir, num_blocks=2 * -(-longest // 16) + 1, reserve_tokens=0)
+    e.scheduler.clock = lambda: 0.0  # prompt aging on wall time could reorder admissions so none is needed
+    for rid, pp in prompts.items():
+        e.add_request(rid, pp.prompt_ids, sampling=SamplingParams(max_tokens=24))
+    out = e.run_until_done()
+    assert e.scheduler.num_preemptions > 0
+    for rid, pp in prompts.items():
+        assert out[rid] == hf_generate(model_dir, pp.prompt_ids, [], 24), rid
+    assert len(e.runner.linear_states) == 0
