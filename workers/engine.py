@@ -325,7 +325,8 @@ class Engine:
 
         `alloc` ({name: (shape, dtype)} -> {name: tensor}, e.g. a transfer engine's shared-memory
         allocation) provides the buffers the tensors are written to, so they are copied once, straight
-        into what the decode side will read. Names: "kv", "mrope" (if any) and "emb{i}" per image.
+        into what the decode side will read. Names: "kv", "mrope" (if any), "emb{i}" per image and, for a
+        model with linear-attention layers, "lin{j}" per tensor of its state (LinearStates.export).
         """
         seq = self.scheduler.get(request_id)
         if seq is None:
@@ -335,12 +336,16 @@ class Engine:
         kv_cache = self.runner.kv
         block_ids = seq.block_table.block_ids[:n_blocks]
         kv, mrope, embeds = None, seq.mrope_positions, seq.image_embeds
+        states = self.runner.linear_states
+        linear = states.export(request_id) if states is not None else []
         if alloc is not None:
             spec = {"kv": (kv_cache.export_shape(n_blocks), kv_cache.dtype)}
             if mrope is not None:
                 spec["mrope"] = (tuple(mrope.shape), mrope.dtype)
             spec.update({f"emb{i}": (tuple(e.shape), e.dtype) for i, e in enumerate(embeds) if e is not None})
+            spec.update({f"lin{j}": (tuple(t.shape), t.dtype) for j, t in enumerate(linear)})
             out = alloc(spec)
+            linear = [out[f"lin{j}"].copy_(t) for j, t in enumerate(linear)]
             kv = kv_cache.export_blocks(block_ids, out=out["kv"])
             if mrope is not None:
                 mrope = out["mrope"].copy_(mrope)
@@ -350,7 +355,8 @@ class Engine:
                         images=[[s.start, s.length, s.image_hash] for s in seq.images],
                         sampling=seq.sampling.to_wire(), rope_delta=seq.rope_delta, priority=seq.priority,
                         latency_class=seq.latency_class)
-        export = KVExport(state, kv if kv is not None else kv_cache.export_blocks(block_ids), mrope, list(embeds))
+        export = KVExport(state, kv if kv is not None else kv_cache.export_blocks(block_ids), mrope, list(embeds),
+                          [t.clone() for t in linear] if alloc is None else linear)
         if release:
             self.scheduler.free(seq)
         return export
@@ -376,6 +382,13 @@ class Engine:
         n_computed = state.num_computed_tokens
         self.pool.allocate(seq.block_table, max(n_computed, seq.num_tokens))
         kv = export.kv
+        states = self.runner.linear_states
+        if states is not None:  # the KV alone is not the prompt's state: the linear layers' must come with it
+            if len(export.linear_state) != 2 * len(states.layers):
+                self.pool.free(seq.block_table)
+                raise ValueError(f"request {rid}: {len(export.linear_state)} linear-attention state tensors, "
+                                 f"this model needs {2 * len(states.layers)} (conv + recurrent per linear layer)")
+            states.adopt(rid, export.linear_state, self.runner.device)
         self.runner.kv.import_blocks(seq.block_table.block_ids[: kv.shape[2]], kv)
         seq.num_computed_tokens = n_computed
         if self.config.enable_prefix_caching:

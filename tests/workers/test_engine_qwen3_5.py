@@ -100,3 +100,44 @@ def test_preempted_request_recomputes_its_state(model_dir, builder):
     for rid, pp in prompts.items():
         assert out[rid] == hf_generate(model_dir, pp.prompt_ids, [], 24), rid
     assert len(e.runner.linear_states) == 0
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["own_tensors", "allocated"])
+def test_prefill_here_decode_there_carries_the_linear_state(model_dir, builder, buffers):
+    """export_kv hands on the full layers' blocks and the linear layers' state; decode in another engine
+    (another pool, other block ids) continues with HF's tokens. `allocated`: written into buffers the
+    caller allocates, as a transfer engine's shared memory."""
+    import torch
+
+    prompts = {"image": builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)]),
+               "text": builder.prepare_text(PROMPTS[4])}
+    prefill, decode = engine(model_dir), engine(model_dir, num_blocks=300)
+    for rid, pp in prompts.items():
+        prefill.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW),
+                            prefill_only=True)
+    first = {}
+    while prefill.has_unfinished():
+        for o in prefill.step():
+            assert o.finish_reason == "prefilled"
+            first[o.request_id] = o.new_token_ids[0]
+    alloc = (lambda spec: {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in spec.items()}) if buffers else None
+    for rid in prompts:
+        export = prefill.export_kv(rid, alloc=alloc)
+        assert len(export.linear_state) == 2 * 4  # conv + recurrent for each of the 4 linear layers
+        decode.import_kv(export)
+    assert len(prefill.runner.linear_states) == 0 and prefill.pool.num_used_blocks == 0
+    out = decode.run_until_done()
+    for rid, pp in prompts.items():
+        assert [first[rid]] + out[rid] == hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW), rid
+
+
+def test_import_without_the_linear_state_is_refused(model_dir, builder):
+    pp = builder.prepare_text(PROMPTS[4])
+    prefill, decode = engine(model_dir), engine(model_dir)
+    prefill.add_request("r", pp.prompt_ids, sampling=SamplingParams(max_tokens=MAX_NEW), prefill_only=True)
+    prefill.run_until_done()
+    export = prefill.export_kv("r")
+    export.linear_state = []
+    with pytest.raises(ValueError, match="linear-attention state"):
+        decode.import_kv(export)
+    assert decode.pool.num_used_blocks == 0 and not decode.has_unfinished()
