@@ -25,14 +25,11 @@ def linear_layers(text_config: Any) -> list[int]:
 
 
 def state_bytes_per_sequence(text_config: Any, dtype: torch.dtype) -> int:
-    """One sequence's linear-layer state: layers x (conv state + recurrent state). The conv state keeps the
-    last `linear_conv_kernel_dim` inputs of the q/k/v projection in the model's dtype; the recurrent state
-    [value heads, key dim, value dim] is float32 whatever the model's dtype (the delta rules compute in it)."""
-    c = text_config
-    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-    conv = conv_dim * c.linear_conv_kernel_dim * torch.tensor([], dtype=dtype).element_size()
-    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    return len(linear_layers(c)) * (conv + recurrent)
+    """One sequence's state in bytes: layers x (conv + recurrent), the rule sizing uses (workers/sizing.py)."""
+    from mserve.workers.sizing import linear_state_shape, state_bytes
+
+    shape = linear_state_shape(text_config.to_dict())
+    return state_bytes(*shape, torch.tensor([], dtype=dtype).element_size())
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from mserve.common.prompt import PromptBuilder
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.linear_state import state_bytes_per_sequence
 from mserve.workers.sequence import SamplingParams
+from mserve.workers.sizing import read_geometry
 from tests.helpers import PROMPTS, hf_generate, make_image
 
 MAX_NEW = 10
@@ -45,6 +46,13 @@ def test_pool_holds_kv_of_the_full_layers_only_and_state_per_sequence(model_dir)
     assert e.runner.linear_states.layers == [0, 1, 2, 4]
     # 4 layers x (conv: (2*2*16 + 4*16) channels x 4 taps x 4 bytes + recurrent: 4 heads x 16 x 16 x 4 bytes)
     assert state_bytes_per_sequence(text, e.runner.dtype) == 4 * (128 * 4 * 4 + 4 * 16 * 16 * 4) == 24576
+    geometry = read_geometry(model_dir)  # what sizing plans with: K/V of the full layer, the state beside it
+    assert geometry.num_layers == 1 and geometry.state_bytes_per_sequence(4) == 24576
+    assert geometry.state_bytes_per_sequence(2) == 4 * (128 * 4 * 2 + 4 * 16 * 16 * 4)  # bf16 conv, f32 recurrent
+    # ... and what a live sequence's state really takes
+    e.add_request("r", [1, 2, 3, 4, 5], sampling=SamplingParams(max_tokens=2), prefill_only=True)
+    e.run_until_done()
+    assert sum(t.nbytes for t in e.runner.linear_states.export("r")) == 24576
 
 
 @pytest.mark.parametrize("images", [0, 1, 2], ids=["text", "one_image", "two_images"])
@@ -74,10 +82,12 @@ def test_chunked_prefill_ending_inside_the_image(model_dir, builder):
     assert run(model_dir, pp, max_num_batched_tokens=8) == hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
 
 
-def test_prefix_reuse_is_off(model_dir, builder):
+def test_prefix_reuse_is_off(model_dir, builder, caplog):
     """No state snapshots at block boundaries: a repeated prompt is computed again, never served a hit."""
     pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
-    e = engine(model_dir)
+    with caplog.at_level("INFO", logger="mserve.workers.engine"):
+        e = engine(model_dir)
+    assert "prefix caching off" in caplog.text and "linear-attention layers [0, 1, 2, 4]" in caplog.text
     assert e.config.enable_prefix_caching is False and e.scheduler.enable_prefix_caching is False
     expected = hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
     for rid in ("a", "b"):
@@ -141,3 +151,26 @@ def test_import_without_the_linear_state_is_refused(model_dir, builder):
     with pytest.raises(ValueError, match="linear-attention state"):
         decode.import_kv(export)
     assert decode.pool.num_used_blocks == 0 and not decode.has_unfinished()
+
+
+def test_visual_token_count_from_the_header_is_the_processors_and_the_encoders(model_dir, builder):
+    """Admission counts an image's tokens from its header alone: for several sizes (below the minimum, odd,
+    wide, over the pixel budget) that equals transformers' image processor's grid and the encoder's rows."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from mserve.common.model import image_size_from_header
+
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    encoder = engine(model_dir, parts="vision", num_blocks=4)
+    counts = []
+    for size in [(64, 48), (300, 200), (500, 120), (17, 301), (256, 256), (640, 480)]:
+        data = make_image(*size)
+        ours = builder.family.visual_token_count(image_size_from_header(data))
+        grid = processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")["image_grid_thw"][0]
+        (encoded,) = encoder.encode([data])
+        assert ours == int(grid.prod()) // processor.merge_size ** 2 == encoded.embeds.shape[0], size
+        counts.append(ours)
+    assert len(set(counts)) >= 4  # the sizes really exercise smart_resize's bounds (the minimum, the budget)
