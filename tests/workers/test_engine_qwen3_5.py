@@ -174,3 +174,21 @@ def test_visual_token_count_from_the_header_is_the_processors_and_the_encoders(m
         assert ours == int(grid.prod()) // processor.merge_size ** 2 == encoded.embeds.shape[0], size
         counts.append(ours)
     assert len(set(counts)) >= 4  # the sizes really exercise smart_resize's bounds (the minimum, the budget)
+
+
+@pytest.mark.parametrize("exact", [True, None], ids=["exact_attention", "padded_default"])
+def test_bf16_ragged_batch_matches_hf_bf16(model_dir, builder, exact):
+    """bfloat16, the serving default where the hardware has it natively (the linear layers' conv state in
+    bf16, their recurrent state in float32 as transformers keeps it): with exact attention HF bf16's ids;
+    padded (the default), HF bf16's up to HF's first top-2 tie (common/exactness.py)."""
+    from mserve.common.exactness import compare_greedy
+    from tests.helpers import hf_generate_top2, request_mix
+
+    prompts = {f"r{i}": builder.prepare_text(t, ims) for i, (t, ims) in enumerate(request_mix(6, seed=5))}
+    e = engine(model_dir, dtype="bfloat16", num_blocks=256, max_num_batched_tokens=4096, exact_attention=exact)
+    for rid, pp in prompts.items():
+        e.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=12))
+    out = e.run_until_done()
+    for rid, pp in prompts.items():
+        want, top2 = hf_generate_top2(model_dir, pp.prompt_ids, pp.images, 12, dtype="bfloat16")
+        assert (out[rid] == want) if exact else compare_greedy(want, out[rid], top2, "bfloat16").exact, rid
