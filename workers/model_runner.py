@@ -223,6 +223,14 @@ class ModelRunner:
         if self.linear_states is not None:
             self.linear_states.drop(seq.request_id)
 
+    def linear_state_bytes(self) -> int:
+        """One sequence's linear-attention state in bytes (0 for a model without such layers)."""
+        if self.linear_states is None:
+            return 0
+        from mserve.workers.linear_state import state_bytes_per_sequence
+
+        return state_bytes_per_sequence(self.model.config.text_config, self.dtype)
+
     def weight_bytes(self) -> int:
         """The model's weights in memory: its parameters, and the linear weights packed into buffers
         (workers/packed_linear.py)."""

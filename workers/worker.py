@@ -66,7 +66,9 @@ class Worker:
         runner = self.engine.runner
         self.memory_mib = {  # what this role holds, for `rss_mib` to be read against
             "weights_mib": round(runner.weight_bytes() / 2**20, 1),
-            "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0}
+            "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0,
+            # a hybrid model's linear-attention state, held per running sequence beside the pool
+            "state_kib_per_seq": round(runner.linear_state_bytes() / 2**10, 1)}
         self.ctx = zmq.Context.instance()
         io_zmq_context(self.ctx)  # zmq's socket threads beside the other IO threads (common/cpu_placement.py)
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
