@@ -51,6 +51,9 @@ class LinearStates:
     def __len__(self) -> int:
         return len(self._caches)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._caches
+
     def _new(self):
         from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 

@@ -192,3 +192,21 @@ def test_bf16_ragged_batch_matches_hf_bf16(model_dir, builder, exact):
     for rid, pp in prompts.items():
         want, top2 = hf_generate_top2(model_dir, pp.prompt_ids, pp.images, 12, dtype="bfloat16")
         assert (out[rid] == want) if exact else compare_greedy(want, out[rid], top2, "bfloat16").exact, rid
+
+
+def test_abort_mid_prompt_frees_the_state_and_the_others_go_on(model_dir, builder):
+    """A request aborted between two of its prompt chunks leaves no state behind; one beside it still gets
+    HF's tokens."""
+    keep, drop = builder.prepare_text(PROMPTS[4]), builder.prepare_text(PROMPTS[9])
+    e = engine(model_dir, max_num_batched_tokens=16)
+    e.add_request("drop", drop.prompt_ids, sampling=SamplingParams(max_tokens=MAX_NEW))
+    e.add_request("keep", keep.prompt_ids, sampling=SamplingParams(max_tokens=MAX_NEW))
+    out: dict[str, list[int]] = {}
+    for o in e.step():
+        out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert "drop" in e.runner.linear_states and e.scheduler.get("drop").num_computed_tokens < len(drop.prompt_ids)
+    assert e.abort("drop") and "drop" not in e.runner.linear_states
+    for rid, tokens in e.run_until_done().items():
+        out.setdefault(rid, []).extend(tokens)
+    assert out["keep"] == hf_generate(model_dir, keep.prompt_ids, [], MAX_NEW) and "drop" not in out
+    assert len(e.runner.linear_states) == 0 and e.pool.num_used_blocks == 0
