@@ -107,7 +107,7 @@ class Membership:
         for key in LOAD_INTS:
             if key in load:
                 setattr(w, key, int(load[key]))
-        for key in ("tokens_per_s", "rss_mib", "weights_mib", "kv_pool_mib", "encode_s_per_image"):
+        for key in ("tokens_per_s", "rss_mib", "weights_mib", "kv_pool_mib", "encode_s_per_image", "state_kib_per_seq"):
             if isinstance(load.get(key), (int, float)):
                 setattr(w, key, float(load[key]))
 
@@ -164,4 +164,5 @@ class Membership:
 def _load_shown(w: WorkerView) -> dict[str, Any]:
     return {"queue_len": w.queue_len, "running": w.running, "free_blocks": w.free_blocks,
             "total_blocks": w.total_blocks, "tokens_per_s": w.tokens_per_s, "inflight": w.inflight,
-            "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib}
+            "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib,
+            "state_kib_per_seq": w.state_kib_per_seq}

@@ -29,6 +29,7 @@ class WorkerView:
     rss_mib: float = 0.0  # the worker process's resident memory, and what it holds:
     weights_mib: float = 0.0
     kv_pool_mib: float = 0.0
+    state_kib_per_seq: float = 0.0  # a hybrid model's linear-attention state per running sequence
     encode_s_per_image: float = 0.0  # an encode worker's measured vision-forward time per image (0: not yet)
     # Stages assigned by the coordinator and not finished yet: fresher than the reported load.
     inflight: int = 0

@@ -140,6 +140,7 @@ def _worker_row(wid: str, cw: dict[str, Any] | None, reg: dict[str, Any] | None,
         "free_blocks": free, "total_blocks": total,
         "kv_used": total - free if free is not None and total else None,
         "tokens_per_s": _num(load.get("tokens_per_s")), "rss_mib": _num(load.get("rss_mib")),
+        "state_kib_per_seq": _num(load.get("state_kib_per_seq")),
         "heartbeat_age_s": round(max(0.0, now - published), 2) if published is not None else None,
         "load_hits": hits,
     }
@@ -316,6 +317,10 @@ def format_report(report: dict[str, Any]) -> str:
                        left=3)
         if any(w["alive"] is None for w in workers):
             lines.append("  alive 'redis': registered in Redis but unknown to this coordinator")
+        with_state = [w for w in workers if w.get("state_kib_per_seq")]
+        if with_state:  # a hybrid model (Qwen3.5): what each running sequence holds beside the KV pool
+            lines.append("  linear-attention state per sequence, beside the KV pool: " + ", ".join(
+                f"{w['id']} {w['state_kib_per_seq']:.1f} KiB" for w in with_state))
     else:
         lines.append("  (no workers)")
 

@@ -352,3 +352,15 @@ def test_coordinator_shards_in_redis_are_listed(redis_url):
     assert error is None and sorted(data["shards"]) == ["shard-0", "shard-1"]
     rep = build_report("tcp://10.0.0.1:5555", None, "no reply", redis_url, data, None, now=_time.time())
     assert "coordinator shards (2): shard-0 tcp://10.0.0.1:5555, shard-1 tcp://10.0.0.2:5555" in format_report(rep)
+
+
+def test_a_hybrid_models_state_per_sequence_is_shown_beside_the_pool():
+    """Qwen3.5's workers report their linear-attention state per running sequence (workers/sizing.py's rule);
+    other models' workers report 0 and no line is printed."""
+    reply = coordinator_reply()
+    for wid in ("prefill-0", "decode-0"):
+        reply["workers"][wid]["load"]["state_kib_per_seq"] = 24.0
+    text = format_report(build_report("tcp://10.0.0.1:5555", reply, None, None, None, "unset", now=NOW))
+    assert "  linear-attention state per sequence, beside the KV pool: prefill-0 24.0 KiB, decode-0 24.0 KiB" in text
+    plain = format_report(build_report("tcp://10.0.0.1:5555", coordinator_reply(), None, None, None, "unset", now=NOW))
+    assert "linear-attention" not in plain

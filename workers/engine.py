@@ -9,7 +9,7 @@ and exports their KV blocks, a decode worker imports blocks and steps; the unifi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -88,13 +88,20 @@ class Engine:
                                   parts=config.parts, visual_token_pruning=config.visual_token_pruning,
                                   exact_attention=config.exact_attention, compile_decode=config.compile)
         self.family = self.runner.family
+        if self.runner.linear_states is not None and config.enable_prefix_caching:
+            # A prefix hit would need each linear layer's state at the end of the cached prefix, and no
+            # snapshots are kept: reuse is off, so no hit is ever served (or published) with a wrong state.
+            log.info("prefix caching off: %s has linear-attention layers %s, whose per-sequence state is not "
+                     "snapshotted at block boundaries", config.model_dir, self.runner.linear_states.layers)
+            config = replace(config, enable_prefix_caching=False)
+            self.config = config
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    reserve_tokens=config.reserve_tokens, class_aging_s=config.class_aging_s,
                                    enable_prefix_caching=config.enable_prefix_caching,
-                                   whole_images=self.family.bidirectional_images)
+                                   whole_images=self.family.bidirectional_images, release=self.runner.release)
         gen = self.runner.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -266,7 +273,9 @@ class Engine:
             # A prefilled request keeps its blocks until export_kv hands them on; a reply to hand
             # back, until its full blocks are copied out here.
             if seq.is_finished and seq.hand_back and seq.finish_reason != "prefilled":
-                out.hand_back = reply_blocks(self.pool, self.runner.kv, seq)
+                # No prefix reuse (a hybrid model's state is not in the blocks): nothing to hand back.
+                out.hand_back = (reply_blocks(self.pool, self.runner.kv, seq)
+                                 if self.config.enable_prefix_caching else None)
                 self.scheduler.free(seq)
             outputs.append(out)
         return outputs
@@ -316,7 +325,8 @@ class Engine:
 
         `alloc` ({name: (shape, dtype)} -> {name: tensor}, e.g. a transfer engine's shared-memory
         allocation) provides the buffers the tensors are written to, so they are copied once, straight
-        into what the decode side will read. Names: "kv", "mrope" (if any) and "emb{i}" per image.
+        into what the decode side will read. Names: "kv", "mrope" (if any), "emb{i}" per image and, for a
+        model with linear-attention layers, "lin{j}" per tensor of its state (LinearStates.export).
         """
         seq = self.scheduler.get(request_id)
         if seq is None:
@@ -326,12 +336,16 @@ class Engine:
         kv_cache = self.runner.kv
         block_ids = seq.block_table.block_ids[:n_blocks]
         kv, mrope, embeds = None, seq.mrope_positions, seq.image_embeds
+        states = self.runner.linear_states
+        linear = states.export(request_id) if states is not None else []
         if alloc is not None:
             spec = {"kv": (kv_cache.export_shape(n_blocks), kv_cache.dtype)}
             if mrope is not None:
                 spec["mrope"] = (tuple(mrope.shape), mrope.dtype)
             spec.update({f"emb{i}": (tuple(e.shape), e.dtype) for i, e in enumerate(embeds) if e is not None})
+            spec.update({f"lin{j}": (tuple(t.shape), t.dtype) for j, t in enumerate(linear)})
             out = alloc(spec)
+            linear = [out[f"lin{j}"].copy_(t) for j, t in enumerate(linear)]
             kv = kv_cache.export_blocks(block_ids, out=out["kv"])
             if mrope is not None:
                 mrope = out["mrope"].copy_(mrope)
@@ -341,7 +355,8 @@ class Engine:
                         images=[[s.start, s.length, s.image_hash] for s in seq.images],
                         sampling=seq.sampling.to_wire(), rope_delta=seq.rope_delta, priority=seq.priority,
                         latency_class=seq.latency_class)
-        export = KVExport(state, kv if kv is not None else kv_cache.export_blocks(block_ids), mrope, list(embeds))
+        export = KVExport(state, kv if kv is not None else kv_cache.export_blocks(block_ids), mrope, list(embeds),
+                          [t.clone() for t in linear] if alloc is None else linear)
         if release:
             self.scheduler.free(seq)
         return export
@@ -367,6 +382,13 @@ class Engine:
         n_computed = state.num_computed_tokens
         self.pool.allocate(seq.block_table, max(n_computed, seq.num_tokens))
         kv = export.kv
+        states = self.runner.linear_states
+        if states is not None:  # the KV alone is not the prompt's state: the linear layers' must come with it
+            if len(export.linear_state) != 2 * len(states.layers):
+                self.pool.free(seq.block_table)
+                raise ValueError(f"request {rid}: {len(export.linear_state)} linear-attention state tensors, "
+                                 f"this model needs {2 * len(states.layers)} (conv + recurrent per linear layer)")
+            states.adopt(rid, export.linear_state, self.runner.device)
         self.runner.kv.import_blocks(seq.block_table.block_ids[: kv.shape[2]], kv)
         seq.num_computed_tokens = n_computed
         if self.config.enable_prefix_caching:
@@ -376,6 +398,8 @@ class Engine:
 
     def adopt_blocks(self, token_ids: Sequence[int], images: Sequence[Any], first_block: int, kv: torch.Tensor) -> int:
         """Keep KV blocks another engine computed as cached prefix blocks here (workers/hand_back.py)."""
+        if not self.config.enable_prefix_caching:  # nothing would read them (see __init__)
+            return 0
         n = adopt_blocks(self.pool, self.runner.kv, token_ids, images, first_block, kv)
         self.counters["adopted_blocks"] = self.counters.get("adopted_blocks", 0) + n
         return n

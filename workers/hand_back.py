@@ -43,6 +43,9 @@ class KVExport:
     kv: torch.Tensor  # [layers, 2, n_blocks, block_size, kv_heads, head_dim]
     mrope_positions: torch.Tensor | None = None  # Qwen2-VL
     image_embeds: list[torch.Tensor] = field(default_factory=list)  # one per image run of the prompt
+    # A hybrid model's linear-attention state at num_computed_tokens (workers/linear_state.py): per linear
+    # layer its conv then its recurrent state; empty for a model without such layers.
+    linear_state: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass

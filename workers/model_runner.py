@@ -22,6 +22,7 @@ from mserve.common.serving_defaults import serving_dtype
 from mserve.common.video import seconds_per_grid
 from mserve.workers import fused_ops, packed_linear, paged_attention, paged_prefill
 from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
+from mserve.workers.linear_state import LinearStates, linear_layers, wrap_linear_layers
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
 from mserve.workers.tiled_images import features_per_image
@@ -163,13 +164,23 @@ class ModelRunner:
         self.hidden_size = text.hidden_size
         self.deepstack_layers = deepstack_layers(self.model)  # Qwen3-VL; 0 for every other family
         self.language_model = getattr(self.model.model, text_module_name(self.model))
+        # Linear-attention layers (Qwen3.5's Gated DeltaNet) keep a state per sequence, not paged K/V.
+        linear = set(linear_layers(text))
+        self.linear_states: LinearStates | None = None
         if self.language_model is None:  # an encoder: no KV pool, no text embeddings
             self.embed_tokens, self.kv = None, None
         else:
             self.embed_tokens = self.language_model.get_input_embeddings()
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            self.kv = KVCache(text.num_hidden_layers, num_blocks, text.num_key_value_heads, block_size, head_dim,
-                              dtype=self.dtype, device=self.device)
+            full = [i for i in range(text.num_hidden_layers) if i not in linear]
+            self.kv = KVCache(len(full), num_blocks, text.num_key_value_heads, block_size, head_dim,
+                              dtype=self.dtype, device=self.device, layers=full)
+            if linear:
+                if compile_decode:
+                    raise ValueError("compile: not for models with linear-attention layers (their per-sequence "
+                                     "state runs outside the compiled graph); run without --compile")
+                wrap_linear_layers(self.language_model)
+                self.linear_states = LinearStates(text)
         self.model_dir = str(model_dir)
         self._compiled_decode = self._compile_decode() if compile_decode and self.language_model is not None else None
         self.pruner = None  # FasterVLM on the encode path (workers/pruning.py), when asked for
@@ -225,6 +236,19 @@ class ModelRunner:
             embeds = pruner.select(embeds, scores, keep_ratio)
         embeds = pack(embeds, getattr(out, "deepstack_features", None))
         return [EncodedImage(e.contiguous(), g) for e, g in zip(embeds, grids)]
+
+    def release(self, seq) -> None:
+        """The scheduler dropped `seq`'s computed state (freed or preempted): its linear-layer state goes too."""
+        if self.linear_states is not None:
+            self.linear_states.drop(seq.request_id)
+
+    def linear_state_bytes(self) -> int:
+        """One sequence's linear-attention state in bytes (0 for a model without such layers)."""
+        if self.linear_states is None:
+            return 0
+        from mserve.workers.linear_state import state_bytes_per_sequence
+
+        return state_bytes_per_sequence(self.model.config.text_config, self.dtype)
 
     def weight_bytes(self) -> int:
         """The model's weights in memory: its parameters, and the linear weights packed into buffers
@@ -379,6 +403,8 @@ class ModelRunner:
                 if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
                                  self.device, image_runs=runs, exact=self.exact_attention)
+        if self.linear_states is not None:
+            batch.linear = self.linear_states.rows([(c.seq.request_id, c.start, c.num_tokens) for c in chunks])
         decode = self._compiled_decode is not None and all(c.num_tokens == 1 for c in chunks) and not visual
         forward = self._compiled_decode if decode else self.language_model
         hidden = forward(inputs_embeds=embeds, position_ids=positions, use_cache=False,

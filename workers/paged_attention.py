@@ -24,6 +24,10 @@ ATTN_IMPLEMENTATION = "mserve_paged"
 class KVCache:
     """Per layer, K and V as [num_blocks, block_size, kv_heads, head_dim].
 
+    `layers`: the text model's layer indices that keep K/V, when not all of them do (a hybrid model's
+    linear-attention layers keep a per-sequence state instead, workers/linear_state.py); `slot` maps a
+    layer index to its place here.
+
     Token-major inside a block: a request's blocks gathered by one `index_select` (whole blocks,
     contiguous memory) are already its keys as [tokens, kv_heads, head_dim], which SDPA reads
     through a transposed view. A heads-first layout needs a strided gather that costs ~4x more
@@ -31,8 +35,12 @@ class KVCache:
     On the CPU the tensors sit on huge pages where the host gives them (workers/huge_pages.py)."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 layers: Sequence[int] | None = None) -> None:
         shape = (num_blocks, block_size, kv_heads, head_dim)
+        layers = list(range(num_layers)) if layers is None else list(layers)
+        assert len(layers) == num_layers, f"{len(layers)} layer indices for {num_layers} KV layers"
+        self.slot = {layer: i for i, layer in enumerate(layers)}
         self.k = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -174,6 +182,8 @@ class PagedBatch:
     kv: KVCache
     slots: torch.Tensor  # [T] where each new token's K/V go: block * block_size + offset
     groups: list[AttentionGroup]
+    # The step's linear-attention work (workers/linear_state.LinearRows), for hybrid models; None otherwise.
+    linear: Any = None
 
     @classmethod
     def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
@@ -304,7 +314,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if batch is None:  # the model used outside the engine (e.g. HF generate on the same object)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, is_causal=attention_mask is None and query.shape[2] > 1)
-    layer = module.layer_idx
+    layer = batch.kv.slot[module.layer_idx]
     k_cache, v_cache = batch.kv.k[layer], batch.kv.v[layer]
     # query/key/value: [1, heads, T, head_dim] for the packed batch; the pool takes [T, kv_heads, head_dim].
     _, bs, h, d = k_cache.shape

@@ -50,9 +50,12 @@ class Scheduler:
                  max_prefill_tokens: int | None = None, aging_tokens_per_s: float = 1000.0,
                  reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens, enable_prefix_caching: bool = True,
                  class_aging_s: float = CLASS_AGING_S,
-                 clock: Callable[[], float] = time.monotonic, whole_images: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, whole_images: bool = False,
+                 release: Callable[[Sequence], None] | None = None) -> None:
         """`whole_images`: no chunk and no reused prefix ends inside an image (workers/image_bounds.py),
-        for families whose image tokens attend to each other both ways."""
+        for families whose image tokens attend to each other both ways. `release`: called when a sequence's
+        computed state is dropped (freed or preempted), for state kept outside the block pool (the model
+        runner's linear-attention states, workers/linear_state.py)."""
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -65,6 +68,7 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock
         self.whole_images = whole_images
+        self.release = release
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         # Finished, but their KV blocks are still to be copied out (a prefill's to its decode worker,
@@ -191,6 +195,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
+        if self.release is not None:  # recompute from scratch: the state it had is dropped too
+            self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -264,3 +270,5 @@ class Scheduler:
         if seq in self.handing_off:
             self.handing_off.remove(seq)
         self.pool.free(seq.block_table)
+        if self.release is not None:
+            self.release(seq)

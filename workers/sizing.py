@@ -59,6 +59,7 @@ NESTED_TEXT_TYPES = {
     "glm46v": "glm4v_text",
     "glm4v": "glm4v_text",
     "glm4v_moe": "glm4v_moe_text",
+    "qwen3_5": "qwen3_5_text",
 }
 
 # What transformers' config classes default to when a config.json leaves a key out (published llava-hf
@@ -73,6 +74,32 @@ TEXT_DEFAULTS: dict[str, dict[str, int]] = {
     "qwen2": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 32, "vocab_size": 151936},
 }
+
+
+def linear_state_shape(text: dict[str, Any]) -> tuple[int, int, int]:
+    """A hybrid text model's linear-attention (Gated DeltaNet) layers: (how many, conv state elements,
+    recurrent state elements) per sequence and layer; (0, 0, 0) for a model without them. The conv state
+    keeps the q/k/v projection's last `linear_conv_kernel_dim` inputs; the recurrent state is
+    [value heads, key head dim, value head dim]. Layer kinds as Qwen3.5's config reads them: `layer_types`,
+    else every `full_attention_interval`-th layer (4) full."""
+    kinds = text.get("layer_types")
+    if kinds is None and "linear_num_value_heads" in text:
+        every = int(text.get("full_attention_interval", 4))
+        kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                 for i in range(int(text["num_hidden_layers"]))]
+    n = sum(kind == "linear_attention" for kind in kinds or ())
+    if not n:
+        return 0, 0, 0
+    k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) * int(text.get("linear_conv_kernel_dim", 4))
+    return n, conv, v_heads * k_dim * v_dim
+
+
+def state_bytes(layers: int, conv: int, recurrent: int, dtype_bytes: int) -> int:
+    """One sequence's linear-attention state: layers × (conv state × dtype bytes + recurrent state × 4); the
+    recurrent state is float32 whatever the model's dtype (transformers' delta rules compute in it)."""
+    return layers * (conv * dtype_bytes + recurrent * 4)
 
 
 class SizingError(ValueError):
@@ -145,6 +172,12 @@ class TextGeometry:
     hidden_size: int
     intermediate_size: int
     vocab_size: int
+    # A hybrid model's linear-attention layers, not in num_layers (the layers with K/V): linear_state_shape's
+    # (layers, conv elements, recurrent elements) per sequence.
+    linear_state: tuple[int, int, int] = (0, 0, 0)
+
+    def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
+        return state_bytes(*self.linear_state, dtype_bytes)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -179,11 +212,13 @@ def text_geometry(config: dict[str, Any], where: str = "config.json") -> TextGeo
 
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
-    return TextGeometry(model_type=str(model_type), num_layers=get("num_hidden_layers"),
+    linear = linear_state_shape(text)[0]  # layers with a state, not K/V
+    return TextGeometry(model_type=str(model_type), num_layers=get("num_hidden_layers") - linear,
                         num_kv_heads=get("num_key_value_heads", heads),
                         head_dim=int(text.get("head_dim") or defaults.get("head_dim") or hidden // heads),
                         hidden_size=hidden,
-                        intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"))
+                        intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
+                        linear_state=linear_state_shape(text))
 
 
 def read_geometry(model_dir: str | os.PathLike) -> TextGeometry:
@@ -248,12 +283,14 @@ class SizingPlan:
 
 def reserve_bytes(geom: TextGeometry, *, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
                   workspace_bytes: int = WORKSPACE_BYTES, kv: bool = True) -> int:
-    """workspace + T × (4·H + 3·I) × b + S × V × 4 × 2 (the text terms only where a text model runs)."""
+    """workspace + T × (4·H + 3·I) × b + S × V × 4 × 2 + S × linear state (the text terms only where a text
+    model runs)."""
     if not kv:  # an encoder: the vision tower's activations are bounded by max_encode_images, in the workspace
         return workspace_bytes
     act = max_num_batched_tokens * (4 * geom.hidden_size + 3 * geom.intermediate_size) * dtype_bytes
     logits = max_num_seqs * geom.vocab_size * 4 * 2
-    return workspace_bytes + act + logits
+    # A hybrid model's running sequences each hold their linear layers' state outside the pool.
+    return workspace_bytes + act + logits + max_num_seqs * geom.state_bytes_per_sequence(dtype_bytes)
 
 
 def plan_blocks(*, total_bytes: int, fraction: float, weights_bytes: int, reserve: int, block_bytes: int,

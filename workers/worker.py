@@ -70,7 +70,9 @@ class Worker:
         runner = self.engine.runner
         self.memory_mib = {  # what this role holds, for `rss_mib` to be read against
             "weights_mib": round(runner.weight_bytes() / 2**20, 1),
-            "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0}
+            "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0,
+            # a hybrid model's linear-attention state, held per running sequence beside the pool
+            "state_kib_per_seq": round(runner.linear_state_bytes() / 2**10, 1)}
         self.ctx = zmq.Context.instance()
         io_zmq_context(self.ctx)  # zmq's socket threads beside the other IO threads (common/cpu_placement.py)
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
@@ -78,7 +80,10 @@ class Worker:
                                        curve=keys)
         # Registration, load, shard registry and indexes; every call while serving on the Redis lane's thread,
         # so neither the loop nor the pulse waits on Redis (workers/worker_redis.py).
-        self.redis = WorkerRedis(settings, self.worker_id, self.model_name, self.engine.pool)
+        # The engine's own prefix-caching flag: off for models it cannot reuse a prefix of (engine.py).
+        self.redis = WorkerRedis(settings.model_copy(update={"enable_prefix_caching":
+                                                             self.engine.config.enable_prefix_caching}),
+                                 self.worker_id, self.model_name, self.engine.pool)
         self.store, self.lane = self.redis.store, self.redis.lane
         # One link per coordinator shard: those named by --coordinator, and those announced in Redis (the
         # --redis store, or the one --coordinator redis://... names: then only those).

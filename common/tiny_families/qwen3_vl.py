@@ -75,7 +75,7 @@ def qwen3_vl_config(dims: dict, tok, std: float, config_class: str = "Qwen3VLCon
                          vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
 
 
-def save_qwen3_vl_processor(out: Path, dims: dict, tok, layout: str) -> None:
+def save_qwen3_vl_processor(out: Path, dims: dict, tok, layout: str, chat_template: str = QWEN3_VL_CHAT_TEMPLATE) -> None:
     """processor_config.json (image and video processors nested), tokenizer and chat template through
     Qwen3VLProcessor.save_pretrained; the hub's preprocessor_config.json / video_preprocessor_config.json
     too unless layout is "processor"."""
@@ -95,7 +95,7 @@ def save_qwen3_vl_processor(out: Path, dims: dict, tok, layout: str) -> None:
         "resample": 3, "rescale_factor": 1 / 255,
     }
     _qwen2_vl_processor(image_processor, tok, video_config, "Qwen3VLProcessor",
-                        QWEN3_VL_CHAT_TEMPLATE).save_pretrained(out)
+                        chat_template).save_pretrained(out)
     if layout != "processor":
         for name, config in [("preprocessor_config.json", image_config),
                              ("video_preprocessor_config.json", video_config)]:

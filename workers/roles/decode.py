@@ -57,7 +57,9 @@ class DecodeWorker(SteppingWorker):
             mrope = tensors.get("mrope")
             export = KVExport(task.state, tensors["kv"], keep(mrope) if mrope is not None else None,
                               [keep(tensors[f"emb{i}"]) if f"emb{i}" in tensors else None  # None: skipped by a prefix hit
-                               for i in range(len(task.state.images))])
+                               for i in range(len(task.state.images))],
+                              # the linear-attention state: import_kv copies it into its own tensors
+                              [tensors[f"lin{j}"] for j in range(sum(k.startswith("lin") for k in tensors))])
             seq = self.engine.import_kv(export, request_id=rid)
         seq.hand_back = task.hand_back
         return seq

@@ -1,0 +1,129 @@
+"""Linear-attention (Gated DeltaNet) layers in the packed step: each sequence's conv + recurrent state.
+
+The paged pool holds K/V for the full-attention layers only. A linear layer's memory of a sequence is a
+fixed-size state instead: transformers' own LinearAttentionLayer (the cache HF generate keeps), one per
+linear layer inside one Cache per sequence, kept here by request id from its first chunk until the
+scheduler releases the sequence. The step's packed rows are split by chunk and each sequence's rows run
+the checkpoint's own GatedDeltaNet module with that sequence's cache, so the math is the model's: a
+prompt chunk continues the state its previous chunk left (the chunked rule from that initial state, the
+conv over the cached last inputs), a decode token steps the recurrent rule, as in HF generate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+LINEAR = "linear_attention"
+
+
+def linear_layers(text_config: Any) -> list[int]:
+    """The indices of the text model's linear-attention layers (none for a plain transformer)."""
+    return [i for i, kind in enumerate(getattr(text_config, "layer_types", None) or ()) if kind == LINEAR]
+
+
+def state_bytes_per_sequence(text_config: Any, dtype: torch.dtype) -> int:
+    """One sequence's state in bytes: layers x (conv + recurrent), the rule sizing uses (workers/sizing.py)."""
+    from mserve.workers.sizing import linear_state_shape, state_bytes
+
+    shape = linear_state_shape(text_config.to_dict())
+    return state_bytes(*shape, torch.tensor([], dtype=dtype).element_size())
+
+
+@dataclass(frozen=True)
+class LinearRows:
+    """One step's linear-layer work: per chunk, in packed order, its sequence's cache and row count."""
+
+    caches: tuple[Any, ...]
+    lengths: tuple[int, ...]
+
+
+class LinearStates:
+    """The per-sequence caches of one engine's linear layers, by request id."""
+
+    def __init__(self, text_config: Any) -> None:
+        self.kinds = list(text_config.layer_types)
+        self.layers = linear_layers(text_config)
+        self._caches: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._caches
+
+    def _new(self):
+        from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
+
+        return Cache(layers=[LinearAttentionLayer() if k == LINEAR else DummyLayer() for k in self.kinds])
+
+    def for_chunk(self, request_id: str, start: int):
+        """The cache a chunk from position `start` continues. A chunk from 0 starts a fresh state (a new
+        request, or a preempted one recomputed from scratch: what it had is dropped)."""
+        if start == 0:
+            self._caches[request_id] = self._new()
+        cache = self._caches.get(request_id)
+        assert cache is not None, f"request {request_id}: a chunk from {start} but no linear-layer state"
+        return cache
+
+    def rows(self, chunks: Sequence[tuple[str, int, int]]) -> LinearRows:
+        """(request id, start, tokens) per chunk of the step -> what the wrapped layers read."""
+        return LinearRows(tuple(self.for_chunk(r, s) for r, s, _ in chunks), tuple(n for _, _, n in chunks))
+
+    def drop(self, request_id: str) -> None:
+        """The sequence left this engine (finished, aborted, handed on) or was preempted: its state goes."""
+        self._caches.pop(request_id, None)
+
+    def export(self, request_id: str) -> list[torch.Tensor]:
+        """The sequence's state as tensors, per linear layer its conv then its recurrent state."""
+        cache = self._caches[request_id]
+        out = []
+        for i in self.layers:
+            layer = cache.layers[i]
+            out += [layer.conv_states[0], layer.recurrent_states[0]]
+        return out
+
+    def adopt(self, request_id: str, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+        """Take a state another engine exported (`export`): the request continues from it here."""
+        assert len(tensors) == 2 * len(self.layers), f"{len(tensors)} state tensors for {len(self.layers)} layers"
+        cache = self._new()
+        for n, i in enumerate(self.layers):
+            conv, recurrent = (t.to(device).clone() for t in tensors[2 * n : 2 * n + 2])
+            layer = cache.layers[i]
+            layer.lazy_initialization(conv_states=conv, recurrent_states=recurrent)
+            layer.conv_states[0].copy_(conv)
+            layer.recurrent_states[0].copy_(recurrent)
+            layer.has_previous_state[0] = True
+        self._caches[request_id] = cache
+
+
+class PerSequenceLinearAttention(torch.nn.Module):
+    """Wraps one GatedDeltaNet: in an engine step, runs it once per chunk with that sequence's cache; used
+    outside the engine (HF generate on the same object), it is the module itself."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs):
+        batch = kwargs.get("mserve_batch")
+        rows: LinearRows | None = getattr(batch, "linear", None)
+        if rows is None:
+            return self.inner(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        # The packed step is [1, T, hidden]: each chunk's rows are one sequence's, run alone with its state
+        # (no mask: a chunk has no padding).
+        parts = torch.split(hidden_states, list(rows.lengths), dim=1)
+        return torch.cat([self.inner(part, cache=c) for part, c in zip(parts, rows.caches)], dim=1)
+
+
+def wrap_linear_layers(language_model: torch.nn.Module) -> int:
+    """Put each decoder layer's `linear_attn` behind PerSequenceLinearAttention; returns how many."""
+    n = 0
+    for layer in getattr(language_model, "layers", ()):
+        inner = getattr(layer, "linear_attn", None)
+        if inner is not None and not isinstance(inner, PerSequenceLinearAttention):
+            layer.linear_attn = PerSequenceLinearAttention(inner)
+            n += 1
+    return n
