@@ -44,7 +44,7 @@ def test_engine_answers_equal_hf_generate(model_dir):
     builder = PromptBuilder(model_dir)
     requests = {f"r{i}": builder.prepare_text(PROMPTS[i], [make_image(90 + 30 * i + 17 * k, 70 + 20 * i, seed=10 * i + k)
                                                            for k in range(i % 3)]) for i in range(5)}
-    engine = Engine(EngineConfig(model_dir, num_blocks=256, block_size=16, max_num_batched_tokens=4096))
+    engine = Engine(EngineConfig(model_dir, dtype="float32", num_blocks=256, block_size=16, max_num_batched_tokens=4096))
     for rid, pp in requests.items():
         engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=8))
     results = engine.run_until_done()
