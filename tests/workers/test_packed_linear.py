@@ -75,7 +75,7 @@ def test_what_the_engine_packs_in_bfloat16(tiny_model_dirs, monkeypatch):
     count = _counter(tiny_model_dirs, sizes)
     packed, plain = count(dtype="bfloat16", exact_attention=False)
     assert packed > 0 and plain == 0  # language model, vision tower and projector alike
-    packed, plain = count(dtype="bfloat16")  # exact attention: the layers without a bias only
+    packed, plain = count(dtype="bfloat16", exact_attention=True)  # exact attention: the layers without a bias only
     assert packed > 0 and plain > 0
     monkeypatch.setenv("MSERVE_PACKED_LINEAR", "off")
     assert count(dtype="bfloat16", exact_attention=False)[0] == 0
