@@ -21,8 +21,8 @@ from mserve.common.families import FamilyRules, rules_for
 
 # Families served token-exact (each one tested against Hugging Face generate). Any other model_type is
 # refused at load, naming what it lacks: serving it untested could give wrong tokens.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "internvl", "smolvlm",
-                      "idefics3", "qwen3_vl")
+SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
+                      "smolvlm", "idefics3", "qwen3_vl")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
 # second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL: with its per-frame-group
 # timestamps as text, common/families/qwen3_vl.py).

@@ -55,10 +55,11 @@ def _cpu_bf16_matmuls() -> bool:
 # The parts a stage needs: an encoder runs the vision tower + projector only; prefill and decode the
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
 # multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
-# Qwen2-VL, Qwen3-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector).
-# The language model is `language_model`, or `text_model` in SmolVLM.
+# Qwen2-VL, Qwen3-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector;
+# Gemma 4: vision_tower + embed_vision). The language model is `language_model`, or `text_model` in SmolVLM.
 PARTS = ("all", "vision", "text")
-_VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual", "vision_model", "connector")
+_VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual", "vision_model", "connector",
+                   "embed_vision")
 _TEXT_MODULES = ("language_model", "text_model")
 
 
@@ -99,6 +100,33 @@ def use_paged_attention(model):
         # Only the language model reads the paged pool; the vision tower keeps its own attention.
         language_model.config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
     return model
+
+
+def _layer_kv_shapes(text: Any) -> list[tuple[int, int]] | None:
+    """Each layer's (kv_heads, head_dim) for a text config whose layers differ (transformers' per_layer_config:
+    Gemma 4's global layers have their own head size and KV heads); None when every layer is the same."""
+    per_layer = getattr(text, "per_layer_config", None)
+    if not per_layer:
+        return None
+    return [(per_layer[i].num_key_value_heads, per_layer[i].head_dim) for i in range(text.num_hidden_layers)]
+
+
+def _per_layer_inputs(language_model: Any, ids: torch.Tensor, placeholder_ids: Sequence[int]) -> dict:
+    """The per-layer embeddings' token part (Gemma 4's PLE), as Gemma4Model.forward makes it: looked up by
+    token id, image placeholders read as the pad token (their rows also take the image features' projection,
+    inside the text model). {} for a text model without per-layer inputs."""
+    if not getattr(language_model, "hidden_size_per_layer_input", 0):
+        return {}
+    pad = language_model.config.pad_token_id
+    ids = torch.where(torch.isin(ids, torch.tensor(list(placeholder_ids), device=ids.device)), pad, ids)
+    return {"per_layer_inputs": language_model.get_per_layer_inputs(ids[None])}
+
+
+def _softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """HF's final logit softcapping (Gemma 4), the same three operations in the same order."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 @dataclass(frozen=True)
@@ -145,9 +173,11 @@ class ModelRunner:
             self.embed_tokens, self.kv = None, None
         else:
             self.embed_tokens = self.language_model.get_input_embeddings()
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            self.kv = KVCache(text.num_hidden_layers, num_blocks, text.num_key_value_heads, block_size, head_dim,
-                              dtype=self.dtype, device=self.device)
+            shapes = _layer_kv_shapes(text)
+            kv_heads, head_dim = shapes[0] if shapes else (
+                text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+            self.kv = KVCache(text.num_hidden_layers, num_blocks, kv_heads, block_size, head_dim,
+                              dtype=self.dtype, device=self.device, layer_shapes=shapes)
         self.model_dir = str(model_dir)
         self._compiled_decode = self._compile_decode() if compile_decode and self.language_model is not None else None
         self.pruner = None  # FasterVLM on the encode path (workers/pruning.py), when asked for
@@ -329,7 +359,8 @@ class ModelRunner:
         for c in chunks:
             ids.extend(c.seq.token_ids[c.start : c.end])
             positions.append(self._positions(c))
-        embeds = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
+        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        embeds = self.embed_tokens(token_ids)
         deepstack = DeepstackRows(self.hidden_size, self.deepstack_layers)
         offset = 0
         for c in chunks:
@@ -346,7 +377,9 @@ class ModelRunner:
             pos = torch.tensor([sum((p[r] for p in positions), []) for r in range(3)], device=self.device)[:, None]
         else:
             pos = torch.tensor(sum(positions, []), device=self.device)[None]
-        return embeds[None], pos, deepstack.kwargs(len(ids), self.device, embeds.dtype)
+        extra = deepstack.kwargs(len(ids), self.device, embeds.dtype)
+        extra.update(_per_layer_inputs(self.language_model, token_ids, self.family.placeholder_ids))
+        return embeds[None], pos, extra
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -355,8 +388,10 @@ class ModelRunner:
         runs = ([[(span.start, span.end) for span in c.seq.images] for c in chunks]
                 if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
-                                 self.device, image_runs=runs, exact=self.exact_attention)
-        decode = self._compiled_decode is not None and all(c.num_tokens == 1 for c in chunks) and not visual
+                                 self.device, image_runs=runs, exact=self.exact_attention,
+                                 images_on_sliding_only=self.family.rules.bidirectional_images_sliding_only)
+        decode = (self._compiled_decode is not None and all(c.num_tokens == 1 for c in chunks)
+                  and "deepstack_visual_embeds" not in visual)
         forward = self._compiled_decode if decode else self.language_model
         hidden = forward(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                                      mserve_batch=batch, **visual).last_hidden_state[0]
@@ -368,4 +403,5 @@ class ModelRunner:
         if not last_rows:
             return hidden.new_empty((0, self.model.config.text_config.vocab_size))
         rows = hidden[torch.tensor(last_rows, device=self.device)]
-        return self.model.lm_head(rows).float()
+        cap = getattr(self.model.config.text_config, "final_logit_softcapping", None)
+        return _softcapped(self.model.lm_head(rows), cap).float()

@@ -31,19 +31,27 @@ class KVCache:
     On the CPU the tensors sit on huge pages where the host gives them (workers/huge_pages.py)."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 layer_shapes: Sequence[tuple[int, int]] | None = None) -> None:
+        """`layer_shapes`: each layer's (kv_heads, head_dim) where layers differ (Gemma 4's global layers
+        are wider than its sliding ones); None: every layer is (kv_heads, head_dim)."""
+        shapes = list(layer_shapes) if layer_shapes is not None else [(kv_heads, head_dim)] * num_layers
+        self.k = [huge_pages.zeros((num_blocks, block_size, h, d), dtype, device) for h, d in shapes]
+        self.v = [huge_pages.zeros((num_blocks, block_size, h, d), dtype, device) for h, d in shapes]
         self.num_blocks, self.block_size = num_blocks, block_size
+        # Layers of different shapes export each block as one row of the widest layer's heads x dim, the
+        # narrower ones zero-padded: one tensor of one shape still carries a request's blocks.
+        self._uniform = len(set(shapes)) == 1
+        self._row = max(h * d for h, d in shapes)
 
     @property
     def bytes_per_block(self) -> int:
-        k = self.k[0]
-        return 2 * len(self.k) * k[0].numel() * k.element_size()
+        return 2 * sum(k[0].numel() * k.element_size() for k in self.k)
 
     def export_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of ``export_blocks`` for ``num_blocks`` blocks."""
+        if not self._uniform:
+            return (len(self.k), 2, num_blocks, self.block_size, 1, self._row)
         return (len(self.k), 2, num_blocks) + tuple(self.k[0].shape[1:])
 
     @property
@@ -62,6 +70,13 @@ class KVCache:
         elif tuple(out.shape) != expected:
             raise ValueError(f"export buffer of shape {tuple(out.shape)}, expected {expected}")
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
+        if not self._uniform:
+            out.zero_()
+            for layer, (k, v) in enumerate(zip(self.k, self.v)):
+                for kind, cache in ((0, k), (1, v)):
+                    rows = cache.index_select(0, idx).flatten(2)  # [n, block_size, heads * dim]
+                    out[layer, kind, :, :, 0, : rows.shape[-1]].copy_(rows)
+            return out
         direct = out.device == self.k[0].device and out.dtype == self.dtype and out.is_contiguous()
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             for kind, cache in ((0, k), (1, v)):
@@ -78,8 +93,9 @@ class KVCache:
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
         data = data.to(device=self.k[0].device, dtype=self.k[0].dtype)
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            k.index_copy_(0, idx, data[layer, 0])
-            v.index_copy_(0, idx, data[layer, 1])
+            width, shape = k[0].numel() // self.block_size, (len(block_ids),) + tuple(k.shape[1:])
+            k.index_copy_(0, idx, data[layer, 0].flatten(2)[..., :width].reshape(shape))
+            v.index_copy_(0, idx, data[layer, 1].flatten(2)[..., :width].reshape(shape))
 
 
 @dataclass
@@ -174,14 +190,31 @@ class PagedBatch:
     kv: KVCache
     slots: torch.Tensor  # [T] where each new token's K/V go: block * block_size + offset
     groups: list[AttentionGroup]
+    # The same requests attending causally only, for the layers without a sliding window when images are
+    # bidirectional on sliding-window layers alone (Gemma 4); None: every layer attends through `groups`.
+    full_layer_groups: list[AttentionGroup] | None = None
+
+    def groups_for(self, window: int | None) -> list[AttentionGroup]:
+        """The groups one layer attends through: `window` is its sliding window, None on a full layer."""
+        return self.full_layer_groups if window is None and self.full_layer_groups is not None else self.groups
 
     @classmethod
     def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
-              image_runs: Sequence[Sequence[tuple[int, int]]] | None = None, exact: bool = False) -> "PagedBatch":
+              image_runs: Sequence[Sequence[tuple[int, int]]] | None = None, exact: bool = False,
+              images_on_sliding_only: bool = False) -> "PagedBatch":
         """`chunks`: per request (block ids, first position computed, number of tokens). `image_runs`:
         per request, the (start, end) of each image whose tokens attend to each other both ways
-        (families with bidirectional images; None: all attention is causal). `exact`: attend over each
-        request's exact key count (exact_lengths says when that is needed)."""
+        (families with bidirectional images; None: all attention is causal), on every layer, or on the
+        sliding-window layers only (`images_on_sliding_only`). `exact`: attend over each request's exact
+        key count (exact_lengths says when that is needed)."""
+        batch = cls._build(kv, chunks, device, image_runs, exact)
+        if images_on_sliding_only and image_runs is not None:
+            batch.full_layer_groups = cls._build(kv, chunks, device, None, exact).groups
+        return batch
+
+    @classmethod
+    def _build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
+               image_runs: Sequence[Sequence[tuple[int, int]]] | None, exact: bool) -> "PagedBatch":
         bs = kv.block_size
         slots, by_len = [], {}
         packed = 0
@@ -312,12 +345,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v_cache.view(-1, h, d).index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_cache.dtype))
     # The layer's sliding window (transformers passes it for sliding-window layers, None for global ones).
     window = kwargs.get("sliding_window")
-    if len(batch.groups) == 1 and batch.groups[0].whole_uniform:
-        out = _attend(batch.groups[0], query[0], k_cache, v_cache, scaling, window)
+    groups = batch.groups_for(window)
+    if len(groups) == 1 and groups[0].whole_uniform:
+        out = _attend(groups[0], query[0], k_cache, v_cache, scaling, window)
     else:
         heads, total, d = query[0].shape
         out = query.new_empty((total, heads, d))
-        for group in batch.groups:
+        for group in groups:
             out.index_copy_(0, group.dest, _attend(group, query[0], k_cache, v_cache, scaling, window))
     return out.unsqueeze(0), None  # [1, T, heads, head_dim], as transformers' attention functions return
 

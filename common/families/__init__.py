@@ -33,6 +33,9 @@ class FamilyRules:
     # token_type_ids groups): each image is computed whole in one forward (workers/scheduler.py,
     # workers/paged_attention.py).
     bidirectional_images: bool = False
+    # ...on the sliding-window layers only, the full layers staying causal (Gemma 4's "vision" bidirectional
+    # attention; Gemma 3's images are bidirectional on every layer).
+    bidirectional_images_sliding_only: bool = False
     # (rendered prompt, processor, number of images) -> the prompt with each image's placeholder
     # expanded as text, for a processor that expands before tokenizing (neighbouring text merges).
     expand_text: Callable[[str, Any, int], str] | None = None
@@ -43,7 +46,7 @@ class FamilyRules:
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import gemma3, pixtral, qwen3_vl, tiled
+    from mserve.common.families import gemma3, gemma4, pixtral, qwen3_vl, tiled
 
-    return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "internvl": tiled.INTERNVL, "smolvlm": tiled.SMOLVLM,
+    return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "gemma4": gemma4.RULES, "internvl": tiled.INTERNVL, "smolvlm": tiled.SMOLVLM,
             "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES}.get(model_type or "", FamilyRules())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mserve.common.tiny_families.base import TinyFamily
 from mserve.common.tiny_families.gemma3 import GEMMA3
+from mserve.common.tiny_families.gemma4 import GEMMA4
 from mserve.common.tiny_families.internvl import INTERNVL
 from mserve.common.tiny_families.llava import LLAVA, LLAVA_NEXT
 from mserve.common.tiny_families.mistral3 import MISTRAL3
@@ -17,4 +18,4 @@ from mserve.common.tiny_families.qwen3_vl import QWEN3_VL
 from mserve.common.tiny_families.smolvlm import IDEFICS3, SMOLVLM
 
 FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN2_5_VL, QWEN3_VL, MISTRAL3, GEMMA3,
-                                                  INTERNVL, SMOLVLM, IDEFICS3)}
+                                                  GEMMA4, INTERNVL, SMOLVLM, IDEFICS3)}
