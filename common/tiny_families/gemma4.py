@@ -5,7 +5,7 @@ sliding-window layers only.
 Every trait that sets Gemma 4 apart is on, at a size where a shortcut would change tokens:
 - four layers, sliding / full / sliding / full, the last two reusing the first two's K/V
   (num_kv_shared_layers=2), so both layer types both store and reuse;
-- a 16-token window, shorter than every test prompt and than an image (30-70 soft tokens);
+- a 12-token window, shorter than every test prompt and than an image (30-70 soft tokens);
 - full layers with their own head size (global_head_dim 32 against 16) and one K=V head
   (attention_k_eq_v), so the KV pool's layers differ in shape;
 - "proportional" rope on full layers (a quarter of the dims rotate), default rope on sliding ones;
@@ -126,7 +126,7 @@ def generation_config(tok):
 
 _LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 _TINY = dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, patch=4, pool=2, positions=160, max_soft_tokens=70,
-             hidden=64, inter=128, heads=4, kv_heads=2, global_head_dim=32, global_kv_heads=1, sliding_window=16,
+             hidden=64, inter=128, heads=4, kv_heads=2, global_head_dim=32, global_kv_heads=1, sliding_window=12,
              layer_types=_LAYERS, kv_shared=2, per_layer=8, softcap=2.0)
 _SMALL = dict(_TINY, v_hidden=128, v_inter=512, v_layers=4, v_heads=4, patch=8, max_soft_tokens=140, hidden=256,
               inter=768, global_head_dim=128, sliding_window=64,
