@@ -3,8 +3,10 @@ embeddings, KV sharing, wider global layers, and bidirectional attention inside 
 sliding-window layers only.
 
 Every trait that sets Gemma 4 apart is on, at a size where a shortcut would change tokens:
-- four layers, sliding / full / sliding / full, the last two reusing the first two's K/V
-  (num_kv_shared_layers=2), so both layer types both store and reuse;
+- six layers, sliding and full in turn, the last two reusing layers 2 and 3's K/V (num_kv_shared_layers=2),
+  so both layer types store and reuse, and a full layer's output still feeds a layer that computes its
+  own K/V (with layers 2 and 3 already shared, how a full layer attends inside an image would change no
+  token: nothing after it reads its image rows' outputs);
 - a 12-token window, shorter than every test prompt and than an image (30-70 soft tokens);
 - full layers with their own head size (global_head_dim 32 against 16) and one K=V head
   (attention_k_eq_v), so the KV pool's layers differ in shape;
@@ -124,7 +126,7 @@ def generation_config(tok):
                             pad_token_id=tok.pad_token_id)
 
 
-_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+_LAYERS = ["sliding_attention", "full_attention"] * 3
 _TINY = dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, patch=4, pool=2, positions=160, max_soft_tokens=70,
              hidden=64, inter=128, heads=4, kv_heads=2, global_head_dim=32, global_kv_heads=1, sliding_window=12,
              layer_types=_LAYERS, kv_shared=2, per_layer=8, softcap=2.0)
