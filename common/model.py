@@ -356,7 +356,7 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None
-    if video_token_id is not None:
+    if video_token_id is not None and rules.no_video is None:  # a family that takes no video reads no settings
         from mserve.common.video import read_video_settings  # video.py builds on this module
 
         video_config = read_video_settings(model_dir, rules.timestamped_video_defaults)

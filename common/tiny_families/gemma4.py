@@ -27,7 +27,9 @@ from mserve.common.tiny_families.base import TinyFamily, train_bpe
 
 # The audio tokens too: Gemma4Processor refuses every call when the tokenizer lacks boa/eoa (as the published
 # tokenizer has them), audio or not.
-SPECIALS = ["<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>"]
+# <|video|> is in the vocabulary as in the published one: Gemma4Processor adds it to the tokenizer otherwise.
+SPECIALS = ["<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>",
+            "<|video|>"]
 
 # Written for mserve after the published Gemma 4 template's shape (not a copy): BOS first; turns open with
 # <|turn> + role and close with <turn|>; assistant turns are "model" turns; an image part is the image token,
@@ -90,8 +92,9 @@ def gemma4_config(dims: dict, tok, std: float):
     ids = tok.convert_tokens_to_ids
     return Gemma4Config(
         text_config=text, vision_config=vision, audio_config=None, boi_token_id=ids("<|image>"),
-        eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"), video_token_id=None,
-        audio_token_id=None, boa_token_id=None, eoa_token_index=None, initializer_range=std,
+        eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
+        audio_token_id=ids("<|audio|>"), boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"),
+        initializer_range=std,
     )
 
 
