@@ -15,7 +15,7 @@ from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import chat, make_frames, make_image, request_mix
 
 pytestmark = pytest.mark.slow
-FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3", "internvl", "smolvlm", "idefics3"]
+FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3", "gemma4", "internvl", "smolvlm", "idefics3"]
 
 
 @pytest.fixture(scope="module", params=[family_1e1p1d(f) for f in FAMILIES], ids=FAMILIES)
