@@ -243,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a complete save_pretrained folder (config, safetensors, trained byte-level "
                                    "BPE tokenizer, image processor, chat template) with random weights.")
     p.add_argument("out_dir", help="folder to write (created if missing)")
-    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3", "internvl",
-                                      "smolvlm", "idefics3"],
+    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3", "gemma4",
+                                      "internvl", "smolvlm", "idefics3"],
                    default="llava", help="model family (default: llava)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
                    help="tiny (~1M params, tests) or small (~31M params, benchmarks); default tiny")

@@ -13,7 +13,8 @@ from PIL import Image
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
-               "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "gemma4": "<|image|>", "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
+               "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "gemma4": "<|image|>", "internvl": "<IMG_CONTEXT>",
+               "smolvlm": "<image>",
                "idefics3": "<image>", "qwen3_vl": "<|image_pad|>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
