@@ -19,7 +19,7 @@ import torch
 
 from mserve.common.model import ModelFamily, load_family
 from mserve.common.video import seconds_per_grid
-from mserve.workers import fused_ops, packed_linear, paged_attention, paged_prefill
+from mserve.workers import fused_ops, packed_linear, paged_attention, paged_prefill, text_traits
 from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
 from mserve.workers.paged_attention import KVCache, PagedBatch
 from mserve.workers.scheduler import ScheduledChunk
@@ -102,33 +102,6 @@ def use_paged_attention(model):
     return model
 
 
-def _layer_kv_shapes(text: Any) -> list[tuple[int, int]] | None:
-    """Each layer's (kv_heads, head_dim) for a text config whose layers differ (transformers' per_layer_config:
-    Gemma 4's global layers have their own head size and KV heads); None when every layer is the same."""
-    per_layer = getattr(text, "per_layer_config", None)
-    if not per_layer:
-        return None
-    return [(per_layer[i].num_key_value_heads, per_layer[i].head_dim) for i in range(text.num_hidden_layers)]
-
-
-def _per_layer_inputs(language_model: Any, ids: torch.Tensor, placeholder_ids: Sequence[int]) -> dict:
-    """The per-layer embeddings' token part (Gemma 4's PLE), as Gemma4Model.forward makes it: looked up by
-    token id, image placeholders read as the pad token (their rows also take the image features' projection,
-    inside the text model). {} for a text model without per-layer inputs."""
-    if not getattr(language_model, "hidden_size_per_layer_input", 0):
-        return {}
-    pad = language_model.config.pad_token_id
-    ids = torch.where(torch.isin(ids, torch.tensor(list(placeholder_ids), device=ids.device)), pad, ids)
-    return {"per_layer_inputs": language_model.get_per_layer_inputs(ids[None])}
-
-
-def _softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """HF's final logit softcapping (Gemma 4), the same three operations in the same order."""
-    if cap is None:
-        return logits
-    return torch.tanh(logits / cap) * cap
-
-
 @dataclass(frozen=True)
 class PreparedImage:
     """A decoded image and its family's image processor output for it alone (ModelRunner.prepare_image).
@@ -173,7 +146,7 @@ class ModelRunner:
             self.embed_tokens, self.kv = None, None
         else:
             self.embed_tokens = self.language_model.get_input_embeddings()
-            shapes = _layer_kv_shapes(text)
+            shapes = text_traits.layer_kv_shapes(text)
             kv_heads, head_dim = shapes[0] if shapes else (
                 text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
             self.kv = KVCache(text.num_hidden_layers, num_blocks, kv_heads, block_size, head_dim,
@@ -378,7 +351,7 @@ class ModelRunner:
         else:
             pos = torch.tensor(sum(positions, []), device=self.device)[None]
         extra = deepstack.kwargs(len(ids), self.device, embeds.dtype)
-        extra.update(_per_layer_inputs(self.language_model, token_ids, self.family.placeholder_ids))
+        extra.update(text_traits.per_layer_inputs(self.language_model, token_ids, self.family.placeholder_ids))
         return embeds[None], pos, extra
 
     @torch.inference_mode()
@@ -404,4 +377,4 @@ class ModelRunner:
             return hidden.new_empty((0, self.model.config.text_config.vocab_size))
         rows = hidden[torch.tensor(last_rows, device=self.device)]
         cap = getattr(self.model.config.text_config, "final_logit_softcapping", None)
-        return _softcapped(self.model.lm_head(rows), cap).float()
+        return text_traits.softcapped(self.model.lm_head(rows), cap).float()
