@@ -146,9 +146,12 @@ class ModelRunner:
             self.embed_tokens, self.kv = None, None
         else:
             self.embed_tokens = self.language_model.get_input_embeddings()
-            shapes = text_traits.layer_kv_shapes(text)
-            kv_heads, head_dim = shapes[0] if shapes else (
-                text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+            shapes = text_traits.layer_kv_shapes(text)  # per layer where layers differ (Gemma 4), else None
+            if shapes is None:
+                kv_heads = text.num_key_value_heads
+                head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            else:  # a per-layer config refuses to answer head_dim for the whole model
+                kv_heads, head_dim = shapes[0]
             self.kv = KVCache(text.num_hidden_layers, num_blocks, kv_heads, block_size, head_dim,
                               dtype=self.dtype, device=self.device, layer_shapes=shapes)
         self.model_dir = str(model_dir)

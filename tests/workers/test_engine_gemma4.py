@@ -136,3 +136,38 @@ def test_hf_reference_depends_on_the_bidirectional_image_groups(model_dir, reque
                                 image_position_ids=pixels["image_position_ids"],
                                 generation_config=config)[0, ids.shape[1]:].tolist()
     assert causal != hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+
+
+def test_first_step_logits_are_hfs_softcapped_ones(model_dir, requests):
+    """Greedy tokens cannot see the softcap (tanh keeps the order): the logits the sampler gets can. The engine's
+    logits after a one-image prompt equal HF forward's, which the tiny model's cap of 2.0 bends well away
+    from the raw head's."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    from tests.helpers import reference_model
+
+    pp = requests["r1"]
+    engine = new_engine(model_dir)
+    got, execute = [], engine.runner.execute
+    engine.runner.execute = lambda chunks: got.append(execute(chunks)) or got[-1]
+    engine.add_request("x", pp.prompt_ids, images=pp.images, sampling=greedy(1))
+    engine.run_until_done()
+    model, processor = reference_model(model_dir)
+    ids = torch.tensor([pp.prompt_ids])
+    pixels = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in pp.images], return_tensors="pt")
+    head = []  # the raw head's output, before HF softcaps it
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: head.append(out[0, -1].clone()))
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, pixel_values=pixels["pixel_values"],
+                        image_position_ids=pixels["image_position_ids"],
+                        mm_token_type_ids=(ids == model.config.image_token_id).int())
+    finally:
+        hook.remove()
+    raw = head[0]
+    cap = model.config.text_config.final_logit_softcapping
+    assert torch.allclose(got[0][0], out.logits[0, -1], rtol=0, atol=1e-5)
+    assert (raw - out.logits[0, -1]).abs().max() > 100 * 1e-5 and out.logits.abs().max() < cap
