@@ -146,14 +146,11 @@ class ModelRunner:
             self.embed_tokens, self.kv = None, None
         else:
             self.embed_tokens = self.language_model.get_input_embeddings()
-            shapes = text_traits.layer_kv_shapes(text)  # per layer where layers differ (Gemma 4), else None
-            if shapes is None:
-                kv_heads = text.num_key_value_heads
-                head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            else:  # a per-layer config refuses to answer head_dim for the whole model
-                kv_heads, head_dim = shapes[0]
+            shapes = text_traits.layer_kv_shapes(text)  # layers may differ (Gemma 4's global ones)
+            kv_heads, head_dim = shapes[0]
             self.kv = KVCache(text.num_hidden_layers, num_blocks, kv_heads, block_size, head_dim,
-                              dtype=self.dtype, device=self.device, layer_shapes=shapes)
+                              dtype=self.dtype, device=self.device, layer_shapes=shapes,
+                              kv_sources=text_traits.kv_source_layers(text))
         self.model_dir = str(model_dir)
         self._compiled_decode = self._compile_decode() if compile_decode and self.language_model is not None else None
         self.pruner = None  # FasterVLM on the encode path (workers/pruning.py), when asked for

@@ -32,27 +32,40 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 layer_shapes: Sequence[tuple[int, int]] | None = None) -> None:
+                 layer_shapes: Sequence[tuple[int, int]] | None = None,
+                 kv_sources: Sequence[int] | None = None) -> None:
         """`layer_shapes`: each layer's (kv_heads, head_dim) where layers differ (Gemma 4's global layers
-        are wider than its sliding ones); None: every layer is (kv_heads, head_dim)."""
+        are wider than its sliding ones); None: every layer is (kv_heads, head_dim). `kv_sources`: the
+        layer whose K/V each layer attends over, where some reuse an earlier layer's (Gemma 4's KV-shared
+        layers): such a layer holds no tensors of its own, it reads its source's."""
         shapes = list(layer_shapes) if layer_shapes is not None else [(kv_heads, head_dim)] * num_layers
-        self.k = [huge_pages.zeros((num_blocks, block_size, h, d), dtype, device) for h, d in shapes]
-        self.v = [huge_pages.zeros((num_blocks, block_size, h, d), dtype, device) for h, d in shapes]
+        sources = list(kv_sources) if kv_sources is not None else list(range(num_layers))
+        # Only the layers that are their own source own K/V: they alone are stored, exported and imported.
+        self.owned = [i for i in range(num_layers) if sources[i] == i]
+        self._owned_set = frozenset(self.owned)
+        own = {i: (huge_pages.zeros((num_blocks, block_size, *shapes[i]), dtype, device),
+                   huge_pages.zeros((num_blocks, block_size, *shapes[i]), dtype, device)) for i in self.owned}
+        self.k = [own[sources[i]][0] for i in range(num_layers)]
+        self.v = [own[sources[i]][1] for i in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         # Layers of different shapes export each block as one row of the widest layer's heads x dim, the
         # narrower ones zero-padded: one tensor of one shape still carries a request's blocks.
-        self._uniform = len(set(shapes)) == 1
-        self._row = max(h * d for h, d in shapes)
+        self._uniform = len({shapes[i] for i in self.owned}) == 1
+        self._row = max(shapes[i][0] * shapes[i][1] for i in self.owned)
+
+    def owns(self, layer: int) -> bool:
+        """Whether `layer` writes its own K/V (a KV-shared layer's are its source's, written by it)."""
+        return layer in self._owned_set
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * sum(k[0].numel() * k.element_size() for k in self.k)
+        return 2 * sum(self.k[i][0].numel() * self.k[i].element_size() for i in self.owned)
 
     def export_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of ``export_blocks`` for ``num_blocks`` blocks."""
         if not self._uniform:
-            return (len(self.k), 2, num_blocks, self.block_size, 1, self._row)
-        return (len(self.k), 2, num_blocks) + tuple(self.k[0].shape[1:])
+            return (len(self.owned), 2, num_blocks, self.block_size, 1, self._row)
+        return (len(self.owned), 2, num_blocks) + tuple(self.k[self.owned[0]].shape[1:])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -72,14 +85,14 @@ class KVCache:
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
         if not self._uniform:
             out.zero_()
-            for layer, (k, v) in enumerate(zip(self.k, self.v)):
-                for kind, cache in ((0, k), (1, v)):
+            for layer, source in enumerate(self.owned):
+                for kind, cache in ((0, self.k[source]), (1, self.v[source])):
                     rows = cache.index_select(0, idx).flatten(2)  # [n, block_size, heads * dim]
                     out[layer, kind, :, :, 0, : rows.shape[-1]].copy_(rows)
             return out
         direct = out.device == self.k[0].device and out.dtype == self.dtype and out.is_contiguous()
-        for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            for kind, cache in ((0, k), (1, v)):
+        for layer, source in enumerate(self.owned):
+            for kind, cache in ((0, self.k[source]), (1, self.v[source])):
                 if direct:
                     torch.index_select(cache, 0, idx, out=out[layer, kind])
                 else:  # another device or dtype: gather here, then one copy across
@@ -92,7 +105,8 @@ class KVCache:
             raise ValueError(f"KV blocks of shape {tuple(data.shape)} do not fit this pool (expected {expected})")
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
         data = data.to(device=self.k[0].device, dtype=self.k[0].dtype)
-        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+        for layer, source in enumerate(self.owned):
+            k, v = self.k[source], self.v[source]
             width, shape = k[0].numel() // self.block_size, (len(block_ids),) + tuple(k.shape[1:])
             k.index_copy_(0, idx, data[layer, 0].flatten(2)[..., :width].reshape(shape))
             v.index_copy_(0, idx, data[layer, 1].flatten(2)[..., :width].reshape(shape))
@@ -341,8 +355,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k_cache, v_cache = batch.kv.k[layer], batch.kv.v[layer]
     # query/key/value: [1, heads, T, head_dim] for the packed batch; the pool takes [T, kv_heads, head_dim].
     _, bs, h, d = k_cache.shape
-    k_cache.view(-1, h, d).index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(-1, h, d).index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    if batch.kv.owns(layer):  # a KV-shared layer is handed its source's K/V, which that layer wrote already
+        k_cache.view(-1, h, d).index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(-1, h, d).index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_cache.dtype))
     # The layer's sliding window (transformers passes it for sliding-window layers, None for global ones).
     window = kwargs.get("sliding_window")
     groups = batch.groups_for(window)

@@ -1,7 +1,7 @@
 """What a text model takes or does beyond embeddings, positions and attention, read from the model itself.
 
-Gemma 4 brought three: layers whose K/V differ in shape (its global layers), per-layer embeddings looked
-up by token id (PLE), and softcapped logits. The runner (workers/model_runner.py) asks these once per
+Gemma 4 brought four: layers whose K/V differ in shape (its global layers), layers that reuse an earlier
+layer's K/V (KV sharing), per-layer embeddings looked up by token id (PLE), and softcapped logits. The runner (workers/model_runner.py) asks these once per
 step; a model without the trait gets None, {} or its logits untouched.
 """
 
@@ -12,13 +12,26 @@ from typing import Any, Sequence
 import torch
 
 
-def layer_kv_shapes(text: Any) -> list[tuple[int, int]] | None:
-    """Each layer's (kv_heads, head_dim) for a text config whose layers differ (transformers' per_layer_config:
-    Gemma 4's global layers have their own head size and KV heads); None when every layer is the same."""
+def layer_kv_shapes(text: Any) -> list[tuple[int, int]]:
+    """Each layer's (kv_heads, head_dim). Read per layer where transformers' per_layer_config gives the layers
+    their own (Gemma 4's global layers have their own head size and KV heads, and its config then refuses to
+    answer head_dim for the whole model); a config without them answers for every layer."""
     per_layer = getattr(text, "per_layer_config", None)
-    if not per_layer:
+    layers = [per_layer[i] for i in range(text.num_hidden_layers)] if per_layer else [text] * text.num_hidden_layers
+    return [(c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+            for c in layers]
+
+
+def kv_source_layers(text: Any) -> list[int] | None:
+    """The layer whose K/V each layer attends over, where some reuse an earlier one's (Gemma 4: a layer whose
+    kv_sharing_mode is "reuse" reads what the last layer of its type that "store"s computed, HF's
+    shared_kv_states); None when every layer computes its own."""
+    modes = getattr(text, "kv_sharing_modes", None) if getattr(text, "num_kv_shared_layers", 0) else None
+    if not modes or "reuse" not in modes:
         return None
-    return [(per_layer[i].num_key_value_heads, per_layer[i].head_dim) for i in range(text.num_hidden_layers)]
+    types = text.layer_types
+    stores = {types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    return [stores[types[i]] if mode == "reuse" else i for i, mode in enumerate(modes)]
 
 
 def per_layer_inputs(language_model: Any, ids: torch.Tensor, placeholder_ids: Sequence[int]) -> dict:

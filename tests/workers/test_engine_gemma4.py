@@ -93,12 +93,15 @@ def test_prefix_cache_hit_cut_to_an_image_start_matches_hf(model_dir, requests):
 
 def test_lean_prefill_and_decode_engines_match_hf(model_dir, requests):
     """Encode keeps the vision tower + embed_vision only, prefill/decode the text model; the KV blocks (layers of
-    two shapes) move between pools."""
+    two shapes, the KV-shared layers' not stored twice) move between pools."""
     encoder = new_engine(model_dir, parts="vision", num_blocks=16)
     prefill, decode = new_engine(model_dir, parts="text"), new_engine(model_dir, parts="text", num_blocks=300)
     assert encoder.runner.model.model.language_model is None
     assert prefill.runner.model.model.vision_tower is None and prefill.runner.model.model.embed_vision is None
-    assert len({tuple(k.shape[2:]) for k in prefill.runner.kv.k}) == 2  # sliding and global layers differ
+    kv = prefill.runner.kv
+    assert len({tuple(k.shape[2:]) for k in kv.k}) == 2  # sliding and global layers differ
+    assert kv.owned == [0, 1, 2, 3] and kv.k[4] is kv.k[2] and kv.v[5] is kv.v[3]  # KV-shared: no pool of their own
+    assert kv.export_shape(1)[0] == 4
     chosen = {rid: requests[rid] for rid in ("r0", "r1", "r2")}
     first = {}
     for rid, pp in chosen.items():
