@@ -56,10 +56,11 @@ def _cpu_bf16_matmuls() -> bool:
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
 # multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
 # Qwen2-VL, Qwen3-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector;
-# Gemma 4: vision_tower + embed_vision). The language model is `language_model`, or `text_model` in SmolVLM.
+# Gemma 4: vision_tower + embed_vision, and audio_tower + embed_audio, encoder-side too, dropped from the text
+# stages). The language model is `language_model`, or `text_model` in SmolVLM.
 PARTS = ("all", "vision", "text")
 _VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual", "vision_model", "connector",
-                   "embed_vision")
+                   "embed_vision", "audio_tower", "embed_audio")
 _TEXT_MODULES = ("language_model", "text_model")
 
 

@@ -25,15 +25,14 @@ def processor_class() -> type:
 
 
 def unservable(config: dict[str, Any]) -> str | None:
-    """What this Gemma 4 checkpoint turns on that the engine does not serve token-exact, or None."""
+    """What this Gemma 4 checkpoint turns on that the engine does not serve token-exact, or None. An audio tower
+    (E2B, E4B) is no gap: it is never run, and the image path's tokens are HF's with it present."""
     text = config.get("text_config") or {}
     if text.get("use_bidirectional_attention") == "all":
         return "use_bidirectional_attention='all' (the text model attends both ways everywhere, not causally)"
     if text.get("enable_moe_block"):
         return ("enable_moe_block (the mixture-of-experts layers are not verified token-exact against "
                 "HF generate in the paged engine)")
-    if config.get("audio_config"):
-        return "an audio tower (Gemma 4's audio path is not served: images and text only)"
     return None
 
 

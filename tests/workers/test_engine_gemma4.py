@@ -174,3 +174,34 @@ def test_first_step_logits_are_hfs_softcapped_ones(model_dir, requests):
     cap = model.config.text_config.final_logit_softcapping
     assert torch.allclose(got[0][0], out.logits[0, -1], rtol=0, atol=1e-5)
     assert (raw - out.logits[0, -1]).abs().max() > 100 * 1e-5 and out.logits.abs().max() < cap
+
+
+def test_a_checkpoint_with_an_audio_tower_serves_its_image_path_as_hf(tmp_path, requests):
+    """Gemma 4 E2B and E4B carry an audio tower: never run here, dropped from the text stages, and the text and
+    image requests' tokens are still HF's."""
+    import dataclasses
+
+    from transformers import Gemma4AudioConfig
+
+    from mserve.common.tiny_families import FAMILIES, gemma4
+    from mserve.common.tiny_model import make_tiny_model
+
+    def with_audio(dims, tok, std):
+        config = gemma4.gemma4_config(dims, tok, std)
+        config.audio_config = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                subsampling_conv_channels=[8, 4], output_proj_dims=32,
+                                                conv_kernel_size=3, initializer_range=std)
+        return config
+
+    family = dataclasses.replace(gemma4.GEMMA4, config=with_audio)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(FAMILIES, "gemma4", family)
+        model_dir = str(make_tiny_model(tmp_path / "gemma4-audio", "gemma4"))
+    engine = new_engine(model_dir)
+    assert engine.runner.model.model.audio_tower is not None
+    chosen = {rid: requests[rid] for rid in ("r0", "r2")}
+    for rid, pp in chosen.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
+    check_against_hf(model_dir, chosen, engine.run_until_done())
+    text_only = new_engine(model_dir, parts="text", num_blocks=16)
+    assert text_only.runner.model.model.audio_tower is None and text_only.runner.model.model.embed_audio is None
