@@ -138,7 +138,8 @@ class ModelFamily:
     @property
     def bidirectional_images(self) -> bool:
         """One image's placeholder tokens attend to each other both ways, on top of causal attention."""
-        return self.rules.bidirectional_images
+        when = self.rules.bidirectional_images_if
+        return self.rules.bidirectional_images and (when is None or when(self.text_config))
 
     @property
     def video_as_frames(self) -> bool:

@@ -36,6 +36,9 @@ class FamilyRules:
     # ...on the sliding-window layers only, the full layers staying causal (Gemma 4's "vision" bidirectional
     # attention; Gemma 3's images are bidirectional on every layer).
     bidirectional_images_sliding_only: bool = False
+    # text_config (a dict) -> whether this checkpoint's images are bidirectional at all, where the checkpoint
+    # decides (Gemma 4: only with use_bidirectional_attention="vision"); None: `bidirectional_images` holds.
+    bidirectional_images_if: Callable[[dict], bool] | None = None
     # (rendered prompt, processor, number of images) -> the prompt with each image's placeholder
     # expanded as text, for a processor that expands before tokenizing (neighbouring text merges).
     expand_text: Callable[[str, Any, int], str] | None = None

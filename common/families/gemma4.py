@@ -5,8 +5,9 @@ Gemma 4's chat template renders an image as the image token; Gemma4Processor rep
 boi + n soft tokens + eoi, n depending on the image's size (an aspect-ratio preserving resize to at
 most max_soft_tokens pooled patches). boi and eoi are special tokens, so expanding token by token
 gives the ids the processor's text expansion gives. Unlike Gemma 3, an image's soft tokens attend to
-each other both ways on the sliding-window layers only ("vision" bidirectional attention); the full
-layers stay causal (HF's create_masks_for_vision_model). No torch here: admission uses this.
+each other both ways on the sliding-window layers only, and only in checkpoints with "vision"
+bidirectional attention; the full layers stay causal (HF's create_masks_for_vision_model). No torch
+here: admission uses this.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def image_placeholder(processor: Any, size: tuple[int, int]) -> list[int]:
     return processor.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def images_bidirectional(text: dict[str, Any]) -> bool:
+    """Whether an image's soft tokens attend both ways (on the sliding layers): HF's Gemma4Model builds that mask
+    only for use_bidirectional_attention="vision"; without it (the smaller checkpoints) images are causal."""
+    return text.get("use_bidirectional_attention") == "vision"
+
+
 RULES = FamilyRules(processor_class=processor_class, image_placeholder=image_placeholder, config_gap=unservable,
                     bidirectional_images=True, bidirectional_images_sliding_only=True,
+                    bidirectional_images_if=images_bidirectional,
                     no_video="video input is not supported for model_type gemma4 (images only)")

@@ -205,3 +205,23 @@ def test_a_checkpoint_with_an_audio_tower_serves_its_image_path_as_hf(tmp_path, 
     check_against_hf(model_dir, chosen, engine.run_until_done())
     text_only = new_engine(model_dir, parts="text", num_blocks=16)
     assert text_only.runner.model.model.audio_tower is None and text_only.runner.model.model.embed_audio is None
+
+
+def test_a_checkpoint_without_vision_bidirectional_attention_keeps_images_causal(model_dir, tmp_path, requests):
+    """Gemma 4's smaller checkpoints leave use_bidirectional_attention unset: HF then attends causally inside
+    images too (mm_token_type_ids or not), and so must the engine. Same weights, that one setting changed."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(model_dir, tmp_path / "gemma4-causal")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = new_engine(str(folder))
+    assert not engine.family.bidirectional_images
+    chosen = {rid: requests[rid] for rid in ("r1", "r2")}
+    for rid, pp in chosen.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
+    results = engine.run_until_done()
+    check_against_hf(str(folder), chosen, results)
+    assert results["r2"] != hf_generate(model_dir, requests["r2"].prompt_ids, requests["r2"].images, MAX_NEW)
