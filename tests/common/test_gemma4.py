@@ -82,8 +82,7 @@ def settings_copy(src: Path, dst: Path, text: dict | None = None, top: dict | No
 
 @pytest.mark.parametrize("text, top, match", [
     ({"use_bidirectional_attention": "all"}, {}, r"use_bidirectional_attention='all'"),
-    ({"enable_moe_block": True}, {}, r"enable_moe_block"),
-], ids=["bidirectional-text", "moe"])
+], ids=["bidirectional-text"])
 def test_what_is_not_served_exactly_is_refused_at_load(model_dir, tmp_path, text, top, match):
     folder = settings_copy(model_dir, tmp_path / "ckpt", text, top)
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'gemma4': this checkpoint needs " + match) as info:

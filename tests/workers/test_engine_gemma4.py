@@ -176,9 +176,10 @@ def test_first_step_logits_are_hfs_softcapped_ones(model_dir, requests):
     assert (raw - out.logits[0, -1]).abs().max() > 100 * 1e-5 and out.logits.abs().max() < cap
 
 
-def test_a_checkpoint_with_an_audio_tower_serves_its_image_path_as_hf(tmp_path, requests):
-    """Gemma 4 E2B and E4B carry an audio tower: never run here, dropped from the text stages, and the text and
-    image requests' tokens are still HF's."""
+def test_checkpoints_with_experts_and_an_audio_tower_serve_their_image_path_as_hf(tmp_path, requests):
+    """Gemma 4 26B-A4B adds mixture-of-experts blocks beside each MLP; E2B and E4B carry an audio tower. One tiny
+    checkpoint with both: the experts run as the model runs them, in a ragged batch and in chunks of 8; the
+    audio tower is never run and the text stages drop it; the tokens are HF's."""
     import dataclasses
 
     from transformers import Gemma4AudioConfig
@@ -186,23 +187,26 @@ def test_a_checkpoint_with_an_audio_tower_serves_its_image_path_as_hf(tmp_path, 
     from mserve.common.tiny_families import FAMILIES, gemma4
     from mserve.common.tiny_model import make_tiny_model
 
-    def with_audio(dims, tok, std):
+    def with_experts_and_audio(dims, tok, std):
         config = gemma4.gemma4_config(dims, tok, std)
+        text = config.text_config
+        text.enable_moe_block, text.num_experts, text.top_k_experts, text.moe_intermediate_size = True, 4, 2, 32
         config.audio_config = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                 subsampling_conv_channels=[8, 4], output_proj_dims=32,
                                                 conv_kernel_size=3, initializer_range=std)
         return config
 
-    family = dataclasses.replace(gemma4.GEMMA4, config=with_audio)
+    family = dataclasses.replace(gemma4.GEMMA4, config=with_experts_and_audio)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(FAMILIES, "gemma4", family)
-        model_dir = str(make_tiny_model(tmp_path / "gemma4-audio", "gemma4"))
-    engine = new_engine(model_dir)
-    assert engine.runner.model.model.audio_tower is not None
-    chosen = {rid: requests[rid] for rid in ("r0", "r2")}
-    for rid, pp in chosen.items():
-        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
-    check_against_hf(model_dir, chosen, engine.run_until_done())
+        model_dir = str(make_tiny_model(tmp_path / "gemma4-moe-audio", "gemma4"))
+    for overrides, chosen in (({}, ("r0", "r1", "r2", "r3")), ({"max_num_batched_tokens": 8}, ("r2",))):
+        engine = new_engine(model_dir, **overrides)
+        assert engine.runner.model.model.audio_tower is not None
+        assert engine.runner.model.model.language_model.layers[0].enable_moe_block
+        for rid in chosen:
+            engine.add_request(rid, requests[rid].prompt_ids, images=requests[rid].images, sampling=greedy())
+        check_against_hf(model_dir, {rid: requests[rid] for rid in chosen}, engine.run_until_done())
     text_only = new_engine(model_dir, parts="text", num_blocks=16)
     assert text_only.runner.model.model.audio_tower is None and text_only.runner.model.model.embed_audio is None
 
