@@ -126,6 +126,12 @@ class ModelRunner:
         ratio = pruning.apply(self.family, visual_token_pruning)
         self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
+        if self.dtype != torch.float32 and (why := self.family.rules.float32_only) is not None:
+            from mserve.common.processor import UnsupportedModelError
+
+            dtype_name = str(self.dtype).removeprefix("torch.")
+            raise UnsupportedModelError(f"model_type {self.family.model_type!r} in {dtype_name}: {why}; "
+                                        "serve it in float32 (--dtype float32)")
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not _cpu_bf16_matmuls():
             log.warning("bfloat16 on a CPU without AVX-512 (torch's CPU capability: %s): oneDNN cannot run its "
                         "bf16 matrix multiplies here, and torch's fallback was 6x slower than float32 on an "

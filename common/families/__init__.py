@@ -39,6 +39,8 @@ class FamilyRules:
     # text_config (a dict) -> whether this checkpoint's images are bidirectional at all, where the checkpoint
     # decides (Gemma 4: only with use_bidirectional_attention="vision"); None: `bidirectional_images` holds.
     bidirectional_images_if: Callable[[dict], bool] | None = None
+    # Why the family is served in float32 only (its reduced-precision tokens not shown to be HF's), or None.
+    float32_only: str | None = None
     # (rendered prompt, processor, number of images) -> the prompt with each image's placeholder
     # expanded as text, for a processor that expands before tokenizing (neighbouring text merges).
     expand_text: Callable[[str, Any, int], str] | None = None

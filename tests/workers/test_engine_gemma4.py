@@ -229,3 +229,11 @@ def test_a_checkpoint_without_vision_bidirectional_attention_keeps_images_causal
     results = engine.run_until_done()
     check_against_hf(str(folder), chosen, results)
     assert results["r2"] != hf_generate(model_dir, requests["r2"].prompt_ids, requests["r2"].images, MAX_NEW)
+
+
+def test_reduced_precision_is_refused_at_load_naming_the_dtype(model_dir):
+    """bfloat16 image prompts left HF bf16's tokens beyond rounding ties on this model: refused, not served."""
+    from mserve.common.processor import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"^model_type 'gemma4' in bfloat16: .*--dtype float32"):
+        new_engine(model_dir, dtype="bfloat16")
