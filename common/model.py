@@ -23,8 +23,8 @@ from mserve.common.traits import read_traits
 # Families tested token-exact here (each one against Hugging Face generate). Any other model_type serves
 # only after a load-time probe proves it token-exact (workers/probe.py), and is refused at load naming
 # the trait the engine cannot honour (common/traits.py) or the case the probe failed.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "internvl", "smolvlm",
-                      "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
+SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
+                      "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
                       "glm4v_moe", "qwen3_5")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
 # second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
@@ -143,7 +143,8 @@ class ModelFamily:
     @property
     def bidirectional_images(self) -> bool:
         """One image's placeholder tokens attend to each other both ways, on top of causal attention."""
-        return self.rules.bidirectional_images
+        when = self.rules.bidirectional_images_if
+        return self.rules.bidirectional_images and (when is None or when(self.text_config))
 
     @property
     def video_as_frames(self) -> bool:
@@ -368,7 +369,7 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None
-    if video_token_id is not None and rules.no_video is None:
+    if video_token_id is not None and rules.no_video is None:  # a family that takes no video reads no settings
         from mserve.common.video import read_video_settings  # video.py builds on this module
 
         video_config = read_video_settings(model_dir, rules.timestamped_video_defaults)

@@ -53,6 +53,11 @@ def processor_settings(model_dir: str | os.PathLike, cls: type) -> dict[str, Any
     return {k: v for k, v in data.items() if k in params and k not in subs}
 
 
+# Parts a processor owns that the image path never runs: the video processor (it needs torchvision) and an
+# audio feature extractor (Gemma 4's: audio is not served). They are built as None.
+_LEFT_OUT = ("video_processor", "feature_extractor")
+
+
 def build_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: Any = None) -> Any:
     """The checkpoint's processor, with the PIL image processor and no video processor."""
     from transformers import AutoImageProcessor, AutoTokenizer
@@ -63,19 +68,23 @@ def build_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: An
     parts: dict[str, Any] = {"tokenizer": tokenizer,
                              "image_processor": AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")}
     attributes = cls.get_attributes()
-    missing = [a for a in attributes if a not in parts and a != "video_processor"]
+    missing = [a for a in attributes if a not in parts and a not in _LEFT_OUT]
     if missing:
         raise UnsupportedModelError(f"model_type {model_type!r}: {cls.__name__} needs {', '.join(missing)}, "
                                     "which mserve does not load")
-    if "video_processor" in attributes:
-        parts["video_processor"] = None
+    parts.update({a: None for a in attributes if a in _LEFT_OUT})
+    return assemble_processor(cls, **parts, **processor_settings(model_dir, cls))
+
+
+def assemble_processor(cls: type, **kwargs: Any) -> Any:
+    """cls(**kwargs), with the parts mserve leaves out passed as None."""
     processor = cls.__new__(cls)
     # ProcessorMixin type-checks each part, and the check of a video processor imports torchvision: a
-    # None video processor is accepted on this one instance (video sizing lives in common/video.py).
+    # None part left out is accepted on this one instance (video sizing lives in common/video.py).
     check = processor.check_argument_for_proper_class
     processor.check_argument_for_proper_class = (
-        lambda name, arg: type(None) if arg is None and name == "video_processor" else check(name, arg))
-    processor.__init__(**parts, **processor_settings(model_dir, cls))
+        lambda name, arg: type(None) if arg is None and name in _LEFT_OUT else check(name, arg))
+    processor.__init__(**kwargs)
     del processor.check_argument_for_proper_class
     return processor
 

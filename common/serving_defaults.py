@@ -69,6 +69,23 @@ def serving_dtype(device: str, requested: str | None, checkpoint: str | None,
     return "bfloat16" if (cpu_native_bf16() if native_bf16 is None else native_bf16) else "float32"
 
 
+def serving_dtype_for(device: str, requested: str | None, model_dir: str | os.PathLike | None) -> str:
+    """serving_dtype for one checkpoint: its saved dtype, and float32 when auto meets a family whose
+    reduced-precision tokens are not verified (FamilyRules.float32_only): the default never picks a dtype
+    the checkpoint would be refused in; a dtype the user names is theirs (and refused at load with why)."""
+    dtype = serving_dtype(device, requested, checkpoint_dtype(model_dir) if model_dir is not None else None)
+    if requested in (None, "auto") and dtype != "float32" and model_dir is not None:
+        from mserve.common.families import rules_for
+
+        try:
+            model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            return dtype
+        if rules_for(model_type).float32_only is not None:
+            return "float32"
+    return dtype
+
+
 # -- the roles of a local cluster -------------------------------------------------------------------
 
 # Unified workers per host, at most, when the user names no roles: past this each worker gets more

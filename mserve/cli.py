@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "BPE tokenizer, image processor, chat template) with random weights.")
     p.add_argument("out_dir", help="folder to write (created if missing)")
     p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3",
-                                      "gemma3", "internvl", "smolvlm", "idefics3", "glm46v", "glm4v",
+                                      "gemma3", "gemma4", "internvl", "smolvlm", "idefics3", "glm46v", "glm4v",
                                       "glm4v_moe", "qwen3_5"],
                    default="llava", help="model family (default: llava)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",

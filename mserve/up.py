@@ -104,9 +104,9 @@ def role_counts(args: argparse.Namespace) -> tuple[dict[str, int], int]:
 
 def run_as(args: argparse.Namespace, model: str) -> str:
     """The dtype and attention the workers run (their --dtype / --attention, else the serving defaults)."""
-    from mserve.common.serving_defaults import checkpoint_dtype, serving_dtype
+    from mserve.common.serving_defaults import serving_dtype_for
 
-    dtype = serving_dtype("cpu", getattr(args, "dtype", None), checkpoint_dtype(model))
+    dtype = serving_dtype_for("cpu", getattr(args, "dtype", None), model)
     return f"{dtype} weights, {'exact' if getattr(args, 'attention', None) == 'exact' else 'padded'} attention"
 
 

@@ -85,7 +85,7 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         kwargs.update(_model_image_inputs(model, processor(images=pil, return_tensors="pt", **_image_kwargs(model.config))))
-    if _uses_mrope(model.config):  # its processor marks the image tokens for the rope index
+    if _uses_mrope(model.config) or model.config.model_type == "gemma4":  # the rope index; Gemma 4: its image groups
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     if model.config.model_type == "gemma3":  # as Gemma3Processor returns them: 1 on image soft tokens
         kwargs["token_type_ids"] = (ids == model.config.image_token_id).int()

@@ -18,9 +18,9 @@ from typing import Any, Sequence
 import torch
 
 from mserve.common.model import ModelFamily, load_family
-from mserve.common.serving_defaults import serving_dtype
+from mserve.common.serving_defaults import serving_dtype_for
 from mserve.common.video import seconds_per_grid
-from mserve.workers import fused_ops, packed_linear, paged_attention, paged_prefill
+from mserve.workers import fused_ops, packed_linear, paged_attention, paged_prefill, text_traits
 from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
 from mserve.workers.linear_state import LinearStates, linear_layers, wrap_linear_layers
 from mserve.workers.paged_attention import KVCache, PagedBatch
@@ -42,10 +42,7 @@ class EncodedImage:
 def resolve_dtype(device: str, dtype: str | None, model_dir: str | os.PathLike | None = None) -> torch.dtype:
     """The torch dtype to load in: the one named, else the serving default for this device and checkpoint
     (common/serving_defaults.py)."""
-    from mserve.common.serving_defaults import checkpoint_dtype
-
-    checkpoint = checkpoint_dtype(model_dir) if model_dir is not None else None
-    return getattr(torch, serving_dtype(device, dtype, checkpoint))
+    return getattr(torch, serving_dtype_for(device, dtype, model_dir))
 
 
 def _cpu_bf16_matmuls() -> bool:
@@ -61,11 +58,12 @@ def _cpu_bf16_matmuls() -> bool:
 # language model and its head only. Submodule names of the supported families (llava: vision_tower +
 # multi_modal_projector; LLaVA-NeXT adds image_newline, the vector it ends each row of tiles with;
 # Qwen2-VL, Qwen3-VL: visual; InternVL: vision_tower + multi_modal_projector; SmolVLM: vision_model + connector;
-# Video-LLaVA: image_tower + video_tower; DeepSeek-VL: vision_model + aligner).
+# Video-LLaVA: image_tower + video_tower; DeepSeek-VL: vision_model + aligner; Gemma 4: vision_tower +
+# embed_vision, and audio_tower + embed_audio, encoder-side too, dropped from the text stages).
 # The language model is `language_model`, or `text_model` in SmolVLM.
 PARTS = ("all", "vision", "text")
 _VISION_MODULES = ("vision_tower", "multi_modal_projector", "image_newline", "visual", "vision_model", "connector",
-                   "image_tower", "video_tower", "aligner")
+                   "image_tower", "video_tower", "aligner", "embed_vision", "audio_tower", "embed_audio")
 _TEXT_MODULES = ("language_model", "text_model")
 
 
@@ -147,6 +145,12 @@ class ModelRunner:
         ratio = pruning.apply(self.family, visual_token_pruning)
         self.model = model if model is not None else load_vlm(model_dir, device, dtype, parts)
         self.dtype = next(self.model.parameters()).dtype
+        if self.dtype != torch.float32 and (why := self.family.rules.float32_only) is not None:
+            from mserve.common.processor import UnsupportedModelError
+
+            dtype_name = str(self.dtype).removeprefix("torch.")
+            raise UnsupportedModelError(f"model_type {self.family.model_type!r} in {dtype_name}: {why}; "
+                                        "serve it in float32 (--dtype float32)")
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not _cpu_bf16_matmuls():
             log.warning("bfloat16 on a CPU without AVX-512 (torch's CPU capability: %s): oneDNN cannot run its "
                         "bf16 matrix multiplies here, and torch's fallback was 6x slower than float32 on an "
@@ -171,10 +175,12 @@ class ModelRunner:
             self.embed_tokens, self.kv = None, None
         else:
             self.embed_tokens = self.language_model.get_input_embeddings()
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            full = [i for i in range(text.num_hidden_layers) if i not in linear]
-            self.kv = KVCache(len(full), num_blocks, text.num_key_value_heads, block_size, head_dim,
-                              dtype=self.dtype, device=self.device, layers=full)
+            shapes = text_traits.layer_kv_shapes(text)  # layers may differ (Gemma 4's global ones)
+            sources = text_traits.kv_source_layers(text) or list(range(text.num_hidden_layers))
+            sources = [None if i in linear else src for i, src in enumerate(sources)]  # a linear layer: no K/V
+            kv_heads, head_dim = shapes[0]
+            self.kv = KVCache(text.num_hidden_layers, num_blocks, kv_heads, block_size, head_dim,
+                              dtype=self.dtype, device=self.device, layer_shapes=shapes, kv_sources=sources)
             if linear:
                 if compile_decode:
                     raise ValueError("compile: not for models with linear-attention layers (their per-sequence "
@@ -376,7 +382,8 @@ class ModelRunner:
         for c in chunks:
             ids.extend(c.seq.token_ids[c.start : c.end])
             positions.append(self._positions(c))
-        embeds = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
+        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        embeds = self.embed_tokens(token_ids)
         deepstack = DeepstackRows(self.hidden_size, self.deepstack_layers)
         offset = 0
         for c in chunks:
@@ -393,7 +400,9 @@ class ModelRunner:
             pos = torch.tensor([sum((p[r] for p in positions), []) for r in range(3)], device=self.device)[:, None]
         else:
             pos = torch.tensor(sum(positions, []), device=self.device)[None]
-        return embeds[None], pos, deepstack.kwargs(len(ids), self.device, embeds.dtype)
+        extra = deepstack.kwargs(len(ids), self.device, embeds.dtype)
+        extra.update(text_traits.per_layer_inputs(self.language_model, token_ids, self.family.placeholder_ids))
+        return embeds[None], pos, extra
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -402,10 +411,12 @@ class ModelRunner:
         runs = ([[(span.start, span.end) for span in c.seq.images] for c in chunks]
                 if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
-                                 self.device, image_runs=runs, exact=self.exact_attention)
+                                 self.device, image_runs=runs, exact=self.exact_attention,
+                                 images_on_sliding_only=self.family.rules.bidirectional_images_sliding_only)
         if self.linear_states is not None:
             batch.linear = self.linear_states.rows([(c.seq.request_id, c.start, c.num_tokens) for c in chunks])
-        decode = self._compiled_decode is not None and all(c.num_tokens == 1 for c in chunks) and not visual
+        decode = (self._compiled_decode is not None and all(c.num_tokens == 1 for c in chunks)
+                  and "deepstack_visual_embeds" not in visual)
         forward = self._compiled_decode if decode else self.language_model
         hidden = forward(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                                      mserve_batch=batch, **visual).last_hidden_state[0]
@@ -417,4 +428,5 @@ class ModelRunner:
         if not last_rows:
             return hidden.new_empty((0, self.model.config.text_config.vocab_size))
         rows = hidden[torch.tensor(last_rows, device=self.device)]
-        return self.model.lm_head(rows).float()
+        cap = getattr(self.model.config.text_config, "final_logit_softcapping", None)
+        return text_traits.softcapped(self.model.lm_head(rows), cap).float()

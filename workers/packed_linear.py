@@ -47,6 +47,13 @@ class PackedLinear(nn.Module):
         # 500-5,000x slower outside inference_mode (512 -> 1376 at 16 rows: 600 ms against 0.13).
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """A stand-in with the released weight's shape and dtype only: model code reads a linear's
+        weight.dtype (Gemma 4's patch embedder casts its pixels to it). On the meta device it holds no
+        memory, and math with it fails loudly rather than silently."""
+        return torch.empty((self.out_features, self.in_features), dtype=self.packed.dtype, device="meta")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

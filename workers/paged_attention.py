@@ -24,9 +24,7 @@ ATTN_IMPLEMENTATION = "mserve_paged"
 class KVCache:
     """Per layer, K and V as [num_blocks, block_size, kv_heads, head_dim].
 
-    `layers`: the text model's layer indices that keep K/V, when not all of them do (a hybrid model's
-    linear-attention layers keep a per-sequence state instead, workers/linear_state.py); `slot` maps a
-    layer index to its place here.
+    Indexed by the text model's layer index; a layer that keeps no K/V (kv_sources) has None there.
 
     Token-major inside a block: a request's blocks gathered by one `index_select` (whole blocks,
     contiguous memory) are already its keys as [tokens, kv_heads, head_dim], which SDPA reads
@@ -36,27 +34,51 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 layers: Sequence[int] | None = None) -> None:
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        layers = list(range(num_layers)) if layers is None else list(layers)
-        assert len(layers) == num_layers, f"{len(layers)} layer indices for {num_layers} KV layers"
-        self.slot = {layer: i for i, layer in enumerate(layers)}
-        self.k = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
+                 layer_shapes: Sequence[tuple[int, int]] | None = None,
+                 kv_sources: Sequence[int | None] | None = None) -> None:
+        """`layer_shapes`: each layer's (kv_heads, head_dim) where layers differ (Gemma 4's global layers
+        are wider than its sliding ones); None: every layer is (kv_heads, head_dim). `kv_sources`: the
+        layer whose K/V each layer attends over, where some reuse an earlier layer's (Gemma 4's KV-shared
+        layers): such a layer holds no tensors of its own, it reads its source's; None for a layer that
+        keeps no K/V at all (a hybrid model's linear-attention layer keeps a per-sequence state instead,
+        workers/linear_state.py), whose entries in `k` and `v` are None."""
+        shapes = list(layer_shapes) if layer_shapes is not None else [(kv_heads, head_dim)] * num_layers
+        sources = list(kv_sources) if kv_sources is not None else list(range(num_layers))
+        # Only the layers that are their own source own K/V: they alone are stored, exported and imported.
+        self.owned = [i for i in range(num_layers) if sources[i] == i]
+        assert self.owned, "a KV pool with no layer that keeps K/V"
+        self._owned_set = frozenset(self.owned)
+        own = {i: (huge_pages.zeros((num_blocks, block_size, *shapes[i]), dtype, device),
+                   huge_pages.zeros((num_blocks, block_size, *shapes[i]), dtype, device)) for i in self.owned}
+        self.k = [None if sources[i] is None else own[sources[i]][0] for i in range(num_layers)]
+        self.v = [None if sources[i] is None else own[sources[i]][1] for i in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
+        # Layers of different shapes export each block as one row of the widest layer's heads x dim, the
+        # narrower ones zero-padded: one tensor of one shape still carries a request's blocks.
+        self._uniform = len({shapes[i] for i in self.owned}) == 1
+        self._row = max(shapes[i][0] * shapes[i][1] for i in self.owned)
+
+    def owns(self, layer: int) -> bool:
+        """Whether `layer` writes its own K/V (a KV-shared layer's are its source's, written by it)."""
+        return layer in self._owned_set
 
     @property
     def bytes_per_block(self) -> int:
-        k = self.k[0]
-        return 2 * len(self.k) * k[0].numel() * k.element_size()
+        return 2 * sum(self.k[i][0].numel() * self.k[i].element_size() for i in self.owned)
 
     def export_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of ``export_blocks`` for ``num_blocks`` blocks."""
-        return (len(self.k), 2, num_blocks) + tuple(self.k[0].shape[1:])
+        if not self._uniform:
+            return (len(self.owned), 2, num_blocks, self.block_size, 1, self._row)
+        return (len(self.owned), 2, num_blocks) + tuple(self.k[self.owned[0]].shape[1:])
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k[0].dtype
+        return self.k[self.owned[0]].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[self.owned[0]].device
 
     def export_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """A request's blocks as one tensor [layers, 2, n, block_size, kv_heads, head_dim].
@@ -66,13 +88,20 @@ class KVCache:
         """
         expected = self.export_shape(len(block_ids))
         if out is None:
-            out = torch.empty(expected, dtype=self.dtype, device=self.k[0].device)
+            out = torch.empty(expected, dtype=self.dtype, device=self.device)
         elif tuple(out.shape) != expected:
             raise ValueError(f"export buffer of shape {tuple(out.shape)}, expected {expected}")
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
-        direct = out.device == self.k[0].device and out.dtype == self.dtype and out.is_contiguous()
-        for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            for kind, cache in ((0, k), (1, v)):
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        if not self._uniform:
+            out.zero_()
+            for layer, source in enumerate(self.owned):
+                for kind, cache in ((0, self.k[source]), (1, self.v[source])):
+                    rows = cache.index_select(0, idx).flatten(2)  # [n, block_size, heads * dim]
+                    out[layer, kind, :, :, 0, : rows.shape[-1]].copy_(rows)
+            return out
+        direct = out.device == self.device and out.dtype == self.dtype and out.is_contiguous()
+        for layer, source in enumerate(self.owned):
+            for kind, cache in ((0, self.k[source]), (1, self.v[source])):
                 if direct:
                     torch.index_select(cache, 0, idx, out=out[layer, kind])
                 else:  # another device or dtype: gather here, then one copy across
@@ -83,11 +112,13 @@ class KVCache:
         expected = self.export_shape(len(block_ids))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV blocks of shape {tuple(data.shape)} do not fit this pool (expected {expected})")
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
-        data = data.to(device=self.k[0].device, dtype=self.k[0].dtype)
-        for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            k.index_copy_(0, idx, data[layer, 0])
-            v.index_copy_(0, idx, data[layer, 1])
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        data = data.to(device=self.device, dtype=self.dtype)
+        for layer, source in enumerate(self.owned):
+            k, v = self.k[source], self.v[source]
+            width, shape = k[0].numel() // self.block_size, (len(block_ids),) + tuple(k.shape[1:])
+            k.index_copy_(0, idx, data[layer, 0].flatten(2)[..., :width].reshape(shape))
+            v.index_copy_(0, idx, data[layer, 1].flatten(2)[..., :width].reshape(shape))
 
 
 @dataclass
@@ -184,14 +215,31 @@ class PagedBatch:
     groups: list[AttentionGroup]
     # The step's linear-attention work (workers/linear_state.LinearRows), for hybrid models; None otherwise.
     linear: Any = None
+    # The same requests attending causally only, for the layers without a sliding window when images are
+    # bidirectional on sliding-window layers alone (Gemma 4); None: every layer attends through `groups`.
+    full_layer_groups: list[AttentionGroup] | None = None
+
+    def groups_for(self, window: int | None) -> list[AttentionGroup]:
+        """The groups one layer attends through: `window` is its sliding window, None on a full layer."""
+        return self.full_layer_groups if window is None and self.full_layer_groups is not None else self.groups
 
     @classmethod
     def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
-              image_runs: Sequence[Sequence[tuple[int, int]]] | None = None, exact: bool = False) -> "PagedBatch":
+              image_runs: Sequence[Sequence[tuple[int, int]]] | None = None, exact: bool = False,
+              images_on_sliding_only: bool = False) -> "PagedBatch":
         """`chunks`: per request (block ids, first position computed, number of tokens). `image_runs`:
         per request, the (start, end) of each image whose tokens attend to each other both ways
-        (families with bidirectional images; None: all attention is causal). `exact`: attend over each
-        request's exact key count (`--attention exact`: the note under exact_setting says when that matters)."""
+        (families with bidirectional images; None: all attention is causal), on every layer, or on the
+        sliding-window layers only (`images_on_sliding_only`). `exact`: attend over each request's exact
+        key count (`--attention exact`: the note under exact_setting says when that matters)."""
+        batch = cls._build(kv, chunks, device, image_runs, exact)
+        if images_on_sliding_only and image_runs is not None:
+            batch.full_layer_groups = cls._build(kv, chunks, device, None, exact).groups
+        return batch
+
+    @classmethod
+    def _build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
+               image_runs: Sequence[Sequence[tuple[int, int]]] | None, exact: bool) -> "PagedBatch":
         bs = kv.block_size
         slots, by_len = [], {}
         packed = 0
@@ -314,20 +362,22 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if batch is None:  # the model used outside the engine (e.g. HF generate on the same object)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, is_causal=attention_mask is None and query.shape[2] > 1)
-    layer = batch.kv.slot[module.layer_idx]
+    layer = module.layer_idx
     k_cache, v_cache = batch.kv.k[layer], batch.kv.v[layer]
     # query/key/value: [1, heads, T, head_dim] for the packed batch; the pool takes [T, kv_heads, head_dim].
     _, bs, h, d = k_cache.shape
-    k_cache.view(-1, h, d).index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(-1, h, d).index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    if batch.kv.owns(layer):  # a KV-shared layer is handed its source's K/V, which that layer wrote already
+        k_cache.view(-1, h, d).index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(-1, h, d).index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_cache.dtype))
     # The layer's sliding window (transformers passes it for sliding-window layers, None for global ones).
     window = kwargs.get("sliding_window")
-    if len(batch.groups) == 1 and batch.groups[0].whole_uniform:
-        out = _attend(batch.groups[0], query[0], k_cache, v_cache, scaling, window)
+    groups = batch.groups_for(window)
+    if len(groups) == 1 and groups[0].whole_uniform:
+        out = _attend(groups[0], query[0], k_cache, v_cache, scaling, window)
     else:
         heads, total, d = query[0].shape
         out = query.new_empty((total, heads, d))
-        for group in batch.groups:
+        for group in groups:
             out.index_copy_(0, group.dest, _attend(group, query[0], k_cache, v_cache, scaling, window))
     return out.unsqueeze(0), None  # [1, T, heads, head_dim], as transformers' attention functions return
 

@@ -337,12 +337,12 @@ def plan_for_model(model_dir: str | os.PathLike, *, total_bytes: int, fraction: 
 
 
 def serving_dtype_bytes(device: str, dtype: str | None, model_dir: str | None = None) -> int:
-    """Bytes per element of the dtype the worker will load (common/serving_defaults.serving_dtype)."""
-    from mserve.common.serving_defaults import checkpoint_dtype, serving_dtype
+    """Bytes per element of the dtype the worker will load (common/serving_defaults.serving_dtype_for)."""
+    from mserve.common.serving_defaults import serving_dtype_for
 
     if dtype not in (None, "auto") and dtype not in DTYPE_BYTES:
         raise SizingError(f"dtype={dtype!r}: one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[serving_dtype(device, dtype, checkpoint_dtype(model_dir) if model_dir else None)]
+    return DTYPE_BYTES[serving_dtype_for(device, dtype, model_dir)]
 
 
 def select_mig_device(mig_device: str, device: str) -> None:

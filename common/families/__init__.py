@@ -33,6 +33,14 @@ class FamilyRules:
     # token_type_ids groups): each image is computed whole in one forward (workers/scheduler.py,
     # workers/paged_attention.py).
     bidirectional_images: bool = False
+    # ...on the sliding-window layers only, the full layers staying causal (Gemma 4's "vision" bidirectional
+    # attention; Gemma 3's images are bidirectional on every layer).
+    bidirectional_images_sliding_only: bool = False
+    # text_config (a dict) -> whether this checkpoint's images are bidirectional at all, where the checkpoint
+    # decides (Gemma 4: only with use_bidirectional_attention="vision"); None: `bidirectional_images` holds.
+    bidirectional_images_if: Callable[[dict], bool] | None = None
+    # Why the family is served in float32 only (its reduced-precision tokens not shown to be HF's), or None.
+    float32_only: str | None = None
     # (rendered prompt, processor, number of images) -> the prompt with each image's placeholder
     # expanded as text, for a processor that expands before tokenizing (neighbouring text merges).
     expand_text: Callable[[str, Any, int], str] | None = None
@@ -46,9 +54,9 @@ class FamilyRules:
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import gemma3, glm4v, pixtral, qwen3_vl, tiled
+    from mserve.common.families import gemma3, gemma4, glm4v, pixtral, qwen3_vl, tiled
 
-    return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "internvl": tiled.INTERNVL, "smolvlm": tiled.SMOLVLM,
-            "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
+    return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "gemma4": gemma4.RULES, "internvl": tiled.INTERNVL,
+            "smolvlm": tiled.SMOLVLM, "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
             "qwen3_vl_moe": qwen3_vl.RULES, "glm46v": glm4v.RULES, "glm4v": glm4v.RULES,
             "glm4v_moe": glm4v.RULES}.get(model_type or "", FamilyRules())

@@ -74,3 +74,14 @@ def test_compare_greedy_stops_at_a_tie_and_names_a_real_difference():
     assert "token 0 differs: expected 1, produced 7" in wrong.describe()
     assert not compare_greedy([1, 2, 3], [1, 9, 3], top2, "float32").exact  # no ties in float32
     assert not compare_greedy([1, 2], [1, 2, 3], None, "float32").exact
+
+
+def test_auto_never_picks_a_dtype_the_family_is_refused_in(tmp_path, tiny_model_dirs):
+    """Gemma 4's reduced-precision tokens are unverified (FamilyRules.float32_only): auto gives it float32
+    on any host; a dtype named is the user's (refused at load, naming why)."""
+    from mserve.common.serving_defaults import serving_dtype_for
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4", "dtype": "bfloat16"}))
+    assert serving_dtype_for("cuda", None, tmp_path) == "float32"
+    assert serving_dtype_for("cuda", "bfloat16", tmp_path) == "bfloat16"
+    assert serving_dtype_for("cuda", None, tiny_model_dirs["llava"]) == "bfloat16"

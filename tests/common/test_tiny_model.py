@@ -13,7 +13,7 @@ from PIL import Image
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
-               "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
+               "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "gemma4": "<|image|>", "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
                "idefics3": "<image>", "qwen3_vl": "<|image_pad|>", "qwen3_vl_moe": "<|image_pad|>",
                "glm46v": "<|image|>", "glm4v": "<|image|>", "glm4v_moe": "<|image|>",
                "qwen3_5": "<|image_pad|>"}
@@ -21,7 +21,7 @@ ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLFo
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                 "mistral3": "Mistral3ForConditionalGeneration",
-                "gemma3": "Gemma3ForConditionalGeneration",
+                "gemma3": "Gemma3ForConditionalGeneration", "gemma4": "Gemma4ForConditionalGeneration",
                 "internvl": "InternVLForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
                 "idefics3": "Idefics3ForConditionalGeneration",
                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
@@ -30,16 +30,17 @@ ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLFo
                 "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
              "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor",
-             "gemma3": "Gemma3Processor", "internvl": "InternVLProcessor",
+             "gemma3": "Gemma3Processor", "gemma4": "Gemma4Processor", "internvl": "InternVLProcessor",
              "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor", "qwen3_vl": "Qwen3VLProcessor",
              "qwen3_vl_moe": "Qwen3VLProcessor", "glm46v": "Glm46VProcessor", "glm4v": "Glm4vProcessor",
              "glm4v_moe": "Glm4vProcessor", "qwen3_5": "Qwen3VLProcessor"}
 # Processors transformers' AutoProcessor hands out only with torchvision installed (a video processor, or
 # PixtralProcessor's module importing a helper from the torchvision image processor).
 NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "mistral3", "internvl", "smolvlm",
-                     "glm46v", "glm4v", "glm4v_moe")
+                     "glm46v", "glm4v", "glm4v_moe", "gemma4")
 # Families whose test inputs come from mserve's processor build (common/processor.py).
-BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3", "glm46v", "glm4v", "glm4v_moe")
+BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3", "glm46v", "glm4v", "glm4v_moe", "gemma4")
+TIED = ("gemma3", "gemma4")  # tie_word_embeddings, as the published checkpoints
 GLM = ("glm46v", "glm4v", "glm4v_moe")
 CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl")  # eos [<|im_end|>, <|endoftext|>]
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")  # one tower, processor and template (Qwen3.5 adds <think>)
@@ -113,7 +114,7 @@ def test_folder_has_checkpoint_files(tiny):
                  "tokenizer_config.json", "preprocessor_config.json", "chat_template.jinja"):
         assert (path / name).is_file(), name
     config = json.loads((path / "config.json").read_text())
-    assert config["tie_word_embeddings"] is (arch == "gemma3")  # as the published checkpoints
+    assert config["tie_word_embeddings"] is (arch in TIED)
     assert config["architectures"] == [ARCHITECTURE[arch]]
 
 
@@ -123,7 +124,7 @@ def test_config_ids_match_tokenizer(loaded):
     assert config.text_config.vocab_size == len(tokenizer) == 1000
     assert config.image_token_id == tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch])
     tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-    assert tied is (arch == "gemma3")
+    assert tied is (arch in TIED)
     if arch.startswith("qwen"):
         for attr, token in [("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
                             ("vision_end_token_id", "<|vision_end|>")]:
@@ -133,6 +134,10 @@ def test_config_ids_match_tokenizer(loaded):
     elif arch == "gemma3":
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
         for attr, token in [("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>")]:
+            assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
+    elif arch == "gemma4":
+        assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids(["<eos>", "<turn|>"])
+        for attr, token in [("boi_token_id", "<|image>"), ("eoi_token_id", "<image|>")]:
             assert getattr(config, attr) == tokenizer.convert_tokens_to_ids(token)
     elif arch in ("smolvlm", "idefics3"):
         assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<end_of_utterance>")
@@ -158,6 +163,8 @@ def test_chat_template_renders_image_token(loaded):
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[arch]) in ids
     if arch == "mistral3":
         assert prompt == "<s>[INST][IMG]What is shown in this image?[/INST]"
+    elif arch == "gemma4":  # the processor expands the image token to <|image> + soft tokens + <image|>
+        assert prompt == "<bos><|turn>user\n<|image|>What is shown in this image?<turn|>\n<|turn>model\n"
     elif arch == "internvl":
         assert prompt == "<|im_start|>user\n<IMG_CONTEXT>\nWhat is shown in this image?<|im_end|>\n<|im_start|>assistant\n"
     elif arch == "idefics3":
@@ -209,6 +216,12 @@ def test_image_processing_shapes(loaded):
         assert tuple(inputs["pixel_values"].shape) == (1, 3, 112, 112)
         assert n_image_tokens == 16
         assert inputs["token_type_ids"].sum() == 16
+    elif arch == "gemma4":
+        # 200x150 kept in shape within 70 soft tokens of 2x2 patches of 4 px: 72x56 = 18x14 patches -> 63 tokens,
+        # the patches padded to 70 * 4
+        assert tuple(inputs["pixel_values"].shape) == (1, 280, 3 * 4 * 4)
+        assert n_image_tokens == 63
+        assert inputs["mm_token_type_ids"].sum() == 63
     elif arch == "internvl":
         # 200x150 -> the best canvas of at most 6 tiles of 56 px is 3x2, plus the thumbnail: 7 tiles of 4 tokens
         assert tuple(inputs["pixel_values"].shape) == (7, 3, 56, 56)

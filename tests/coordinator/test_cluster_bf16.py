@@ -16,7 +16,7 @@ import pytest
 
 from mserve.common.exactness import compare_greedy
 from mserve.common.prompt import PromptBuilder
-from mserve.common.serving_defaults import checkpoint_dtype, serving_dtype
+from mserve.common.serving_defaults import serving_dtype_for
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.coordinator.test_cluster import MAX_TOKENS, generate_all
@@ -34,7 +34,7 @@ def reduced_cluster(request, tiny_model_dirs, redis_server):
         env.delenv("MSERVE_DTYPE", raising=False)  # the default path: what `mserve up` gives a user
         with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_server.url, transfer=transfer,
                           extra_worker_args=["--dtype", dtype] if dtype else []) as cluster:
-            yield model, transfer, serving_dtype("cpu", dtype, checkpoint_dtype(model)), cluster
+            yield model, transfer, serving_dtype_for("cpu", dtype, model), cluster
 
 
 def test_cluster_matches_hf_in_its_dtype(reduced_cluster):

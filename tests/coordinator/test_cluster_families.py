@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 # The last two have no code or tests here (tests/workers/untested_families.py): each worker proves the
 # checkpoint at start (workers/probe.py; one probes, the others read its cached verdict) and the coordinator
 # admits them through their processor's own count.
-FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm46v", "mistral3", "gemma3", "internvl", "smolvlm",
+FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm46v", "mistral3", "gemma3", "gemma4", "internvl", "smolvlm",
             "idefics3", "qwen3_5", "deepseek_vl", "llava_next_video"]
 
 

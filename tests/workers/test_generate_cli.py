@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from mserve.common.exactness import compare_greedy
-from mserve.common.serving_defaults import checkpoint_dtype, serving_dtype
+from mserve.common.serving_defaults import serving_dtype_for
 from tests.helpers import hf_generate_top2, make_image
 
 
@@ -26,7 +26,7 @@ def test_generate_json_matches_hf(tiny_model_dirs, tmp_path, arch, flags):
     """With no flags, `mserve generate` runs the serving default (bfloat16 where this CPU has native bf16):
     HF generate's ids in that dtype, up to HF's first top-2 tie; `--dtype float32`: bit for bit."""
     model = str(tiny_model_dirs[arch])
-    dtype = serving_dtype("cpu", flags[1] if flags else None, checkpoint_dtype(model))
+    dtype = serving_dtype_for("cpu", flags[1] if flags else None, model)
     img = tmp_path / "cat.png"
     img.write_bytes(make_image(320, 240, seed=3))
     res = run_cli("generate", "--model", model, "--prompt", "What animal is this?", "--image", str(img),

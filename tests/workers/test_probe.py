@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from mserve.common.serving_defaults import checkpoint_dtype, serving_dtype
+from mserve.common.serving_defaults import serving_dtype_for
 from mserve.workers import paged_attention, probe, verdicts
 from mserve.workers.model_runner import ModelRunner
 
@@ -79,7 +79,7 @@ def test_verdict_is_cached_and_a_restart_reads_it(tiny_model_dirs, tmp_path, mon
     assert cached and again == first
     assert verdicts.require_verified(model)["served"]
     files = list((tmp_path / "verdicts").glob("*.json"))
-    dtype = serving_dtype("cpu", None, checkpoint_dtype(model))  # the serving default's: bfloat16 on native-bf16 CPUs
+    dtype = serving_dtype_for("cpu", None, model)  # the serving default's: bfloat16 on native-bf16 CPUs
     assert [f.name for f in files] == [f"{verdicts.checkpoint_hash(model)}-{dtype}-{verdicts.mserve_version()}.json"]
     print(f"\nprobe of a tiny checkpoint: {probe_s:.2f} s; cached verdict on restart: {restart_s * 1000:.1f} ms")
 
