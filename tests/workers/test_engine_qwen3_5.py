@@ -42,7 +42,8 @@ def test_pool_holds_kv_of_the_full_layers_only_and_state_per_sequence(model_dir)
     e = engine(model_dir)
     text = e.runner.model.config.text_config
     full = [i for i, kind in enumerate(text.layer_types) if kind == "full_attention"]
-    assert len(e.runner.kv.k) == len(full) == 1 and e.runner.kv.slot == {full[0]: 0}
+    assert e.runner.kv.owned == full and len(full) == 1  # K/V for the full layer alone; None for the others
+    assert [i for i, k in enumerate(e.runner.kv.k) if k is not None] == full
     assert e.runner.linear_states.layers == [0, 1, 2, 4]
     # 4 layers x (conv: (2*2*16 + 4*16) channels x 4 taps x 4 bytes + recurrent: 4 heads x 16 x 16 x 4 bytes)
     assert state_bytes_per_sequence(text, e.runner.dtype) == 4 * (128 * 4 * 4 + 4 * 16 * 16 * 4) == 24576
