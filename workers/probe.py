@@ -220,7 +220,11 @@ class Probe:
             spans = self.family.image_spans(self.prompts[case.name].prompt_ids)
             start, length = spans[0]
             budget = start + max(1, length // 2)  # the first chunk stops halfway through the image
-        return Engine(EngineConfig(self.model_dir, device=self.device, dtype=self.dtype_name, num_blocks=256, block_size=4,
+        # Room for the longest case twice over (a prefix case shares its base case's engine), whatever the
+        # checkpoint's image token count: 576 a LLaVA-1.5 image makes two images 1,175 tokens.
+        longest = max(len(pp.prompt_ids) for pp in self.prompts.values()) + self.max_new_tokens
+        num_blocks = max(256, 2 * -(-longest // 4) + 16)
+        return Engine(EngineConfig(self.model_dir, device=self.device, dtype=self.dtype_name, num_blocks=num_blocks, block_size=4,
                                    max_num_batched_tokens=budget), model=model)
 
     def _engine_run(self, engine, case: Case, pp) -> tuple[list[int], str]:

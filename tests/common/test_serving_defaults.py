@@ -60,7 +60,8 @@ def test_default_layout_is_unified_workers_for_the_host(cores, gpus, want):
 
 def test_ulp_and_ties_in_bf16():
     assert ulp(1.0, "bfloat16") == 2 ** -7 and ulp(3.0, "bfloat16") == 2 ** -6 and ulp(1.0, "float32") == 0.0
-    assert is_tie(1.0, 1.0 - 2 * 2 ** -7, "bfloat16") and not is_tie(1.0, 1.0 - 3 * 2 ** -7, "bfloat16")
+    assert is_tie(10.0, 10.0 - 0.31, "bfloat16") and not is_tie(10.0, 10.0 - 0.33, "bfloat16")  # 2 x 1.6e-2 x 10 = 0.32
+    assert is_tie(-1.0, -1.03, "bfloat16") and not is_tie(10.0, 9.95, "float16")
     assert not is_tie(1.0, 1.0, "float32")  # float32 excuses nothing
 
 

@@ -36,7 +36,9 @@ def test_generate_json_matches_hf(tiny_model_dirs, tmp_path, arch, flags):
     assert set(out) == {"prompt_token_ids", "token_ids", "text"}
     want, top2 = hf_generate_top2(model, out["prompt_token_ids"], [img.read_bytes()], 8, dtype=dtype)
     verdict = compare_greedy(want, out["token_ids"], top2, dtype)
-    assert verdict.exact and verdict.compared >= 4, verdict.describe()
+    # float32 compares all 8; the default's bf16 stops at HF's first near-tie (the batch and cluster tests
+    # count how much of their sequences that leaves): here, this CLI's dtype and tokens end to end.
+    assert verdict.exact and verdict.compared >= (8 if dtype == "float32" else 1), verdict.describe()
     assert isinstance(out["text"], str)
 
 
