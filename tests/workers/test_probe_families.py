@@ -80,10 +80,10 @@ def test_worker_of_a_family_the_probe_refused_exits_before_ready_in_one_line(tin
 
     from mserve.workers.verdicts import cached_verdict
 
-    cached_verdict(tiny_model_dirs["lighton_ocr"])  # the refusal, as the test above left it (or made now)
+    cached_verdict(tiny_model_dirs["lighton_ocr"], dtype="float32")  # the refusal, as the test above left it (or made now)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "mserve.cli", "worker", "--role", "unified", "--model",
-                           str(tiny_model_dirs["lighton_ocr"]), "--coordinator", "tcp://127.0.0.1:9"],
+                           str(tiny_model_dirs["lighton_ocr"]), "--dtype", "float32", "--coordinator", "tcp://127.0.0.1:9"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
