@@ -25,7 +25,7 @@ from mserve.common.traits import read_traits
 # the trait the engine cannot honour (common/traits.py) or the case the probe failed.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
                       "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
-                      "glm4v_moe", "qwen3_5")
+                      "glm4v_moe", "qwen3_5", "qwen3_5_moe")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
 # second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
 # timestamps as text, common/families/qwen3_vl.py).

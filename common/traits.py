@@ -19,7 +19,7 @@ from typing import Any
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Kinds it does not, with the reason a user reads in the refusal.
 REFUSED_LAYER_TYPES = {
-    "linear_attention": "linear attention layers (Gated DeltaNet): not supported outside the tested qwen3_5 family "
+    "linear_attention": "linear attention layers (Gated DeltaNet): not supported outside the tested Qwen3.5 families "
                         "(workers/linear_state.py keeps their state; other families' state layouts are unproven)",
     "chunked_attention": "chunked attention layers (attention_chunk_size): not supported",
     "conv": "short convolution layers (a recurrent conv state per sequence): not supported",

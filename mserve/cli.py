@@ -237,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mserve.common.cpu_placement import add_io_argument as add_io_cpus_argument
     from mserve.common.pruning import add_argument as add_pruning_argument
     from mserve.coordinator.cli import add_arguments as add_coordinator_arguments
+    from mserve.common.model import SERVED_MODEL_TYPES
     from mserve.workers.cli import add_arguments as add_worker_arguments
 
     parser = argparse.ArgumentParser(prog="mserve", description="MServe: disaggregated serving for vision-language models.")
@@ -247,10 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a complete save_pretrained folder (config, safetensors, trained byte-level "
                                    "BPE tokenizer, image processor, chat template) with random weights.")
     p.add_argument("out_dir", help="folder to write (created if missing)")
-    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3",
-                                      "gemma3", "gemma4", "internvl", "smolvlm", "idefics3", "glm46v", "glm4v",
-                                      "glm4v_moe", "qwen3_5"],
-                   default="llava", help="model family (default: llava)")
+    p.add_argument("--arch", choices=SERVED_MODEL_TYPES, metavar="ARCH", default="llava",
+                   help="model family, one of the served ones: " + ", ".join(SERVED_MODEL_TYPES) + " (default: llava)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
                    help="tiny (~1M params, tests) or small (~31M params, benchmarks); default tiny")
     p.add_argument("--seed", type=int, default=0, help="weight and tokenizer seed (default 0)")

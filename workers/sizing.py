@@ -60,6 +60,7 @@ NESTED_TEXT_TYPES = {
     "glm4v": "glm4v_text",
     "glm4v_moe": "glm4v_moe_text",
     "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
 }
 
 # What transformers' config classes default to when a config.json leaves a key out (published llava-hf

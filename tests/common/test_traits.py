@@ -14,7 +14,7 @@ from tests.workers.untested_families import BUILDERS
 
 # Families refused from config.json alone, with the words the refusal must hold.
 REFUSED = {
-    "qwen3_5_moe": "linear attention layers (Gated DeltaNet): not supported outside the tested qwen3_5 family",
+    "qwen4_exp": "linear attention layers (Gated DeltaNet): not supported outside the tested Qwen3.5 families",
     "lfm2_vl": "short convolution layers (a recurrent conv state per sequence): not supported",
     "llama4": "chunked attention layers (attention_chunk_size): not supported",
     "paligemma": "prefix-LM attention (bidirectional over the whole prompt, from token_type_ids): not supported",

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # checkpoint at start (workers/probe.py; one probes, the others read its cached verdict) and the coordinator
 # admits them through their processor's own count.
 FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm46v", "mistral3", "gemma3", "gemma4", "internvl", "smolvlm",
-            "idefics3", "qwen3_5", "deepseek_vl", "llava_next_video"]
+            "idefics3", "qwen3_5", "qwen3_5_moe", "deepseek_vl", "llava_next_video"]
 
 
 @pytest.fixture(scope="module", params=[family_1e1p1d(f) for f in FAMILIES], ids=FAMILIES)

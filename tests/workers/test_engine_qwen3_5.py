@@ -211,3 +211,19 @@ def test_abort_mid_prompt_frees_the_state_and_the_others_go_on(model_dir, builde
         out.setdefault(rid, []).extend(tokens)
     assert out["keep"] == hf_generate(model_dir, keep.prompt_ids, [], MAX_NEW) and "drop" not in out
     assert len(e.runner.linear_states) == 0 and e.pool.num_used_blocks == 0
+
+
+def test_moe_sibling_matches_hf_with_two_images_and_across_the_hand_off(tiny_model_dirs):
+    """Qwen3.5-MoE: the same hybrid attention over sparse MLPs (tests/workers/test_engine_moe.py pins that its
+    routing matters). Two images in one prompt, and a prefill here / decode there carrying the state."""
+    model_dir = str(tiny_model_dirs["qwen3_5_moe"])
+    pp = PromptBuilder(model_dir).prepare_text(PROMPTS[3], [make_image(200, 120, seed=2), make_image(90, 150, seed=5)])
+    expected = hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+    assert run(model_dir, pp) == expected
+    prefill, decode = engine(model_dir), engine(model_dir)
+    prefill.add_request("r", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW),
+                        prefill_only=True)
+    first = [o.new_token_ids[0] for o in prefill.step()]
+    assert not prefill.has_unfinished()
+    decode.import_kv(prefill.export_kv("r"))
+    assert first + decode.run_until_done()["r"] == expected
