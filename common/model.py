@@ -356,9 +356,9 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     # A family without tests here serves if its traits are all ones the engine honours; a worker then
     # proves its tokens against HF before it says READY (workers/probe.py).
     tested = model_type in SERVED_MODEL_TYPES
-    if not tested and (gaps := read_traits(cfg).unsupported()):
-        raise UnsupportedModelError(f"model_type {model_type!r}: {'; '.join(gaps)}")
     rules = rules_for(model_type)
+    if gaps := read_traits(cfg).unsupported(rules.honoured_traits if tested else frozenset()):
+        raise UnsupportedModelError(f"model_type {model_type!r}: {'; '.join(gaps)}")
     if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
