@@ -101,6 +101,9 @@ class EngineBudget:
     # "Prefill chunk cap").
     max_prefill_tokens: int = 512
     reserve_tokens: int = 256  # admission keeps room for this many next tokens of each running request
+    # A hybrid (linear-attention) model's prefix hits resume from a copy of the state at a block boundary:
+    # at most this many copies, each one sequence's state in bytes (workers/linear_state.py); LRU.
+    state_snapshots: int = 32
 
 
 DEFAULT_ENGINE = EngineBudget()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mserve.common.hashing import ImageSpan, block_extra_keys, block_hash
 from mserve.common.policy import blocks_for
@@ -38,8 +38,11 @@ class BlockTable:
 class BlockPool:
     """Hands out fixed-size KV blocks with ref counts, lazy-LRU reuse of freed hashed blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_end_ok: Callable[[str], bool] | None = None) -> None:
+        """`prefix_end_ok(hash)`: whether a reused prefix may end after the block of that hash (a hybrid
+        model needs its linear layers' state snapshot there, workers/linear_state.py); None: anywhere."""
         assert num_blocks > 0 and block_size > 0
+        self.prefix_end_ok = prefix_end_ok
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -122,7 +125,11 @@ class BlockPool:
         found in the pool (match_prefix), never the one holding its last token, whose logits must be
         computed. No reference is taken: hand the answer to `allocate` before anything else allocates."""
         usable = (num_tokens - 1) // self.block_size
-        return self.match_prefix(hashes[:usable], token_ids)
+        found = self.match_prefix(hashes[:usable], token_ids)
+        if self.prefix_end_ok is not None:
+            while found and not self.prefix_end_ok(hashes[len(found) - 1]):
+                found.pop()
+        return found
 
     def num_idle(self, block_ids: Sequence[int]) -> int:
         """How many of `block_ids` sit unreferenced in the free list: reusing them takes them out of it."""

@@ -248,6 +248,12 @@ class ModelRunner:
         if self.linear_states is not None:
             self.linear_states.drop(seq.request_id)
 
+    def snapshot(self, seq, block_hash: str) -> None:
+        self.linear_states.snapshot(seq.request_id, block_hash)
+
+    def restore(self, seq, block_hash: str) -> None:
+        self.linear_states.restore(seq.request_id, block_hash, self.device)
+
     def linear_state_bytes(self) -> int:
         """One sequence's linear-attention state in bytes (0 for a model without such layers)."""
         if self.linear_states is None:

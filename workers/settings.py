@@ -46,6 +46,7 @@ class WorkerSettings(BaseSettings):
     max_prefill_tokens: int = DEFAULT_ENGINE.max_prefill_tokens  # the chunk cap (common/policy.py says why)
     class_aging_s: float = Field(CLASS_AGING_S, ge=0.0)  # a prompt queued longer: before every class
     enable_prefix_caching: bool = True
+    state_snapshots: int = Field(DEFAULT_ENGINE.state_snapshots, ge=0)  # a hybrid model's prefix-hit states
     embedding_cache_mb: float = 512  # L1: this encode or unified worker's own memory
     # L2: encoded images shared by every encode and unified worker on this host (tmpfs files, outliving a
     # worker's restart); 0 turns it off. The directory defaults to /dev/shm/mserve-embeddings.

@@ -283,15 +283,17 @@ class SizingPlan:
 
 
 def reserve_bytes(geom: TextGeometry, *, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
-                  workspace_bytes: int = WORKSPACE_BYTES, kv: bool = True) -> int:
-    """workspace + T × (4·H + 3·I) × b + S × V × 4 × 2 + S × linear state (the text terms only where a text
-    model runs)."""
+                  workspace_bytes: int = WORKSPACE_BYTES, kv: bool = True,
+                  state_snapshots: int = DEFAULT_ENGINE.state_snapshots) -> int:
+    """workspace + T × (4·H + 3·I) × b + S × V × 4 × 2 + (S + snapshots) × linear state (the text terms only
+    where a text model runs)."""
     if not kv:  # an encoder: the vision tower's activations are bounded by max_encode_images, in the workspace
         return workspace_bytes
     act = max_num_batched_tokens * (4 * geom.hidden_size + 3 * geom.intermediate_size) * dtype_bytes
     logits = max_num_seqs * geom.vocab_size * 4 * 2
-    # A hybrid model's running sequences each hold their linear layers' state outside the pool.
-    return workspace_bytes + act + logits + max_num_seqs * geom.state_bytes_per_sequence(dtype_bytes)
+    # A hybrid model's running sequences each hold their linear layers' state outside the pool, and its prefix
+    # hits resume from copies of it (workers/linear_state.py).
+    return workspace_bytes + act + logits + (max_num_seqs + state_snapshots) * geom.state_bytes_per_sequence(dtype_bytes)
 
 
 def plan_blocks(*, total_bytes: int, fraction: float, weights_bytes: int, reserve: int, block_bytes: int,

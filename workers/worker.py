@@ -111,7 +111,7 @@ class Worker:
             exact_attention=s.exact_attention(),
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             max_prefill_tokens=s.max_prefill_tokens, class_aging_s=s.class_aging_s,
-            enable_prefix_caching=s.enable_prefix_caching, max_image_pixels=s.max_image_pixels,
+            enable_prefix_caching=s.enable_prefix_caching, state_snapshots=s.state_snapshots, max_image_pixels=s.max_image_pixels,
             max_image_bytes=s.max_image_bytes, parts=self.PARTS, visual_token_pruning=s.visual_token_pruning)
 
     # -- what a role implements ------------------------------------------------------------------------
