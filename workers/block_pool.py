@@ -13,6 +13,7 @@ from typing import Sequence
 
 from mserve.common.hashing import ImageSpan, block_extra_keys, block_hash
 from mserve.common.policy import blocks_for
+from mserve.common.prefix_rules import reusable_blocks
 
 
 class OutOfBlocks(RuntimeError):
@@ -121,8 +122,7 @@ class BlockPool:
         """The cached blocks a sequence of `num_tokens` tokens may start from: its leading full blocks
         found in the pool (match_prefix), never the one holding its last token, whose logits must be
         computed. No reference is taken: hand the answer to `allocate` before anything else allocates."""
-        usable = (num_tokens - 1) // self.block_size
-        return self.match_prefix(hashes[:usable], token_ids)
+        return self.match_prefix(hashes[:reusable_blocks(num_tokens, self.block_size)], token_ids)
 
     def num_idle(self, block_ids: Sequence[int]) -> int:
         """How many of `block_ids` sit unreferenced in the free list: reusing them takes them out of it."""
