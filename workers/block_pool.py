@@ -158,7 +158,7 @@ class BlockPool:
         # The same blocks as taken one by one, in ascending order: free() returns a request's blocks
         # last first, so the free list holds runs of descending ids, and attention reads a table front to
         # back, quicker where its blocks follow each other in memory (the decode kernel: 5.0-5.5 ms a step
-        # over runs counting down, 3.3-4.3 in order; bench/README.md, "bf16 on the CPU").
+        # over runs counting down, 3.3-4.3 in order; bench/lab/NOTEBOOK.md, "bf16 on the CPU").
         table.block_ids.extend(sorted(self._take_free_block().block_id for _ in range(needed)))
         return len(cached) * self.block_size
 

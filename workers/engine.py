@@ -52,7 +52,7 @@ class EngineConfig:
     # fraction of the rate. None / False: one padded call per group (workers/paged_attention.exact_setting).
     exact_attention: bool | None = None
     # Decode steps through torch.compile (ModelRunner._compile_decode); off: it pays at small batches only
-    # and the first decode steps compile for 10-30 s (bench/README.md, "Where a decode step's time goes").
+    # and the first decode steps compile for 10-30 s (bench/lab/NOTEBOOK.md, "Where a decode step's time goes").
     compile: bool = False
 
 
