@@ -111,7 +111,8 @@ def _number(body: dict[str, Any], name: str, kind: type, rule: str | None = None
     return kind(value)
 
 
-def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max_tokens: int = rules.MAX_TOKENS) -> ChatRequest:
+def parse_chat_request(body: Any, *, media_root: Path | None = None,
+                       default_max_tokens: int = rules.MAX_TOKENS) -> ChatRequest:
     """Validate an OpenAI chat completion body; ApiError(400) names the first field that is wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
