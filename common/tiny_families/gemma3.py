@@ -12,8 +12,7 @@ from pathlib import Path
 
 from tokenizers import processors
 
-from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
-from mserve.common.tiny_families.llava import _drop_nested_image_processor
+from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, save_processor_files, train_bpe
 
 SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 
@@ -95,11 +94,7 @@ def save_gemma3_processor(out: Path, dims: dict, tok, layout: str) -> None:
                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=dims["mm_tokens"],
                                 chat_template=GEMMA3_CHAT_TEMPLATE)
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":  # the hub's older layout: processor_config.json keeps the processor's own keys
-        _drop_nested_image_processor(out)
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def generation_config(tok):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tokenizers import processors
 
-from mserve.common.tiny_families.base import TinyFamily, train_bpe
+from mserve.common.tiny_families.base import TinyFamily, save_processor_files, train_bpe
 
 # The audio tokens too: Gemma4Processor refuses every call when the tokenizer lacks boa/eoa (as the published
 # tokenizer has them), audio or not.
@@ -112,13 +112,7 @@ def save_gemma4_processor(out: Path, dims: dict, tok, layout: str) -> None:
                                    chat_template=GEMMA4_CHAT_TEMPLATE)
     # save_pretrained writes every part it owns: the parts left out (None) are not listed on this instance.
     processor.get_attributes = lambda: ["image_processor", "tokenizer"]
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":
-        from mserve.common.tiny_families.llava import _drop_nested_image_processor
-
-        _drop_nested_image_processor(out)
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def generation_config(tok):
