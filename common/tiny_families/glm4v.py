@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mserve.common.tiny_families.base import TinyFamily, train_bpe
-from mserve.common.tiny_families.qwen import _qwen2_vl_processor, save_with_video_configs
+from mserve.common.tiny_families.base import TinyFamily
+from mserve.common.tiny_families.qwen import _qwen2_vl_processor, qwen_style_tokenizer, save_with_video_configs
 
 GLM_PATCH = 14
 SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
@@ -41,14 +41,8 @@ GLM4V_CHAT_TEMPLATE = (
 
 
 def glm4v_tokenizer(vocab_size: int):
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(vocab_size, [], SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image|>", "video_token": "<|video|>"},
-        padding_side="left", chat_template=GLM4V_CHAT_TEMPLATE,
-    )
+    return qwen_style_tokenizer(vocab_size, SPECIALS, GLM4V_CHAT_TEMPLATE, eos="<|endoftext|>", image="<|image|>",
+                                video="<|video|>")
 
 
 def _glm_config(dims: dict, tok, std: float, config_class: str, text_type: str, **text_extra):

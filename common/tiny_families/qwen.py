@@ -25,15 +25,22 @@ QWEN2_VL_CHAT_TEMPLATE = (
 QWEN2_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                      "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
-def qwen_tokenizer(vocab_size: int):
+def qwen_style_tokenizer(vocab_size: int, specials: list[str], chat_template: str, eos: str = "<|im_end|>",
+                         image: str = "<|image_pad|>", video: str = "<|video_pad|>"):
+    """The tokenizer of the Qwen-VL line (and GLM-4V, which differs in its tokens only): no trained
+    specials, <|endoftext|> pads, image and video placeholders named as the processor expects."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = train_bpe(vocab_size, [], QWEN2_VL_SPECIALS)
+    tok = train_bpe(vocab_size, [], specials)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-        padding_side="left", chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>",
+        extra_special_tokens={"image_token": image, "video_token": video},
+        padding_side="left", chat_template=chat_template,
     )
+
+
+def qwen_tokenizer(vocab_size: int):
+    return qwen_style_tokenizer(vocab_size, QWEN2_VL_SPECIALS, QWEN2_VL_CHAT_TEMPLATE)
 
 
 def qwen2_vl_config(dims: dict, tok, std: float):

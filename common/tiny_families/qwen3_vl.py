@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mserve.common.tiny_families.base import TinyFamily, train_bpe
+from mserve.common.tiny_families.base import TinyFamily
 from mserve.common.tiny_families.qwen import (QWEN2_VL_SPECIALS, _qwen2_vl_processor, generation_config,
-                                              save_with_video_configs)
+                                              qwen_style_tokenizer, save_with_video_configs)
 
 QWEN3_VL_PATCH = 16
 
@@ -36,14 +36,7 @@ QWEN3_VL_CHAT_TEMPLATE = (
 
 
 def qwen3_vl_tokenizer(vocab_size: int):
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(vocab_size, [], QWEN2_VL_SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-        padding_side="left", chat_template=QWEN3_VL_CHAT_TEMPLATE,
-    )
+    return qwen_style_tokenizer(vocab_size, QWEN2_VL_SPECIALS, QWEN3_VL_CHAT_TEMPLATE)
 
 
 def qwen3_vl_config(dims: dict, tok, std: float, config_class: str = "Qwen3VLConfig", **text_extra):
