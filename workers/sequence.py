@@ -69,7 +69,7 @@ class Sequence:
     # Qwen2-VL: 3-D positions for the prompt [3, prompt_len] and the offset decode adds.
     mrope_positions: Any = None
     rope_delta: int = 0
-    priority: int = 0
+    priority: int = rules.PRIORITY
     latency_class: str = "interactive"  # or "batch": second to priority in the serving order
     eos_token_ids: tuple[int, ...] = ()
     # Prefill workers stop after the first token and hand the KV blocks on.
