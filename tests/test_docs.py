@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every doc a user reads. bench/lab/NOTEBOOK.md is left out: it is a dated lab log, whose commands and
 # paths are as they were on the day (bench/lab/README.md says so).
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "deploy" / "README.md"] + [
-    ROOT / "bench" / name for name in ("README.md", "gpu_check.md", "lab/README.md")]
+    ROOT / "bench" / name for name in ("README.md", "gpu_check.md", "lab/README.md")] + [
+    ROOT / "deploy" / "wheelhouse" / "README.md"]
 # Files the tools write (`mserve bench serve` writes report.md), named in the docs but not docs.
 OUTPUT_FILES = ("report.md", "soak.md", "compare.md")
 OUTPUT_FOLDERS = ("bench/results",)  # git-ignored: where the bench writes
@@ -198,6 +199,14 @@ def _cited_paths(text: str) -> list[str]:
 
 def _exists(cited: str, doc: Path) -> bool:
     return any((base / cited).exists() for base in (ROOT, doc.parent, ROOT / "docs"))
+
+
+def test_every_doc_is_checked():
+    """A new *.md file is a doc the checks above read, unless it is the lab log."""
+    found = set(ROOT.glob("*.md")) | {p for top in TOP_FOLDERS for p in (ROOT / top).rglob("*.md")}
+    tracked = {p for p in found
+               if not any(part.startswith(".") or part == "results" for part in p.relative_to(ROOT).parts)}
+    assert tracked - set(DOCS) <= {ROOT / "bench" / "lab" / "NOTEBOOK.md"}, sorted(map(_rel, tracked - set(DOCS)))
 
 
 def test_every_path_the_docs_cite_exists():
