@@ -92,8 +92,8 @@ class Client:
 
     def generate(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
                  request_id: str | None = None, **sampling: Any) -> GenerateResult:
-        """Send one request and wait for its result. ``sampling``: max_tokens=64, temperature=0.0, top_k=0,
-        top_p=1.0, seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive",
+        """Send one request and wait for its result. ``sampling``: max_tokens=256, temperature=0.0, top_k=0,
+        top_p=1.0 (common/sampling_rules.py), seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive",
         model=None (a served model's name; None: the coordinator's default).
 
         With sharded coordinators, a request whose shard stopped answering is sent to another shard

@@ -218,7 +218,7 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
 def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: bool, *,
                   max_tokens: int = Sampling.max_tokens, temperature: float = Sampling.temperature,
                   top_k: int = Sampling.top_k, top_p: float = Sampling.top_p, seed: int | None = Sampling.seed,
-                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = Sampling.ignore_eos, priority: int = 0,
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = Sampling.ignore_eos, priority: int = Generate.priority,
                   latency_class: str = "interactive", trace: str | None = None,
                   model: str | None = None) -> dict[str, Any]:
     """The GENERATE body; the keyword arguments are the ``**sampling`` options of generate()/stream().

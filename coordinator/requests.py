@@ -29,6 +29,7 @@ from typing import Any, Callable
 from mserve.common.protocol import ROLES, ErrorCode, Message, MsgType, ProtocolError
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
                                                    WorkerInfo)
+from mserve.common.protocol.to_worker import Cancel, Shutdown
 from mserve.common.policy import CLASS_AGING_S
 from mserve.common.pruning import mismatch as pruning_mismatch
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
@@ -273,7 +274,7 @@ class RequestMachine:
             if not holds_work(self.requests, worker_id):
                 self.members.mark_shutdown_sent(worker_id)
                 log.info("worker %s drained: no work of this coordinator left on it; SHUTDOWN sent", worker_id)
-                self.outbox.to_worker(worker_id, MsgType.SHUTDOWN, {})
+                self.outbox.to_worker(worker_id, MsgType.SHUTDOWN, Shutdown().fields())
 
     def _on_ready(self, worker_id: str, info: WorkerInfo) -> None:
         role = info.role
@@ -292,5 +293,5 @@ class RequestMachine:
         if self.members.is_alive(worker_id):  # a restarted process with the same id: its old work is lost
             self.life.worker_died(worker_id, "re-registered")
         for rid in self.members.join(worker_id, role, info.fields(), self.outbox.now):  # only stalled: stop its stale work
-            self.outbox.to_worker(worker_id, MsgType.CANCEL, {"request_id": rid})
+            self.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=rid).fields())
         log.info("worker %s joined as %s (data plane %s)", worker_id, role, info.data_address)

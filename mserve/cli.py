@@ -168,7 +168,8 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
                                                 "none; data URLs always work, remote URLs are refused)")
     p.add_argument("--max-request-bytes", type=int, help="largest HTTP body, images included (default 64 MiB)")
     p.add_argument("--default-max-tokens", type=int,
-                   help="max_tokens when a request names neither max_tokens nor max_completion_tokens (default 256)")
+                   help="max_tokens when a request names neither max_tokens nor max_completion_tokens "
+                        "(default 256, common/sampling_rules.py)")
     p.add_argument("--request-timeout-s", type=float, help="a request not done by then ends with 504 (default 600)")
     p.add_argument("--access-log", action="store_true", default=None, help="log one line per HTTP request")
     p.add_argument("--coordinator-api-key",

@@ -4,7 +4,8 @@
   under a heading naming `mserve <command>`) is a flag of that command's parser;
 * the message tables of docs/protocol.md list exactly `MsgType`, with its numbers, and its data-plane
   table exactly the transfer channel's `Msg`;
-* every repository path, and every `*.md` file, a doc cites in backticks exists.
+* every repository path, and every `*.md` file, a doc cites in backticks exists;
+* every module a doc runs (`python -m NAME`) and every dotted `mserve.a.b` name it cites exists.
 * the settings tables of docs/operations.md list every field of the coordinator's and the worker's
   settings, under its MSERVE_* name, and "(env only)" only for fields without a flag.
 
@@ -20,9 +21,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "deploy" / "README.md"]
+# Every doc a user reads. bench/lab/NOTEBOOK.md is left out: it is a dated lab log, whose commands and
+# paths are as they were on the day (bench/lab/README.md says so).
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "deploy" / "README.md"] + [
+    ROOT / "bench" / name for name in ("README.md", "gpu_check.md", "lab/README.md")] + [
+    ROOT / "deploy" / "wheelhouse" / "README.md"]
 # Files the tools write (`mserve bench serve` writes report.md), named in the docs but not docs.
-OUTPUT_FILES = ("report.md", "soak.md")
+OUTPUT_FILES = ("report.md", "soak.md", "compare.md")
+OUTPUT_FOLDERS = ("bench/results",)  # git-ignored: where the bench writes
 TOP_FOLDERS = ("common", "coordinator", "workers", "bench", "deploy", "tests", "docs", "mserve")
 
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
@@ -183,7 +189,7 @@ def _cited_paths(text: str) -> list[str]:
     found = []
     for span in SPAN.findall(FENCE.sub("", text)):
         word = re.split(r"[\s:,(]", span.strip())[0].rstrip(".").removesuffix("/...")
-        if re.search(r"[{}<>*]", word):
+        if re.search(r"[{}<>*]", word) or word.startswith(OUTPUT_FOLDERS):
             continue
         if word.split("/")[0] in TOP_FOLDERS and "/" in word or re.fullmatch(r"[\w.-]+\.md", word) \
                 and word not in OUTPUT_FILES:
@@ -195,10 +201,66 @@ def _exists(cited: str, doc: Path) -> bool:
     return any((base / cited).exists() for base in (ROOT, doc.parent, ROOT / "docs"))
 
 
+def test_every_doc_is_checked():
+    """A new *.md file is a doc the checks above read, unless it is the lab log."""
+    found = set(ROOT.glob("*.md")) | {p for top in TOP_FOLDERS for p in (ROOT / top).rglob("*.md")}
+    tracked = {p for p in found
+               if not any(part.startswith(".") or part == "results" for part in p.relative_to(ROOT).parts)}
+    assert tracked - set(DOCS) <= {ROOT / "bench" / "lab" / "NOTEBOOK.md"}, sorted(map(_rel, tracked - set(DOCS)))
+
+
 def test_every_path_the_docs_cite_exists():
     wrong = [f"{_rel(doc)}: `{cited}`" for doc in DOCS for cited in _cited_paths(doc.read_text())
              if not _exists(cited, doc)]
     assert not wrong, "docs cite paths that do not exist:\n" + "\n".join(sorted(set(wrong)))
+
+
+# ---- modules -----------------------------------------------------------------------------------------
+
+RUN_MODULE = re.compile(r"python -m ([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)(?![\w.])")
+DOTTED = re.compile(r"^mserve(?:\.[a-z_][a-z0-9_]*){2,}$")  # two parts are often logger names (`mserve.worker`)
+
+
+def _cited_modules(text: str) -> list[str]:
+    """Modules run with `python -m` (`lab.X` placeholders are not lower case) and dotted `mserve.a.b`
+    names in code spans."""
+    found = [m.group(1) for line in _command_lines(text) for m in RUN_MODULE.finditer(line)]
+    return found + [span for span in SPAN.findall(FENCE.sub("", text)) if DOTTED.match(span)]
+
+
+def _resolves(name: str) -> bool:
+    """`name` is a module, or a top-level name of the longest module prefix of it; found without
+    importing the modules themselves (only their parent packages), so torch is not loaded."""
+    from importlib.util import find_spec
+
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            spec = find_spec(".".join(parts[:cut]))
+        except ImportError:
+            spec = None
+        if spec is None:
+            continue
+        rest = parts[cut:]
+        if not rest:
+            return True
+        if len(rest) > 1 or not spec.origin or not spec.origin.endswith(".py"):
+            return False
+        source = Path(spec.origin).read_text()
+        return re.search(rf"^(?:def|class|async def) {rest[0]}\b|^{rest[0]}\s*[:=]", source, re.M) is not None
+    return False
+
+
+def test_every_module_the_docs_name_exists():
+    wrong = sorted({f"{_rel(doc)}: `{name}`" for doc in DOCS for name in _cited_modules(doc.read_text())
+                    if not _resolves(name)})
+    assert not wrong, "docs name modules that do not exist:\n" + "\n".join(wrong)
+
+
+def test_the_module_check_sees_the_docs_modules():
+    found = {name for doc in DOCS for name in _cited_modules(doc.read_text())}
+    assert {"mserve.bench.gpu_check", "mserve.healthcheck", "lab.scale"} <= found
+    assert not _resolves("mserve.workers.no_such_module") and not _resolves("mserve.common.policy.NO_SUCH")
 
 
 # ---- settings ----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from mserve.common.hashing import ImageSpan, block_extra_keys, block_hash
 from mserve.common.policy import blocks_for
+from mserve.common.prefix_rules import reusable_blocks
 
 
 class OutOfBlocks(RuntimeError):
@@ -124,8 +125,7 @@ class BlockPool:
         """The cached blocks a sequence of `num_tokens` tokens may start from: its leading full blocks
         found in the pool (match_prefix), never the one holding its last token, whose logits must be
         computed. No reference is taken: hand the answer to `allocate` before anything else allocates."""
-        usable = (num_tokens - 1) // self.block_size
-        found = self.match_prefix(hashes[:usable], token_ids)
+        found = self.match_prefix(hashes[:reusable_blocks(num_tokens, self.block_size)], token_ids)
         if self.prefix_end_ok is not None:
             while found and not self.prefix_end_ok(hashes[len(found) - 1]):
                 found.pop()
@@ -165,7 +165,7 @@ class BlockPool:
         # The same blocks as taken one by one, in ascending order: free() returns a request's blocks
         # last first, so the free list holds runs of descending ids, and attention reads a table front to
         # back, quicker where its blocks follow each other in memory (the decode kernel: 5.0-5.5 ms a step
-        # over runs counting down, 3.3-4.3 in order; bench/README.md, "bf16 on the CPU").
+        # over runs counting down, 3.3-4.3 in order; bench/lab/NOTEBOOK.md, "bf16 on the CPU").
         table.block_ids.extend(sorted(self._take_free_block().block_id for _ in range(needed)))
         return len(cached) * self.block_size
 

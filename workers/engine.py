@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from mserve.common import sampling_rules as rules
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, DEFAULT_LIMITS
@@ -53,7 +54,7 @@ class EngineConfig:
     # fraction of the rate. None / False: one padded call per group (workers/paged_attention.exact_setting).
     exact_attention: bool | None = None
     # Decode steps through torch.compile (ModelRunner._compile_decode); off: it pays at small batches only
-    # and the first decode steps compile for 10-30 s (bench/README.md, "Where a decode step's time goes").
+    # and the first decode steps compile for 10-30 s (bench/lab/NOTEBOOK.md, "Where a decode step's time goes").
     compile: bool = False
 
 
@@ -76,7 +77,7 @@ class RequestInput:
     prompt_ids: list[int]
     images: list[bytes | VideoPart] = field(default_factory=list)  # images and videos, in prompt order
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0
+    priority: int = rules.PRIORITY
 
 
 class Engine:
@@ -168,7 +169,7 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes | VideoPart] = (),
                     encoded: Sequence[EncodedImage | None] | None = None, image_hashes: Sequence[str] | None = None,
-                    sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
+                    sampling: SamplingParams | None = None, priority: int = rules.PRIORITY, prefill_only: bool = False,
                     output_ids: Sequence[int] = (), latency_class: str = "interactive",
                     item_tokens: Sequence[int] | None = None, item_fps: Sequence[float | None] | None = None,
                     deferred: dict[int, Any] | None = None, grids: Sequence[Any] | None = None) -> Seq:

@@ -154,7 +154,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not _cpu_bf16_matmuls():
             log.warning("bfloat16 on a CPU without AVX-512 (torch's CPU capability: %s): oneDNN cannot run its "
                         "bf16 matrix multiplies here, and torch's fallback was 6x slower than float32 on an "
-                        "AVX2-only AMD EPYC (bench/README.md, \"An AVX2 host\"); float32, the CPU's default, is "
+                        "AVX2-only AMD EPYC (bench/lab/NOTEBOOK.md, \"An AVX2 host\"); float32, the CPU's default, is "
                         "the fast choice on this host", torch.backends.cpu.get_cpu_capability())
         self.exact_attention = bool(exact_attention)  # None (auto) is padded: paged_attention.exact_setting says why
         if (not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu"

@@ -8,8 +8,8 @@ generation prompt, so <think> and </think> are special tokens here as in the pub
 
 from __future__ import annotations
 
-from mserve.common.tiny_families.base import TinyFamily, train_bpe
-from mserve.common.tiny_families.qwen import QWEN2_VL_SPECIALS, generation_config
+from mserve.common.tiny_families.base import TinyFamily
+from mserve.common.tiny_families.qwen import QWEN2_VL_SPECIALS, generation_config, qwen_style_tokenizer
 from mserve.common.tiny_families.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE, QWEN3_VL_PATCH, save_qwen3_vl_processor
 
 QWEN3_5_SPECIALS = QWEN2_VL_SPECIALS + ["<think>", "</think>"]
@@ -22,14 +22,7 @@ QWEN3_5_CHAT_TEMPLATE = QWEN3_VL_CHAT_TEMPLATE.replace(
 
 
 def qwen3_5_tokenizer(vocab_size: int):
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(vocab_size, [], QWEN3_5_SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-        padding_side="left", chat_template=QWEN3_5_CHAT_TEMPLATE,
-    )
+    return qwen_style_tokenizer(vocab_size, QWEN3_5_SPECIALS, QWEN3_5_CHAT_TEMPLATE)
 
 
 def qwen3_5_config(dims: dict, tok, std: float, cls: str = "Qwen3_5Config", **text_extra):

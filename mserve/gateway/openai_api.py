@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mserve.common import sampling_rules as rules
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.prompt import CHAT_ROLES
 from mserve.common.protocol import ErrorCode
@@ -97,21 +98,21 @@ class ChatRequest:
     return_token_ids: bool = False
 
 
-def _number(body: dict[str, Any], name: str, kind: type, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> Any:
+def _number(body: dict[str, Any], name: str, kind: type, rule: str | None = None) -> Any:
+    """body[name] as `kind` (None when absent), within common/sampling_rules.py's bound for `rule`."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise _bad(name, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise _bad(name, f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and value > hi:
-        raise _bad(name, f"'{name}' must be <= {hi}, got {value!r}")
+    bound = rules.BOUNDS[rule] if rule else None
+    if bound is not None and not bound.ok(value):
+        raise _bad(name, f"'{name}' must be {bound.describe()}, got {value!r}")
     return kind(value)
 
 
-def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max_tokens: int = 256) -> ChatRequest:
+def parse_chat_request(body: Any, *, media_root: Path | None = None,
+                       default_max_tokens: int = rules.MAX_TOKENS) -> ChatRequest:
     """Validate an OpenAI chat completion body; ApiError(400) names the first field that is wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -137,13 +138,12 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max
         if not stream:
             raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
         include_usage = bool(opts.get("include_usage", False))
-    max_new = _number(body, "max_completion_tokens", int, 1)
+    max_new = _number(body, "max_completion_tokens", int, "max_tokens")
     if max_new is None:
-        max_new = _number(body, "max_tokens", int, 1)
+        max_new = _number(body, "max_tokens", int, "max_tokens")
     sampling: dict[str, Any] = {"max_tokens": default_max_tokens if max_new is None else max_new}
-    for name, kind, lo, hi, lo_open in (("temperature", float, 0, 2, False), ("top_p", float, 0, 1, True),
-                                        ("top_k", int, 0, None, False)):
-        value = _number(body, name, kind, lo, hi, lo_open)
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        value = _number(body, name, kind, name)
         if value is not None:
             sampling[name] = value
     if body.get("seed") is not None:
@@ -158,7 +158,7 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max
             raise _bad("stop_token_ids", "'stop_token_ids' must be a list of token ids")
         sampling["stop_token_ids"] = ids
     if body.get("priority") is not None:
-        sampling["priority"] = _number(body, "priority", int, -100, 100)
+        sampling["priority"] = _number(body, "priority", int, "priority")
     if body.get("latency_class") is not None:
         if body["latency_class"] not in LATENCY_CLASSES:
             raise _bad("latency_class", f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}")

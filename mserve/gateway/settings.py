@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mserve.common import sampling_rules
+
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
@@ -21,7 +23,8 @@ class GatewaySettings(BaseSettings):
     # Image paths and file:// URLs are read only under this folder; None refuses them all.
     allowed_media_path: str | None = None
     max_request_bytes: int = 64 * 1024 * 1024  # whole HTTP body, images included (base64)
-    default_max_tokens: int = 256  # when a request names neither max_tokens nor max_completion_tokens
+    # max_tokens when a request names neither max_tokens nor max_completion_tokens
+    default_max_tokens: int = sampling_rules.MAX_TOKENS
     request_timeout_s: float = 600.0
     access_log: bool = False
     # The coordinator's client API key (its MSERVE_CLIENT_API_KEY), sent with every message to it; None
