@@ -77,10 +77,12 @@ class _Pinned(http.client.HTTPConnection):
                  tls: ssl.SSLContext | None) -> None:
         super().__init__(host, port)
         self._ip, self._dial, self._tls = ip, dial, tls
+        self.live: socket.socket | None = None  # kept: http.client drops self.sock once a response owns it
 
     def connect(self) -> None:
         sock = self._dial()
         self.sock = self._tls.wrap_socket(sock, server_hostname=self.host) if self._tls is not None else sock
+        self.live = self.sock
 
 
 class MediaFetcher:
@@ -90,7 +92,7 @@ class MediaFetcher:
                  connector: Connector = _open_socket, tls: ssl.SSLContext | None = None) -> None:
         self.policy = policy
         self.resolver, self.connector = resolver, connector
-        self.tls = tls or ssl.create_default_context()
+        self._tls = tls  # made at the first https URL: loading the system's CA certificates takes a while
         self.cache = MediaCache(policy.cache_bytes)
         self._slots = threading.BoundedSemaphore(policy.max_concurrent)
         self.fetched = 0  # origin requests made (revalidations included)
@@ -114,6 +116,11 @@ class MediaFetcher:
                                f"(limit media_max_redirects={self.policy.max_redirects})")
         finally:
             self._slots.release()
+
+    def tls(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()  # certificates and host names checked
+        return self._tls
 
     # -- one hop -------------------------------------------------------------------------------------------
     def _check_url(self, url: str) -> tuple[str, str, int]:
@@ -157,7 +164,8 @@ class MediaFetcher:
         def dial() -> socket.socket:
             return self.connector(ip, port, min(policy.connect_timeout_s, remaining))
 
-        conn = _Pinned(host, port, ip, dial, self.tls if scheme == "https" else None)
+        conn = _Pinned(host, port, ip, dial, self.tls() if scheme == "https" else None)
+        resp: http.client.HTTPResponse | None = None
         cut = threading.Event()
         watchdog = threading.Timer(remaining, self._cut, (conn, cut))
         watchdog.daemon = True
@@ -205,6 +213,8 @@ class MediaFetcher:
             raise MediaRefused(f"media from {host!r} could not be fetched: {type(exc).__name__}: {exc}") from None
         finally:
             watchdog.cancel()
+            if resp is not None:
+                resp.close()
             conn.close()
 
     def _body(self, resp: http.client.HTTPResponse, host: str) -> bytes:
@@ -230,10 +240,10 @@ class MediaFetcher:
         return MediaRefused(f"media from {host!r} timed out ({which}: limit {limit[0]}={limit[1]:g}s)")
 
     @staticmethod
-    def _cut(conn: http.client.HTTPConnection, cut: threading.Event) -> None:
+    def _cut(conn: _Pinned, cut: threading.Event) -> None:
         """The total deadline passed: end whatever read is blocked on the socket."""
         cut.set()
-        sock = conn.sock
+        sock = conn.live
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

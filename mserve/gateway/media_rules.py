@@ -87,6 +87,8 @@ def blocked_reason(ip: str, allow_loopback_for_tests: bool = False) -> str | Non
             reason = _class_of(inner)
             if reason is not None:
                 return f"{reason} ({how} {inner})"
+        if addr.ipv4_mapped is not None:  # the socket dials the IPv4 address itself, which passed
+            return None
     return _class_of(addr)
 
 
