@@ -3,6 +3,7 @@ streams past any cap, trickles, answers 304 to a matching ETag, and counts what 
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,11 +13,12 @@ BIG_TOTAL = 64 * 1024 * 1024  # what /big would send if nobody stopped reading
 
 
 class MediaServer:
-    """``routes``: path -> (content type, body, extra headers). Special paths: /redirect?to=URL,
+    """``routes``: path -> (content type, body, extra headers); ``tls``: serve https. Special paths: /redirect?to=URL,
     /loop/N (redirects to /loop/N+1), /big (streams BIG_TOTAL bytes of PNG-headed data, no length),
     /trickle (a PNG header, then one byte every 50 ms until the client leaves), /stall (headers, then silence)."""
 
-    def __init__(self, routes: dict[str, tuple[str, bytes, dict[str, str]]] | None = None) -> None:
+    def __init__(self, routes: dict[str, tuple[str, bytes, dict[str, str]]] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.routes = dict(routes or {})
         self.requests: Counter[str] = Counter()
         self.not_modified = 0
@@ -41,8 +43,10 @@ class MediaServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
+        if tls is not None:  # https: the handshake runs on accept
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
         self.port = self.httpd.server_address[1]
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
     def __enter__(self) -> MediaServer:

@@ -8,6 +8,8 @@ dial to an address other than 127.0.0.1, so a blocked address is shown refused b
 from __future__ import annotations
 
 import socket
+import ssl
+import subprocess
 import threading
 import time
 
@@ -159,7 +161,7 @@ def test_an_oversized_body_is_cut_off_mid_stream(server):
 
 def test_a_trickling_server_times_out_while_other_fetches_go_on(server):
     net = Net()
-    f = fetcher(net, media_total_timeout_s=1.5, media_read_timeout_s=1.0, media_cache_bytes=0)
+    f = fetcher(net, media_total_timeout_s=1.0, media_read_timeout_s=0.8, media_cache_bytes=0)
     outcome: list[BaseException] = []
 
     def slow() -> None:
@@ -177,7 +179,7 @@ def test_a_trickling_server_times_out_while_other_fetches_go_on(server):
     assert worker.is_alive(), "the other fetches waited for the trickling one"
     worker.join(timeout=10)
     assert not worker.is_alive() and time.monotonic() - t0 < 5
-    assert isinstance(outcome[0], MediaRefused) and "total: limit media_total_timeout_s=1.5s" in outcome[0].message
+    assert isinstance(outcome[0], MediaRefused) and "total: limit media_total_timeout_s=1s" in outcome[0].message
     stalled = fetcher(net, media_read_timeout_s=0.3)
     with pytest.raises(MediaRefused, match="read: limit media_read_timeout_s=0.3s"):
         stalled.fetch(f"{server.base}/stall", "image")
@@ -185,7 +187,7 @@ def test_a_trickling_server_times_out_while_other_fetches_go_on(server):
 
 def test_over_the_concurrency_cap_a_fetch_waits_a_bounded_time_then_429(server):
     net = Net()
-    f = fetcher(net, media_max_concurrent_fetches=1, media_concurrency_wait_s=0.2, media_total_timeout_s=1.0)
+    f = fetcher(net, media_max_concurrent_fetches=1, media_concurrency_wait_s=0.2, media_total_timeout_s=0.6)
     worker = threading.Thread(target=lambda: pytest.raises(MediaRefused, f.fetch, f"{server.base}/trickle", "image"))
     worker.start()
     wait_for(lambda: server.requests["/trickle"] == 1, what="the trickle to hold the only slot")
@@ -260,3 +262,25 @@ def test_through_parse_chat_request_a_refusal_is_a_400_naming_the_part(server):
     video = {"type": "video", "video": [f"{server.base}/a.png", f"{server.base}/fresh.png"]}
     req = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": [video]}]}, fetcher=f)
     assert req.messages[0]["content"][0]["video"] == [PNG, PNG]
+
+
+def test_https_checks_the_certificate_against_the_host_name_on_the_pinned_address(tmp_path):
+    """TLS to the checked address with SNI = the URL's host: a certificate for media.test passes for
+    media.test and fails for another name resolving to the same address (a test CA: a self-signed cert)."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-days", "1", "-subj", "/CN=media.test", "-addext", "subjectAltName=DNS:media.test",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=30)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    client_tls = ssl.create_default_context(cafile=str(cert))
+    net = Net({"media.test": ["127.0.0.1"], "impostor.test": ["127.0.0.1"]})
+    f = fetcher_from_settings(GatewaySettings(allow_loopback_media_for_tests=True), resolver=net.resolve,
+                              connector=net.connect, tls=client_tls)
+    with MediaServer({"/a.png": ("image/png", PNG, {})}, tls=server_tls) as server:
+        assert f.fetch(f"https://media.test:{server.port}/a.png", "image") == PNG
+        with pytest.raises(MediaRefused, match="'impostor.test': TLS failed"):
+            f.fetch(f"https://impostor.test:{server.port}/a.png", "image")
+        with pytest.raises(MediaRefused, match="TLS failed"):  # the system CAs do not know the test cert
+            fetcher(net).fetch(f"https://media.test:{server.port}/a.png", "image")
+    assert net.dialled == ["127.0.0.1"] * 3
