@@ -95,11 +95,13 @@ class MediaFetcher:
         self._tls = tls  # made at the first https URL: loading the system's CA certificates takes a while
         self.cache = MediaCache(policy.cache_bytes)
         self._slots = threading.BoundedSemaphore(policy.max_concurrent)
-        self.fetched = 0  # origin requests made (revalidations included)
 
     def fetch(self, url: str, kind: str) -> bytes:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        hit = self._fresh(url, kind)  # a fresh cached copy needs no slot
+        if hit is not None:
+            return hit
         host = urlsplit(url).hostname or "?"
         if not self._slots.acquire(timeout=self.policy.concurrency_wait_s):
             raise MediaRefused(f"media from {host!r} not fetched: {self.policy.max_concurrent} fetches already "
@@ -147,14 +149,23 @@ class MediaFetcher:
             raise MediaRefused(f"media host {host!r} does not resolve: {exc}") from None
         return check_address(host, answers, self.policy.allow_loopback_for_tests)
 
+    def _fresh(self, url: str, kind: str) -> bytes | None:
+        """The cached bytes of ``url`` while they are fresh (the URL's rules checked first), else None."""
+        _, host, _ = self._check_url(url)
+        cached = self.cache.get(url)
+        if cached is None or not self.cache.is_fresh(cached):
+            return None
+        self.cache.hits += 1
+        check_content(host, kind, None, cached.data[:_HEAD])
+        return cached.data
+
     def _hop(self, url: str, kind: str, deadline: float) -> tuple[bytes | None, str]:
         """(bytes, url) when this hop answered with the media, (None, next url) for a redirect."""
+        hit = self._fresh(url, kind)
+        if hit is not None:
+            return hit, url
         scheme, host, port = self._check_url(url)
         cached = self.cache.get(url)
-        if cached is not None and self.cache.is_fresh(cached):
-            self.cache.hits += 1
-            check_content(host, kind, None, cached.data[:_HEAD])
-            return cached.data, url
         ip = self._resolve(host, port)  # before any socket exists
         policy = self.policy
         remaining = deadline - time.monotonic()
@@ -179,7 +190,6 @@ class MediaFetcher:
             path = urlsplit(url)._replace(scheme="", netloc="", fragment="").geturl() or "/"
             headers = {"Accept": "*/*", "Accept-Encoding": "identity", "User-Agent": "mserve-gateway"}
             headers.update(cached.validators() if cached is not None else {})
-            self.fetched += 1
             conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
             if resp.status in _REDIRECTS:

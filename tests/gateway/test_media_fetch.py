@@ -188,9 +188,11 @@ def test_a_trickling_server_times_out_while_other_fetches_go_on(server):
 def test_over_the_concurrency_cap_a_fetch_waits_a_bounded_time_then_429(server):
     net = Net()
     f = fetcher(net, media_max_concurrent_fetches=1, media_concurrency_wait_s=0.2, media_total_timeout_s=0.6)
+    assert f.fetch(f"{server.base}/fresh.png", "image") == PNG
     worker = threading.Thread(target=lambda: pytest.raises(MediaRefused, f.fetch, f"{server.base}/trickle", "image"))
     worker.start()
     wait_for(lambda: server.requests["/trickle"] == 1, what="the trickle to hold the only slot")
+    assert f.fetch(f"{server.base}/fresh.png", "image") == PNG  # a fresh cached copy needs no slot
     with pytest.raises(MediaRefused, match="limit media_max_concurrent_fetches=1") as refused:
         f.fetch(f"{server.base}/a.png", "image")
     assert refused.value.status == 429 and server.requests["/a.png"] == 0
