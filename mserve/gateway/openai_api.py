@@ -1,6 +1,7 @@
 """OpenAI chat-completions requests in, MServe GENERATE arguments out; responses and errors in OpenAI's shapes.
 
-Pure code (no sockets, no event loop) so every rule here is unit-tested on its own. What the
+Pure code (no sockets, no event loop; http(s) media URLs go to the fetcher it is handed,
+gateway/media_fetch.py) so every rule here is unit-tested on its own. What the
 engine supports passes through; what it does not is refused with a 400 that names the field,
 unless the client sent that field at its neutral value (``n: 1``, ``presence_penalty: 0``: SDKs
 and frameworks send these by default, and honouring them costs nothing).
