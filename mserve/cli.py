@@ -165,7 +165,28 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
                                      "better set MSERVE_API_KEY than put a key on a command line)")
     p.add_argument("--served-model-name", help="the name clients send as 'model' (default: the coordinator's)")
     p.add_argument("--allowed-media-path", help="folder image paths / file:// URLs may be read from (default: "
-                                                "none; data URLs always work, remote URLs are refused)")
+                                                "none; data URLs always work)")
+    p.add_argument("--allowed-media-domains",
+                   help="hosts http(s) media URLs may be fetched from, comma-separated: 'cdn.example.com' that host "
+                        "only, '.example.com' the names under example.com (default: every host with a public address; "
+                        "private, loopback, link-local, multicast and reserved addresses are always refused)")
+    p.add_argument("--media-max-bytes", type=int, help="largest fetched media item; reading stops past it (default 32 MiB)")
+    p.add_argument("--media-connect-timeout-s", type=float, help="connect timeout of a media fetch (default 5)")
+    p.add_argument("--media-read-timeout-s", type=float,
+                   help="longest wait for the next bytes of a media fetch (default 10)")
+    p.add_argument("--media-total-timeout-s", type=float,
+                   help="whole time of one media URL, redirects included (default 30)")
+    p.add_argument("--media-max-redirects", type=int,
+                   help="redirect hops followed per media URL, each checked again (default 5)")
+    p.add_argument("--media-max-concurrent-fetches", type=int,
+                   help="media fetches running at once; one more waits --media-concurrency-wait-s, then 429 (default 16)")
+    p.add_argument("--media-concurrency-wait-s", type=float,
+                   help="how long a media fetch waits for a free slot before a 429 (default 5)")
+    p.add_argument("--media-cache-bytes", type=int,
+                   help="HTTP cache of fetched media, bytes (ETag / Last-Modified / max-age; default 128 MiB; 0 = off)")
+    p.add_argument("--allow-loopback-media-for-tests", action="store_true", default=None,
+                   help="TEST ONLY: let media URLs reach 127.0.0.1 (no other private address), for tests that serve "
+                        "media from a local server; never in a deployment")
     p.add_argument("--max-request-bytes", type=int, help="largest HTTP body, images included (default 64 MiB)")
     p.add_argument("--default-max-tokens", type=int,
                    help="max_tokens when a request names neither max_tokens nor max_completion_tokens "

@@ -9,11 +9,14 @@ away aborts its request on every stage: the token stream is closed, which sends 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import math
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,6 +29,7 @@ from mserve.common import tracing
 from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
+from mserve.gateway.media_fetch import fetcher_from_settings
 from mserve.gateway.metrics import GatewayMetrics
 from mserve.gateway.models import ModelCatalog
 from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, MODEL_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
@@ -36,6 +40,10 @@ from mserve.gateway.textstream import Detokenizer, StopMatcher
 log = logging.getLogger("mserve.gateway")
 T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.2
+# A body that may hold an http(s) URL string is parsed in a thread (its media are fetched there): a
+# string starting "http, or any \u escape (which could spell one). base64 holds neither '"' nor '\',
+# so a body of data URLs does not match and parses on the event loop as before.
+_REMOTE_URL = re.compile(rb'"[hH][tT][tT][pP]|\\u')
 
 
 class ClientGone(Exception):
@@ -145,6 +153,10 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.media_root = Path(settings.allowed_media_path).resolve() if settings.allowed_media_path else None
+        self.fetcher = fetcher_from_settings(settings)
+        # Fetches block a thread each (media_fetch.py); their own pool, so they never queue behind others.
+        self._media_pool = ThreadPoolExecutor(settings.media_max_concurrent_fetches + 4,
+                                              thread_name_prefix="media-fetch")
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
         self.catalog: ModelCatalog = None  # type: ignore[assignment]
         self.metrics = GatewayMetrics()
@@ -164,6 +176,7 @@ class Gateway:
         log.info("gateway for %s ready, serving %s", self.settings.coordinator, self.catalog.names())
 
     async def close(self) -> None:
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
         if self.client is not None:
             await self.client.close()
 
@@ -177,7 +190,19 @@ class Gateway:
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            type_="authentication_error", code="invalid_api_key")
 
-    async def read_json(self, request: Request) -> Any:
+    async def read_chat_request(self, request: Request) -> ChatRequest:
+        raw = await self.read_body(request)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        parse = functools.partial(parse_chat_request, body, media_root=self.media_root, fetcher=self.fetcher,
+                                  default_max_tokens=self.settings.default_max_tokens)
+        if _REMOTE_URL.search(raw) is None:
+            return parse()
+        return await asyncio.get_running_loop().run_in_executor(self._media_pool, parse)
+
+    async def read_body(self, request: Request) -> bytes:
         limit = self.settings.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -188,16 +213,12 @@ class Gateway:
             body += piece
             if len(body) > limit:
                 raise ApiError(413, f"request body is over the limit max_request_bytes={limit}", code="too_large")
-        try:
-            return json.loads(body)
-        except ValueError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        return bytes(body)
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
-        req = parse_chat_request(await self.read_json(request), media_root=self.media_root,
-                                 default_max_tokens=self.settings.default_max_tokens)
+        req = await self.read_chat_request(request)
         model = await self.catalog.resolve(req.model)
         if not self.catalog.is_group(model):
             await self.catalog.tokenizer(model)  # a folder not readable here fails now, not after the cluster's work

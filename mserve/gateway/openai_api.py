@@ -1,6 +1,7 @@
 """OpenAI chat-completions requests in, MServe GENERATE arguments out; responses and errors in OpenAI's shapes.
 
-Pure code (no sockets, no event loop) so every rule here is unit-tested on its own. What the
+Pure code (no sockets, no event loop; http(s) media URLs go to the fetcher it is handed,
+gateway/media_fetch.py) so every rule here is unit-tested on its own. What the
 engine supports passes through; what it does not is refused with a 400 that names the field,
 unless the client sent that field at its neutral value (``n: 1``, ``presence_penalty: 0``: SDKs
 and frameworks send these by default, and honouring them costs nothing).
@@ -19,6 +20,8 @@ from mserve.common import sampling_rules as rules
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.prompt import CHAT_ROLES
 from mserve.common.protocol import ErrorCode
+from mserve.gateway.media_fetch import MediaFetcher
+from mserve.gateway.media_rules import MediaRefused
 
 __all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of", "KEEP_RATIO_HEADER",
            "MODEL_HEADER",
@@ -111,9 +114,10 @@ def _number(body: dict[str, Any], name: str, kind: type, rule: str | None = None
     return kind(value)
 
 
-def parse_chat_request(body: Any, *, media_root: Path | None = None,
-                       default_max_tokens: int = rules.MAX_TOKENS) -> ChatRequest:
-    """Validate an OpenAI chat completion body; ApiError(400) names the first field that is wrong."""
+def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max_tokens: int = rules.MAX_TOKENS,
+                       fetcher: MediaFetcher | None = None) -> ChatRequest:
+    """Validate an OpenAI chat completion body; ApiError(400) names the first field that is wrong.
+    With a ``fetcher`` http(s) media URLs are fetched (blocking: the gateway calls this in a thread)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():
@@ -170,11 +174,12 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None,
     return_ids = body.get("return_token_ids") or False
     if not isinstance(return_ids, bool):
         raise _bad("return_token_ids", "'return_token_ids' must be a boolean")
-    messages = convert_messages(body.get("messages"), media_root)
+    messages = convert_messages(body.get("messages"), media_root, fetcher)
     return ChatRequest(model, messages, sampling, stream, include_usage, list(stops), return_ids)
 
 
-def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, Any]]:
+def convert_messages(messages: Any, media_root: Path | None, fetcher: MediaFetcher | None = None
+                     ) -> list[dict[str, Any]]:
     """OpenAI messages -> MServe messages (images, video files and video frames as bytes); the chat
     template sees the turns as sent. Not the server's normalize_messages: this one reads files under the
     media root only and names the wrong field OpenAI's way (common/prompt.py says why the walks stay apart)."""
@@ -211,7 +216,8 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
                     raise _bad(f"{pwhere}.image_url", f"{pwhere}.image_url.url must be a string")
-                parts.append({"type": "image", "image": load_image_url(url, media_root, f"{pwhere}.image_url")})
+                parts.append({"type": "image", "image": load_media_url(url, kind="image", media_root=media_root,
+                                                                       param=f"{pwhere}.image_url", fetcher=fetcher)})
             elif kind == "video_url":  # a video file, as vLLM takes it
                 url = part.get("video_url")
                 if isinstance(url, dict) and url.get("fps") is not None:
@@ -220,7 +226,8 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
                     raise _bad(f"{pwhere}.video_url", f"{pwhere}.video_url.url must be a string")
-                parts.append({"type": "video", "video": load_image_url(url, media_root, f"{pwhere}.video_url")})
+                parts.append({"type": "video", "video": load_media_url(url, kind="video", media_root=media_root,
+                                                                       param=f"{pwhere}.video_url", fetcher=fetcher)})
             elif kind == "video":  # the video as its frames: a list of image URLs
                 frames = part.get("video")
                 if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
@@ -228,7 +235,8 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 fps = part.get("fps")  # optional: the rate the frames were taken at (Qwen2.5-VL / Qwen3-VL use it)
                 if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < 1e4):
                     raise _bad(f"{pwhere}.fps", f"{pwhere}.fps must be a number of frames per second over 0")
-                parts.append({"type": "video", "video": [load_image_url(f, media_root, f"{pwhere}.video[{k}]")
+                parts.append({"type": "video", "video": [load_media_url(f, kind="image", media_root=media_root,
+                                                                        param=f"{pwhere}.video[{k}]", fetcher=fetcher)
                                                          for k, f in enumerate(frames)],
                               **({"fps": float(fps)} if fps is not None else {})})
             else:
@@ -237,8 +245,16 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
     return out
 
 
-def load_image_url(url: str, media_root: Path | None, param: str) -> bytes:
-    """A data URL, or a local file (``file://`` or a path) under ``media_root``; remote URLs are refused."""
+def load_image_url(url: str, media_root: Path | None, param: str, fetcher: MediaFetcher | None = None) -> bytes:
+    """An image part's URL: load_media_url with kind="image"."""
+    return load_media_url(url, kind="image", media_root=media_root, param=param, fetcher=fetcher)
+
+
+def load_media_url(url: str, *, kind: str, media_root: Path | None, param: str,
+                   fetcher: MediaFetcher | None = None) -> bytes:
+    """A media part's bytes, for every kind (image, video, audio, file): a data URL; an ``http(s)://`` URL
+    through ``fetcher`` (gateway/media_fetch.py: its rules, refusals named in a 400), refused without one;
+    or a local file (``file://`` or a path) under ``media_root``."""
     if url.startswith("data:"):
         head, _, data = url.partition(",")
         if not head.endswith(";base64") or not data:
@@ -247,9 +263,15 @@ def load_image_url(url: str, media_root: Path | None, param: str) -> bytes:
             return base64.b64decode(data, validate=True)
         except ValueError:
             raise _bad(param, f"{param}: the data URL is not valid base64") from None
-    if url.startswith(("http://", "https://")):
-        raise _bad(param, f"{param}: remote image URLs are not fetched by this server; send the image as a "
-                          "base64 data URL")
+    if url[:8].lower().startswith(("http://", "https://")):
+        if fetcher is None:
+            raise _bad(param, f"{param}: remote media URLs are not fetched here; send the {kind} as a base64 data URL")
+        try:
+            return fetcher.fetch(url, kind)
+        except MediaRefused as exc:
+            raise ApiError(exc.status, f"{param}: {exc.message}", param=param,
+                           type_="rate_limit_error" if exc.status == 429 else "invalid_request_error",
+                           retry_after_s=exc.retry_after_s) from None
     if media_root is None:
         raise _bad(param, f"{param}: local image paths are refused (the gateway was started without "
                           "--allowed-media-path); send the image as a base64 data URL")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 import time
 
 import httpx
@@ -14,12 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from mserve.common.prompt import PromptBuilder
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
+from tests.gateway.media_server import MediaServer
 from tests.helpers import hf_generate, make_image, wait_for
 from lab.otlp_sink import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
 MAX_PIXELS = 160 * 120
+MEDIA_TOTAL_S = 4  # the llava gateway's --media-total-timeout-s
 
 
 def data_url(image: bytes) -> str:
@@ -88,7 +91,10 @@ def llava(tiny_model_dirs, redis_server):
         cluster, served = serve(str(tiny_model_dirs["llava"]), redis_server.url,
                                 {"encode": 1, "prefill": 1, "decode": 1},
                                 ["--max-image-pixels", str(MAX_PIXELS), "--max-waiting-requests", "2"],
-                                ["--max-request-bytes", "1000000", "--served-model-name", "tiny-llava"], key=KEY)
+                                ["--max-request-bytes", "1000000", "--served-model-name", "tiny-llava",
+                                 # media URLs from MediaServer on 127.0.0.1 (test_remote_media_...)
+                                 "--allow-loopback-media-for-tests", "--media-total-timeout-s", str(MEDIA_TOTAL_S)],
+                                key=KEY)
         served.model, served.otlp = "tiny-llava", otlp
         with cluster:
             yield served
@@ -129,6 +135,44 @@ def test_chat_with_images_matches_hf_streaming_and_not(family, request, tiny_mod
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want)
     assert chunks[-1].usage.prompt_tokens == prompt_len
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_remote_media_urls_are_fetched_safely_and_answered_as_the_same_image_inline(llava):
+    """An http image URL (MediaServer on 127.0.0.1, let through by --allow-loopback-media-for-tests) gets
+    exactly the tokens of the same image sent as a data URL; a link-local URL is a 400 naming the rule; a
+    trickling server times out while other requests flow through the same gateway."""
+    img = make_image(64, 48, seed=11)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    def ask(url: str, client: openai.OpenAI = llava.client):
+        return client.chat.completions.create(model=llava.model, max_tokens=8, extra_body=extra, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is in the picture?"}]}])
+
+    with MediaServer({"/cat.png": ("image/png", img, {"Cache-Control": "max-age=600"})}) as media:
+        inline = ask(data_url(img))
+        for _ in range(2):
+            remote = ask(media.base + "/cat.png")
+            assert remote.choices[0].token_ids == inline.choices[0].token_ids
+            assert remote.usage.prompt_tokens == inline.usage.prompt_tokens
+        assert media.requests["/cat.png"] == 1  # the second came from the gateway's HTTP cache
+
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask("http://169.254.169.254/latest/meta-data/")
+        body = refused.value.body
+        assert refused.value.status_code == 400 and body["param"] == "messages[0].content[0].image_url"
+        assert "169.254.169.254" in body["message"] and "link-local" in body["message"]
+
+        slow: list[BaseException] = []
+        patient = openai.OpenAI(base_url=llava.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        trickle = threading.Thread(target=lambda: slow.append(pytest.raises(openai.BadRequestError, ask,
+                                                                           media.base + "/trickle", patient).value))
+        trickle.start()
+        wait_for(lambda: media.requests["/trickle"] == 1, timeout_s=30, what="the gateway to start the trickle")
+        assert ask(data_url(img)).choices[0].token_ids == inline.choices[0].token_ids
+        assert trickle.is_alive(), "a trickling fetch held the gateway"
+        trickle.join(timeout=60)
+        assert f"media_total_timeout_s={MEDIA_TOTAL_S}" in slow[0].body["message"]
 
 
 def test_stop_string_ends_the_answer_and_frees_the_request(llava):
