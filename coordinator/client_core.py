@@ -19,6 +19,7 @@ from typing import Any, Sequence, Union
 
 import zmq
 
+from mserve.common.documents import DocumentError, DocumentLimits, render_pdf
 from mserve.common.prompt import image_bytes_from_part
 from mserve.common.video import video_part_from_value
 from mserve.common.protocol import ErrorCode, MsgType, ProtocolError, parse_message
@@ -170,7 +171,8 @@ class GenerateResult:
 
 def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI-shaped messages with every image part turned into ``{"type": "image", "image": bytes}``, and
-    every video part into ``{"type": "video", "video": [frame bytes, ...] or video file bytes}``.
+    every video part into ``{"type": "video", "video": [frame bytes, ...] or video file bytes}``, and every
+    document part (``{"type": "document", "document": PDF bytes or a path}``) into its pages' image parts.
 
     Image parts may hold bytes, a file path (str or Path), a data URL, or be OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}``. The server refuses paths (they name files on
@@ -208,11 +210,28 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
                     raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
                 parts.append({"type": "video", "video": list(video.frames) if video.frames is not None else video.data,
                               **({"fps": video.fps} if video.fps is not None else {})})
+            elif kind == "document":  # a PDF (bytes or a path): its pages, as the gateway renders a `file` part
+                parts.extend({"type": "image", "image": page} for page in _document_pages(part, f"messages[{i}].content[{j}]"))
             else:
                 raise ValueError(f"messages[{i}].content[{j}] has an unsupported part type {kind!r} "
-                                 "(expected 'text', 'image', 'image_url' or 'video')")
+                                 "(expected 'text', 'image', 'image_url', 'video' or 'document')")
         out.append({**msg, "content": parts})
     return out
+
+
+def _document_pages(part: dict[str, Any], where: str) -> list[bytes]:
+    """A ``{"type": "document", "document": bytes | path}`` part's pages (common/documents.py's default limits;
+    for others, render with render_pdf and send the pages as images)."""
+    value = part.get("document")
+    try:
+        if isinstance(value, (str, PurePath)):
+            with open(value, "rb") as f:
+                value = f.read()
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise ValueError(f"a document part holds PDF bytes or a path (got {type(value).__name__})")
+        return render_pdf(bytes(value), DocumentLimits(), f"{where}.document")
+    except (OSError, DocumentError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)) from None
 
 
 def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: bool, *,

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from mserve.common.documents import MAX_DOCUMENT_PAGES
 from mserve.common.serving_defaults import add_dtype_arguments
 
 
@@ -51,6 +52,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not p.is_file():
             raise SystemExit(f"error: --image {path}: no such file")
         images.append(p.read_bytes())
+    for path in args.document:  # each PDF's pages, rendered as the gateway renders them, after the images
+        from mserve.common.documents import DocumentError, DocumentLimits, render_pdf
+
+        p = Path(path)
+        if not p.is_file():
+            raise SystemExit(f"error: --document {path}: no such file")
+        try:
+            images.extend(render_pdf(p.read_bytes(), DocumentLimits(max_pages=args.max_document_pages),
+                                     f"--document {path}"))
+        except DocumentError as exc:
+            raise SystemExit(f"error: {exc}")
     try:
         builder = PromptBuilder(args.model, visual_token_pruning=args.visual_token_pruning)
         prompt = builder.prepare_text(args.prompt, images)
@@ -167,6 +179,10 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
     p.add_argument("--allowed-media-path", help="folder image paths / file:// URLs may be read from (default: "
                                                 "none; data URLs always work, remote URLs are refused)")
     p.add_argument("--max-request-bytes", type=int, help="largest HTTP body, images included (default 64 MiB)")
+    p.add_argument("--max-document-pages", type=int,
+                   help="most pages a PDF `file` part may have; each page is an image (default 8)")
+    p.add_argument("--document-dpi", type=int, help="resolution PDF pages render at, longer side capped at 2048 "
+                                                    "pixels (default 96)")
     p.add_argument("--default-max-tokens", type=int,
                    help="max_tokens when a request names neither max_tokens nor max_completion_tokens (default 256)")
     p.add_argument("--request-timeout-s", type=float, help="a request not done by then ends with 504 (default 600)")
@@ -265,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local checkpoint folder")
     p.add_argument("--prompt", required=True, help="the user's text")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="an image file; repeat for more")
+    p.add_argument("--document", action="append", default=[], metavar="PATH",
+                   help="a PDF: each page an image, after the --image ones; repeat for more")
+    p.add_argument("--max-document-pages", type=int, default=MAX_DOCUMENT_PAGES,
+                   help=f"most pages a --document may have (default {MAX_DOCUMENT_PAGES})")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")

@@ -9,6 +9,7 @@ away aborts its request on every stage: the token stream is closed, which sends 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -23,13 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mserve.common import tracing
+from mserve.common.documents import DocumentLimits
 from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
 from mserve.gateway.metrics import GatewayMetrics
 from mserve.gateway.models import ModelCatalog
 from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, MODEL_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
-                                       parse_chat_request, pruned_marker, status_for_code, usage_of)
+                                       has_documents, parse_chat_request, pruned_marker, status_for_code, usage_of)
 from mserve.gateway.settings import GatewaySettings
 from mserve.gateway.textstream import Detokenizer, StopMatcher
 
@@ -145,6 +147,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.media_root = Path(settings.allowed_media_path).resolve() if settings.allowed_media_path else None
+        self.documents = DocumentLimits(max_pages=settings.max_document_pages, dpi=settings.document_dpi)
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
         self.catalog: ModelCatalog = None  # type: ignore[assignment]
         self.metrics = GatewayMetrics()
@@ -196,8 +199,10 @@ class Gateway:
     # -- /v1/chat/completions -----------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
-        req = parse_chat_request(await self.read_json(request), media_root=self.media_root,
-                                 default_max_tokens=self.settings.default_max_tokens)
+        body = await self.read_json(request)
+        parse = functools.partial(parse_chat_request, body, media_root=self.media_root,
+                                  default_max_tokens=self.settings.default_max_tokens, documents=self.documents)
+        req = await asyncio.to_thread(parse) if has_documents(body) else parse()  # pages render off the loop
         model = await self.catalog.resolve(req.model)
         if not self.catalog.is_group(model):
             await self.catalog.tokenizer(model)  # a folder not readable here fails now, not after the cluster's work

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mserve.common.documents import DEFAULT_DOCUMENT_DPI, MAX_DOCUMENT_PAGES
+
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
@@ -21,6 +23,9 @@ class GatewaySettings(BaseSettings):
     # Image paths and file:// URLs are read only under this folder; None refuses them all.
     allowed_media_path: str | None = None
     max_request_bytes: int = 64 * 1024 * 1024  # whole HTTP body, images included (base64)
+    # A PDF `file` part's pages, each an image (common/documents.py): at most this many, rendered at this DPI.
+    max_document_pages: int = MAX_DOCUMENT_PAGES
+    document_dpi: int = DEFAULT_DOCUMENT_DPI
     default_max_tokens: int = 256  # when a request names neither max_tokens nor max_completion_tokens
     request_timeout_s: float = 600.0
     access_log: bool = False
