@@ -24,6 +24,7 @@ PDFium is not thread-safe: every use here holds one lock (the gateway renders on
 from __future__ import annotations
 
 import io
+import os
 import threading
 from dataclasses import dataclass
 
@@ -116,6 +117,21 @@ def render_pdf(data: bytes, limits: DocumentLimits = DocumentLimits(), field: st
             raise DocumentError(f"{field}: the PDF cannot be read (corrupt): {exc}") from None
         finally:
             pdf.close()
+
+
+def render_pdf_file(path: str | os.PathLike, limits: DocumentLimits = DocumentLimits(), field: str = "document"
+                    ) -> list[bytes]:
+    """render_pdf of a file on this machine's disk (the client's and `mserve generate`'s documents)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limits.max_bytes:  # not read
+                raise DocumentError(f"{field}: the document is {size} bytes, over the limit "
+                                    f"max_document_bytes={limits.max_bytes}")
+            data = f.read()
+    except OSError as exc:
+        raise DocumentError(f"{field}: no such file" if isinstance(exc, FileNotFoundError) else f"{field}: {exc}") from None
+    return render_pdf(data, limits, field)
 
 
 def _render_page(pdf, index: int, scale: float, field: str) -> bytes:

@@ -19,7 +19,7 @@ from typing import Any, Sequence, Union
 
 import zmq
 
-from mserve.common.documents import DocumentError, DocumentLimits, render_pdf
+from mserve.common.documents import DocumentError, DocumentLimits, render_pdf, render_pdf_file
 from mserve.common.prompt import image_bytes_from_part
 from mserve.common.video import video_part_from_value
 from mserve.common.protocol import ErrorCode, MsgType, ProtocolError, parse_message
@@ -222,16 +222,15 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
 def _document_pages(part: dict[str, Any], where: str) -> list[bytes]:
     """A ``{"type": "document", "document": bytes | path}`` part's pages (common/documents.py's default limits;
     for others, render with render_pdf and send the pages as images)."""
-    value = part.get("document")
+    value, field = part.get("document"), f"{where}.document"
     try:
         if isinstance(value, (str, PurePath)):
-            with open(value, "rb") as f:
-                value = f.read()
+            return render_pdf_file(value, DocumentLimits(), field)
         if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise ValueError(f"a document part holds PDF bytes or a path (got {type(value).__name__})")
-        return render_pdf(bytes(value), DocumentLimits(), f"{where}.document")
-    except (OSError, DocumentError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)) from None
+            raise DocumentError(f"{field} holds PDF bytes or a path (got {type(value).__name__})")
+        return render_pdf(bytes(value), DocumentLimits(), field)
+    except DocumentError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: bool, *,

@@ -40,6 +40,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from mserve.common.documents import DocumentError, DocumentLimits, render_pdf_file
     from mserve.common.model import ImageError
     from mserve.common.prompt import PromptBuilder
     from mserve.workers.engine import Engine, EngineConfig
@@ -52,17 +53,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not p.is_file():
             raise SystemExit(f"error: --image {path}: no such file")
         images.append(p.read_bytes())
-    for path in args.document:  # each PDF's pages, rendered as the gateway renders them, after the images
-        from mserve.common.documents import DocumentError, DocumentLimits, render_pdf
-
-        p = Path(path)
-        if not p.is_file():
-            raise SystemExit(f"error: --document {path}: no such file")
-        try:
-            images.extend(render_pdf(p.read_bytes(), DocumentLimits(max_pages=args.max_document_pages),
-                                     f"--document {path}"))
-        except DocumentError as exc:
-            raise SystemExit(f"error: {exc}")
+    try:  # each PDF's pages, rendered as the gateway renders them, after the images
+        for path in args.document:
+            images.extend(render_pdf_file(path, DocumentLimits(max_pages=args.max_document_pages), f"--document {path}"))
+    except DocumentError as exc:
+        raise SystemExit(f"error: {exc}")
     try:
         builder = PromptBuilder(args.model, visual_token_pruning=args.visual_token_pruning)
         prompt = builder.prepare_text(args.prompt, images)

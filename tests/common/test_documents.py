@@ -83,3 +83,15 @@ def test_truncated_documents_and_the_byte_limit():
         render_pdf(pdf, DocumentLimits(max_pages=1))
     with pytest.raises(ValueError, match="max_pages must be a positive integer"):
         DocumentLimits(max_pages=0)
+
+
+def test_files_on_disk(tmp_path):
+    from mserve.common.documents import render_pdf_file
+
+    pdf = make_pdf([(30, 20)])
+    (tmp_path / "a.pdf").write_bytes(pdf)
+    assert render_pdf_file(tmp_path / "a.pdf") == render_pdf(pdf)
+    with pytest.raises(DocumentError, match=f"{len(pdf)} bytes, over the limit max_document_bytes=100"):
+        render_pdf_file(tmp_path / "a.pdf", DocumentLimits(max_bytes=100))
+    with pytest.raises(DocumentError, match="^doc: no such file$"):
+        render_pdf_file(tmp_path / "b.pdf", field="doc")
