@@ -8,7 +8,7 @@ import base64
 import pytest
 
 from mserve.common.documents import DocumentLimits, render_pdf
-from mserve.coordinator.client_core import normalize_client_messages
+from mserve.coordinator.client_core import generate_body, normalize_client_messages
 from mserve.gateway.openai_api import ApiError, has_documents, parse_chat_request
 from tests.helpers import make_pdf
 
@@ -80,3 +80,7 @@ def test_the_python_client_renders_document_parts_as_the_gateway_does(tmp_path):
         normalize_client_messages([{"role": "user", "content": [{"type": "document", "document": b"junk"}]}])
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\].document: no such file"):
         normalize_client_messages([{"role": "user", "content": [{"type": "document", "document": "/nope.pdf"}]}])
+    doc = [{"role": "user", "content": [{"type": "document", "document": PDF}]}]
+    with pytest.raises(ValueError, match="2 pages, over the limit max_document_pages=1"):
+        generate_body("r", doc, False, max_document_pages=1)  # client.generate(..., max_document_pages=1)
+    assert len(generate_body("r", doc, False, max_document_pages=2)["messages"][0]["content"]) == 2
