@@ -137,27 +137,30 @@ def encoded_images(served: Served) -> int:
     return sum(c.get("encoded_images", 0) for c in settled_counters(served.cluster).values())
 
 
-def test_a_pdf_file_part_is_answered_as_its_pages_and_a_page_seen_before_skips_its_encode(llava, tiny_model_dirs):
+@pytest.mark.parametrize("family", ["llava", "qwen"])  # a fixed-size processor; one that sizes by the page's pixels
+def test_a_pdf_file_part_is_answered_as_its_pages_and_a_page_seen_before_skips_its_encode(family, request,
+                                                                                          tiny_model_dirs):
     """OpenAI's `file` part with a 2-page PDF: the answer is HF generate's on its pages sent as images, token
     for token; its first page, sent before as an image, is not encoded again; a bad PDF is a 400 naming it."""
-    pdf = make_pdf([(90, 60), (60, 90)], seed=21)  # 120x80 and 80x120 pixels at 96 DPI: under MAX_PIXELS
+    served: Served = request.getfixturevalue(family)
+    pdf = make_pdf([(90, 60), (60, 90)], seed=21)  # 120x80 and 80x120 pixels at 96 DPI: under llava's MAX_PIXELS
     pages = render_pdf(pdf)
     doc = {"type": "file", "file": {"filename": "a.pdf",
                                     "file_data": "data:application/pdf;base64," + base64.b64encode(pdf).decode()}}
 
     def ask(content: list[dict]) -> list[int]:
-        reply = llava.client.chat.completions.create(
-            model=llava.model, messages=[{"role": "user", "content": content}], max_tokens=6,
+        reply = served.client.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": content}], max_tokens=6,
             extra_body={"ignore_eos": True, "return_token_ids": True})
         return reply.choices[0].token_ids
 
     ask([image_part(pages[0]), {"type": "text", "text": "What is this?"}])
-    before = encoded_images(llava)
+    before = encoded_images(served)
     got = ask([doc, {"type": "text", "text": "Summarize."}])
-    assert encoded_images(llava) == before + 1, "only the page not seen before is encoded"
+    assert encoded_images(served) == before + 1, "only the page not seen before is encoded"
     raw = [{"role": "user", "content": [{"type": "image", "image": pages[0]}, {"type": "image", "image": pages[1]},
                                         {"type": "text", "text": "Summarize."}]}]
-    assert got == oracle(str(tiny_model_dirs["llava"]), raw, 6)[1]
+    assert got == oracle(str(tiny_model_dirs["llava" if family == "llava" else "qwen2_vl"]), raw, 6)[1]
     assert ask([image_part(pages[0]), image_part(pages[1]), {"type": "text", "text": "Summarize."}]) == got
     with pytest.raises(openai.BadRequestError) as info:
         ask([{"type": "file", "file": {**doc["file"], "file_data": doc["file"]["file_data"][:400]}}])
