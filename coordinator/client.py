@@ -94,7 +94,8 @@ class Client:
                  request_id: str | None = None, **sampling: Any) -> GenerateResult:
         """Send one request and wait for its result. ``sampling``: max_tokens=256, temperature=0.0, top_k=0,
         top_p=1.0 (common/sampling_rules.py), seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive",
-        model=None (a served model's name; None: the coordinator's default).
+        model=None (a served model's name; None: the coordinator's default), max_document_pages=8 (the most
+        pages of a ``{"type": "document"}`` part, which is sent as its pages' images).
 
         With sharded coordinators, a request whose shard stopped answering is sent to another shard
         (nothing of it was handed out yet); with one coordinator, ``Lost`` is raised."""

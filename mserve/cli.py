@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from mserve.common.documents import MAX_DOCUMENT_PAGES
 from mserve.common.serving_defaults import add_dtype_arguments
 
 
@@ -39,6 +40,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from mserve.common.documents import DocumentError, DocumentLimits, render_pdf_file
     from mserve.common.model import ImageError
     from mserve.common.prompt import PromptBuilder
     from mserve.workers.engine import Engine, EngineConfig
@@ -51,6 +53,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not p.is_file():
             raise SystemExit(f"error: --image {path}: no such file")
         images.append(p.read_bytes())
+    try:  # each PDF's pages, rendered as the gateway renders them, after the images
+        for path in args.document:
+            images.extend(render_pdf_file(path, DocumentLimits(max_pages=args.max_document_pages), f"--document {path}"))
+    except DocumentError as exc:
+        raise SystemExit(f"error: {exc}")
     try:
         builder = PromptBuilder(args.model, visual_token_pruning=args.visual_token_pruning)
         prompt = builder.prepare_text(args.prompt, images)
@@ -188,6 +195,10 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
                    help="TEST ONLY: let media URLs reach 127.0.0.1 (no other private address), for tests that serve "
                         "media from a local server; never in a deployment")
     p.add_argument("--max-request-bytes", type=int, help="largest HTTP body, images included (default 64 MiB)")
+    p.add_argument("--max-document-pages", type=int,
+                   help="most pages a PDF `file` part may have; each page is an image (default 8)")
+    p.add_argument("--document-dpi", type=int, help="resolution PDF pages render at, longer side capped at 2048 "
+                                                    "pixels (default 96)")
     p.add_argument("--default-max-tokens", type=int,
                    help="max_tokens when a request names neither max_tokens nor max_completion_tokens "
                         "(default 256, common/sampling_rules.py)")
@@ -286,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local checkpoint folder")
     p.add_argument("--prompt", required=True, help="the user's text")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="an image file; repeat for more")
+    p.add_argument("--document", action="append", default=[], metavar="PATH",
+                   help="a PDF: each page an image, after the --image ones; repeat for more")
+    p.add_argument("--max-document-pages", type=int, default=MAX_DOCUMENT_PAGES,
+                   help=f"most pages a --document may have (default {MAX_DOCUMENT_PAGES})")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")

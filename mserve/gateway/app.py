@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mserve.common import tracing
+from mserve.common.documents import DocumentLimits
 from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
@@ -33,7 +34,7 @@ from mserve.gateway.media_fetch import fetcher_from_settings
 from mserve.gateway.metrics import GatewayMetrics
 from mserve.gateway.models import ModelCatalog
 from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, MODEL_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
-                                       parse_chat_request, pruned_marker, status_for_code, usage_of)
+                                       has_documents, parse_chat_request, pruned_marker, status_for_code, usage_of)
 from mserve.gateway.settings import GatewaySettings
 from mserve.gateway.textstream import Detokenizer, StopMatcher
 
@@ -157,6 +158,7 @@ class Gateway:
         # Fetches block a thread each (media_fetch.py); their own pool, so they never queue behind others.
         self._media_pool = ThreadPoolExecutor(settings.media_max_concurrent_fetches + 4,
                                               thread_name_prefix="media-fetch")
+        self.documents = DocumentLimits(max_pages=settings.max_document_pages, dpi=settings.document_dpi)
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
         self.catalog: ModelCatalog = None  # type: ignore[assignment]
         self.metrics = GatewayMetrics()
@@ -197,8 +199,8 @@ class Gateway:
         except ValueError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
         parse = functools.partial(parse_chat_request, body, media_root=self.media_root, fetcher=self.fetcher,
-                                  default_max_tokens=self.settings.default_max_tokens)
-        if _REMOTE_URL.search(raw) is None:
+                                  default_max_tokens=self.settings.default_max_tokens, documents=self.documents)
+        if _REMOTE_URL.search(raw) is None and not has_documents(body):  # fetches and page renders: off the loop
             return parse()
         return await asyncio.get_running_loop().run_in_executor(self._media_pool, parse)
 

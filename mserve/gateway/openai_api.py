@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from mserve.common import sampling_rules as rules
+from mserve.common.documents import PDF_MIME, DocumentError, DocumentLimits, render_pdf
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.prompt import CHAT_ROLES
 from mserve.common.protocol import ErrorCode
 from mserve.gateway.media_fetch import MediaFetcher
 from mserve.gateway.media_rules import MediaRefused
 
-__all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of", "KEEP_RATIO_HEADER",
+__all__ = ["ApiError", "ChatRequest", "parse_chat_request", "has_documents", "chat_response", "chunk", "usage_of", "KEEP_RATIO_HEADER",
            "MODEL_HEADER",
            "pruned_marker", "error_body", "status_for_code"]
 
@@ -115,9 +116,10 @@ def _number(body: dict[str, Any], name: str, kind: type, rule: str | None = None
 
 
 def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max_tokens: int = rules.MAX_TOKENS,
-                       fetcher: MediaFetcher | None = None) -> ChatRequest:
+                       fetcher: MediaFetcher | None = None, documents: DocumentLimits = DocumentLimits()) -> ChatRequest:
     """Validate an OpenAI chat completion body; ApiError(400) names the first field that is wrong.
-    With a ``fetcher`` http(s) media URLs are fetched (blocking: the gateway calls this in a thread)."""
+    With a ``fetcher`` http(s) media URLs are fetched, and a PDF `file` part is rendered here: both slow,
+    so the gateway calls this in a thread for such bodies (has_documents, app.py)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():
@@ -174,13 +176,14 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max
     return_ids = body.get("return_token_ids") or False
     if not isinstance(return_ids, bool):
         raise _bad("return_token_ids", "'return_token_ids' must be a boolean")
-    messages = convert_messages(body.get("messages"), media_root, fetcher)
+    messages = convert_messages(body.get("messages"), media_root, fetcher, documents)
     return ChatRequest(model, messages, sampling, stream, include_usage, list(stops), return_ids)
 
 
-def convert_messages(messages: Any, media_root: Path | None, fetcher: MediaFetcher | None = None
-                     ) -> list[dict[str, Any]]:
-    """OpenAI messages -> MServe messages (images, video files and video frames as bytes); the chat
+def convert_messages(messages: Any, media_root: Path | None, fetcher: MediaFetcher | None = None,
+                     documents: DocumentLimits = DocumentLimits()) -> list[dict[str, Any]]:
+    """OpenAI messages -> MServe messages (images, video files and video frames as bytes, a PDF as its
+    pages' images); the chat
     template sees the turns as sent. Not the server's normalize_messages: this one reads files under the
     media root only and names the wrong field OpenAI's way (common/prompt.py says why the walks stay apart)."""
     if not isinstance(messages, list) or not messages:
@@ -239,10 +242,55 @@ def convert_messages(messages: Any, media_root: Path | None, fetcher: MediaFetch
                                                                         param=f"{pwhere}.video[{k}]", fetcher=fetcher)
                                                          for k, f in enumerate(frames)],
                               **({"fps": float(fps)} if fps is not None else {})})
+            elif kind == "file":  # a PDF, as OpenAI takes it: its pages become image parts, in order
+                parts.extend({"type": "image", "image": page} for page in load_file_part(part, pwhere, documents))
             else:
-                raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url, video_url, video)")
+                raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url, video_url, "
+                                             "video, file)")
         out.append({"role": role, "content": parts})
     return out
+
+
+def load_file_part(part: dict[str, Any], where: str, limits: DocumentLimits) -> list[bytes]:
+    """A `file` part's PDF (``file.file_data``: a base64 data URL) -> its pages as PNG bytes, in order
+    (common/documents.py: resolution, limits). Uploaded files (``file_id``) are not kept by this server."""
+    f = part.get("file")
+    if not isinstance(f, dict):
+        raise _bad(f"{where}.file", f"{where}.file must be an object with file_data (a base64 data URL of a PDF)")
+    data = f.get("file_data")
+    if data is None and f.get("file_id") is not None:
+        raise _bad(f"{where}.file.file_id", f"{where}.file.file_id: uploaded files are not supported by this "
+                                            f"server; send the document inline as file.file_data "
+                                            f"(data:{PDF_MIME};base64,...)")
+    param = f"{where}.file.file_data"
+    if not isinstance(data, str) or not data.startswith("data:"):
+        raise _bad(param, f"{param} must be a base64 data URL (data:{PDF_MIME};base64,...)")
+    head, _, b64 = data.partition(",")
+    mime = head[len("data:"):].partition(";")[0]
+    if not head.endswith(";base64") or not b64:
+        raise _bad(param, f"{param}: data URLs must be base64 (data:{PDF_MIME};base64,...)")
+    if mime != PDF_MIME:
+        raise _bad(param, f"{param}: documents of type {mime!r} are not supported (only {PDF_MIME})")
+    if len(b64) // 4 * 3 > limits.max_bytes + 2:  # refused before decoding
+        raise _bad(param, f"{param}: the document is about {len(b64) // 4 * 3} bytes, over the limit "
+                          f"max_document_bytes={limits.max_bytes}")
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except ValueError:
+        raise _bad(param, f"{param}: the data URL is not valid base64") from None
+    try:
+        return render_pdf(raw, limits, param)
+    except DocumentError as exc:
+        raise _bad(param, str(exc)) from None
+
+
+def has_documents(body: Any) -> bool:
+    """Whether a request body carries a `file` part: its parse renders pages, which the gateway runs off its
+    event loop."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "file" for p in m["content"]) for m in messages)
 
 
 def load_image_url(url: str, media_root: Path | None, param: str, fetcher: MediaFetcher | None = None) -> bytes:

@@ -15,8 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from mserve.common.prompt import PromptBuilder
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
+from mserve.common.documents import render_pdf
+from tests.clusters import settled_counters
 from tests.gateway.media_server import MediaServer
-from tests.helpers import hf_generate, make_image, wait_for
+from tests.helpers import hf_generate, make_image, make_pdf, wait_for
 from lab.otlp_sink import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
@@ -173,6 +175,41 @@ def test_remote_media_urls_are_fetched_safely_and_answered_as_the_same_image_inl
         assert trickle.is_alive(), "a trickling fetch held the gateway"
         trickle.join(timeout=60)
         assert f"media_total_timeout_s={MEDIA_TOTAL_S}" in slow[0].body["message"]
+
+
+def encoded_images(served: Served) -> int:
+    return sum(c.get("encoded_images", 0) for c in settled_counters(served.cluster).values())
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])  # a fixed-size processor; one that sizes by the page's pixels
+def test_a_pdf_file_part_is_answered_as_its_pages_and_a_page_seen_before_skips_its_encode(family, request,
+                                                                                          tiny_model_dirs):
+    """OpenAI's `file` part with a 2-page PDF: the answer is HF generate's on its pages sent as images, token
+    for token; its first page, sent before as an image, is not encoded again; a bad PDF is a 400 naming it."""
+    served: Served = request.getfixturevalue(family)
+    pdf = make_pdf([(90, 60), (60, 90)], seed=21)  # 120x80 and 80x120 pixels at 96 DPI: under llava's MAX_PIXELS
+    pages = render_pdf(pdf)
+    doc = {"type": "file", "file": {"filename": "a.pdf",
+                                    "file_data": "data:application/pdf;base64," + base64.b64encode(pdf).decode()}}
+
+    def ask(content: list[dict]) -> list[int]:
+        reply = served.client.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": content}], max_tokens=6,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        return reply.choices[0].token_ids
+
+    ask([image_part(pages[0]), {"type": "text", "text": "What is this?"}])
+    before = encoded_images(served)
+    got = ask([doc, {"type": "text", "text": "Summarize."}])
+    assert encoded_images(served) == before + 1, "only the page not seen before is encoded"
+    raw = [{"role": "user", "content": [{"type": "image", "image": pages[0]}, {"type": "image", "image": pages[1]},
+                                        {"type": "text", "text": "Summarize."}]}]
+    assert got == oracle(str(tiny_model_dirs["llava" if family == "llava" else "qwen2_vl"]), raw, 6)[1]
+    assert ask([image_part(pages[0]), image_part(pages[1]), {"type": "text", "text": "Summarize."}]) == got
+    with pytest.raises(openai.BadRequestError) as info:
+        ask([{"type": "file", "file": {**doc["file"], "file_data": doc["file"]["file_data"][:400]}}])
+    assert info.value.body["param"] == "messages[0].content[0].file.file_data"
+    assert "cannot be read" in info.value.body["message"]
 
 
 def test_stop_string_ends_the_answer_and_frees_the_request(llava):
