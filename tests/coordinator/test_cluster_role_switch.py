@@ -1,7 +1,7 @@
 """Role switching with real processes: a worker switches role mid-load (decode -> prefill, then back) with
 every request ending exactly once and HF-exact; and kill -9 of a worker in the middle of its switch.
 
-One small text-only cluster (1 prefill, 2 decode workers, the tiny Llava, float32), its own: the tests
+One small cluster (1 encode, 1 prefill, 2 decode workers, the tiny Llava, float32), its own: the tests
 change its roles and kill a worker, so it cannot be a shared one. The switches are an operator's
 (`Client.switch_role`, what `mserve switch-role` sends), so they happen at a known point of the load.
 """
@@ -10,26 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from mserve.coordinator.client import AsyncClient, Client
 from mserve.coordinator.launcher import LocalCluster
-from tests.coordinator.test_cluster import expected
-from tests.helpers import PROMPTS, chat, wait_for
+from tests.coordinator.test_cluster import expected, generate_all
+from tests.coordinator.test_faults import LONG
+from tests.helpers import chat, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
 N = 12  # requests per batch
-TOKENS = 48  # per request (ignore_eos): long enough that the switched worker still decodes when told to switch
-
-
-# One set of text-only requests for every batch: HF's answers are computed once (tests/helpers.py caches them).
-REQUESTS = [(f"{PROMPTS[i % len(PROMPTS)]} ({i})", []) for i in range(N)]
+# Per request (ignore_eos): long enough that the switched worker still decodes when told to switch.
+TOKENS = LONG
+# test_faults.py's kill -9 requests (text, one and two images), for every batch here: HF's answers, most of
+# these tests' time on a busy host, are computed once per session (tests/helpers.py caches them).
+REQUESTS = request_mix(N, seed=3)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dirs):
-    with LocalCluster(str(tiny_model_dirs["llava"]), encode=0, prefill=1, decode=2,
+    with LocalCluster(str(tiny_model_dirs["llava"]), encode=1, prefill=1, decode=2,
                       extra_coordinator_args=["--dead-after-s", "1.0"]) as cluster:
         yield cluster
 
@@ -102,8 +105,13 @@ def test_a_worker_switches_role_mid_load_and_every_request_ends_once_hf_exact(cl
     assert check_exact_once(out, expected(model, first, TOKENS, ignore_eos=True)) == 0  # drained: nothing re-run
     wait_for(lambda: serving_as(cluster, worker, "prefill"), timeout_s=60, what=f"{worker} back as prefill")
     after = status(cluster)
-    assert after["roles"] == {"prefill": 2, "decode": 1}
+    assert after["roles"] == {"encode": 1, "prefill": 2, "decode": 1}
     assert after["role_switching"]["completed"] == 1 and after["role_switching"]["dropped"] == 0
+    # It serves its new role: with two prefill workers a batch's prompts go to both (least backlog first).
+    out = asyncio.run(generate_all(cluster.address, REQUESTS, TOKENS, ignore_eos=True))
+    assert [r.token_ids for r in out] == expected(model, REQUESTS, TOKENS, ignore_eos=True)
+    wait_for(lambda: status(cluster)["workers"][worker]["counters"].get("prefill_tokens", 0) > 0, timeout_s=10,
+             what=f"{worker} prefilling")
 
     # ... and back, prefill -> decode, mid-load: the switched worker now prefills; its published KV is fetched
     # before it leaves.
@@ -112,9 +120,13 @@ def test_a_worker_switches_role_mid_load_and_every_request_ends_once_hf_exact(cl
     assert check_exact_once(out, expected(model, second, TOKENS, ignore_eos=True)) == 0
     wait_for(lambda: serving_as(cluster, worker, "decode"), timeout_s=60, what=f"{worker} back as decode")
     final = status(cluster)
-    assert final["roles"] == {"prefill": 1, "decode": 2} and final["role_switching"]["completed"] == 2
-    assert final["stats"]["completed"] - before["completed"] == 2 * N
+    assert final["roles"] == {"encode": 1, "prefill": 1, "decode": 2} and final["role_switching"]["completed"] == 2
+    assert final["stats"]["completed"] - before["completed"] == 3 * N
     assert final["stats"]["failed"] == before["failed"]
+    # `mserve switch-role` refuses, naming why, a switch that would leave the pipeline no prefill worker.
+    refused = subprocess.run([sys.executable, "-m", "mserve.cli", "switch-role", "prefill-0", "decode",
+                              "--coordinator", cluster.address], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "the last prefill worker" in refused.stderr, refused.stderr
 
 
 def test_kill_9_during_a_switch_every_request_ends_once(cluster, tiny_model_dirs):

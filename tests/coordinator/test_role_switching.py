@@ -10,6 +10,7 @@ from mserve.common.protocol import MsgType
 from mserve.common.protocol.to_worker import SWITCHABLE_ROLES
 from mserve.coordinator.role_policy import DECODE_HEAVY, PREFILL_HEAVY, RoleMemory, RolePolicy, decide
 from mserve.coordinator.routing import WorkerView
+from mserve.status import build_report, format_report
 from mserve.switch_role import SWITCHABLE
 from tests.coordinator.test_request_machine import CLIENT, DEAD_AFTER, Harness, kinds, make_admitted, only
 
@@ -126,6 +127,8 @@ def test_a_switch_drains_the_worker_then_it_serves_its_new_role():
     assert kinds(h.advance(0.2, beating=("p0", "d0", "d1"))) == [("SHUTDOWN", victim)]
     h.worker(victim, MsgType.BYE, worker_id=victim, switching_to="prefill")
     assert h.m.status()["workers"][victim]["switching"] == "decode->prefill (reloading)"
+    shown = format_report(build_report("tcp://127.0.0.1:5555", h.m.status(), None, None, None, "unset", now=0.0))
+    assert f"{victim}  decode   switching decode->prefill (reloading)" in shown  # `mserve status`
     h.advance(DEAD_AFTER * 2, beating=("p0", other))  # reloading takes a while: the switch waits
     assert victim in h.m.switcher.switching
     h.join(victim, "prefill")
