@@ -203,6 +203,9 @@ def build_report(coordinator: str, coord: dict[str, Any] | None, coord_error: st
             "requests_in_flight": _int(coord.get("requests_in_flight")) if coord else None,
             # only from a coordinator that reports its class queues (the key is absent otherwise)
             **({"queued": _queued(coord["queued"])} if coord and isinstance(coord.get("queued"), dict) else {}),
+            # role switches under way and done (coordinator/role_switching.py); absent from an older coordinator
+            **({"role_switching": coord["role_switching"]} if coord and isinstance(coord.get("role_switching"), dict)
+               else {}),
             # only from a coordinator serving several models (coordinator/models.py): each one's pools and counts
             **({"models": _models(coord["models"])} if coord and isinstance(coord.get("models"), dict)
                and len(coord["models"]) > 1 else {}),

@@ -127,8 +127,9 @@ def test_a_switch_drains_the_worker_then_it_serves_its_new_role():
     assert kinds(h.advance(0.2, beating=("p0", "d0", "d1"))) == [("SHUTDOWN", victim)]
     h.worker(victim, MsgType.BYE, worker_id=victim, switching_to="prefill")
     assert h.m.status()["workers"][victim]["switching"] == "decode->prefill (reloading)"
-    shown = format_report(build_report("tcp://127.0.0.1:5555", h.m.status(), None, None, None, "unset", now=0.0))
-    assert f"{victim}  decode   switching decode->prefill (reloading)" in shown  # `mserve status`
+    report = build_report("tcp://127.0.0.1:5555", h.m.status(), None, None, None, "unset", now=0.0)
+    assert f"{victim}  decode   switching decode->prefill (reloading)" in format_report(report)  # `mserve status`
+    assert report["coordinator"]["role_switching"]["switching"][victim]["phase"] == "reloading"  # ... --json
     h.advance(DEAD_AFTER * 2, beating=("p0", other))  # reloading takes a while: the switch waits
     assert victim in h.m.switcher.switching
     h.join(victim, "prefill")
