@@ -213,13 +213,15 @@ class Worker:
         elif not self.drain.begin(time.monotonic()):
             self.stop()
 
-    def begin_switch(self, role: str) -> None:
-        """SWITCH_ROLE: drain as on SIGTERM, then leave the loop to come back as `role` (workers/switching.py)."""
-        if role == self.role or self.drain.active or self.role == "encode":
-            log.warning("worker %s ignores a switch to %s: %s", self.worker_id, role,
-                        "it is draining" if self.drain.active else f"it is a {self.role} worker")
+    def begin_switch(self, msg: SwitchRole) -> None:
+        """SWITCH_ROLE: drain as on SIGTERM, then leave the loop to come back as its role (workers/switching.py)."""
+        why = ("it is draining" if self.drain.active else f"it is a {self.role} worker"
+               if msg.role == self.role or self.role == "encode" else None if msg.worker_id == self.worker_id
+               else f"the message names worker {msg.worker_id!r}")
+        if why is not None:
+            log.warning("worker %s ignores a switch to %s: %s", self.worker_id, msg.role, why)
             return
-        self.switch_to = role
+        self.switch_to = msg.role
         self.drain.begin(time.monotonic())
 
     def _drain_check(self) -> None:
@@ -346,7 +348,7 @@ class Worker:
             elif isinstance(msg, Cancel):
                 self.cancel(msg.request_id)
             elif isinstance(msg, SwitchRole):
-                self.begin_switch(msg.role)
+                self.begin_switch(msg)
             else:
                 if msg.STARTS_STAGE:  # a newer attempt's record replaces the older one's
                     self.requests.arrive(msg.request_id, msg.attempt, origin=link.address,

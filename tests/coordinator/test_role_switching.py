@@ -166,3 +166,41 @@ def test_the_policy_switches_a_worker_on_the_ticks_when_enabled():
     for i in range(8):
         off.submit(make_admitted(f"r{i}", prompt_len=40))
     assert off.advance(3.0, beating=("p0", "d0", "d1")) == []  # off by default
+
+
+# -- the worker's side: which SWITCH_ROLE it takes, and SIGTERM during a switch (bookkeeping only, no model) ---
+
+def bare_worker(role: str):
+    from mserve.workers.draining import Drain
+    from mserve.workers.worker import Worker
+
+    w = object.__new__(Worker)  # the flags begin_switch and begin_drain read and set; nothing loaded
+    w.role, w.worker_id, w.drain, w.switch_to, w.running = role, f"{role}-0", Drain(25.0), None, True
+    return w
+
+
+@pytest.mark.parametrize("role, to, named, takes", [
+    ("decode", "prefill", "decode-0", True), ("prefill", "unified", "prefill-0", True),
+    ("decode", "decode", "decode-0", False),  # its own role
+    ("encode", "prefill", "encode-0", False),  # encode workers do not switch
+    ("decode", "prefill", "decode-9", False),  # meant for another worker
+])
+def test_a_worker_drains_for_a_switch_it_can_make_and_ignores_the_others(role, to, named, takes):
+    from mserve.common.protocol.to_worker import SwitchRole
+
+    w = bare_worker(role)
+    w.begin_switch(SwitchRole(worker_id=named, role=to))
+    assert (w.switch_to, w.drain.active) == ((to, True) if takes else (None, False))
+
+
+def test_sigterm_during_a_switch_cancels_it_and_the_drain_ends_in_an_exit():
+    from mserve.common.protocol.to_worker import SwitchRole
+
+    w = bare_worker("decode")
+    w.begin_switch(SwitchRole(worker_id="decode-0", role="prefill"))
+    w.begin_drain()  # SIGTERM: no switch any more, still draining, still running
+    assert (w.switch_to, w.drain.active, w.running) == (None, True, True)
+    w.begin_switch(SwitchRole(worker_id="decode-0", role="prefill"))  # a switch asked while draining: ignored
+    assert w.switch_to is None
+    w.begin_drain()  # a second SIGTERM: stop now
+    assert w.running is False
