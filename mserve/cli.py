@@ -136,7 +136,7 @@ def tracing_shutdown() -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from mserve.workers.settings import WorkerSettings
-    from mserve.workers.worker import make_worker
+    from mserve.workers.switching import serve
 
     settings = _settings_from_args(WorkerSettings, args)
     from mserve.common.model import CheckpointError
@@ -145,7 +145,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     _start_tracing(f"mserve-{settings.role}", settings.otlp_endpoint, worker_id=settings.worker_id)
     try:
-        make_worker(settings).run()
+        serve(settings)  # a worker, and after a role switch the same worker as its new role
     except KeyboardInterrupt:
         pass
     except (PruningError, UnsupportedModelError, CheckpointError) as exc:  # one line, no traceback
@@ -368,6 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_status_arguments(p)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("switch-role", help="move a worker to another role: it drains, reloads, and registers again",
+                       description="Ask the coordinator to switch WORKER_ID to ROLE (prefill, decode or unified). "
+                                   "The worker drains first, so nothing in flight is lost, then reloads as ROLE "
+                                   "under the same id. Refused, with the reason, for an encode worker, or the last "
+                                   "worker the pipeline needs. See docs/architecture.md, Role switching.")
+    from mserve.switch_role import add_arguments as add_switch_role_arguments
+    from mserve.switch_role import main as switch_role_main
+
+    add_switch_role_arguments(p)
+    p.set_defaults(func=switch_role_main)
 
     p = sub.add_parser("gateway", help="serve the OpenAI API (/v1/chat/completions, /v1/models) over HTTP",
                        description="An OpenAI-compatible HTTP server in front of a coordinator: streaming (SSE) and "

@@ -155,6 +155,21 @@ class Shutdown(Message):
     KIND: ClassVar = MsgType.SHUTDOWN
 
 
+# The roles a worker can switch between: each holds the whole text model (an encode worker holds the vision tower only).
+SWITCHABLE_ROLES = ("prefill", "decode", "unified")
+
+
+@dataclass
+class SwitchRole(Message):
+    """Drain, then serve as `role` (coordinator/role_switching.py): from an operator to the coordinator
+    (`mserve switch-role`), and from the coordinator to the worker it names."""
+
+    KIND: ClassVar = MsgType.SWITCH_ROLE
+    STARTS_STAGE: ClassVar = False
+    worker_id: str = wire(as_str)
+    role: str = wire(one_of(*SWITCHABLE_ROLES))
+
+
 @dataclass
 class AdoptBlocks(Message):
     """KV blocks a decode worker handed back: the prefill worker keeps them as cached prefix blocks."""
@@ -181,4 +196,4 @@ class Embeddings(Message):
 
 TO_WORKER: dict[MsgType, type[Message]] = {
     cls.KIND: cls for cls in (EncodeTask, PrefillTask, DecodeTask, RunTask, Cancel, Shutdown, AdoptBlocks,
-                              Embeddings)}
+                              Embeddings, SwitchRole)}
