@@ -25,6 +25,7 @@ class WorkerRecord:
     load_at: float = 0.0  # when the load last applied was measured (the worker's clock; 0: none yet)
     queued: set[str] = field(default_factory=set)  # requests it holds but has not started
     counters: dict[str, float] = field(default_factory=dict)  # its engine counters (heartbeats)
+    histograms: dict[str, Any] = field(default_factory=dict)  # its engine's histogram snapshots (step time)
     # Its load says "draining" (it got SIGTERM): routed nothing new (coordinator/drain.py); and whether
     # SHUTDOWN went out because nothing depends on it any more.
     draining: bool = False
@@ -104,6 +105,8 @@ class Membership:
             rec.queued = {str(r) for r in load["queued"]}
         if isinstance(load.get("counters"), dict):
             rec.counters = {str(k): v for k, v in load["counters"].items() if isinstance(v, (int, float))}
+        if isinstance(load.get("histograms"), dict):
+            rec.histograms = {str(k): v for k, v in load["histograms"].items() if isinstance(v, dict)}
         for key in LOAD_INTS:
             if key in load:
                 setattr(w, key, int(load[key]))
@@ -156,7 +159,8 @@ class Membership:
             if w.alive:
                 roles[w.role] = roles.get(w.role, 0) + 1
         workers = {wid: {"role": rec.view.role, "alive": rec.view.alive, "draining": rec.draining,
-                         "load": _load_shown(rec.view), "counters": rec.counters}
+                         "load": _load_shown(rec.view), "counters": rec.counters,
+                         "histograms": rec.histograms}
                    for wid, rec in self._records.items()}
         return workers, roles
 

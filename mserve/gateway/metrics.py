@@ -65,6 +65,15 @@ _COORDINATOR_STATS = {
     "encode_deduplicated": "Images a request read back from another request's encode instead of encoding again",
     "pruned_adaptive": "Requests admitted with their images pruned by SLO-adaptive pruning",
 }
+# coordinator/telemetry.py's labelled histograms, per model: kind -> (name, help, labels its key holds, "|"-joined)
+_LABELLED = {
+    "queue_wait": ("mserve_model_stage_queue_wait_seconds",
+                   "Time a stage waited in the coordinator's queue for a worker", ["stage", "modality"]),
+    "encode_forward": ("mserve_model_encode_worker_seconds",
+                       "An encode worker's time on one request's images (decoding, vision forward)", ["modality"]),
+    "visual_tokens_per_item": ("mserve_model_item_visual_tokens", "Visual tokens of one image or video of a "
+                               "completed request", ["modality"]),
+}
 _TELEMETRY_COUNTERS = {
     "prompt_tokens": "Prompt tokens of completed requests (visual included)",
     "visual_tokens": "Visual tokens of completed requests",
@@ -138,7 +147,11 @@ class ClusterCollector:
                  for key, help_ in _COORDINATOR_STATS.items()}
         latency = {key: HistogramMetricFamily(name, f"{help_}, per model", labels=["model"])
                    for key, name, help_ in (("ttft", "mserve_model_time_to_first_token_seconds", "Arrival to first token"),
+                                            ("tpot", "mserve_model_time_per_output_token_seconds",
+                                             "Per token after the first"),
                                             ("e2e", "mserve_model_e2e_request_latency_seconds", "Arrival to result"))}
+        labelled = {kind: HistogramMetricFamily(name, help_, labels=["model", *labels])
+                    for kind, (name, help_, labels) in _LABELLED.items()}
         for name, m in sorted(models.items()):
             if not isinstance(m, dict):
                 continue
@@ -151,10 +164,16 @@ class ClusterCollector:
             for key, family in latency.items():
                 if key in hist:
                     _histogram("", "", hist[key], {"model": name}, family)
+            for kind, snaps in ((m.get("telemetry") or {}).get("labelled") or {}).items():
+                if kind in labelled:
+                    for key, snap in sorted(snaps.items()):
+                        values = dict(zip(_LABELLED[kind][2], key.split("|")))
+                        _histogram("", "", snap, {"model": name, **values}, labelled[kind])
         yield alive
         yield in_flight
         yield from stats.values()
         yield from latency.values()
+        yield from labelled.values()
 
     def _workers(self, workers: dict[str, Any], roles: dict[str, int]) -> Iterator[Metric]:
         alive = GaugeMetricFamily("mserve_workers_alive", "Live workers per pool", labels=["role"])
@@ -163,6 +182,8 @@ class ClusterCollector:
         yield alive
         labels = ["worker", "role"]
         up = GaugeMetricFamily("mserve_worker_up", "1 while the coordinator counts the worker alive", labels=labels)
+        steps = HistogramMetricFamily("mserve_worker_step_seconds", "One engine step (an encoder: one batch's "
+                                      "vision forward)", labels=labels)
         gauges = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h, _) in WORKER_GAUGES.items()}
         counters = {k: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(n, h, labels=labels)
                     for k, (n, h, kind) in WORKER_COUNTERS.items()}
@@ -176,7 +197,11 @@ class ClusterCollector:
             for key, value in (w.get("counters") or {}).items():
                 if key in counters and isinstance(value, (int, float)):
                     counters[key].add_metric(lv, value)
+            step = (w.get("histograms") or {}).get("step_seconds")
+            if isinstance(step, dict) and step.get("count"):
+                _histogram("", "", step, dict(zip(labels, lv)), steps)
         yield up
+        yield steps
         yield from gauges.values()
         yield from counters.values()
 
