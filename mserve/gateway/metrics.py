@@ -27,6 +27,8 @@ WORKER_GAUGES = {
     "total_blocks": ("mserve_worker_kv_blocks_total", "KV blocks in the worker's pool", 1),
     "tokens_per_s": ("mserve_worker_tokens_per_second", "Tokens per second the worker produced (EWMA)", 1),
     "rss_mib": ("mserve_worker_resident_memory_bytes", "Resident memory of the worker process", 2**20),
+    "weights_mib": ("mserve_worker_weights_bytes", "Model weights the worker holds (on its device)", 2**20),
+    "kv_pool_mib": ("mserve_worker_kv_pool_bytes", "The worker's KV pool (on its device)", 2**20),
 }
 # engine counter -> (metric name without _total, help, kind)
 WORKER_COUNTERS = {
