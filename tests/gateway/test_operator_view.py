@@ -131,3 +131,10 @@ def test_prometheus_evaluates_every_grafana_expression_with_data(gateway, promet
         wait_for(all_have_data, timeout_s=30, what="every dashboard expression to return data", every_s=1.0)
     except AssertionError:
         raise AssertionError("expressions without data:\n" + "\n".join(last[0])) from None
+    # The new families carry what the cluster did: image requests queued at each of its three stages, and
+    # each role's workers timed their steps (an encoder: its vision batches).
+    waits = {r["metric"]["stage"] for r in prometheus.query(
+        'mserve_model_stage_queue_wait_seconds_count{modality="image"} > 0')}
+    assert waits == {"encode", "prefill", "decode"}
+    roles = {r["metric"]["role"] for r in prometheus.query("mserve_worker_step_seconds_count > 0")}
+    assert roles == {"encode", "prefill", "decode"}
