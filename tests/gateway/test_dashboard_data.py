@@ -39,6 +39,7 @@ def _status_after(n_done: int, ttft_s: float, used_blocks: int) -> dict:
     model["telemetry"] = copy.deepcopy(model["telemetry"])
     model["telemetry"]["histograms"]["ttft"] = h.snapshot()
     model["stats"] = {"completed": n_done}
+    status["queued"] = {"encode": {"interactive": n_done, "batch": 1}}  # coordinator/stage_queues.py's counts()
     worker = status["workers"]["prefill-0"]
     worker["load"].update(total_blocks=100, free_blocks=100 - used_blocks)
     worker["counters"].update(prefix_hits=n_done, prefix_queries=2 * n_done, encoded_images=n_done,
@@ -63,6 +64,7 @@ def test_points_are_rates_and_percentiles_over_the_window():
     assert 0.2 < panels["ttft"]["series"]["m p50"][-1] <= 0.3  # the 10 new observations, in (0.2, 0.3]
     assert panels["ttft"]["series"]["m p50"][0] is None  # none before
     assert panels["kv"]["series"]["prefill-0"][-1] == 0.25
+    assert panels["queued"]["series"]["encode"] == [1, 11] and panels["queued"]["series"]["decode"] == [0, 0]
     assert panels["cache"]["series"]["prefix blocks"][-1] == 0.5
     assert panels["cache"]["series"]["embedding L1"][-1] == 0.5  # 10 L1 hits, 10 encoded
     # One step before the first sample, none after: a value at first, then none in the window.
