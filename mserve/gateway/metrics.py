@@ -40,6 +40,10 @@ WORKER_COUNTERS = {
                           "counter"),
     "embedding_l2_hits": ("mserve_worker_embedding_l2_hits", "Images served from the host's shared cache (L2)",
                           "counter"),
+    "embedding_l1_evictions": ("mserve_worker_embedding_l1_evictions", "Embeddings dropped from the worker's own "
+                               "cache (L1) to make room", "counter"),
+    "embedding_l2_evictions": ("mserve_worker_embedding_l2_evictions", "Embeddings dropped from the host's shared "
+                               "cache (L2) to make room", "counter"),
     "encodes_skipped_by_prefix": ("mserve_worker_encodes_skipped_by_prefix",
                                   "Images not encoded: the cached prefix held their placeholders", "counter"),
     "prefix_skip_fallbacks": ("mserve_worker_prefix_skip_fallbacks",
