@@ -34,7 +34,8 @@ class Telemetry:
         self.counters = {"prompt_tokens": 0, "visual_tokens": 0, "generation_tokens": 0, "images": 0,
                          "embedding_cache_hits": 0, "prefix_cache_hit_tokens": 0, "images_skipped_by_prefix": 0}
         self.labelled: dict[str, dict[str, Histogram]] = {"queue_wait": {}, "encode_forward": {},
-                                                          "visual_tokens_per_item": {}}
+                                                          "visual_tokens_per_item": {}, "ttft": {}, "tpot": {},
+                                                          "e2e": {}}
 
     def _labelled(self, kind: str, key: str, buckets: tuple[float, ...]) -> Histogram:
         h = self.labelled[kind].get(key)
@@ -52,17 +53,22 @@ class Telemetry:
 
     def on_result(self, timings: dict[str, float], *, arrived: float, first_token_at: float | None, now: float,
                   prompt_tokens: int, visual_tokens: int, output_tokens: int, images: int,
-                  cache_hits: dict[str, int], item_tokens: tuple[tuple[str, int], ...] = ()) -> None:
-        """A request that finished with a result (errors are counted by the request machine)."""
+                  cache_hits: dict[str, int], item_tokens: tuple[tuple[str, int], ...] = (),
+                  latency_class: str = "interactive") -> None:
+        """A request that finished with a result (errors are counted by the request machine). TTFT, TPOT and
+        end-to-end time go in twice: unlabelled, and by the request's latency class."""
         for key, name in _STAGES.items():
             value = timings.get(key, 0.0)
             if value > 0 or key == "queue_s":
                 self.histograms[name].observe(value)
-        self.histograms["e2e"].observe(now - arrived)
+        latencies = {"e2e": now - arrived}
         if first_token_at is not None:
-            self.histograms["ttft"].observe(first_token_at - arrived)
+            latencies["ttft"] = first_token_at - arrived
             if output_tokens > 1:
-                self.histograms["tpot"].observe((now - first_token_at) / (output_tokens - 1))
+                latencies["tpot"] = (now - first_token_at) / (output_tokens - 1)
+        for key, value in latencies.items():
+            self.histograms[key].observe(value)
+            self._labelled(key, latency_class, LATENCY_BUCKETS_S).observe(value)
         c = self.counters
         for kind, tokens in item_tokens:
             self._labelled("visual_tokens_per_item", kind, TOKEN_BUCKETS).observe(tokens)
@@ -80,7 +86,8 @@ class Telemetry:
                        prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
                        output_tokens=len(st.output_ids), images=len(st.admitted.images), cache_hits=st.cache_hits,
                        item_tokens=tuple(("video" if im.is_video else "image", im.num_tokens)
-                                         for im in st.admitted.images))
+                                         for im in st.admitted.images),
+                       latency_class=st.admitted.request.latency_class)
 
     def snapshot(self) -> dict[str, Any]:
         return {"histograms": {k: h.snapshot() for k, h in self.histograms.items()}, "counters": dict(self.counters),

@@ -79,6 +79,11 @@ _LABELLED = {
                        "An encode worker's time on one request's images (decoding, vision forward)", ["modality"]),
     "visual_tokens_per_item": ("mserve_model_item_visual_tokens", "Visual tokens of one image or video of a "
                                "completed request", ["modality"]),
+    "ttft": ("mserve_model_time_to_first_token_seconds", "Arrival to first token, per model and latency class",
+             ["class"]),
+    "tpot": ("mserve_model_time_per_output_token_seconds", "Per token after the first, per model and latency class",
+             ["class"]),
+    "e2e": ("mserve_model_e2e_request_latency_seconds", "Arrival to result, per model and latency class", ["class"]),
 }
 _TELEMETRY_COUNTERS = {
     "prompt_tokens": "Prompt tokens of completed requests (visual included)",
@@ -151,11 +156,6 @@ class ClusterCollector:
                                       labels=["model"])
         stats = {key: CounterMetricFamily(f"mserve_model_requests_{key}", f"{help_}, per model", labels=["model"])
                  for key, help_ in _COORDINATOR_STATS.items()}
-        latency = {key: HistogramMetricFamily(name, f"{help_}, per model", labels=["model"])
-                   for key, name, help_ in (("ttft", "mserve_model_time_to_first_token_seconds", "Arrival to first token"),
-                                            ("tpot", "mserve_model_time_per_output_token_seconds",
-                                             "Per token after the first"),
-                                            ("e2e", "mserve_model_e2e_request_latency_seconds", "Arrival to result"))}
         labelled = {kind: HistogramMetricFamily(name, help_, labels=["model", *labels])
                     for kind, (name, help_, labels) in _LABELLED.items()}
         for name, m in sorted(models.items()):
@@ -166,10 +166,6 @@ class ClusterCollector:
             in_flight.add_metric([name], m.get("requests_in_flight", 0))
             for key, family in stats.items():
                 family.add_metric([name], (m.get("stats") or {}).get(key, 0))
-            hist = (m.get("telemetry") or {}).get("histograms") or {}
-            for key, family in latency.items():
-                if key in hist:
-                    _histogram("", "", hist[key], {"model": name}, family)
             for kind, snaps in ((m.get("telemetry") or {}).get("labelled") or {}).items():
                 if kind in labelled:
                     for key, snap in sorted(snaps.items()):
@@ -178,7 +174,6 @@ class ClusterCollector:
         yield alive
         yield in_flight
         yield from stats.values()
-        yield from latency.values()
         yield from labelled.values()
 
     def _workers(self, workers: dict[str, Any], roles: dict[str, int]) -> Iterator[Metric]:

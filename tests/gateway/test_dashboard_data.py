@@ -99,7 +99,7 @@ def test_every_grafana_expression_names_metrics_that_metrics_renders():
     rendered = rendered_families()
     dashboard = json.loads(GRAFANA.read_text())
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic", "Latency by model", "Stages", "Caches", "Workers"]
+    assert rows == ["Traffic", "Latency by model and class", "Stages", "Caches", "Workers"]
     missing = {(title, name) for title, expr in grafana_exprs(dashboard) for name in promql_metrics(expr)
                if family_of(name, rendered) not in rendered}
     assert not missing, f"dashboard panels use metrics /metrics does not render: {sorted(missing)}"

@@ -138,3 +138,5 @@ def test_prometheus_evaluates_every_grafana_expression_with_data(gateway, promet
     assert waits == {"encode", "prefill", "decode"}
     roles = {r["metric"]["role"] for r in prometheus.query("mserve_worker_step_seconds_count > 0")}
     assert roles == {"encode", "prefill", "decode"}
+    classes = {r["metric"]["class"] for r in prometheus.query("mserve_model_time_to_first_token_seconds_count > 0")}
+    assert classes == {"interactive"}  # the requests' default latency class
