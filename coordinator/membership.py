@@ -25,6 +25,7 @@ class WorkerRecord:
     load_at: float = 0.0  # when the load last applied was measured (the worker's clock; 0: none yet)
     queued: set[str] = field(default_factory=set)  # requests it holds but has not started
     counters: dict[str, float] = field(default_factory=dict)  # its engine counters (heartbeats)
+    histograms: dict[str, Any] = field(default_factory=dict)  # its engine's histogram snapshots (step time)
     # Its load says "draining" (it got SIGTERM): routed nothing new (coordinator/drain.py); and whether
     # SHUTDOWN went out because nothing depends on it any more.
     draining: bool = False
@@ -112,6 +113,8 @@ class Membership:
             rec.queued = {str(r) for r in load["queued"]}
         if isinstance(load.get("counters"), dict):
             rec.counters = {str(k): v for k, v in load["counters"].items() if isinstance(v, (int, float))}
+        if isinstance(load.get("histograms"), dict):
+            rec.histograms = {str(k): v for k, v in load["histograms"].items() if isinstance(v, dict)}
         for key in LOAD_INTS:
             if key in load:
                 setattr(w, key, int(load[key]))
@@ -165,6 +168,7 @@ class Membership:
                 roles[w.role] = roles.get(w.role, 0) + 1
         workers = {wid: {"role": rec.view.role, "alive": rec.view.alive, "draining": rec.draining,
                          "load": _load_shown(rec.view), "counters": rec.counters,
+                         "histograms": rec.histograms,
                          **({"switching": f"{sw.from_role}->{sw.to_role} ({sw.phase})"}
                             if (sw := self.switching.get(wid)) is not None else {})}
                    for wid, rec in self._records.items()}

@@ -107,7 +107,7 @@ class RequestMachine:
         self.dispatch = Dispatcher(self.requests, self.members, self.queues, lookups or NoLookups(), self.outbox,
                                    self.settings, self.stats, self.rng,
                                    SingleFlight(encode_leases or LocalLeases(), owner=shard_id)
-                                   if encode_single_flight else None)
+                                   if encode_single_flight else None, telemetry=self.telemetry)
         self.life = Lifecycle(self.requests, self.members, self.dispatch, self.outbox, self.settings, self.stats,
                               self.first_tokens, self.telemetry, detokenize or (lambda ids: ""))
         self.replies = StageReplies(self.requests, self.members, self.dispatch, self.life, self.outbox, self.settings,

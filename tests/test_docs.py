@@ -8,6 +8,8 @@
 * every module a doc runs (`python -m NAME`) and every dotted `mserve.a.b` name it cites exists.
 * the settings tables of docs/operations.md list every field of the coordinator's and the worker's
   settings, under its MSERVE_* name, and "(env only)" only for fields without a flag.
+* the metrics table of docs/operations.md lists exactly the metric families the gateway's /metrics
+  renders (tests/metric_names.py), both ways.
 
 The checks read text and build the CLI parser in-process: no processes, no model.
 """
@@ -296,3 +298,27 @@ def test_settings_tables_list_every_field(heading, settings, command, commands):
         assert f"MSERVE_{field.upper()}" in env or "..." in env, f"{heading}: {field}'s variable is not {env}"
         if "env only" in flag:
             assert "--" + field.replace("_", "-") not in flags, f"{heading}: {field} is said env only, has a flag"
+
+
+# ---- metrics -----------------------------------------------------------------------------------------
+
+
+def _metrics_table_names() -> set[str]:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("| metric | type | labels | meaning |"):].split("\n\n", 1)[0]
+    return {name for line in table.splitlines()[2:] for name in re.findall(r"`(mserve_[a-z0-9_*]+)`",
+                                                                          line.split("|")[1])}
+
+
+def test_metrics_table_lists_exactly_what_metrics_renders():
+    from tests.metric_names import family_of, rendered_families
+
+    rendered = rendered_families()
+    rendered -= {n for n in rendered if n.endswith("_created") and n[: -len("_created")] in rendered}
+    documented = _metrics_table_names()
+    wildcards = {n[:-1] for n in documented if n.endswith("*")}
+    named = {family_of(n, rendered) for n in documented if not n.endswith("*")}
+    undocumented = {n for n in rendered - named if not any(n.startswith(w) for w in wildcards)}
+    assert not undocumented, f"/metrics renders families docs/operations.md does not list: {sorted(undocumented)}"
+    assert named <= rendered, f"docs/operations.md lists metrics /metrics does not render: {sorted(named - rendered)}"
+    assert all(any(n.startswith(w) for n in rendered) for w in wildcards), wildcards

@@ -9,6 +9,7 @@ and exports their KV blocks, a decode worker imports blocks and steps; the unifi
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
@@ -17,6 +18,7 @@ import torch
 from mserve.common import sampling_rules as rules
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
+from mserve.common.histogram import STEP_BUCKETS_S, Histogram
 from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers import prefix_skip
@@ -125,6 +127,7 @@ class Engine:
         # (prefill, decode): the worker reports them (take_unresolved) so the coordinator encodes again.
         self._unresolved: list[str] = []
         self.last_batch_size = 0  # sequences in the latest step
+        self.step_seconds = Histogram(STEP_BUCKETS_S)  # rides in the heartbeat's load (Worker.load)
         self.predecoded: dict[str, Any] = {}  # visual hash -> decoded image, for `encode` (roles/unified.py)
 
     # -- encode ---------------------------------------------------------------------------------
@@ -269,10 +272,12 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        t0 = time.perf_counter()
         logits = self.runner.execute(chunks)
         completing = [c.seq for c in chunks if c.completes_sequence]
         tokens = sample(logits, [s.sampling for s in completing], [len(s.output_ids) for s in completing])
         self.counters["steps"] += 1
+        self.step_seconds.observe(time.perf_counter() - t0)  # the forward and sampling of one step
         self.last_batch_size = len(chunks)
         for c in chunks:
             is_decode = c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids)

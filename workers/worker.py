@@ -251,6 +251,7 @@ class Worker:
                 "free_blocks": self.engine.pool.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
                 "tokens_per_s": round(self._tokens_ewma, 2), "rss_mib": round(resident_mib(), 1), **self.memory_mib,
                 "draining": self.drain.active, "counters": {**self.engine.stats(), **self.transfer.counters()},
+                "histograms": {"step_seconds": self.engine.step_seconds.snapshot()},
                 "at": time.time()}  # lets the coordinator drop a report older than one it already has
 
     def count_tokens(self, n: int) -> None:

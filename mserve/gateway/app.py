@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP gateway: FastAPI routes over one AsyncClient to the coordinator.
 
 ``POST /v1/chat/completions`` (SSE streaming exactly as OpenAI sends it, or one JSON body),
-``GET /v1/models`` (every model the coordinator serves: gateway/models.py), ``GET /health``, ``GET /metrics``. Errors are OpenAI's error JSON with the
+``GET /v1/models`` (every model the coordinator serves: gateway/models.py), ``GET /health``, ``GET /metrics``,
+``GET /dashboard`` (a live page of the same numbers: gateway/dashboard.py). Errors are OpenAI's error JSON with the
 status a client expects (400, 401, 404, 413, 429 + Retry-After, 503, 504). A client that goes
 away aborts its request on every stage: the token stream is closed, which sends ABORT.
 """
@@ -23,13 +24,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from mserve.common import tracing
 from mserve.common.documents import DocumentLimits
 from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
+from mserve.gateway.dashboard import Dashboard, page
 from mserve.gateway.media_fetch import fetcher_from_settings
 from mserve.gateway.metrics import GatewayMetrics
 from mserve.gateway.models import ModelCatalog
@@ -162,6 +164,7 @@ class Gateway:
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
         self.catalog: ModelCatalog = None  # type: ignore[assignment]
         self.metrics = GatewayMetrics()
+        self.dashboard = Dashboard(lambda: self.client.status(timeout_s=2.0))
 
     async def start(self) -> None:
         # 5 ms: how late a reply can be read when a send consumed the socket's readable edge.
@@ -382,6 +385,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return await gw.scrape()
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return HTMLResponse(page())
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> Response:
+        try:
+            return JSONResponse(await gw.dashboard.data())
+        except MServeError as exc:
+            return JSONResponse({"error": f"coordinator: {exc.message}"}, status_code=503)
 
     return app
 
