@@ -129,6 +129,11 @@ class ClusterCollector:
                                     value=status["rss_mib"] * 2**20)
         for key, help_ in _COORDINATOR_STATS.items():
             yield CounterMetricFamily(f"mserve_requests_{key}", help_, value=(status.get("stats") or {}).get(key, 0))
+        switches = status.get("role_switching") or {}  # coordinator/role_switching.py
+        yield CounterMetricFamily("mserve_role_switches", "Workers that switched role: drained, reloaded, rejoined",
+                                  value=switches.get("completed", 0))
+        yield CounterMetricFamily("mserve_role_switches_dropped", "Role switches abandoned: the worker died or came "
+                                  "back with another role", value=switches.get("dropped", 0))
         tele = status.get("telemetry") or {}
         for key, help_ in _TELEMETRY_COUNTERS.items():
             yield CounterMetricFamily(f"mserve_{key}", help_, value=(tele.get("counters") or {}).get(key, 0))
