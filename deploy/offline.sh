@@ -6,7 +6,7 @@
 #
 #   deploy/offline.sh tools          install docker.io, docker-compose, mmdebstrap where absent (apt)
 #   deploy/offline.sh wheelhouse     fill $CACHE/wheelhouse (torch: the CPU wheel from $TORCH_WHEEL_DIR)
-#   deploy/offline.sh bases          $CACHE/debian-python.tar and $CACHE/debian-redis.tar (mmdebstrap)
+#   deploy/offline.sh bases          $CACHE/debian-{python,redis,prometheus}.tar (mmdebstrap)
 #   deploy/offline.sh images         import the bases, build $MSERVE_IMAGE from the wheelhouse, print sizes
 #   deploy/offline.sh engine-start   start dockerd (vfs, own data root and socket) unless an engine answers
 #   deploy/offline.sh engine-stop    stop the dockerd engine-start started and remove its data root
@@ -21,6 +21,7 @@ TORCH_PIN=${TORCH_PIN:-torch==2.13.0+cpu}  # a local label: never PyPI's CUDA bu
 SUITE=${DEBIAN_SUITE:-bookworm}            # its python3 is 3.11, the wheelhouse's ABI
 BASE_IMAGE=${OFFLINE_BASE_IMAGE:-mserve-base:$SUITE}
 REDIS_IMAGE=${REDIS_IMAGE:-mserve-redis:$SUITE}
+PROMETHEUS_IMAGE=${PROMETHEUS_IMAGE:-mserve-prometheus:$SUITE}  # the compose `monitoring` profile's
 MSERVE_IMAGE=${MSERVE_IMAGE:-mserve:offline}
 ENGINE_DIR=${MSERVE_ENGINE_DIR:-/var/tmp/mserve-dockerd}
 NICE=(nice -n "${BUILD_NICE:-15}")
@@ -82,13 +83,13 @@ cmd_wheelhouse() {
   say "wheelhouse: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1)"
 }
 
-debootstrap_tar() {  # debootstrap_tar OUT PACKAGES: a minbase tree as a tarball, cached
-  local out=$1 pkgs=$2
+debootstrap_tar() {  # debootstrap_tar OUT PACKAGES [MMDEBSTRAP ARGS...]: a minbase tree as a tarball, cached
+  local out=$1 pkgs=$2; shift 2
   [ -s "$out" ] && return 0
   mkdir -p "$CACHE"
   retry 3 "${NICE[@]}" mmdebstrap --quiet --variant=minbase --include="$pkgs" \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
-    --dpkgopt='path-exclude=/usr/share/locale/*' --aptopt='APT::Install-Recommends "false"' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --aptopt='APT::Install-Recommends "false"' "$@" \
     "$SUITE" "${out%.tar}.part.tar" || die "mmdebstrap $SUITE failed (Debian mirror unreachable?)"
   mv "${out%.tar}.part.tar" "$out"  # mmdebstrap picks its output format from the name: keep .tar last
 }
@@ -96,21 +97,27 @@ debootstrap_tar() {  # debootstrap_tar OUT PACKAGES: a minbase tree as a tarball
 cmd_bases() {
   timed "debian python base" debootstrap_tar "$CACHE/debian-python.tar" python3,python3-venv,ca-certificates
   timed "debian redis base" debootstrap_tar "$CACHE/debian-redis.tar" redis-server
+  # Debian's Prometheus (and promtool, its health check); /prometheus holds its data, as in the upstream image.
+  timed "debian prometheus base" debootstrap_tar "$CACHE/debian-prometheus.tar" prometheus \
+    --customize-hook='mkdir -p "$1/prometheus"'
 }
 
 cmd_images() {
-  [ -s "$CACHE/debian-python.tar" ] && [ -s "$CACHE/debian-redis.tar" ] || cmd_bases
+  [ -s "$CACHE/debian-python.tar" ] && [ -s "$CACHE/debian-redis.tar" ] && [ -s "$CACHE/debian-prometheus.tar" ] \
+    || cmd_bases
   ls "$WHEELHOUSE"/torch-*.whl >/dev/null 2>&1 || cmd_wheelhouse
   docker info >/dev/null 2>&1 || die "no Docker engine answers (${DOCKER_HOST:-default socket}); run engine-start"
   timed "import $BASE_IMAGE" docker import "$CACHE/debian-python.tar" "$BASE_IMAGE" >/dev/null
   timed "import $REDIS_IMAGE" docker import -c 'EXPOSE 6379' \
     -c 'CMD ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no"]' \
     "$CACHE/debian-redis.tar" "$REDIS_IMAGE" >/dev/null
+  timed "import $PROMETHEUS_IMAGE" docker import -c 'EXPOSE 9090' -c 'ENTRYPOINT ["/usr/bin/prometheus"]' \
+    "$CACHE/debian-prometheus.tar" "$PROMETHEUS_IMAGE" >/dev/null
   timed "build $MSERVE_IMAGE" "${NICE[@]}" docker build -q -f deploy/Dockerfile \
     --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELHOUSE="$WHEELHOUSE" -t "$MSERVE_IMAGE" . >/dev/null
   docker run --rm "$MSERVE_IMAGE" --help >/dev/null || die "$MSERVE_IMAGE does not run 'mserve --help'"
   docker image ls --format 'deploy: image {{.Repository}}:{{.Tag}} {{.Size}}' \
-    | grep -E "$MSERVE_IMAGE|$REDIS_IMAGE|$BASE_IMAGE" >&2 || true
+    | grep -E "$MSERVE_IMAGE|$REDIS_IMAGE|$PROMETHEUS_IMAGE|$BASE_IMAGE" >&2 || true
 }
 
 cmd_engine_start() {
@@ -188,7 +195,7 @@ cmd_test() {  # the compose test with real containers: an engine (started if non
     trap 'exit 143' TERM INT  # a time box (CI's timeout) still stops the engine: through the EXIT trap
   fi
   timed "images (bases, wheelhouse, build)" cmd_images
-  MSERVE_DEPLOY_TESTS=1 MSERVE_IMAGE=$MSERVE_IMAGE REDIS_IMAGE=$REDIS_IMAGE timeout "${DEPLOY_TEST_TIMEOUT:-1800}" \
+  MSERVE_DEPLOY_TESTS=1 MSERVE_IMAGE=$MSERVE_IMAGE REDIS_IMAGE=$REDIS_IMAGE PROMETHEUS_IMAGE=$PROMETHEUS_IMAGE timeout "${DEPLOY_TEST_TIMEOUT:-1800}" \
     "$py" -m pytest -q -s -p no:cacheprovider tests/deploy/test_compose.py || rc=$?
   [ "$rc" -eq 5 ] && say "pytest collected no tests"
   say "test-deploy: $([ "$rc" -eq 0 ] && echo passed || echo "FAILED ($rc)") in $((SECONDS - t0)) s"

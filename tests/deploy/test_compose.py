@@ -6,7 +6,8 @@ Checked: greedy token ids through the gateway equal Hugging Face generate(do_sam
 checkpoint; `--scale decode=2` under running streams adds a replica that registers and takes work;
 `docker kill` of a decode container mid-stream ends every accepted request exactly once, tokens intact;
 `mserve autoscale --backend compose` grows decode under a load step and shrinks it through a drain, nothing
-lost or re-run; `docker-compose down -v` leaves no container, network or volume of the project.
+lost or re-run; the `monitoring` profile's Prometheus finds the gateway's target up and reads the cluster's
+counters; `docker-compose down -v` leaves no container, network or volume of the project.
 """
 
 from __future__ import annotations
@@ -310,6 +311,35 @@ def test_autoscale_compose_grows_decode_under_a_load_step_and_drains_it(deployme
     _log(f"autoscale step: {n} streams, all HF-exact")
     # The drained replica finished what it held: nothing lost, nothing re-run elsewhere.
     assert deployment.status()["stats"]["reruns"] == reruns_before
+
+
+def test_monitoring_profile_finds_the_cluster_healthy_in_prometheus(deployment, client, model_id):
+    """`--profile monitoring`'s Prometheus (Debian's, in the offline image) scrapes the gateway: its target is
+    up and the cluster's request counters read through Prometheus' query API. Grafana, which Debian does not
+    package, is left to a host with registry access (deploy/README.md)."""
+    port = _free_port()
+    deployment.env.update({"PROMETHEUS_IMAGE": os.environ.get("PROMETHEUS_IMAGE", "mserve-prometheus:bookworm"),
+                           "MSERVE_PROMETHEUS_PORT": str(port)})
+    prom = f"http://127.0.0.1:{port}"
+    _stream(client, model_id, [{"role": "user", "content": "Say hi."}], 4)  # one completed request to read back
+    try:
+        deployment.compose("--profile", "monitoring", "up", "-d", "--no-build", "--no-recreate", "prometheus")
+
+        def target_up() -> bool:
+            targets = httpx.get(prom + "/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+            return [(t["labels"]["job"], t["health"]) for t in targets] == [("mserve", "up")]
+
+        _wait(target_up, 300, "Prometheus to scrape the gateway (target mserve up)")
+
+        def completed() -> float:
+            result = httpx.get(prom + "/api/v1/query", params={"query": "mserve_requests_completed_total"},
+                               timeout=5).json()["data"]["result"]
+            return float(result[0]["value"][1]) if result else 0.0
+
+        assert _wait(completed, 120, "mserve_requests_completed_total through Prometheus") >= 1
+        _log(f"monitoring: Prometheus scrapes the gateway, {completed():.0f} requests completed")
+    finally:  # `down` below acts on the default profile only: the profile's container goes here
+        deployment.compose("--profile", "monitoring", "rm", "-s", "-f", "-v", "prometheus")
 
 
 def test_down_removes_every_container_network_and_volume(deployment):

@@ -565,7 +565,7 @@ def test_compose_pools_scale_and_have_health_checks():
 def test_compose_commands_and_env_are_real():
     services = _compose("docker-compose.yml")["services"]
     for name, svc in services.items():
-        if name == "redis":
+        if not svc["image"].startswith("${MSERVE_IMAGE"):  # redis, and the monitoring profile's services
             continue
         argv = _service_command(svc)
         assert cli_errors(argv) is None, f"{name}: {cli_errors(argv)}"
@@ -582,6 +582,28 @@ def test_compose_commands_and_env_are_real():
         assert cuda[role]["build"]["dockerfile"] == "deploy/Dockerfile.cuda"
         assert cuda[role]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert total <= 1.0  # one replica of each pool shares GPU 0
+
+
+def test_monitoring_profile_scrapes_the_gateway_and_provisions_the_dashboard():
+    """`--profile monitoring`: Prometheus scrapes the gateway's /metrics (the whole cluster), Grafana gets it as
+    its data source and deploy/grafana/mserve.json as a dashboard; neither starts without the profile."""
+    services = _compose("docker-compose.yml")["services"]
+    monitoring = {name for name, svc in services.items() if "monitoring" in svc.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"}
+    assert all("profiles" not in svc for name, svc in services.items() if name not in monitoring)
+    scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]
+    assert [t for job in scrape for c in job["static_configs"] for t in c["targets"]] == ["gateway:8000"]
+    assert all(job["metrics_path"] == "/metrics" for job in scrape)
+    prom = services["prometheus"]
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    grafana = services["grafana"]
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in grafana["volumes"])
+    assert (DEPLOY / mounts["./grafana/mserve.json"].replace("/var/lib/grafana/dashboards", "grafana")).exists()
+    providers = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/mserve.yml").read_text())["providers"]
+    assert providers[0]["options"]["path"] == str(Path(mounts["./grafana/mserve.json"]).parent)
+    sources = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    assert sources[0]["type"] == "prometheus" and sources[0]["url"] == "http://prometheus:9090"
 
 
 def test_dockerfiles():
