@@ -290,4 +290,4 @@ def test_cli_offers_every_family():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     arch = next(a for a in sub.choices["make-tiny-model"]._actions if "--arch" in a.option_strings)
-    assert tuple(arch.choices) == TINY_MODEL_ARCHS
+    assert set(arch.choices) == set(TINY_MODEL_ARCHS)  # the served families are the ones it builds
