@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="folder to write (created if missing)")
     p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3",
                                       "gemma3", "gemma4", "internvl", "smolvlm", "idefics3", "glm46v", "glm4v",
-                                      "glm4v_moe", "qwen3_5"],
+                                      "glm4v_moe", "qwen3_5", "qwen2_audio"],
                    default="llava", help="model family (default: llava)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
                    help="tiny (~1M params, tests) or small (~31M params, benchmarks); default tiny")
