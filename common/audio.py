@@ -10,17 +10,20 @@ count admission computed is the count of the waveform the audio tower sees.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
+from mserve.common.model import ImageError
+
 # A clip whose packets end this much (in seconds) before its header's duration is truncated.
 TRUNCATION_SLACK_S = 0.05
 
 
-class AudioError(ValueError):
+class AudioError(ImageError):
     """An audio clip the user sent cannot be used (corrupt, truncated, unknown codec)."""
 
 
@@ -39,6 +42,20 @@ class AudioInfo:
     def resampled_samples(self, rate: int) -> int:
         """The clip's length at `rate` (rounded up: a partial sample counts)."""
         return -(-self.samples * rate // self.sample_rate)
+
+
+@dataclass(frozen=True)
+class AudioPart:
+    """One audio clip of a request: the file's bytes and, once admitted, its length in samples at the
+    feature extractor's rate (AudioInfo.resampled_samples), which the encode worker holds it to."""
+
+    data: bytes
+    samples: int | None = None
+
+
+def audio_hash(part: AudioPart) -> str:
+    """What caches key a clip on: its bytes, and the length it is held to (two lengths, two encodings)."""
+    return hashlib.blake2b(b"audio:%d:" % (part.samples or 0) + part.data, digest_size=16).hexdigest()
 
 
 def _riff_truncation(data: bytes) -> str | None:
@@ -117,3 +134,33 @@ def decode_audio(data: bytes, rate: int, samples: int | None = None) -> np.ndarr
     if len(wave) >= samples:
         return wave[:samples]
     return np.concatenate([wave, np.zeros(samples - len(wave), np.float32)])
+
+
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # OpenAI input_audio's "format" values taken (PyAV reads the file)
+
+
+def audio_part_from_content(part: dict, allow_paths: bool = True) -> AudioPart:
+    """An audio content part -> AudioPart: mserve's {"type": "audio", "audio": bytes | data URL | path},
+    OpenAI's {"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}} or vLLM's
+    {"type": "audio_url", "audio_url": {"url": data URL}}."""
+    import base64
+    import binascii
+
+    from mserve.common.video import payload_bytes
+
+    kind = part.get("type")
+    if kind == "input_audio":
+        body = part.get("input_audio")
+        if not isinstance(body, dict) or not isinstance(body.get("data"), str):
+            raise ValueError("input_audio must be a map with data (base64) and format")
+        if body.get("format") not in AUDIO_FORMATS:
+            raise ValueError(f"input_audio.format must be one of {', '.join(AUDIO_FORMATS)} (got {body.get('format')!r})")
+        try:
+            return AudioPart(base64.b64decode(body["data"], validate=True))
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"input_audio.data is not valid base64: {exc}") from None
+    value = part.get("audio")
+    if value is None and kind == "audio_url":
+        url = part.get("audio_url")
+        value = url.get("url") if isinstance(url, dict) else url
+    return AudioPart(payload_bytes(value, "audio", allow_paths))

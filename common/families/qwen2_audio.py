@@ -30,6 +30,11 @@ class AudioFeatures:
     def max_seconds(self) -> float:
         return self.n_samples / self.sampling_rate
 
+    @property
+    def min_seconds(self) -> float:
+        """The shortest clip that gives one token: three frames (conv -> 2, pool -> 1)."""
+        return (2 * self.hop_length + 1) / self.sampling_rate
+
     def frames(self, samples: int) -> int:
         """Valid log-mel frames of a clip of `samples` samples at `sampling_rate`."""
         return -(-min(samples, self.n_samples) // self.hop_length)
