@@ -145,6 +145,13 @@ class ModelFamily:
     def takes_images(self) -> bool:
         return self.image_token_id != NO_TOKEN
 
+    @property
+    def modalities(self) -> list[str]:
+        """What a request to this checkpoint may hold (STATUS and the gateway's /v1/models say it)."""
+        return ["text"] + (["image"] if self.takes_images else []) + \
+            (["video"] if self.takes_images and self.video_unsupported() is None else []) + \
+            (["audio"] if self.audio_unsupported() is None else [])
+
     def audio_unsupported(self) -> str | None:
         """Why this checkpoint cannot take an audio clip, or None."""
         if self.audio_features is None:

@@ -19,6 +19,7 @@ from typing import Any, Sequence, Union
 
 import zmq
 
+from mserve.common.audio import audio_part_from_content
 from mserve.common.prompt import image_bytes_from_part
 from mserve.common.video import video_part_from_value
 from mserve.common.protocol import ErrorCode, MsgType, ProtocolError, parse_message
@@ -170,7 +171,9 @@ class GenerateResult:
 
 def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI-shaped messages with every image part turned into ``{"type": "image", "image": bytes}``, and
-    every video part into ``{"type": "video", "video": [frame bytes, ...] or video file bytes}``.
+    every video part into ``{"type": "video", "video": [frame bytes, ...] or video file bytes}``, and every
+    audio part (``audio``: bytes, a path or a data URL; OpenAI's ``input_audio``; vLLM's ``audio_url``) into
+    ``{"type": "audio", "audio": bytes}``.
 
     Image parts may hold bytes, a file path (str or Path), a data URL, or be OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}``. The server refuses paths (they name files on
@@ -199,6 +202,13 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
                     part = {**part, "image": str(part["image"])}
                 try:
                     parts.append({"type": "image", "image": image_bytes_from_part(part)})
+                except ValueError as exc:
+                    raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
+            elif kind in ("audio", "input_audio", "audio_url"):  # a clip: bytes, a path, a data URL, OpenAI's, vLLM's
+                if isinstance(part.get("audio"), PurePath):
+                    part = {**part, "audio": str(part["audio"])}
+                try:
+                    parts.append({"type": "audio", "audio": audio_part_from_content(part).data})
                 except ValueError as exc:
                     raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
             elif kind == "video":  # a list of frames, or one video file; paths are read here too

@@ -231,10 +231,35 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 parts.append({"type": "video", "video": [load_image_url(f, media_root, f"{pwhere}.video[{k}]")
                                                          for k, f in enumerate(frames)],
                               **({"fps": float(fps)} if fps is not None else {})})
+            elif kind in ("input_audio", "audio_url"):  # OpenAI's audio part, and vLLM's
+                parts.append({"type": "audio", "audio": load_audio_part(part, kind, media_root, pwhere)})
             else:
-                raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url, video_url, video)")
+                raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url, video_url, "
+                                             "video, input_audio, audio_url)")
         out.append({"role": role, "content": parts})
     return out
+
+
+def load_audio_part(part: dict[str, Any], kind: str, media_root: Path | None, pwhere: str) -> bytes:
+    """An audio clip's bytes: OpenAI's input_audio {"data": base64, "format": ...} (AUDIO_FORMATS), or
+    vLLM's audio_url {"url": ...} read as an image URL is (a data URL, or a file under the media root)."""
+    from mserve.common.audio import AUDIO_FORMATS
+
+    body = part.get(kind)
+    if kind == "audio_url":
+        url = body.get("url") if isinstance(body, dict) else body
+        if not isinstance(url, str) or not url:
+            raise _bad(f"{pwhere}.audio_url", f"{pwhere}.audio_url.url must be a string")
+        return load_image_url(url, media_root, f"{pwhere}.audio_url")
+    if not isinstance(body, dict) or not isinstance(body.get("data"), str) or not body["data"]:
+        raise _bad(f"{pwhere}.input_audio.data", f"{pwhere}.input_audio.data must be the clip as a base64 string")
+    if body.get("format") not in AUDIO_FORMATS:
+        raise _bad(f"{pwhere}.input_audio.format", f"{pwhere}.input_audio.format must be one of "
+                                                    f"{', '.join(AUDIO_FORMATS)} (got {body.get('format')!r})")
+    try:
+        return base64.b64decode(body["data"], validate=True)
+    except ValueError:
+        raise _bad(f"{pwhere}.input_audio.data", f"{pwhere}.input_audio.data is not valid base64") from None
 
 
 def load_image_url(url: str, media_root: Path | None, param: str) -> bytes:
