@@ -251,11 +251,13 @@ class PromptBuilder:
             raise ValueError(f"{self.family.model_type}: the prompt's image placeholder runs {[n for _, n in runs]} "
                              f"do not match its images' token counts {expected}") from None
 
-    def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:
-        """One user turn: the images first, then the text (the llava-1.5 / Qwen2-VL convention)."""
-        if not prompt.strip() and not images:
+    def prepare_text(self, prompt: str, images: Sequence[bytes] = (), audio: Sequence[bytes] = ()) -> PreparedPrompt:
+        """One user turn: the images first, then the audio clips, then the text (the llava-1.5 / Qwen2-VL /
+        Qwen2-Audio convention)."""
+        if not prompt.strip() and not images and not audio:
             raise ValueError("prompt is empty: give --prompt text or at least one image")
         content: list[dict[str, Any]] = [{"type": "image", "image": b} for b in images]
+        content.extend({"type": "audio", "audio": b} for b in audio)
         content.append({"type": "text", "text": prompt})
         return self.prepare([{"role": "user", "content": content}])
 

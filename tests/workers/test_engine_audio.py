@@ -122,3 +122,25 @@ def test_prefix_cache_hit_skips_the_encode(model_dir):
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), input_features=features["input_features"],
                              feature_attention_mask=features["attention_mask"], do_sample=False, max_new_tokens=MAX_NEW)
     assert got == out[0, ids.shape[1]:].tolist()
+
+
+def test_generate_cli_takes_audio(model_dir, tmp_path):
+    """`mserve generate --audio PATH --json` as a user runs it: HF's tokens; a bad clip is a clear error."""
+    import json
+
+    from tests.workers.test_generate_cli import run_cli
+
+    clip = tmp_path / "clip.flac"
+    clip.write_bytes(make_audio(24000, 44100, "flac", seed=8))
+    res = run_cli("generate", "--model", model_dir, "--prompt", "What is this sound?", "--audio", str(clip),
+                  "--max-tokens", str(MAX_NEW), "--json", "--dtype", "float32")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    pp = PromptBuilder(model_dir).prepare_text("What is this sound?", audio=[clip.read_bytes()])
+    assert out["prompt_token_ids"] == pp.prompt_ids and out["token_ids"] == hf_generate_audio(model_dir, pp)
+    from mserve.cli import cmd_generate, build_parser
+
+    clip.write_bytes(clip.read_bytes()[:100])  # refused before any engine loads: run in this process
+    args = build_parser().parse_args(["generate", "--model", model_dir, "--prompt", "?", "--audio", str(clip)])
+    with pytest.raises(SystemExit, match="error: cannot read the audio container"):
+        cmd_generate(args)
