@@ -89,3 +89,31 @@ def test_turn_two_skips_the_prefix_cached_clip(cluster):
     second = asyncio.run(_generate(cluster.address, [second_turn]))[0]
     assert second.cache_hits.get("skipped_by_prefix") == 1 and second.cache_hits["embedding"] == 0, second.cache_hits
     assert second.token_ids == hf_generate_audio(model, builder.prepare(second_turn), MAX_NEW)
+
+
+def test_the_official_openai_client_sends_input_audio_through_the_gateway(cluster):
+    """OpenAI's input_audio part (and vLLM's audio_url) from the `openai` package, through the HTTP gateway:
+    HF's tokens; /v1/models says the model takes text and audio; a bad clip is a 400 naming the limit."""
+    import base64
+
+    import httpx
+    import openai
+
+    url = cluster.start_gateway()  # stopped with the cluster
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    a, b = make_audio(20000, 22050, "mp3", seed=21), make_audio(16000, 16000, "wav", seed=22)
+    messages = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(a).decode(), "format": "mp3"}},
+        {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(b).decode()}},
+        {"type": "text", "text": "What are these sounds?"}]}]
+    reply = client.chat.completions.create(model=cluster.model, messages=messages, max_tokens=MAX_NEW,
+                                           extra_body={"return_token_ids": True})
+    pp = PromptBuilder(cluster.model).prepare(turn([a, b], "What are these sounds?"))
+    assert reply.choices[0].token_ids == hf_generate_audio(cluster.model, pp, MAX_NEW)
+    assert reply.usage.prompt_tokens == len(pp.prompt_ids)
+    (listed,) = [m for m in httpx.get(url + "/v1/models", timeout=10).json()["data"] if m["id"] == cluster.model]
+    assert listed["mserve_modalities"] == ["text", "audio"]
+    with pytest.raises(openai.BadRequestError, match="too short for one audio token"):
+        client.chat.completions.create(model=cluster.model, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(make_audio(100, 16000)).decode(),
+                                                    "format": "wav"}}]}])
