@@ -49,6 +49,23 @@ def test_clips_match_hf_and_a_repeated_clip_is_cached(cluster):
     assert again[0].token_ids == hf_generate_audio(model, builder.prepare(turn([b, a], "Compare them.")), MAX_NEW)
 
 
+def test_a_unified_worker_serves_clips_exactly(shared_clusters, tiny_model_dirs):
+    """The unified role: the clip decoded on its IO thread (workers/roles/unified.py), a repeat from its L1."""
+    from tests.clusters import Lean
+
+    lean = Lean("qwen2_audio", encode=0, prefill=0, decode=0, unified=1)
+    unified = shared_clusters.get(lean)
+    try:
+        clip = make_audio(26000, 16000, "wav", seed=31)
+        first, again = (asyncio.run(_generate(unified.address, [turn([clip], q)]))[0] for q in ("Hm?", "Hm, again?"))
+        builder = PromptBuilder(unified.model)
+        assert first.token_ids == hf_generate_audio(unified.model, builder.prepare(turn([clip], "Hm?")), MAX_NEW)
+        assert again.token_ids == hf_generate_audio(unified.model, builder.prepare(turn([clip], "Hm, again?")), MAX_NEW)
+        assert again.cache_hits["embedding"] == 1, again.cache_hits
+    finally:
+        shared_clusters.release(lean)
+
+
 def test_bad_audio_is_refused_by_name_and_the_cluster_goes_on(cluster):
     clip = make_audio(16000, 16000, "wav")
 
