@@ -372,8 +372,8 @@ def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer:
 
     try:
         processor = build_processor(model_dir, model_type, tokenizer)
-        if getattr(processor, "image_processor", None) is None:  # an audio-only family (load_family checks it)
-            return processor
+        if model_type in AUDIO_MODEL_TYPES and getattr(processor, "image_processor", None) is None:
+            return processor  # an audio-only family: its count is common/families/qwen2_audio.py's
         probe = image_token_count(processor, 224, 224)
     except (UnsupportedModelError, OSError):
         raise
