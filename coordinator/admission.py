@@ -201,7 +201,7 @@ def _place(family: Any, prompt_ids: list[int], images: list[AdmittedImage]) -> N
         while covered < im.num_tokens and (run := next(runs, None)) is not None:
             covered += run[1]
             im.end = run[0] + run[1]
-        if not im.is_video and family.uses_mrope:
+        if not im.is_video and im.audio_samples is None and family.uses_mrope:  # an image's grid
             grid = family.image_grid(im.size)
             if grid is not None and grid[0] * grid[1] * grid[2] // family.merge_size ** 2 == im.num_tokens:
                 im.grid = list(grid)
