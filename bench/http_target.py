@@ -64,7 +64,8 @@ def image_data_url(data: bytes) -> str:
 
 def to_openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Trace messages -> OpenAI chat messages (images become image_url data URLs; a video's frames a
-    ``{"type": "video", "video": [data URLs]}`` part, as MServe's gateway takes it; a video file a video_url)."""
+    ``{"type": "video", "video": [data URLs]}`` part, as MServe's gateway takes it; a video file a video_url;
+    a document OpenAI's ``file`` part)."""
     out: list[dict[str, Any]] = []
     for msg in messages:
         content = msg.get("content")
@@ -84,6 +85,10 @@ def to_openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             elif part.get("type") == "video":  # a video file
                 url = f"data:video/mp4;base64,{base64.b64encode(part['video']).decode('ascii')}"
                 parts.append({"type": "video_url", "video_url": {"url": url}})
+            elif part.get("type") == "document":  # a PDF, as OpenAI's file part
+                data = base64.b64encode(part["document"]).decode("ascii")
+                parts.append({"type": "file", "file": {"filename": "document.pdf",
+                                                       "file_data": f"data:application/pdf;base64,{data}"}})
             else:
                 parts.append(part)
         out.append({"role": msg["role"], "content": parts})

@@ -1,4 +1,5 @@
-"""Seeded, reproducible request traces (text, image, mixed, multi-image, multiturn, video) for `mserve bench serve`."""
+"""Seeded, reproducible request traces (text, image, mixed, multi-image, multiturn, video, document) for
+`mserve bench serve`."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from mserve.bench.images import IMAGE_RESOLUTIONS, VIDEO_RESOLUTIONS, ImageFacto
 
 log = logging.getLogger(__name__)
 
-TRACE_NAMES = ("text", "image", "mixed", "multi-image", "multiturn", "video")
+TRACE_NAMES = ("text", "image", "mixed", "multi-image", "multiturn", "video", "document")
 VIDEO_FRAMES = (4, 8)  # frames per clip of the video trace, drawn uniformly (both ends included)
+DOCUMENT_PAGES = (2, 4)  # pages per PDF of the document trace, drawn uniformly (both ends included)
 PRIORITY_LEVELS = ((0, 0.7), (1, 0.2), (2, 0.1))
 
 _VOCAB = (
@@ -43,13 +45,14 @@ _VOCAB_P /= _VOCAB_P.sum()
 @dataclass
 class TraceRequest:
     """One request of a trace. `messages` use the OpenAI chat shape with raw image bytes; a video is a
-    ``{"type": "video", "video": [frame bytes, ...]}`` part (its frame size in `image_sizes`)."""
+    ``{"type": "video", "video": [frame bytes, ...]}`` part (its frame size in `image_sizes`); a PDF a
+    ``{"type": "document", "document": PDF bytes}`` part (its pages' rendered sizes in `image_sizes`)."""
 
     request_id: str
     arrival_s: float  # offset from trace start; for multiturn a lower bound (see make_trace)
     messages: list[dict[str, Any]]
     max_tokens: int
-    modality: str  # "text" | "image" | "multi-image" | "video"
+    modality: str  # "text" | "image" | "multi-image" | "video" | "document"
     priority: int = 0  # 0 = normal, higher = more urgent
     latency_class: str = "interactive"  # "interactive" | "batch"
     conversation_id: str | None = None
@@ -63,6 +66,29 @@ class TraceRequest:
     def videos(self) -> list[list[bytes]]:
         """Every video's frames, in message order (history included)."""
         return [part["video"] for m in self.messages for part in _parts(m) if part.get("type") == "video"]
+
+    def documents(self) -> list[bytes]:
+        """Every document's PDF bytes, in message order."""
+        return [part["document"] for m in self.messages for part in _parts(m) if part.get("type") == "document"]
+
+
+def pdf_of(pages: Sequence[bytes]) -> bytes:
+    """The images as one PDF's pages (Pillow writes it), sized so that the gateway's default rendering
+    (common/documents.py, DEFAULT_DOCUMENT_DPI) gives each page back at its image's pixel size; fixed
+    dates, so the same pages are the same bytes."""
+    import io
+    import time
+
+    from PIL import Image
+
+    from mserve.common.documents import DEFAULT_DOCUMENT_DPI
+
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in pages]
+    when = time.gmtime(1735689600)  # 2025-01-01
+    out = io.BytesIO()
+    images[0].save(out, format="PDF", save_all=True, append_images=images[1:], resolution=float(DEFAULT_DOCUMENT_DPI),
+                   creationDate=when, modDate=when)
+    return out.getvalue()
 
 
 def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -166,7 +192,8 @@ def make_trace(
     e.g. a rate sweep with one seed sends identical content at every rate.
     `photos=None` uses scikit-image photographs (JPEG) when installed, else
     synthetic PNGs; `resolutions` overrides IMAGE_RESOLUTIONS (VIDEO_RESOLUTIONS
-    for the frames of `video`, one clip of 4-8 frames per request).
+    for the frames of `video`, one clip of 4-8 frames per request; the pages of
+    `document`, one PDF of 2-4 pages per request, as `pdf_of` writes it).
     Multiturn: every turn resends the conversation's image(s) and the whole
     history (with placeholder assistant replies of ~max_tokens words); a runner
     must not send turn k+1 before turn k has finished, so arrival_s is a lower bound.
@@ -229,6 +256,15 @@ def make_trace(
                 trace.append(TraceRequest(request_id=f"r{i:06d}", arrival_s=arrivals[i], messages=[user_message([], frames)],
                                           max_tokens=max_tokens, modality="video", priority=prio, latency_class=lat,
                                           image_sizes=[size]))
+                continue
+            if name == "document":
+                pages, page_sizes = draw_images(int(r_shape.integers(DOCUMENT_PAGES[0], DOCUMENT_PAGES[1] + 1)))
+                prio, lat = classes()
+                message = user_message([])
+                message["content"].insert(0, {"type": "document", "document": pdf_of(pages)})
+                trace.append(TraceRequest(request_id=f"r{i:06d}", arrival_s=arrivals[i], messages=[message],
+                                          max_tokens=max_tokens, modality="document", priority=prio,
+                                          latency_class=lat, image_sizes=page_sizes))
                 continue
             images, img_sizes = draw_images(image_count())
             prio, lat = classes()

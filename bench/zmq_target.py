@@ -96,6 +96,8 @@ class ZmqTarget(Target):
             rec.finish_reason, rec.timings = res.finish_reason, dict(res.timings)
             rec.served_model = served_model(res)
             n_images = len(req.images()) + len(req.videos() if hasattr(req, "videos") else [])
+            if req.modality == "document":  # each page an image (image_sizes lists them)
+                n_images += len(req.image_sizes)
             rec.cache_hits = {"prefix": (int(res.cache_hits.get("prefix_tokens", 0)), res.prompt_tokens)}
             if n_images:
                 rec.cache_hits["encoder"] = (int(res.cache_hits.get("embedding", 0)), n_images)

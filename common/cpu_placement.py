@@ -3,7 +3,7 @@
 Why place at all: on a host with fewer cores than busy processes, Linux spreads them by fairness, so
 a disaggregated cluster's bottleneck stage (a prefill worker that always has prompts queued) gets
 only a share of a core while a decode worker steps small batches as fast as it can on the other.
-Measured on a 2-core host (bench/README.md, "CPU placement"): `disagg:1e1p1d` unplaced, the prefill
+Measured on a 2-core host (bench/lab/NOTEBOOK.md, "CPU placement"): `disagg:1e1p1d` unplaced, the prefill
 worker ran 81 % of a core and waited for one 24 % of the time; with the prefill worker alone on one
 core and everything else on the other, throughput rose 5-10 %, goodput 20 % and TTFT p50 fell to
 0.7x, while TPOT stayed far inside any SLO.
@@ -23,7 +23,7 @@ $MSERVE_CPUS), before torch starts its threads, so every thread it makes inherit
 A worker's IO threads (`--io-cpus LIST`, $MSERVE_IO_CPUS): image decoding and the image processor, KV
 and embedding transfers, zmq's socket threads. When the plan leaves the control plane a core no worker
 runs on, each worker's IO threads go there, so a worker's own core runs only its model: what vLLM does
-with one engine core beside the API server process that decodes and processes images (bench/README.md,
+with one engine core beside the API server process that decodes and processes images (bench/lab/NOTEBOOK.md,
 "A worker's IO threads off its model core"). When the control plane shares a worker's core, the IO
 threads stay on their worker's core. Each IO thread moves itself (`on_io_cores`, first thing it runs);
 zmq's threads get the cores as a context option (`io_zmq_context`).

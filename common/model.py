@@ -25,7 +25,7 @@ from mserve.common.traits import read_traits
 # the trait the engine cannot honour (common/traits.py) or the case the probe failed.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
                       "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
-                      "glm4v_moe", "qwen3_5", "qwen2_audio")
+                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio")
 # Families that take audio clips, token-exact here (Qwen2-Audio: its audio token is the one placeholder).
 AUDIO_MODEL_TYPES = ("qwen2_audio",)
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
@@ -399,9 +399,9 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     # A family without tests here serves if its traits are all ones the engine honours; a worker then
     # proves its tokens against HF before it says READY (workers/probe.py).
     tested = model_type in SERVED_MODEL_TYPES
-    if not tested and (gaps := read_traits(cfg).unsupported()):
-        raise UnsupportedModelError(f"model_type {model_type!r}: {'; '.join(gaps)}")
     rules = rules_for(model_type)
+    if gaps := read_traits(cfg).unsupported(rules.honoured_traits if tested else frozenset()):
+        raise UnsupportedModelError(f"model_type {model_type!r}: {'; '.join(gaps)}")
     if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))

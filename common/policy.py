@@ -2,7 +2,7 @@
 
 Pure Python (no torch, no sockets, no redis): the coordinator's queues and admission, the workers'
 scheduler, block pool and encode queue, and the simulator import these, so no two of them can
-drift apart (STYLE.md, "A rule lives once").
+drift apart: each rule lives once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ LATENCY_CLASSES = ("interactive", "batch")  # in serving order
 # A request queued longer than this, at the coordinator or on a worker, goes before every class: a
 # bound on how long `batch` work can starve behind a steady stream of `interactive` work, not a
 # fairness setting. Lower trades goodput for the tail: on a saturated `disagg:1e1p1d`, 1 s gave the
-# image trace TTFT p99 0.64x and goodput 0.12x (bench/README.md, "CPU placement and class aging").
+# image trace TTFT p99 0.64x and goodput 0.12x (bench/lab/NOTEBOOK.md, "CPU placement and class aging").
 CLASS_AGING_S = 10.0
 
 
@@ -106,6 +106,9 @@ class EngineBudget:
     # "Prefill chunk cap").
     max_prefill_tokens: int = 512
     reserve_tokens: int = 256  # admission keeps room for this many next tokens of each running request
+    # A hybrid (linear-attention) model's prefix hits resume from a copy of the state at a block boundary:
+    # at most this many copies, each one sequence's state in bytes (workers/linear_state.py); LRU.
+    state_snapshots: int = 32
 
 
 DEFAULT_ENGINE = EngineBudget()

@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from mserve.common.prefix_rules import leading_run
+
 T = TypeVar("T")
 
 DEFAULT_INDEX_TTL_S = 600.0
@@ -80,17 +82,7 @@ class CacheIndexes:
             pipe = self._r.pipeline(transaction=False)
             for h in hashes:
                 pipe.smembers(self._k("prefix", model, h))
-            members: list[set[str]] = pipe.execute()
-            counts = dict.fromkeys(members[0], 1)
-            active = set(counts)
-            # A block only counts if every earlier block of the chain is there too.
-            for held in members[1:]:
-                active &= held
-                if not active:
-                    break
-                for w in active:
-                    counts[w] += 1
-            return counts
+            return leading_run(pipe.execute())
 
         return self._call(op, dict)
 

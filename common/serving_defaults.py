@@ -15,7 +15,7 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16")
 # CPU flags of native bfloat16 arithmetic (AVX512_BF16's dot products, AMX's bf16 tiles): where either
 # is present, oneDNN's bf16 matrix multiplies run at about twice float32's rate; elsewhere torch
-# emulates them (6x slower than float32 on an AVX2-only EPYC, bench/README.md).
+# emulates them (6x slower than float32 on an AVX2-only EPYC, bench/lab/NOTEBOOK.md).
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -114,7 +114,7 @@ def default_layout(cores: int, gpus: int = 0) -> Layout:
     """The roles for a host when the user names none: unified workers, one per GPU, else one per core
     (at most MAX_DEFAULT_UNIFIED, the cores shared out as threads).
 
-    Measured beside vLLM-CPU on two cores (bench/README.md), `unified:2` led every trace: 1.78x vLLM's
+    Measured beside vLLM-CPU on two cores (bench/lab/NOTEBOOK.md), `unified:2` led every trace: 1.78x vLLM's
     image throughput with TTFT p99 0.50x, where `1e1p1d` gave 1.52x with p99 1.64x. Separate pools
     pay where each stage has hardware of its own to fill and the load mix is known; name the roles
     (--encode/--prefill/--decode) for that."""

@@ -19,7 +19,7 @@ from typing import Any
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Kinds it does not, with the reason a user reads in the refusal.
 REFUSED_LAYER_TYPES = {
-    "linear_attention": "linear attention layers (Gated DeltaNet): not supported outside the tested qwen3_5 family "
+    "linear_attention": "linear attention layers (Gated DeltaNet): not supported outside the tested Qwen3.5 families "
                         "(workers/linear_state.py keeps their state; other families' state layouts are unproven)",
     "chunked_attention": "chunked attention layers (attention_chunk_size): not supported",
     "conv": "short convolution layers (a recurrent conv state per sequence): not supported",
@@ -43,29 +43,34 @@ class Traits:
     encoder_decoder: bool = False
     bidirectional_text: bool = False
 
-    def unsupported(self) -> list[str]:
-        """Each trait the generic engine cannot honour, in words; empty when it honours them all."""
-        out = []
+    def unsupported(self, honoured: frozenset[str] = frozenset()) -> list[str]:
+        """Each trait the generic engine cannot honour, in words; empty when it honours them all.
+        `honoured`: the trait names (a layer kind, `token_type_mask`, `bidirectional_text`...) a tested
+        family's own code and tests cover (FamilyRules.honoured_traits); any other is still refused, so a
+        tested model_type over an unusual text model (a LLaVA config over a hybrid text model) is not served
+        on its family's tests."""
+        found: dict[str, str] = {}
         for kind in dict.fromkeys(self.layer_types):
             if kind in REFUSED_LAYER_TYPES:
-                out.append(REFUSED_LAYER_TYPES[kind])
+                found[kind] = REFUSED_LAYER_TYPES[kind]
             elif kind not in SERVED_LAYER_TYPES:
-                out.append(f"layer type {kind!r}: unknown to mserve, not supported")
+                found[kind] = f"layer type {kind!r}: unknown to mserve, not supported"
         if self.attention_chunk_size and "chunked_attention" not in self.layer_types:
-            out.append(f"attention_chunk_size={self.attention_chunk_size}: chunked attention is not supported")
+            found["attention_chunk_size"] = (f"attention_chunk_size={self.attention_chunk_size}: chunked attention "
+                                             "is not supported")
         if self.prefix_lm:
-            out.append("prefix-LM attention (bidirectional over the whole prompt, from token_type_ids): not supported")
+            found["prefix_lm"] = "prefix-LM attention (bidirectional over the whole prompt, from token_type_ids): not supported"
         elif self.token_type_mask:
-            out.append("bidirectional attention built by the model from token_type_ids: not supported without a "
-                       "family module")
+            found["token_type_mask"] = ("bidirectional attention built by the model from token_type_ids: not "
+                                        "supported without a family module")
         if self.attn_logit_softcapping:
-            out.append(f"attention logit softcapping ({self.attn_logit_softcapping}): not supported by the paged "
-                       "attention")
+            found["attn_logit_softcapping"] = (f"attention logit softcapping ({self.attn_logit_softcapping}): not "
+                                               "supported by the paged attention")
         if self.encoder_decoder:
-            out.append("an encoder-decoder language model: not supported (decoder-only serving)")
+            found["encoder_decoder"] = "an encoder-decoder language model: not supported (decoder-only serving)"
         if self.bidirectional_text:
-            out.append("bidirectional text attention (use_bidirectional_attention): not supported")
-        return out
+            found["bidirectional_text"] = "bidirectional text attention (use_bidirectional_attention): not supported"
+        return [why for name, why in found.items() if name not in honoured]
 
     def describe(self) -> dict[str, Any]:
         """The traits as plain values, for `mserve verify` and the verdict file."""

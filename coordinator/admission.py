@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mserve.common import sampling_rules as rules
 from mserve.common.audio import AudioInfo, AudioPart, audio_hash, read_audio_header
 from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_from_header
 from mserve.common.policy import LATENCY_CLASSES, Limits
@@ -42,11 +43,11 @@ class SamplingIn(BaseModel):
     # parameter the client relies on (a typo, or one this server lacks) would change its results.
     model_config = ConfigDict(extra="forbid")
 
-    # The defaults are the wire's (common/protocol/client.py: Sampling); the bounds are the edge's.
-    max_tokens: int = Field(Sampling.max_tokens, ge=1)
-    temperature: float = Field(Sampling.temperature, ge=0.0)
-    top_k: int = Field(Sampling.top_k, ge=0)
-    top_p: float = Field(Sampling.top_p, gt=0.0, le=1.0)
+    # The defaults and bounds are common/sampling_rules.py's (the wire's Sampling takes the same defaults).
+    max_tokens: int = Field(rules.MAX_TOKENS, **rules.BOUNDS["max_tokens"].pydantic())
+    temperature: float = Field(rules.TEMPERATURE, **rules.BOUNDS["temperature"].pydantic())
+    top_k: int = Field(rules.TOP_K, **rules.BOUNDS["top_k"].pydantic())
+    top_p: float = Field(rules.TOP_P, **rules.BOUNDS["top_p"].pydantic())
     seed: int | None = Sampling.seed
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = Sampling.ignore_eos
@@ -60,7 +61,7 @@ class GenerateIn(BaseModel):
     request_id: str = Field(min_length=1, max_length=128)
     messages: list[dict[str, Any]] = Field(min_length=1)
     sampling: SamplingIn = Field(default_factory=SamplingIn)
-    priority: int = Field(0, ge=-100, le=100)
+    priority: int = Field(rules.PRIORITY, **rules.BOUNDS["priority"].pydantic())
     latency_class: Literal[LATENCY_CLASSES] = "interactive"  # type: ignore[valid-type]
     stream: bool = False
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1

@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="re-run a stage that makes no progress this long (default 60; a request merely queued at a "
                         "live worker is not re-run)")
     p.add_argument("--dead-after-s", type=float, help="declare a silent worker dead after this long (default 5)")
+    p.add_argument("--role-switching", action="store_true", default=None,
+                   help="move a prefill or decode worker to the other pool when the load stays lopsided: it drains "
+                        "first, so nothing is lost (coordinator/role_policy.py; docs/architecture.md, \"Role "
+                        "switching\"). Default off: roles change only by `mserve switch-role`")
     p.add_argument("--kv-hand-back", action="store_true", default=None,
                    help="decode workers hand each finished reply's KV blocks back to the prefill worker, so a "
                         "conversation's next turn finds its prompt and the reply cached (default off)")

@@ -30,6 +30,7 @@ import zmq
 
 from mserve.common.protocol import MsgType
 from mserve.common.protocol.client import Error, StatusReply
+from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.sockets import bound_address, make_socket, send
 from mserve.coordinator.async_client import AsyncClient, AsyncTokenStream
 from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, BadRequest, GenerateResult, Lost,
@@ -92,9 +93,10 @@ class Client:
 
     def generate(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
                  request_id: str | None = None, **sampling: Any) -> GenerateResult:
-        """Send one request and wait for its result. ``sampling``: max_tokens=64, temperature=0.0, top_k=0,
-        top_p=1.0, seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive",
-        model=None (a served model's name; None: the coordinator's default).
+        """Send one request and wait for its result. ``sampling``: max_tokens=256, temperature=0.0, top_k=0,
+        top_p=1.0 (common/sampling_rules.py), seed=None, stop_token_ids=(), ignore_eos=False, priority=0, latency_class="interactive",
+        model=None (a served model's name; None: the coordinator's default), max_document_pages=8 (the most
+        pages of a ``{"type": "document"}`` part, which is sent as its pages' images).
 
         With sharded coordinators, a request whose shard stopped answering is sent to another shard
         (nothing of it was handed out yet); with one coordinator, ``Lost`` is raised."""
@@ -164,6 +166,22 @@ class Client:
             if i < len(shards) - 1:
                 self._shards.mark_down(address, time.monotonic())
         raise RequestTimeout(f"no STATUS reply from {self.address} within the deadline")
+
+    def switch_role(self, worker_id: str, role: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Ask the coordinator to switch a worker to `role` (SWITCH_ROLE; docs/architecture.md, "Role
+        switching"): its status once the switch has started (`role_switching` shows it), or BadRequest
+        naming why not. With shards, the first shard not taken for dead is asked."""
+        self._check_idle()
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        self._current = self._shards.up(time.monotonic())[0]
+        self._send(MsgType.SWITCH_ROLE, SwitchRole(worker_id=worker_id, role=role).to_body(), deadline, None)
+        while (reply := self._recv(deadline)) is not None:
+            answer = reply[1]
+            if isinstance(answer, StatusReply) and answer.unknown_requests is None:
+                return answer.as_dict()
+            if isinstance(answer, Error) and answer.request_id is None:
+                raise error_from_reply(answer)
+        raise RequestTimeout(f"no answer to SWITCH_ROLE from {self.address} within the deadline")
 
     def abort(self, request_id: str) -> None:
         """Ask the coordinator (the request's shard) to drop a request (best effort, no reply is awaited)."""

@@ -20,6 +20,7 @@ from typing import Any, Sequence, Union
 import zmq
 
 from mserve.common.audio import audio_part_from_content
+from mserve.common.documents import MAX_DOCUMENT_PAGES, DocumentError, DocumentLimits, render_pdf, render_pdf_file
 from mserve.common.prompt import image_bytes_from_part
 from mserve.common.video import video_part_from_value
 from mserve.common.protocol import ErrorCode, MsgType, ProtocolError, parse_message
@@ -169,10 +170,12 @@ class GenerateResult:
 # --------------------------------------------------------------------------- request building
 
 
-def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def normalize_client_messages(messages: Sequence[dict[str, Any]],
+                              documents: DocumentLimits = DocumentLimits()) -> list[dict[str, Any]]:
     """OpenAI-shaped messages with every image part turned into ``{"type": "image", "image": bytes}``, and
     every video part into ``{"type": "video", "video": [frame bytes, ...] or video file bytes}``, and every
-    audio part (``audio``: bytes, a path or a data URL; OpenAI's ``input_audio``; vLLM's ``audio_url``) into
+    document part (``{"type": "document", "document": PDF bytes or a path}``) into its pages' image parts,
+    and every audio part (``audio``: bytes, a path or a data URL; OpenAI's ``input_audio``; vLLM's ``audio_url``) into
     ``{"type": "audio", "audio": bytes}``.
 
     Image parts may hold bytes, a file path (str or Path), a data URL, or be OpenAI's
@@ -218,26 +221,43 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]]) -> list[dict[s
                     raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
                 parts.append({"type": "video", "video": list(video.frames) if video.frames is not None else video.data,
                               **({"fps": video.fps} if video.fps is not None else {})})
+            elif kind == "document":  # a PDF (bytes or a path): its pages, as the gateway renders a `file` part
+                parts.extend({"type": "image", "image": page} for page in _document_pages(part, f"messages[{i}].content[{j}]", documents))
             else:
                 raise ValueError(f"messages[{i}].content[{j}] has an unsupported part type {kind!r} "
-                                 "(expected 'text', 'image', 'image_url' or 'video')")
+                                 "(expected 'text', 'image', 'image_url', 'video', 'document', 'audio', 'input_audio' or 'audio_url')")
         out.append({**msg, "content": parts})
     return out
+
+
+def _document_pages(part: dict[str, Any], where: str, limits: DocumentLimits) -> list[bytes]:
+    """A ``{"type": "document", "document": bytes | path}`` part's pages (common/documents.py)."""
+    value, field = part.get("document"), f"{where}.document"
+    try:
+        if isinstance(value, (str, PurePath)):
+            return render_pdf_file(value, limits, field)
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise DocumentError(f"{field} holds PDF bytes or a path (got {type(value).__name__})")
+        return render_pdf(bytes(value), limits, field)
+    except DocumentError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def generate_body(request_id: str, messages: Sequence[dict[str, Any]], stream: bool, *,
                   max_tokens: int = Sampling.max_tokens, temperature: float = Sampling.temperature,
                   top_k: int = Sampling.top_k, top_p: float = Sampling.top_p, seed: int | None = Sampling.seed,
-                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = Sampling.ignore_eos, priority: int = 0,
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = Sampling.ignore_eos, priority: int = Generate.priority,
                   latency_class: str = "interactive", trace: str | None = None,
-                  model: str | None = None) -> dict[str, Any]:
+                  model: str | None = None, max_document_pages: int = MAX_DOCUMENT_PAGES) -> dict[str, Any]:
     """The GENERATE body; the keyword arguments are the ``**sampling`` options of generate()/stream().
+    `max_document_pages`: the most pages a document part may have (its pages are sent, not this).
     `trace`: the caller's span as a W3C traceparent, which the request's trace continues under.
     `model`: the served model name (None: the coordinator's default, or the only model it serves)."""
     sampling = Sampling(max_tokens=int(max_tokens), temperature=float(temperature), top_k=int(top_k),
                         top_p=float(top_p), seed=None if seed is None else int(seed),
                         stop_token_ids=[int(t) for t in stop_token_ids], ignore_eos=bool(ignore_eos))
-    return Generate(request_id=request_id, messages=normalize_client_messages(messages), sampling=sampling,
+    return Generate(request_id=request_id, messages=normalize_client_messages(
+                        messages, DocumentLimits(max_pages=int(max_document_pages))), sampling=sampling,
                     priority=int(priority), latency_class=latency_class, stream=stream, trace=trace,
                     model=model).to_body()
 

@@ -35,13 +35,15 @@ from mserve.coordinator.routing import (WorkerView, alive, pipeline_for, prefix_
                                         spread_encode)
 from mserve.coordinator.single_flight import Parked, SingleFlight
 from mserve.coordinator.stage_queues import StageQueues, takers
+from mserve.coordinator.telemetry import Telemetry, modality
 
 
 class Dispatcher:
     def __init__(self, requests: RequestTable, members: Membership, queues: StageQueues, lookups: Lookups,
                  outbox: Outbox, settings: MachineSettings, stats: dict[str, int], rng: random.Random,
-                 flights: SingleFlight | None = None) -> None:
+                 flights: SingleFlight | None = None, telemetry: Telemetry | None = None) -> None:
         self.requests, self.members, self.queues, self.lookups = requests, members, queues, lookups
+        self.telemetry = telemetry  # each stage's queue wait, by modality (None: not measured)
         self.outbox, self.settings, self.stats, self.rng = outbox, settings, stats, rng
         self.flights = flights  # None: every ENCODE goes out at once, even for an image encoding elsewhere
 
@@ -110,6 +112,8 @@ class Dispatcher:
                     self.stats["encode_deduplicated"] += self.flights.deduplicated(st.rid, holders)
                 assert worker is not None, (stage, ws)
                 st.timings["queue_s"] += now - w.since
+                if self.telemetry is not None:
+                    self.telemetry.on_dispatch(stage.value, modality(st.admitted.images), now - w.since)
                 st.stage, st.worker_id, st.stage_started = stage, worker.worker_id, now
                 st.deadline = now + self.settings.stage_timeout_s
                 self._send_stage(st, stage, worker, ws, holders, queued_s=now - w.since)

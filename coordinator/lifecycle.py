@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.client import Tokens
+from mserve.common.protocol.to_worker import Cancel
 from mserve.coordinator.dispatch import Dispatcher
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import MachineSettings, Outbox, RequestState, RequestTable, Stage, result_body
@@ -103,7 +104,7 @@ class Lifecycle:
             targets |= st.embedding_sources()
         for worker_id in sorted(targets - {skip}):
             if self.members.is_alive(worker_id):
-                self.outbox.to_worker(worker_id, MsgType.CANCEL, {"request_id": st.rid})
+                self.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=st.rid).fields())
 
     def worker_died(self, worker_id: str, why: str, undelivered: str | None = None) -> None:
         """Declare the worker dead and re-run every request that needs it. `undelivered`: the request

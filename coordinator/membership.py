@@ -25,6 +25,7 @@ class WorkerRecord:
     load_at: float = 0.0  # when the load last applied was measured (the worker's clock; 0: none yet)
     queued: set[str] = field(default_factory=set)  # requests it holds but has not started
     counters: dict[str, float] = field(default_factory=dict)  # its engine counters (heartbeats)
+    histograms: dict[str, Any] = field(default_factory=dict)  # its engine's histogram snapshots (step time)
     # Its load says "draining" (it got SIGTERM): routed nothing new (coordinator/drain.py); and whether
     # SHUTDOWN went out because nothing depends on it any more.
     draining: bool = False
@@ -39,6 +40,9 @@ class Membership:
         self.block_size = block_size  # KV block size the workers announce: the coordinator's routing unit
         # image hash -> workers known (from their ENCODED replies) to hold its embeddings
         self.embedding_holders: dict[str, set[str]] = {}
+        # worker id -> its role switch under way (coordinator/role_switching.py's Switch): routed nothing
+        # new and released like a draining worker; kept across its BYE and READY
+        self.switching: dict[str, Any] = {}
 
     def get(self, worker_id: str) -> WorkerView | None:
         rec = self._records.get(worker_id)
@@ -55,8 +59,13 @@ class Membership:
         return [wid for wid, rec in self._records.items() if rec.view.alive]
 
     def routable(self) -> list[WorkerView]:
-        """The workers new work may go to: alive and not draining."""
-        return [rec.view for rec in self._records.values() if rec.view.alive and not rec.draining]
+        """The workers new work may go to: alive, not draining and not switching role."""
+        return [rec.view for wid, rec in self._records.items()
+                if rec.view.alive and not rec.draining and wid not in self.switching]
+
+    def is_draining(self, worker_id: str) -> bool:
+        rec = self._records.get(worker_id)
+        return rec is not None and rec.draining
 
     def join(self, worker_id: str, role: str, payload: dict[str, Any], now: float) -> set[str]:
         """Register (or re-register) a live worker; returns the requests it was abandoned with, to cancel."""
@@ -71,9 +80,9 @@ class Membership:
         return old.abandoned if old else set()
 
     def draining_to_release(self) -> list[str]:
-        """Live draining workers not yet sent SHUTDOWN, by id."""
+        """Live draining (or role-switching) workers not yet sent SHUTDOWN, by id."""
         return sorted(wid for wid, rec in self._records.items()
-                      if rec.draining and not rec.shutdown_sent and rec.view.alive)
+                      if (rec.draining or wid in self.switching) and not rec.shutdown_sent and rec.view.alive)
 
     def mark_shutdown_sent(self, worker_id: str) -> None:
         self._records[worker_id].shutdown_sent = True
@@ -104,6 +113,8 @@ class Membership:
             rec.queued = {str(r) for r in load["queued"]}
         if isinstance(load.get("counters"), dict):
             rec.counters = {str(k): v for k, v in load["counters"].items() if isinstance(v, (int, float))}
+        if isinstance(load.get("histograms"), dict):
+            rec.histograms = {str(k): v for k, v in load["histograms"].items() if isinstance(v, dict)}
         for key in LOAD_INTS:
             if key in load:
                 setattr(w, key, int(load[key]))
@@ -156,7 +167,10 @@ class Membership:
             if w.alive:
                 roles[w.role] = roles.get(w.role, 0) + 1
         workers = {wid: {"role": rec.view.role, "alive": rec.view.alive, "draining": rec.draining,
-                         "load": _load_shown(rec.view), "counters": rec.counters}
+                         "load": _load_shown(rec.view), "counters": rec.counters,
+                         "histograms": rec.histograms,
+                         **({"switching": f"{sw.from_role}->{sw.to_role} ({sw.phase})"}
+                            if (sw := self.switching.get(wid)) is not None else {})}
                    for wid, rec in self._records.items()}
         return workers, roles
 

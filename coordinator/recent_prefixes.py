@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Mapping, Sequence
 
+from mserve.common.prefix_rules import leading_run
+
 DEFAULT_CAPACITY = 1 << 16  # block hashes remembered (about 1M prompt tokens at 16 tokens a block)
 # How long after a prompt was sent an encode skip trusts this memory: many heartbeats (a worker's index
 # publish, 0.25 s by default), so by then the Redis index holds the worker's adds and evictions.
@@ -56,15 +58,7 @@ class RecentPrefixes:
             sent = self._holders.get(h, {})
             return {w for w, at in sent.items() if since is None or at >= since}
 
-        active = holders(hashes[0]) if hashes else set()
-        counts = dict.fromkeys(active, 1)
-        for h in hashes[1:]:
-            active &= holders(h)
-            if not active:
-                break
-            for w in active:
-                counts[w] += 1
-        return counts
+        return leading_run(holders(h) for h in hashes)
 
 
 def merge_hits(*sources: Mapping[str, int]) -> dict[str, int]:

@@ -13,10 +13,11 @@ from typing import Any, Protocol
 
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.to_coordinator import Encoded, Failed, Prefilled, TokenItem
-from mserve.common.protocol.to_worker import Embeddings
+from mserve.common.protocol.to_worker import AdoptBlocks, Cancel, Embeddings
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (MachineSettings, Outbox, RequestState, RequestTable, Stage, direct_tokens,
                                         part_message)
+from mserve.coordinator.telemetry import modality
 
 
 class Staging(Protocol):
@@ -68,6 +69,7 @@ class StageReplies:
             return
         self.life.stage_done(st, "encode_s")
         st.timings["worker_s"] += msg.worker_s
+        self.life.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s)
         st.embeddings, st.embeddings_from = msg.descriptor, worker_id
         st.image_grids = [im.grid for im in msg.images]
         st.cache_hits["embedding"] += msg.cache_hits
@@ -84,6 +86,7 @@ class StageReplies:
         part.descriptor, part.grids = msg.descriptor, [im.grid for im in msg.images]
         self.staging.uncharge(st, worker_id)
         st.timings["worker_s"] += msg.worker_s
+        self.life.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s)
         st.cache_hits["embedding"] += msg.cache_hits
         grids: list = [None] * len(st.admitted.images)
         for p in st.parts:
@@ -128,7 +131,7 @@ class StageReplies:
         if st is None:
             if item.request_id not in self.requests and not item.finished:
                 # Nobody waits for it (a coordinator before this one admitted it): free the worker.
-                self.outbox.to_worker(worker_id, MsgType.CANCEL, {"request_id": item.request_id})
+                self.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=item.request_id).fields())
             return
         self.stats["token_items"] += 1
         st.timings["transfer_s"] += item.fetch_s or 0.0
@@ -148,7 +151,8 @@ class StageReplies:
             self._count_skipped(st, item.skipped_images or 0)
             if item.hand_back and st.kv_from and self.members.is_alive(st.kv_from):
                 # The reply's KV blocks go to the prefill worker holding the prompt's, for the next turn.
-                self.outbox.to_worker(st.kv_from, MsgType.ADOPT, {"request_id": st.rid, **item.hand_back.fields()})
+                adopt = AdoptBlocks(request_id=st.rid, **item.hand_back.fields())
+                self.outbox.to_worker(st.kv_from, MsgType.ADOPT, adopt.fields())
             self.life.end(st, finish_reason=item.finish_reason or "stop")
 
     def _count_skipped(self, st: RequestState, skipped: int) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from mserve.common.protocol import ROLES, ErrorCode, Message, MsgType, ProtocolError
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
                                                    WorkerInfo)
+from mserve.common.protocol.to_worker import Cancel, Shutdown
 from mserve.common.policy import CLASS_AGING_S
 from mserve.common.pruning import mismatch as pruning_mismatch
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
@@ -40,6 +41,7 @@ from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import (ACTIVE_STAGES, STAGE_ROLE, Lookups, MachineSettings, NoLookups, Out, Outbox,
                                         RequestState, RequestTable, Stage, ToClient, ToWorker, stage_message)
 from mserve.coordinator.replies import StageReplies
+from mserve.coordinator.role_switching import RoleSwitcher
 from mserve.coordinator.shedding import FirstTokenRate, choose_shed
 from mserve.coordinator.single_flight import Leases, LocalLeases, SingleFlight
 from mserve.coordinator.stage_queues import StageQueues
@@ -81,7 +83,7 @@ class RequestMachine:
                  seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
                  encode_leases: Leases | None = None, shard_id: str = "coordinator",
                  prefix_skip: bool = True, local_prefill_tokens: int = 0, adaptive_pruning: AdaptivePruning | None = None,
-                 adaptive_lending: bool = False) -> None:
+                 adaptive_lending: bool = False, role_switching: bool = False) -> None:
         self.settings = MachineSettings(
             stage_timeout_s=stage_timeout_s, dead_after_s=dead_after_s, max_attempts=max_attempts,
             max_waiting_requests=max_waiting_requests, kv_hand_back=kv_hand_back,
@@ -105,11 +107,13 @@ class RequestMachine:
         self.dispatch = Dispatcher(self.requests, self.members, self.queues, lookups or NoLookups(), self.outbox,
                                    self.settings, self.stats, self.rng,
                                    SingleFlight(encode_leases or LocalLeases(), owner=shard_id)
-                                   if encode_single_flight else None)
+                                   if encode_single_flight else None, telemetry=self.telemetry)
         self.life = Lifecycle(self.requests, self.members, self.dispatch, self.outbox, self.settings, self.stats,
                               self.first_tokens, self.telemetry, detokenize or (lambda ids: ""))
         self.replies = StageReplies(self.requests, self.members, self.dispatch, self.life, self.outbox, self.settings,
                                     self.stats)
+        # Role switches (an operator's, or the policy's with role_switching): coordinator/role_switching.py
+        self.switcher = RoleSwitcher(self.members, self.requests, self.outbox, auto=role_switching)
 
     # -- entry points: clients -----------------------------------------------------------------------
     @_entry
@@ -208,7 +212,14 @@ class RequestMachine:
         elif isinstance(msg, Failed):
             self.replies.on_failed(worker_id, msg)
         else:  # BYE
-            self.life.worker_died(worker_id, "said goodbye")
+            self.switcher.on_bye(worker_id, msg.switching_to)
+            self.life.worker_died(worker_id, f"left to come back as {msg.switching_to}" if msg.switching_to
+                                  else "said goodbye")
+
+    @_entry
+    def switch_role(self, worker_id: str, role: str, reason: str) -> None:
+        """Start a role switch `self.switcher.refusal` allowed (coordinator/role_switching.py)."""
+        self.switcher.start(worker_id, role, reason)
 
     @_entry
     def worker_unreachable(self, worker_id: str, why: str, request_id: str | None = None) -> None:
@@ -240,6 +251,7 @@ class RequestMachine:
                     self.dispatch.uncharge(st)
                     self.life.restart(st, reason=f"{st.stage} stage timed out on {st.worker_id}")
         self.dispatch.poll_flights()
+        self.switcher.tick()
         self._release_drained()
         if self.adaptive is not None:
             self.adaptive.observe(self.requests, self.members.routable(), now)
@@ -261,6 +273,7 @@ class RequestMachine:
                 "encode_parked": len(self.dispatch.flights.parked) if self.dispatch.flights else 0, "telemetry": self.telemetry.snapshot(), "queued": self.queues.counts(),
                 "waiting": waiting_by_role(self.requests, {w.role for w in self.members.routable()},
                                            self.outbox.now),
+                "role_switching": self.switcher.status(),
                 **({"adaptive_pruning": self.adaptive.status()} if self.adaptive is not None else {})}
 
     def unknown(self, client: bytes, request_ids: list[str]) -> list[str]:
@@ -273,7 +286,7 @@ class RequestMachine:
             if not holds_work(self.requests, worker_id):
                 self.members.mark_shutdown_sent(worker_id)
                 log.info("worker %s drained: no work of this coordinator left on it; SHUTDOWN sent", worker_id)
-                self.outbox.to_worker(worker_id, MsgType.SHUTDOWN, {})
+                self.outbox.to_worker(worker_id, MsgType.SHUTDOWN, Shutdown().fields())
 
     def _on_ready(self, worker_id: str, info: WorkerInfo) -> None:
         role = info.role
@@ -292,5 +305,6 @@ class RequestMachine:
         if self.members.is_alive(worker_id):  # a restarted process with the same id: its old work is lost
             self.life.worker_died(worker_id, "re-registered")
         for rid in self.members.join(worker_id, role, info.fields(), self.outbox.now):  # only stalled: stop its stale work
-            self.outbox.to_worker(worker_id, MsgType.CANCEL, {"request_id": rid})
+            self.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=rid).fields())
+        self.switcher.on_join(worker_id, role)
         log.info("worker %s joined as %s (data plane %s)", worker_id, role, info.data_address)

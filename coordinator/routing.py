@@ -13,6 +13,7 @@ from typing import Iterable, Mapping, Sequence
 
 from mserve.common.policy import DEFAULT_ENGINE
 from mserve.common.hashing import host_member
+from mserve.common.prefix_rules import covered, reusable_blocks
 
 
 @dataclass
@@ -163,9 +164,9 @@ def route_lend_adaptive(prefill: WorkerView, workers: Iterable[WorkerView], prom
 def prefix_covered(ends: Sequence[int | None], prompt_tokens: int, hit_blocks: int, block_size: int) -> list[int]:
     """The images (by index) whose whole placeholder range, ending at `ends[i]` (None: never skipped), lies
     in the `hit_blocks` leading prompt blocks a prefill worker holds: it needs no embeddings for them.
-    A worker never reuses the block holding the prompt's last token, so neither does this count."""
-    usable = min(hit_blocks, (prompt_tokens - 1) // block_size) * block_size
-    return [i for i, end in enumerate(ends) if end is not None and 0 < end <= usable]
+    A worker never reuses the block holding the prompt's last token, so neither does this count: both
+    rules are common/prefix_rules.py's, as the worker's own skip (workers/prefix_skip.py)."""
+    return covered(ends, min(hit_blocks, reusable_blocks(prompt_tokens, block_size)) * block_size)
 
 
 def route_decode(workers: Iterable[WorkerView], blocks_needed: int) -> WorkerView | None:

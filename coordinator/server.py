@@ -24,6 +24,7 @@ from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
 from mserve.common.protocol.client import FROM_CLIENT, Error, Status, StatusReply
 from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, WorkerInfo
+from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
 from mserve.common.shards import advertised
 from mserve.common.serde import WireError, decode
@@ -36,6 +37,8 @@ from mserve.coordinator.requests import Out, RequestMachine, ToClient
 from mserve.coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger("mserve.coordinator")
+# What a client may send: FROM_CLIENT, and an operator's SWITCH_ROLE (`mserve switch-role`).
+CLIENT_MESSAGES = {**FROM_CLIENT, SwitchRole.KIND: SwitchRole}
 
 
 class Coordinator:
@@ -86,6 +89,7 @@ class Coordinator:
             class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode, prefix_skip=settings.prefix_skip,
             route_choices=settings.route_choices, token_report_every=settings.token_report_every,
             local_prefill_tokens=settings.local_prefill_tokens, adaptive_lending=settings.adaptive_lending,
+            role_switching=settings.role_switching,
             detokenize=builder.decode, visual_token_pruning=settings.visual_token_pruning,
             encode_single_flight=settings.encode_single_flight, shard_id=self._shard_owner,
             encode_leases=RedisEncodeLeases(self.redis.store, name, self.redis.lane) if self.redis else None,
@@ -186,10 +190,10 @@ class Coordinator:
         payload: Any = None
         try:
             msg_type, payload = decode(frames[1:])
-            kind = check_header(msg_type, payload, FROM_CLIENT)
+            kind = check_header(msg_type, payload, CLIENT_MESSAGES)
             # A GENERATE's content is parsed once, by admission (the outside world's input; its errors name
             # the field and limit); ABORT and STATUS here.
-            msg = None if kind is MsgType.GENERATE else FROM_CLIENT[kind].from_body(payload)
+            msg = None if kind is MsgType.GENERATE else CLIENT_MESSAGES[kind].from_body(payload)
         except (WireError, ProtocolError) as exc:
             rid = payload.get("request_id") if isinstance(payload, dict) else None
             self._error(client, rid if isinstance(rid, str) else None, ErrorCode.BAD_MESSAGE, str(exc))
@@ -204,6 +208,8 @@ class Coordinator:
         elif kind is MsgType.ABORT:
             for model in self.models:  # a request id is the client's: whichever model holds it ends it
                 self._send(model.machine.abort(client, msg.request_id, now=time.monotonic()))
+        elif isinstance(msg, SwitchRole):
+            self._on_switch_role(client, msg)
         elif isinstance(msg, Status):
             if msg.request_ids is not None:  # a client's liveness probe: which of its requests are still here
                 unknown = [r for r in msg.request_ids
@@ -212,6 +218,19 @@ class Coordinator:
             else:
                 report = self.status()
                 self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers=report.pop("workers"), report=report))
+
+    def _on_switch_role(self, client: bytes, msg: SwitchRole) -> None:
+        """An operator's role switch: started (the reply is the status, its `role_switching` showing it), or
+        ERROR bad_request naming why not."""
+        model = self.models.of_worker(msg.worker_id)
+        why = f"worker_id {msg.worker_id!r}: no such worker" if model is None else \
+            model.machine.switcher.refusal(msg.worker_id, msg.role)
+        if why is not None:
+            self._error(client, None, ErrorCode.BAD_REQUEST, why)
+            return
+        self._send(model.machine.switch_role(msg.worker_id, msg.role, "operator", now=time.monotonic()))
+        report = self.status()
+        self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers=report.pop("workers"), report=report))
 
     def _refuse(self, client: bytes, kind: MsgType, payload: dict[str, Any], why: str) -> None:
         """ERROR unauthorized; the request is not admitted, counted or logged with its content."""

@@ -71,6 +71,10 @@ class CoordinatorSettings(BaseSettings):
     # streaming client that gave a token sink (Client(direct_tokens=True)) gets them from the worker
     # directly; the coordinator's per-token work, its largest after admission, drops about N-fold.
     token_report_every: int = Field(1, ge=1)
+    # Role switching: move one prefill or decode worker to the other pool when the load mix stays
+    # lopsided (coordinator/role_policy.py); the worker drains first, so nothing is lost. Off: roles
+    # change only by an operator's `mserve switch-role`.
+    role_switching: bool = False
     # Decode workers hand a finished reply's full KV blocks back to the prefill worker that holds its
     # prompt (workers/hand_back.py): a next turn that resends prompt + reply finds both cached. Off by
     # default: it moves the reply's KV once per request, which pays only for multi-turn traffic.

@@ -8,59 +8,70 @@ Prometheus' text format next to what the workers report.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from typing import Any
 
-__all__ = ["Histogram", "Telemetry", "LATENCY_BUCKETS_S"]
+from mserve.common.histogram import LATENCY_BUCKETS_S, STEP_BUCKETS_S, TOKEN_BUCKETS, Histogram
 
-# Seconds: 1 ms .. 2 min, dense where TTFT and TPOT live.
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
-                     2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
+__all__ = ["Histogram", "Telemetry", "LATENCY_BUCKETS_S", "STEP_BUCKETS_S", "TOKEN_BUCKETS", "modality"]
 
 # timing key in a RESULT -> histogram name
 _STAGES = {"queue_s": "queue", "encode_s": "encode", "prefill_s": "prefill", "transfer_s": "transfer",
            "decode_s": "decode"}
 
 
-class Histogram:
-    """Cumulative-ready bucket counts (upper bounds ``le``), their sum and count."""
-
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
-        self.le = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.le, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"le": list(self.le), "counts": list(self.counts), "sum": round(self.sum, 6), "count": self.count}
+def modality(images: Any) -> str:
+    """A request's modality label: "video" when any item is one, "image" when it has images, else "text"."""
+    return "video" if any(im.is_video for im in images) else "image" if images else "text"
 
 
 class Telemetry:
+    """One model's numbers (each served model has its own request machine): the unlabelled histograms and
+    counters, and ``labelled`` histograms keyed "stage|modality" (queue wait) or "modality"."""
+
     def __init__(self) -> None:
         names = [*_STAGES.values(), "ttft", "tpot", "e2e"]
         self.histograms = {name: Histogram() for name in names}
         self.counters = {"prompt_tokens": 0, "visual_tokens": 0, "generation_tokens": 0, "images": 0,
                          "embedding_cache_hits": 0, "prefix_cache_hit_tokens": 0, "images_skipped_by_prefix": 0}
+        self.labelled: dict[str, dict[str, Histogram]] = {"queue_wait": {}, "encode_forward": {},
+                                                          "visual_tokens_per_item": {}, "ttft": {}, "tpot": {},
+                                                          "e2e": {}}
+
+    def _labelled(self, kind: str, key: str, buckets: tuple[float, ...]) -> Histogram:
+        h = self.labelled[kind].get(key)
+        if h is None:
+            h = self.labelled[kind][key] = Histogram(buckets)
+        return h
+
+    def on_dispatch(self, stage: str, modality_: str, queued_s: float) -> None:
+        """A stage left the coordinator's queue for a worker after ``queued_s`` there."""
+        self._labelled("queue_wait", f"{stage}|{modality_}", LATENCY_BUCKETS_S).observe(queued_s)
+
+    def on_encoded(self, modality_: str, worker_s: float) -> None:
+        """An encode worker's time on one request's images (decode, vision forward, pruning)."""
+        self._labelled("encode_forward", modality_, STEP_BUCKETS_S).observe(worker_s)
 
     def on_result(self, timings: dict[str, float], *, arrived: float, first_token_at: float | None, now: float,
                   prompt_tokens: int, visual_tokens: int, output_tokens: int, images: int,
-                  cache_hits: dict[str, int]) -> None:
-        """A request that finished with a result (errors are counted by the request machine)."""
+                  cache_hits: dict[str, int], item_tokens: tuple[tuple[str, int], ...] = (),
+                  latency_class: str = "interactive") -> None:
+        """A request that finished with a result (errors are counted by the request machine). TTFT, TPOT and
+        end-to-end time go in twice: unlabelled, and by the request's latency class."""
         for key, name in _STAGES.items():
             value = timings.get(key, 0.0)
             if value > 0 or key == "queue_s":
                 self.histograms[name].observe(value)
-        self.histograms["e2e"].observe(now - arrived)
+        latencies = {"e2e": now - arrived}
         if first_token_at is not None:
-            self.histograms["ttft"].observe(first_token_at - arrived)
+            latencies["ttft"] = first_token_at - arrived
             if output_tokens > 1:
-                self.histograms["tpot"].observe((now - first_token_at) / (output_tokens - 1))
+                latencies["tpot"] = (now - first_token_at) / (output_tokens - 1)
+        for key, value in latencies.items():
+            self.histograms[key].observe(value)
+            self._labelled(key, latency_class, LATENCY_BUCKETS_S).observe(value)
         c = self.counters
+        for kind, tokens in item_tokens:
+            self._labelled("visual_tokens_per_item", kind, TOKEN_BUCKETS).observe(tokens)
         c["prompt_tokens"] += prompt_tokens
         c["visual_tokens"] += visual_tokens
         c["generation_tokens"] += output_tokens
@@ -73,7 +84,11 @@ class Telemetry:
         """``on_result`` for a finished RequestState (coordinator/records.py)."""
         self.on_result(st.timings, arrived=st.arrived, first_token_at=st.first_token_at, now=now,
                        prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
-                       output_tokens=len(st.output_ids), images=len(st.admitted.images), cache_hits=st.cache_hits)
+                       output_tokens=len(st.output_ids), images=len(st.admitted.images), cache_hits=st.cache_hits,
+                       item_tokens=tuple(("video" if im.is_video else "image", im.num_tokens)
+                                         for im in st.admitted.images),
+                       latency_class=st.admitted.request.latency_class)
 
     def snapshot(self) -> dict[str, Any]:
-        return {"histograms": {k: h.snapshot() for k, h in self.histograms.items()}, "counters": dict(self.counters)}
+        return {"histograms": {k: h.snapshot() for k, h in self.histograms.items()}, "counters": dict(self.counters),
+                "labelled": {kind: {key: h.snapshot() for key, h in hs.items()} for kind, hs in self.labelled.items()}}

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from mserve.common.documents import MAX_DOCUMENT_PAGES
 from mserve.common.serving_defaults import add_dtype_arguments
 
 
@@ -39,6 +40,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from mserve.common.documents import DocumentError, DocumentLimits, render_pdf_file
     from mserve.common.model import ImageError
     from mserve.common.prompt import PromptBuilder
     from mserve.workers.engine import Engine, EngineConfig
@@ -52,6 +54,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if not p.is_file():
                 raise SystemExit(f"error: {flag} {path}: no such file")
             out.append(p.read_bytes())
+    try:  # each PDF's pages, rendered as the gateway renders them, after the images
+        for path in args.document:
+            images.extend(render_pdf_file(path, DocumentLimits(max_pages=args.max_document_pages), f"--document {path}"))
+    except DocumentError as exc:
+        raise SystemExit(f"error: {exc}")
     try:
         builder = PromptBuilder(args.model, visual_token_pruning=args.visual_token_pruning)
         prompt = builder.prepare_text(args.prompt, images, clips)
@@ -130,7 +137,7 @@ def tracing_shutdown() -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from mserve.workers.settings import WorkerSettings
-    from mserve.workers.worker import make_worker
+    from mserve.workers.switching import serve
 
     settings = _settings_from_args(WorkerSettings, args)
     from mserve.common.model import CheckpointError
@@ -139,7 +146,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     _start_tracing(f"mserve-{settings.role}", settings.otlp_endpoint, worker_id=settings.worker_id)
     try:
-        make_worker(settings).run()
+        serve(settings)  # a worker, and after a role switch the same worker as its new role
     except KeyboardInterrupt:
         pass
     except (PruningError, UnsupportedModelError, CheckpointError) as exc:  # one line, no traceback
@@ -166,10 +173,36 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
                                      "better set MSERVE_API_KEY than put a key on a command line)")
     p.add_argument("--served-model-name", help="the name clients send as 'model' (default: the coordinator's)")
     p.add_argument("--allowed-media-path", help="folder image paths / file:// URLs may be read from (default: "
-                                                "none; data URLs always work, remote URLs are refused)")
+                                                "none; data URLs always work)")
+    p.add_argument("--allowed-media-domains",
+                   help="hosts http(s) media URLs may be fetched from, comma-separated: 'cdn.example.com' that host "
+                        "only, '.example.com' the names under example.com (default: every host with a public address; "
+                        "private, loopback, link-local, multicast and reserved addresses are always refused)")
+    p.add_argument("--media-max-bytes", type=int, help="largest fetched media item; reading stops past it (default 32 MiB)")
+    p.add_argument("--media-connect-timeout-s", type=float, help="connect timeout of a media fetch (default 5)")
+    p.add_argument("--media-read-timeout-s", type=float,
+                   help="longest wait for the next bytes of a media fetch (default 10)")
+    p.add_argument("--media-total-timeout-s", type=float,
+                   help="whole time of one media URL, redirects included (default 30)")
+    p.add_argument("--media-max-redirects", type=int,
+                   help="redirect hops followed per media URL, each checked again (default 5)")
+    p.add_argument("--media-max-concurrent-fetches", type=int,
+                   help="media fetches running at once; one more waits --media-concurrency-wait-s, then 429 (default 16)")
+    p.add_argument("--media-concurrency-wait-s", type=float,
+                   help="how long a media fetch waits for a free slot before a 429 (default 5)")
+    p.add_argument("--media-cache-bytes", type=int,
+                   help="HTTP cache of fetched media, bytes (ETag / Last-Modified / max-age; default 128 MiB; 0 = off)")
+    p.add_argument("--allow-loopback-media-for-tests", action="store_true", default=None,
+                   help="TEST ONLY: let media URLs reach 127.0.0.1 (no other private address), for tests that serve "
+                        "media from a local server; never in a deployment")
     p.add_argument("--max-request-bytes", type=int, help="largest HTTP body, images included (default 64 MiB)")
+    p.add_argument("--max-document-pages", type=int,
+                   help="most pages a PDF `file` part may have; each page is an image (default 8)")
+    p.add_argument("--document-dpi", type=int, help="resolution PDF pages render at, longer side capped at 2048 "
+                                                    "pixels (default 96)")
     p.add_argument("--default-max-tokens", type=int,
-                   help="max_tokens when a request names neither max_tokens nor max_completion_tokens (default 256)")
+                   help="max_tokens when a request names neither max_tokens nor max_completion_tokens "
+                        "(default 256, common/sampling_rules.py)")
     p.add_argument("--request-timeout-s", type=float, help="a request not done by then ends with 504 (default 600)")
     p.add_argument("--access-log", action="store_true", default=None, help="log one line per HTTP request")
     p.add_argument("--coordinator-api-key",
@@ -238,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mserve.common.cpu_placement import add_io_argument as add_io_cpus_argument
     from mserve.common.pruning import add_argument as add_pruning_argument
     from mserve.coordinator.cli import add_arguments as add_coordinator_arguments
+    from mserve.common.model import SERVED_MODEL_TYPES
     from mserve.workers.cli import add_arguments as add_worker_arguments
 
     parser = argparse.ArgumentParser(prog="mserve", description="MServe: disaggregated serving for vision-language models.")
@@ -248,10 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a complete save_pretrained folder (config, safetensors, trained byte-level "
                                    "BPE tokenizer, image processor, chat template) with random weights.")
     p.add_argument("out_dir", help="folder to write (created if missing)")
-    p.add_argument("--arch", choices=["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3",
-                                      "gemma3", "gemma4", "internvl", "smolvlm", "idefics3", "glm46v", "glm4v",
-                                      "glm4v_moe", "qwen3_5", "qwen2_audio"],
-                   default="llava", help="model family (default: llava)")
+    p.add_argument("--arch", choices=SERVED_MODEL_TYPES, metavar="ARCH", default="llava",
+                   help="model family, one of the served ones: " + ", ".join(SERVED_MODEL_TYPES) + " (default: llava)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
                    help="tiny (~1M params, tests) or small (~31M params, benchmarks); default tiny")
     p.add_argument("--seed", type=int, default=0, help="weight and tokenizer seed (default 0)")
@@ -266,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local checkpoint folder")
     p.add_argument("--prompt", required=True, help="the user's text")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="an image file; repeat for more")
+    p.add_argument("--document", action="append", default=[], metavar="PATH",
+                   help="a PDF: each page an image, after the --image ones; repeat for more")
+    p.add_argument("--max-document-pages", type=int, default=MAX_DOCUMENT_PAGES,
+                   help=f"most pages a --document may have (default {MAX_DOCUMENT_PAGES})")
     p.add_argument("--audio", action="append", default=[], metavar="PATH",
                    help="an audio file (wav, mp3, flac, ogg) for a model that takes audio; repeat for more")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
@@ -335,6 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_status_arguments(p)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("switch-role", help="move a worker to another role: it drains, reloads, and registers again",
+                       description="Ask the coordinator to switch WORKER_ID to ROLE (prefill, decode or unified). "
+                                   "The worker drains first, so nothing in flight is lost, then reloads as ROLE "
+                                   "under the same id. Refused, with the reason, for an encode worker, or the last "
+                                   "worker the pipeline needs. See docs/architecture.md, Role switching.")
+    from mserve.switch_role import add_arguments as add_switch_role_arguments
+    from mserve.switch_role import main as switch_role_main
+
+    add_switch_role_arguments(p)
+    p.set_defaults(func=switch_role_main)
 
     p = sub.add_parser("gateway", help="serve the OpenAI API (/v1/chat/completions, /v1/models) over HTTP",
                        description="An OpenAI-compatible HTTP server in front of a coordinator: streaming (SSE) and "

@@ -134,6 +134,8 @@ def _worker_row(wid: str, cw: dict[str, Any] | None, reg: dict[str, Any] | None,
     return {
         "id": wid, "role": str(role), "alive": alive,
         "draining": bool((cw or {}).get("draining")),  # got SIGTERM: finishing its work, taking nothing new
+        # a role switch under way: "decode->prefill (draining)", then "(reloading)" (coordinator/role_switching.py)
+        "switching": (cw or {}).get("switching"),
         "seen_by": [s for s, seen in (("coordinator", cw is not None), ("redis", reg is not None)) if seen],
         "queue_len": _int(load.get("queue_len")), "running": _int(load.get("running")),
         "inflight": _int((cload or {}).get("inflight")),
@@ -201,6 +203,9 @@ def build_report(coordinator: str, coord: dict[str, Any] | None, coord_error: st
             "requests_in_flight": _int(coord.get("requests_in_flight")) if coord else None,
             # only from a coordinator that reports its class queues (the key is absent otherwise)
             **({"queued": _queued(coord["queued"])} if coord and isinstance(coord.get("queued"), dict) else {}),
+            # role switches under way and done (coordinator/role_switching.py); absent from an older coordinator
+            **({"role_switching": coord["role_switching"]} if coord and isinstance(coord.get("role_switching"), dict)
+               else {}),
             # only from a coordinator serving several models (coordinator/models.py): each one's pools and counts
             **({"models": _models(coord["models"])} if coord and isinstance(coord.get("models"), dict)
                and len(coord["models"]) > 1 else {}),
@@ -253,7 +258,9 @@ def _kv(used: Any, total: Any) -> str:
     return "-" if used is None or not total else f"{used}/{total}"
 
 
-def _alive(v: bool | None, draining: bool = False) -> str:
+def _alive(v: bool | None, draining: bool = False, switching: str | None = None) -> str:
+    if switching:
+        return f"switching {switching}"
     return "redis" if v is None else ("draining" if v and draining else "yes" if v else "no")
 
 
@@ -311,7 +318,7 @@ def format_report(report: dict[str, Any]) -> str:
     if workers:
         lines += table(["id", "role", "alive", "queue", "running", "inflight", "KV used/total", "tok/s", "RSS MiB",
                         "heartbeat"],
-                       [[w["id"], w["role"], _alive(w["alive"], w["draining"]), _f(w["queue_len"]), _f(w["running"]),
+                       [[w["id"], w["role"], _alive(w["alive"], w["draining"], w.get("switching")), _f(w["queue_len"]), _f(w["running"]),
                          _f(w["inflight"]), _kv(w["kv_used"], w["total_blocks"]), _f(w["tokens_per_s"], "{:.1f}"),
                          _f(w["rss_mib"], "{:.0f}"), _f(w["heartbeat_age_s"], "{:.1f}s ago")] for w in workers],
                        left=3)

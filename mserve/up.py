@@ -68,6 +68,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CURVE on the worker link and the data plane, keys in DIR (made if missing)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     parser.add_argument("--log-dir", default=None, help="keep the child processes' logs here (default: a temp dir)")
+    parser.add_argument("--role-switching", action="store_true", default=False,
+                        help="let the coordinator move a prefill or decode worker to the other pool as the load mix "
+                             "shifts (it drains first; the coordinator's --role-switching)")
     parser.add_argument("--coordinator-args", default=None, metavar="'FLAGS'",
                         help="more flags for the coordinator, as `mserve coordinator` takes them, in one quoted "
                              "string after '=', e.g. --coordinator-args='--local-prefill-tokens 1400 --kv-hand-back'; "
@@ -155,7 +158,8 @@ def run_up(args: argparse.Namespace) -> int:
                            threads=threads, transfer=args.transfer, log_dir=args.log_dir,
                            client_api_key=args.client_api_key, curve_dir=args.curve_dir,
                            extra_worker_args=[*worker_args, *worker_flags],
-                           extra_coordinator_args=[*pruning_args, *coordinator_flags],
+                           extra_coordinator_args=[*pruning_args, *coordinator_flags,
+                                                   *(["--role-switching"] if getattr(args, "role_switching", False) else [])],
                            coordinators=args.coordinators, cpu_placement=args.cpu_placement)
     try:
         cluster.start(timeout_s=args.start_timeout)

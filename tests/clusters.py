@@ -51,7 +51,7 @@ VIDEO_CHUNK = 48
 def family_1e1p1d(arch: str) -> Lean:
     """The families' cluster (tests/coordinator/test_cluster_families.py), tcp between the stages."""
     # Qwen3.5 too: its linear layers carry their state across the prefill worker's chunks.
-    chunked = ("--max-num-batched-tokens", str(VIDEO_CHUNK)) if arch.startswith("qwen3_vl") or arch == "qwen3_5" else ()
+    chunked = ("--max-num-batched-tokens", str(VIDEO_CHUNK)) if arch.startswith("qwen3_vl") or arch.startswith("qwen3_5") else ()
     return Lean(arch, transfer="tcp", worker_args=chunked)
 
 

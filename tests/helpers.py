@@ -273,3 +273,11 @@ def import_without_torchvision(name: str):
     finally:
         for n in names:
             sys.modules.pop(n, None)
+
+
+def make_pdf(sizes: Sequence[tuple[int, int]], seed: int = 0) -> bytes:
+    """A PDF (Pillow writes it) whose pages are make_image(w, h, seed + i) at 72 DPI: each page w x h points."""
+    pages = [Image.open(io.BytesIO(make_image(w, h, seed=seed + i))).convert("RGB") for i, (w, h) in enumerate(sizes)]
+    buf = io.BytesIO()
+    pages[0].save(buf, format="PDF", save_all=True, append_images=pages[1:], resolution=72.0)
+    return buf.getvalue()

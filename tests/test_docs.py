@@ -4,9 +4,12 @@
   under a heading naming `mserve <command>`) is a flag of that command's parser;
 * the message tables of docs/protocol.md list exactly `MsgType`, with its numbers, and its data-plane
   table exactly the transfer channel's `Msg`;
-* every repository path, and every `*.md` file, a doc cites in backticks exists.
+* every repository path, and every `*.md` file, a doc cites in backticks exists;
+* every module a doc runs (`python -m NAME`) and every dotted `mserve.a.b` name it cites exists.
 * the settings tables of docs/operations.md list every field of the coordinator's and the worker's
   settings, under its MSERVE_* name, and "(env only)" only for fields without a flag.
+* the metrics table of docs/operations.md lists exactly the metric families the gateway's /metrics
+  renders (tests/metric_names.py), both ways.
 
 The checks read text and build the CLI parser in-process: no processes, no model.
 """
@@ -20,9 +23,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "deploy" / "README.md"]
+# Every doc a user reads. bench/lab/NOTEBOOK.md is left out: it is a dated lab log, whose commands and
+# paths are as they were on the day (bench/lab/README.md says so).
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "deploy" / "README.md"] + [
+    ROOT / "bench" / name for name in ("README.md", "gpu_check.md", "lab/README.md")] + [
+    ROOT / "deploy" / "wheelhouse" / "README.md"]
 # Files the tools write (`mserve bench serve` writes report.md), named in the docs but not docs.
-OUTPUT_FILES = ("report.md", "soak.md")
+OUTPUT_FILES = ("report.md", "soak.md", "compare.md")
+OUTPUT_FOLDERS = ("bench/results",)  # git-ignored: where the bench writes
 TOP_FOLDERS = ("common", "coordinator", "workers", "bench", "deploy", "tests", "docs", "mserve")
 
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
@@ -183,7 +191,7 @@ def _cited_paths(text: str) -> list[str]:
     found = []
     for span in SPAN.findall(FENCE.sub("", text)):
         word = re.split(r"[\s:,(]", span.strip())[0].rstrip(".").removesuffix("/...")
-        if re.search(r"[{}<>*]", word):
+        if re.search(r"[{}<>*]", word) or word.startswith(OUTPUT_FOLDERS):
             continue
         if word.split("/")[0] in TOP_FOLDERS and "/" in word or re.fullmatch(r"[\w.-]+\.md", word) \
                 and word not in OUTPUT_FILES:
@@ -195,10 +203,66 @@ def _exists(cited: str, doc: Path) -> bool:
     return any((base / cited).exists() for base in (ROOT, doc.parent, ROOT / "docs"))
 
 
+def test_every_doc_is_checked():
+    """A new *.md file is a doc the checks above read, unless it is the lab log."""
+    found = set(ROOT.glob("*.md")) | {p for top in TOP_FOLDERS for p in (ROOT / top).rglob("*.md")}
+    tracked = {p for p in found
+               if not any(part.startswith(".") or part == "results" for part in p.relative_to(ROOT).parts)}
+    assert tracked - set(DOCS) <= {ROOT / "bench" / "lab" / "NOTEBOOK.md"}, sorted(map(_rel, tracked - set(DOCS)))
+
+
 def test_every_path_the_docs_cite_exists():
     wrong = [f"{_rel(doc)}: `{cited}`" for doc in DOCS for cited in _cited_paths(doc.read_text())
              if not _exists(cited, doc)]
     assert not wrong, "docs cite paths that do not exist:\n" + "\n".join(sorted(set(wrong)))
+
+
+# ---- modules -----------------------------------------------------------------------------------------
+
+RUN_MODULE = re.compile(r"python -m ([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)(?![\w.])")
+DOTTED = re.compile(r"^mserve(?:\.[a-z_][a-z0-9_]*){2,}$")  # two parts are often logger names (`mserve.worker`)
+
+
+def _cited_modules(text: str) -> list[str]:
+    """Modules run with `python -m` (`lab.X` placeholders are not lower case) and dotted `mserve.a.b`
+    names in code spans."""
+    found = [m.group(1) for line in _command_lines(text) for m in RUN_MODULE.finditer(line)]
+    return found + [span for span in SPAN.findall(FENCE.sub("", text)) if DOTTED.match(span)]
+
+
+def _resolves(name: str) -> bool:
+    """`name` is a module, or a top-level name of the longest module prefix of it; found without
+    importing the modules themselves (only their parent packages), so torch is not loaded."""
+    from importlib.util import find_spec
+
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            spec = find_spec(".".join(parts[:cut]))
+        except ImportError:
+            spec = None
+        if spec is None:
+            continue
+        rest = parts[cut:]
+        if not rest:
+            return True
+        if len(rest) > 1 or not spec.origin or not spec.origin.endswith(".py"):
+            return False
+        source = Path(spec.origin).read_text()
+        return re.search(rf"^(?:def|class|async def) {rest[0]}\b|^{rest[0]}\s*[:=]", source, re.M) is not None
+    return False
+
+
+def test_every_module_the_docs_name_exists():
+    wrong = sorted({f"{_rel(doc)}: `{name}`" for doc in DOCS for name in _cited_modules(doc.read_text())
+                    if not _resolves(name)})
+    assert not wrong, "docs name modules that do not exist:\n" + "\n".join(wrong)
+
+
+def test_the_module_check_sees_the_docs_modules():
+    found = {name for doc in DOCS for name in _cited_modules(doc.read_text())}
+    assert {"mserve.bench.gpu_check", "mserve.healthcheck", "lab.scale"} <= found
+    assert not _resolves("mserve.workers.no_such_module") and not _resolves("mserve.common.policy.NO_SUCH")
 
 
 # ---- settings ----------------------------------------------------------------------------------------
@@ -234,3 +298,27 @@ def test_settings_tables_list_every_field(heading, settings, command, commands):
         assert f"MSERVE_{field.upper()}" in env or "..." in env, f"{heading}: {field}'s variable is not {env}"
         if "env only" in flag:
             assert "--" + field.replace("_", "-") not in flags, f"{heading}: {field} is said env only, has a flag"
+
+
+# ---- metrics -----------------------------------------------------------------------------------------
+
+
+def _metrics_table_names() -> set[str]:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("| metric | type | labels | meaning |"):].split("\n\n", 1)[0]
+    return {name for line in table.splitlines()[2:] for name in re.findall(r"`(mserve_[a-z0-9_*]+)`",
+                                                                          line.split("|")[1])}
+
+
+def test_metrics_table_lists_exactly_what_metrics_renders():
+    from tests.metric_names import family_of, rendered_families
+
+    rendered = rendered_families()
+    rendered -= {n for n in rendered if n.endswith("_created") and n[: -len("_created")] in rendered}
+    documented = _metrics_table_names()
+    wildcards = {n[:-1] for n in documented if n.endswith("*")}
+    named = {family_of(n, rendered) for n in documented if not n.endswith("*")}
+    undocumented = {n for n in rendered - named if not any(n.startswith(w) for w in wildcards)}
+    assert not undocumented, f"/metrics renders families docs/operations.md does not list: {sorted(undocumented)}"
+    assert named <= rendered, f"docs/operations.md lists metrics /metrics does not render: {sorted(named - rendered)}"
+    assert all(any(n.startswith(w) for n in rendered) for w in wildcards), wildcards

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mserve.common.hashing import ImageSpan, block_extra_keys, block_hash
 from mserve.common.policy import blocks_for
+from mserve.common.prefix_rules import reusable_blocks
 
 
 class OutOfBlocks(RuntimeError):
@@ -38,8 +39,11 @@ class BlockTable:
 class BlockPool:
     """Hands out fixed-size KV blocks with ref counts, lazy-LRU reuse of freed hashed blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_end_ok: Callable[[str], bool] | None = None) -> None:
+        """`prefix_end_ok(hash)`: whether a reused prefix may end after the block of that hash (a hybrid
+        model needs its linear layers' state snapshot there, workers/linear_state.py); None: anywhere."""
         assert num_blocks > 0 and block_size > 0
+        self.prefix_end_ok = prefix_end_ok
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -121,8 +125,11 @@ class BlockPool:
         """The cached blocks a sequence of `num_tokens` tokens may start from: its leading full blocks
         found in the pool (match_prefix), never the one holding its last token, whose logits must be
         computed. No reference is taken: hand the answer to `allocate` before anything else allocates."""
-        usable = (num_tokens - 1) // self.block_size
-        return self.match_prefix(hashes[:usable], token_ids)
+        found = self.match_prefix(hashes[:reusable_blocks(num_tokens, self.block_size)], token_ids)
+        if self.prefix_end_ok is not None:
+            while found and not self.prefix_end_ok(hashes[len(found) - 1]):
+                found.pop()
+        return found
 
     def num_idle(self, block_ids: Sequence[int]) -> int:
         """How many of `block_ids` sit unreferenced in the free list: reusing them takes them out of it."""
@@ -158,7 +165,7 @@ class BlockPool:
         # The same blocks as taken one by one, in ascending order: free() returns a request's blocks
         # last first, so the free list holds runs of descending ids, and attention reads a table front to
         # back, quicker where its blocks follow each other in memory (the decode kernel: 5.0-5.5 ms a step
-        # over runs counting down, 3.3-4.3 in order; bench/README.md, "bf16 on the CPU").
+        # over runs counting down, 3.3-4.3 in order; bench/lab/NOTEBOOK.md, "bf16 on the CPU").
         table.block_ids.extend(sorted(self._take_free_block().block_id for _ in range(needed)))
         return len(cached) * self.block_size
 

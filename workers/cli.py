@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the L2 cache lives (default /dev/shm/mserve-embeddings)")
     p.add_argument("--prefix-caching", dest="enable_prefix_caching", choices=["on", "off"],
                    type=str.lower, help="keep freed prompt blocks for reuse by later prompts (default on)")
+    p.add_argument("--state-snapshots", type=int, metavar="N",
+                   help="hybrid (linear-attention) models: copies of the per-sequence state kept at block "
+                        "boundaries for prefix hits, LRU; each costs one sequence's state (`mserve status`); "
+                        "0 turns prefix caching off for them (default 32)")
     p.add_argument("--curve-secret-key", metavar="FILE",
                    help="CURVE on the coordinator link and the data plane: this worker's .key_secret file "
                         "(`mserve keygen`); needs --curve-server-key and --curve-authorized-keys")

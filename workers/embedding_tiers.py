@@ -54,8 +54,9 @@ class EmbeddingCache:
 class EmbeddingTiers:
     """L1 + L2 lookups and inserts, kept in step with the Redis embedding index.
 
-    `counters` is the engine's counter dict: l1 and l2 hits are counted there (embedding_l1_hits,
-    embedding_l2_hits), so they reach the load report like every other engine counter."""
+    `counters` is the engine's counter dict: l1 and l2 hits and evictions are counted there
+    (embedding_l1_hits, embedding_l2_hits, embedding_l1_evictions, embedding_l2_evictions), so they reach
+    the load report like every other engine counter."""
 
     def __init__(self, *, l1_bytes: int, l2_bytes: int, l2_dir: str | None, namespace: str, model_name: str,
                  worker_id: str, host_id: str, store: RedisStore | None, counters: dict[str, Any],
@@ -65,7 +66,7 @@ class EmbeddingTiers:
         self.host_member = host_member(host_id)  # the L2 entries' holder in the Redis index
         self.model_name, self.worker_id, self.store, self.counters = model_name, worker_id, store, counters
         self.defer = defer  # how an index write runs: a worker queues it on its Redis lane (common/redis_lane.py)
-        for key in ("embedding_l1_hits", "embedding_l2_hits"):
+        for key in ("embedding_l1_hits", "embedding_l2_hits", "embedding_l1_evictions", "embedding_l2_evictions"):
             counters.setdefault(key, 0)
 
     def peek(self, h: str) -> EncodedImage | None:
@@ -96,6 +97,7 @@ class EmbeddingTiers:
         """A freshly encoded image, into L1 and L2, and the Redis index for both."""
         self._l1_put(h, enc)
         evicted = self.host_cache.put(h, enc.embeds, enc.grid_thw)
+        self.counters["embedding_l2_evictions"] += len(evicted)
         if self.store and self.host_cache.enabled:
             self.defer(self.store.add_embedding, self.model_name, h, self.host_member)
             if evicted:
@@ -105,6 +107,7 @@ class EmbeddingTiers:
         if not self.cache.capacity:
             return
         for gone in self.cache.put(h, enc):
+            self.counters["embedding_l1_evictions"] += 1
             if self.store:
                 self.defer(self.store.remove_embedding, self.model_name, gone, self.worker_id)
         if self.store:

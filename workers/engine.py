@@ -9,14 +9,17 @@ and exports their KV blocks, a decode worker imports blocks and steps; the unifi
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from mserve.common import sampling_rules as rules
 from mserve.common.audio import AudioPart, decode_audio
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
+from mserve.common.histogram import STEP_BUCKETS_S, Histogram
 from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers import prefix_skip
@@ -44,6 +47,7 @@ class EngineConfig:
     reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens
     class_aging_s: float = CLASS_AGING_S  # a prompt queued longer goes before every class
     enable_prefix_caching: bool = True
+    state_snapshots: int = DEFAULT_ENGINE.state_snapshots  # a hybrid model's prefix-hit states (LinearStates)
     max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
     max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
     threads: int | None = None
@@ -53,7 +57,7 @@ class EngineConfig:
     # fraction of the rate. None / False: one padded call per group (workers/paged_attention.exact_setting).
     exact_attention: bool | None = None
     # Decode steps through torch.compile (ModelRunner._compile_decode); off: it pays at small batches only
-    # and the first decode steps compile for 10-30 s (bench/README.md, "Where a decode step's time goes").
+    # and the first decode steps compile for 10-30 s (bench/lab/NOTEBOOK.md, "Where a decode step's time goes").
     compile: bool = False
 
 
@@ -76,7 +80,7 @@ class RequestInput:
     prompt_ids: list[int]
     images: list[bytes | VideoPart] = field(default_factory=list)  # images and videos, in prompt order
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0
+    priority: int = rules.PRIORITY
 
 
 class Engine:
@@ -89,20 +93,28 @@ class Engine:
                                   parts=config.parts, visual_token_pruning=config.visual_token_pruning,
                                   exact_attention=config.exact_attention, compile_decode=config.compile)
         self.family = self.runner.family
-        if self.runner.linear_states is not None and config.enable_prefix_caching:
-            # A prefix hit would need each linear layer's state at the end of the cached prefix, and no
-            # snapshots are kept: reuse is off, so no hit is ever served (or published) with a wrong state.
-            log.info("prefix caching off: %s has linear-attention layers %s, whose per-sequence state is not "
-                     "snapshotted at block boundaries", config.model_dir, self.runner.linear_states.layers)
+        states = self.runner.linear_states
+        hybrid = states is not None and config.enable_prefix_caching and config.state_snapshots > 0
+        if states is not None and config.enable_prefix_caching and not hybrid:
+            # A prefix hit needs each linear layer's state at the end of the cached prefix: no snapshots, no reuse.
+            log.info("prefix caching off: %s has linear-attention layers %s and state_snapshots is 0",
+                     config.model_dir, states.layers)
             config = replace(config, enable_prefix_caching=False)
             self.config = config
-        self.pool = BlockPool(config.num_blocks, config.block_size)
+        elif hybrid:
+            states.max_snapshots = config.state_snapshots
+            log.info("prefix caching with state snapshots: %s has linear-attention layers %s; a hit resumes from "
+                     "a copy of their state at a block boundary (at most %d copies of %.1f KiB)", config.model_dir,
+                     states.layers, config.state_snapshots, self.runner.linear_state_bytes() / 2**10)
+        self.pool = BlockPool(config.num_blocks, config.block_size, prefix_end_ok=states.holds if hybrid else None)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    reserve_tokens=config.reserve_tokens, class_aging_s=config.class_aging_s,
                                    enable_prefix_caching=config.enable_prefix_caching,
-                                   whole_images=self.family.bidirectional_images, release=self.runner.release)
+                                   whole_images=self.family.bidirectional_images, release=self.runner.release,
+                                   snapshot=self.runner.snapshot if hybrid else None,
+                                   restore=self.runner.restore if hybrid else None)
         gen = self.runner.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -116,6 +128,7 @@ class Engine:
         # (prefill, decode): the worker reports them (take_unresolved) so the coordinator encodes again.
         self._unresolved: list[str] = []
         self.last_batch_size = 0  # sequences in the latest step
+        self.step_seconds = Histogram(STEP_BUCKETS_S)  # rides in the heartbeat's load (Worker.load)
         self.predecoded: dict[str, Any] = {}  # visual hash -> decoded image, for `encode` (roles/unified.py)
 
     # -- encode ---------------------------------------------------------------------------------
@@ -165,7 +178,7 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], *, images: Sequence[bytes | VideoPart] = (),
                     encoded: Sequence[EncodedImage | None] | None = None, image_hashes: Sequence[str] | None = None,
-                    sampling: SamplingParams | None = None, priority: int = 0, prefill_only: bool = False,
+                    sampling: SamplingParams | None = None, priority: int = rules.PRIORITY, prefill_only: bool = False,
                     output_ids: Sequence[int] = (), latency_class: str = "interactive",
                     item_tokens: Sequence[int] | None = None, item_fps: Sequence[float | None] | None = None,
                     deferred: dict[int, Any] | None = None, grids: Sequence[Any] | None = None) -> Seq:
@@ -265,10 +278,12 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        t0 = time.perf_counter()
         logits = self.runner.execute(chunks)
         completing = [c.seq for c in chunks if c.completes_sequence]
         tokens = sample(logits, [s.sampling for s in completing], [len(s.output_ids) for s in completing])
         self.counters["steps"] += 1
+        self.step_seconds.observe(time.perf_counter() - t0)  # the forward and sampling of one step
         self.last_batch_size = len(chunks)
         for c in chunks:
             is_decode = c.num_tokens == 1 and c.start >= len(c.seq.prompt_ids)
@@ -279,9 +294,10 @@ class Engine:
             # A prefilled request keeps its blocks until export_kv hands them on; a reply to hand
             # back, until its full blocks are copied out here.
             if seq.is_finished and seq.hand_back and seq.finish_reason != "prefilled":
-                # No prefix reuse (a hybrid model's state is not in the blocks): nothing to hand back.
+                # Nothing to hand back without prefix reuse, nor for a hybrid model: its state is not in the
+                # blocks and a hit there resumes only from a snapshot this pool took.
                 out.hand_back = (reply_blocks(self.pool, self.runner.kv, seq)
-                                 if self.config.enable_prefix_caching else None)
+                                 if self.config.enable_prefix_caching and self.runner.linear_states is None else None)
                 self.scheduler.free(seq)
             outputs.append(out)
         return outputs
@@ -404,14 +420,19 @@ class Engine:
 
     def adopt_blocks(self, token_ids: Sequence[int], images: Sequence[Any], first_block: int, kv: torch.Tensor) -> int:
         """Keep KV blocks another engine computed as cached prefix blocks here (workers/hand_back.py)."""
-        if not self.config.enable_prefix_caching:  # nothing would read them (see __init__)
-            return 0
+        if not self.config.enable_prefix_caching or self.runner.linear_states is not None:
+            return 0  # nothing would read them (see __init__; a hybrid model hits only at its own snapshots)
         n = adopt_blocks(self.pool, self.runner.kv, token_ids, images, first_block, kv)
         self.counters["adopted_blocks"] = self.counters.get("adopted_blocks", 0) + n
         return n
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, **self.pool.stats(), "waiting": len(self.scheduler.waiting),
+        states = self.runner.linear_states
+        snapshots = {} if states is None else {
+            "state_snapshots": states.num_snapshots, "state_snapshot_bytes": states.snapshot_bytes(),
+            "state_snapshots_taken": states.snapshots_taken, "state_snapshots_restored": states.snapshots_restored,
+            "state_snapshots_evicted": states.snapshots_evicted}
+        return {**self.counters, **self.pool.stats(), **snapshots, "waiting": len(self.scheduler.waiting),
                 "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
                 "batch_size": self.last_batch_size}
 

@@ -5,7 +5,7 @@ Between its matrix multiplies a bf16 language model runs two RMSNorms a layer an
 SiLU(gate) * up. HF writes each as several torch ops over float32 copies: at a 527-row prefill step
 of the peer's `small` llava, 198-277 us an RMSNorm and 560-582 us a SiLU * up on the AMD EPYC host
 (the kernels: 71 and 373), about 8 % of a serving worker's loop with the rotary embedding (py-spy;
-bench/README.md, "bf16 on the CPU"). The kernels do each in one pass, rounding to bf16 where HF's ops
+bench/lab/NOTEBOOK.md, "bf16 on the CPU"). The kernels do each in one pass, rounding to bf16 where HF's ops
 round; the sum of squares runs in another order and exp and rsqrt differ in their last bits, so each
 of the two roundings may land one bf16 step from HF's: the same bits for 99 % of the values or more in
 the tests, not HF's bits. Like the prompt kernel, they are used only where attention is padded
@@ -18,7 +18,7 @@ norm differs (Gemma's 1 + weight) or whose MLP has another activation is left as
 
 The rotary embedding: HF's `apply_rotary_pos_emb` (q * cos + rotate_half(q) * sin, and the same for k)
 is five bf16 torch ops a tensor, 8 ms of a 228 ms image request on an Intel AMX host (py-spy;
-bench/README.md, "Where vLLM-CPU's model core goes"). Its products of two bf16 values are exact in
+bench/lab/NOTEBOOK.md, "Where vLLM-CPU's model core goes"). Its products of two bf16 values are exact in
 float32, so the kernel's three roundings give HF's bits. Each attention module decorated with
 transformers' `use_kernelized_func(apply_rotary_pos_emb)` routes that call to its own wrapper in
 `module._kernel_funcs` (the `kernels` package's hook): the fused one replaces that wrapper in this
@@ -187,7 +187,7 @@ def fuse(model: nn.Module, dtype: torch.dtype) -> int:
     bfloat16 (where the CPU has AVX512_BF16): every RMSNorm and SiLU MLP of Llama's form is swapped for
     its one-pass version, and Llama's rotary embedding routed to the kernel. float32 (any host with a
     compiler): the rotary embedding only, in one pass with HF's bits (a 673-token prompt's q and k: 3.6
-    ms -> 0.9 on an AVX2 host, bench/README.md, "An AVX2 host")."""
+    ms -> 0.9 on an AVX2 host, bench/lab/NOTEBOOK.md, "An AVX2 host")."""
     if kernels.switched_off("MSERVE_FUSED_OPS"):
         return 0
     fns = kernels.library()

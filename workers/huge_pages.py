@@ -5,7 +5,7 @@ turned over, a request's blocks lie all over it, and on 4 KiB pages every 8 KiB 
 `small` llava is two more TLB entries. On the AMD EPYC host of 2026-12-05 the decode kernel (16
 requests of 640-700 tokens, 8 layers, bf16, blocks scattered over the pool) took 6.0-6.5 ms a step on
 4 KiB pages and 5.4-5.8 on 2 MiB pages; with each request's blocks in order, no difference showed
-(`lab.decode_kernel --blocks scattered --huge-pages off|on`; bench/README.md, "bf16 on the CPU").
+(`lab.decode_kernel --blocks scattered --huge-pages off|on`; bench/lab/NOTEBOOK.md, "bf16 on the CPU").
 
 Most hosts set THP to `madvise`: only regions a process asks for get huge pages. `zeros` allocates
 the tensor, asks for huge pages over the 2 MiB-aligned part of it with madvise(MADV_HUGEPAGE) before

@@ -3,8 +3,9 @@
 The encode role (workers/roles/encode.py) asks, before each vision forward, that the images of the
 batch after it start decoding (`start`); when their turn comes it `take`s them, waiting for a decode
 still running or decoding on the spot one never started. PIL releases the GIL while it decodes, so
-this overlaps with the forward (bench/README.md, "Image decoding off the step thread"). Only what
-the current and the next batch need is kept (`keep`): decoded pixels never pile up behind a queue.
+this overlaps with the forward (bench/lab/NOTEBOOK.md, "Worker loop IO": image decoding beside the
+vision forward). Only what the current and the next batch need is kept (`keep`): decoded pixels never
+pile up behind a queue.
 """
 
 from __future__ import annotations

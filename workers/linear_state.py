@@ -7,10 +7,17 @@ scheduler releases the sequence. The step's packed rows are split by chunk and e
 the checkpoint's own GatedDeltaNet module with that sequence's cache, so the math is the model's: a
 prompt chunk continues the state its previous chunk left (the chunked rule from that initial state, the
 conv over the cached last inputs), a decode token steps the recurrent rule, as in HF generate.
+
+A prefix-cache hit needs the state at the end of the cached prefix, which the K/V blocks do not hold:
+`snapshot` keeps a copy of a sequence's state where a prompt chunk ends on a block boundary (the scheduler
+ends one chunk of every prompt at its last full block, workers/scheduler.py), keyed by that block's chain
+hash, in an LRU of `max_snapshots`; the pool reuses a prefix only up to a block with a snapshot
+(BlockPool.prefix_end_ok) and `restore` starts the new sequence from a copy of it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -43,10 +50,13 @@ class LinearRows:
 class LinearStates:
     """The per-sequence caches of one engine's linear layers, by request id."""
 
-    def __init__(self, text_config: Any) -> None:
+    def __init__(self, text_config: Any, max_snapshots: int = 0) -> None:
         self.kinds = list(text_config.layer_types)
         self.layers = linear_layers(text_config)
         self._caches: dict[str, Any] = {}
+        self.max_snapshots = max_snapshots
+        self._snapshots: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # block hash -> state, LRU
+        self.snapshots_taken = self.snapshots_restored = self.snapshots_evicted = 0
 
     def __len__(self) -> int:
         return len(self._caches)
@@ -84,6 +94,36 @@ class LinearStates:
             layer = cache.layers[i]
             out += [layer.conv_states[0], layer.recurrent_states[0]]
         return out
+
+    # -- snapshots at block boundaries: what a prefix hit resumes from ----------------------------------
+    def holds(self, block_hash: str) -> bool:
+        return block_hash in self._snapshots
+
+    def snapshot(self, request_id: str, block_hash: str) -> None:
+        """Keep a copy of the sequence's state as it is now, the state after the block `block_hash` ends."""
+        if self.max_snapshots <= 0 or request_id not in self._caches:
+            return
+        if block_hash in self._snapshots:  # the same prefix again: the same state, only fresher in the LRU
+            self._snapshots.move_to_end(block_hash)
+            return
+        self._snapshots[block_hash] = [t.clone() for t in self.export(request_id)]
+        self.snapshots_taken += 1
+        while len(self._snapshots) > self.max_snapshots:
+            self._snapshots.popitem(last=False)
+            self.snapshots_evicted += 1
+
+    def restore(self, request_id: str, block_hash: str, device: torch.device) -> None:
+        """Start the sequence from the snapshot after block `block_hash` (a prefix hit ending there)."""
+        self._snapshots.move_to_end(block_hash)
+        self.adopt(request_id, self._snapshots[block_hash], device)
+        self.snapshots_restored += 1
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    def snapshot_bytes(self) -> int:
+        return sum(t.nbytes for ts in self._snapshots.values() for t in ts)
 
     def adopt(self, request_id: str, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
         """Take a state another engine exported (`export`): the request continues from it here."""

@@ -161,7 +161,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not _cpu_bf16_matmuls():
             log.warning("bfloat16 on a CPU without AVX-512 (torch's CPU capability: %s): oneDNN cannot run its "
                         "bf16 matrix multiplies here, and torch's fallback was 6x slower than float32 on an "
-                        "AVX2-only AMD EPYC (bench/README.md, \"An AVX2 host\"); float32, the CPU's default, is "
+                        "AVX2-only AMD EPYC (bench/lab/NOTEBOOK.md, \"An AVX2 host\"); float32, the CPU's default, is "
                         "the fast choice on this host", torch.backends.cpu.get_cpu_capability())
         self.exact_attention = bool(exact_attention)  # None (auto) is padded: paged_attention.exact_setting says why
         if (not self.exact_attention and self.dtype == torch.bfloat16 and self.device.type == "cpu"
@@ -254,6 +254,12 @@ class ModelRunner:
         """The scheduler dropped `seq`'s computed state (freed or preempted): its linear-layer state goes too."""
         if self.linear_states is not None:
             self.linear_states.drop(seq.request_id)
+
+    def snapshot(self, seq, block_hash: str) -> None:
+        self.linear_states.snapshot(seq.request_id, block_hash)
+
+    def restore(self, seq, block_hash: str) -> None:
+        self.linear_states.restore(seq.request_id, block_hash, self.device)
 
     def linear_state_bytes(self) -> int:
         """One sequence's linear-attention state in bytes (0 for a model without such layers)."""

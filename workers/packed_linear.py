@@ -3,7 +3,7 @@
 bfloat16: torch's `F.linear` runs oneDNN's matmul, which first reorders the weight into its blocked
 layout on every call. A decode step's matrix multiplies are small (one row per request) and that
 reorder is a large share of them: on an AMD EPYC host, a 1376x512 layer takes 0.090 ms at 16 rows
-through `F.linear` and 0.062 prepacked, 0.076 against 0.038 at one row (bench/README.md, "bf16 on the
+through `F.linear` and 0.062 prepacked, 0.076 against 0.038 at one row (bench/lab/NOTEBOOK.md, "bf16 on the
 CPU"). Without a bias the packed call is the same oneDNN kernel over the same values: `F.linear`'s
 bits, so exact-length attention still gives HF generate's tokens (tests/workers/test_packed_linear.py).
 With a bias it rounds differently at some shapes (one bf16 ulp), so biased layers (Qwen2's q/k/v, a
@@ -67,7 +67,7 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
     Asked per dtype: oneDNN packs bfloat16 only where the CPU has AVX512BW/VL/DQ or AVX-NE-CONVERT,
     float32 on any x86 CPU (an AVX2-only AMD EPYC refuses the one and runs the other 10-40 % faster
-    than F.linear at 16 rows: bench/README.md, "An AVX2 host")."""
+    than F.linear at 16 rows: bench/lab/NOTEBOOK.md, "An AVX2 host")."""
     return not kernels.switched_off("MSERVE_PACKED_LINEAR") and _works(dtype)
 
 

@@ -272,7 +272,7 @@ def _tokens(query: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     An `index_select` over whole token rows (one copy a row), where advanced indexing on the middle dim
     copies element by element: in a step of 16 decode tokens and a 496-token chunk, the chunk's query
     gather, its output's gather and the scatter back took 392-402 us a layer that way and 146-153 this
-    way, the same bits (`lab.token_copies`; bench/README.md, "Where a served request's time goes")."""
+    way, the same bits (`lab.token_copies`; bench/lab/NOTEBOOK.md, "Where a served request's time goes")."""
     return query.transpose(0, 1).index_select(0, index)
 
 
@@ -331,7 +331,7 @@ def exact_setting(choice: str | None) -> bool:
 # logits are within bf16 rounding of each other, a tie either order is a correct reading of
 # (common/exactness.py; vLLM checks its kernels the same way). Exact attention (one SDPA call per
 # distinct context length and layer) reproduces HF bf16's bits there too, at a fraction of the padded
-# path's rate (bench/README.md): it is what `--attention exact` asks for, and the default is padded.
+# path's rate (bench/lab/NOTEBOOK.md): it is what `--attention exact` asks for, and the default is padded.
 
 
 def _attend_exact(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -3,12 +3,12 @@
 A decode step's attention is one query per request over its whole context. Through SDPA that means
 gathering every request's blocks into a padded copy first (`paged_attention._gather`), then reading
 the copy through a transposed view: at 16 requests of 650 tokens, 58 % of a `small` llava decode
-step (bench/README.md, "Where a decode step's time goes"). The kernel (csrc/paged_decode.c) walks each
+step (bench/lab/NOTEBOOK.md, "Where a decode step's time goes"). The kernel (csrc/paged_decode.c) walks each
 request's block table instead and reads each K and V row once, for all the query heads that share it.
 
 The kernel is built with the others into one library (workers/kernels.py). On a host with
 AVX-512 (-march=native), 16 tokens' scores are reduced at once and a bfloat16 query meets
-its keys in `vdpbf16ps` (bench/README.md, "bf16 on the CPU": 1.4x in float32 and 2.4x in bfloat16
+its keys in `vdpbf16ps` (bench/lab/NOTEBOOK.md, "bf16 on the CPU": 1.4x in float32 and 2.4x in bfloat16
 over the kernel before it, on an AMD EPYC host), and P @ V sums stay in registers; with AVX2 and FMA
 but no AVX-512 the same code runs 8 lanes wide (csrc/paged_decode_simd.h: one body, the lane width
 and its operations chosen by the build); elsewhere the portable C
@@ -35,7 +35,7 @@ MAX_ROW = 8192  # values in one token's K (or V) row, or its query, all heads: t
 def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether this decode group's attention can run in the kernel. Not inside a torch.compile graph
     (`--compile`): dynamo cannot trace a ctypes call, and a graph break per layer costs what the
-    compiled step gains (bench/README.md); compiled decode keeps the gather."""
+    compiled step gains (bench/lab/NOTEBOOK.md); compiled decode keeps the gather."""
     heads, kv_heads = query.shape[0], k_cache.shape[2]
     return (not torch.compiler.is_compiling() and query.dtype == k_cache.dtype in (torch.float32, torch.bfloat16)
             and query.device.type == "cpu" and heads % kv_heads == 0 and heads <= MAX_HEADS

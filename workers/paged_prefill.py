@@ -3,7 +3,7 @@
 A prompt chunk's attention through SDPA means gathering its request's blocks (a later chunk also
 builds a causal mask over them), then torch's CPU flash-attention kernel. In bfloat16 on this AMD host
 that kernel ran at about 50 GFLOP/s, 45 % of a prefill step, while bfloat16 matrix multiplies ran at
-460 (bench/README.md, "bf16 on the CPU"). This kernel multiplies bfloat16 pairs with
+460 (bench/lab/NOTEBOOK.md, "bf16 on the CPU"). This kernel multiplies bfloat16 pairs with
 `vdpbf16ps` (exact products, float32 sums) and keeps the softmax in float32, rounding the
 probabilities to bfloat16 before P @ V, as bfloat16 attention kernels do.
 
@@ -16,10 +16,10 @@ into one library (workers/kernels.py), on hosts whose CPU has AVX512_BF16; elsew
 
 Where the CPU has AMX, torch's SDPA multiplies on its tiles and beat the `vdpbf16ps` products 2.3x on
 a 673-token prompt and 3.9x on a vision layer (`vdpbf16ps` runs at half its AMD rate there;
-bench/README.md, "an Intel Xeon with AMX"). So there the kernel runs only where its own build
+bench/lab/NOTEBOOK.md, "an Intel Xeon with AMX"). So there the kernel runs only where its own build
 multiplies on the tiles too (`kernels.library()["prefill_amx"]`, a -march=native build on such a
 CPU) and the head size is a multiple of 32, a tile's row; it then beat gather + SDPA 1.2-2.4x
-(bench/README.md, "Prompt attention on AMX tiles"). Otherwise SDPA runs there (`policy`).
+(bench/lab/NOTEBOOK.md, "Prompt attention on AMX tiles"). Otherwise SDPA runs there (`policy`).
 `MSERVE_PROMPT_KERNEL=on` or `off` overrides that choice.
 """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from mserve.common import prefix_rules
 from mserve.common.audio import AudioPart
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
 from mserve.common.model import image_size_from_header
@@ -31,8 +32,9 @@ def cached_tokens(pool: BlockPool, prompt_ids: Sequence[int], output_ids: Sequen
 
 
 def covered(spans: Sequence[ImageSpan], cached: int) -> list[int]:
-    """Indices of the spans wholly inside the first `cached` tokens (a partly covered one is not)."""
-    return [i for i, s in enumerate(spans) if s.end <= cached]
+    """Indices of the spans wholly inside the first `cached` tokens (a partly covered one is not), by
+    common/prefix_rules.py's rule, the one the coordinator's routing.prefix_covered applies."""
+    return prefix_rules.covered([s.end for s in spans], cached)
 
 
 def covered_images(pool: BlockPool, family: Any, prompt_ids: Sequence[int], output_ids: Sequence[int],

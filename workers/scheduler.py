@@ -51,11 +51,16 @@ class Scheduler:
                  reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens, enable_prefix_caching: bool = True,
                  class_aging_s: float = CLASS_AGING_S,
                  clock: Callable[[], float] = time.monotonic, whole_images: bool = False,
-                 release: Callable[[Sequence], None] | None = None) -> None:
+                 release: Callable[[Sequence], None] | None = None,
+                 snapshot: Callable[[Sequence, str], None] | None = None,
+                 restore: Callable[[Sequence, str], None] | None = None) -> None:
         """`whole_images`: no chunk and no reused prefix ends inside an image (workers/image_bounds.py),
         for families whose image tokens attend to each other both ways. `release`: called when a sequence's
         computed state is dropped (freed or preempted), for state kept outside the block pool (the model
-        runner's linear-attention states, workers/linear_state.py)."""
+        runner's linear-attention states, workers/linear_state.py). `snapshot(seq, block hash)`: called where a
+        prompt chunk ends on a full block, to keep that state for later prefix hits, which `restore(seq, block
+        hash)` resumes from (the pool then reuses prefixes only up to a block with a snapshot); with them, one
+        chunk of every prompt ends at its last full block, so a repeated prompt always leaves a snapshot."""
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -69,6 +74,7 @@ class Scheduler:
         self.clock = clock
         self.whole_images = whole_images
         self.release = release
+        self.snapshot, self.restore = snapshot, restore
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         # Finished, but their KV blocks are still to be copied out (a prefill's to its decode worker,
@@ -163,9 +169,13 @@ class Scheduler:
 
     def _chunk_size(self, seq: Sequence, start: int, n: int) -> int:
         """`n` tokens from `start`, or as many as keep the chunk from ending inside an image (whole_images)."""
-        if n <= 0 or not self.whole_images:
-            return n
-        return chunk_end(seq.images, start, start + n) - start
+        if n > 0 and self.whole_images:
+            n = chunk_end(seq.images, start, start + n) - start
+        if self.snapshot is not None and self.enable_prefix_caching:  # end one chunk at the last full block
+            last_full = (len(seq.prompt_ids) - 1) // self.pool.block_size * self.pool.block_size  # a hit stops there
+            if start < last_full < start + n:
+                n = last_full - start
+        return n
 
     def _lookahead(self, seq: Sequence) -> int:
         """Tokens `seq` will still add, as far as admission plans ahead."""
@@ -223,6 +233,8 @@ class Scheduler:
         assert cached == hits * bs
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
+        if hits and self.restore is not None:  # the state outside the blocks, as it was after the last hit block
+            self.restore(seq, hashes[hits - 1])
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
@@ -239,6 +251,9 @@ class Scheduler:
             if self.enable_prefix_caching:  # full prompt blocks become findable by later requests
                 self.pool.commit_full_blocks(c.seq.block_table, c.seq.prompt_ids,
                                              min(c.end, len(c.seq.prompt_ids)), c.seq.images)
+                bs = self.pool.block_size
+                if self.snapshot is not None and c.end % bs == 0 and 0 < c.end <= len(c.seq.prompt_ids):
+                    self.snapshot(c.seq, c.seq.prompt_hashes(bs)[c.end // bs - 1])
         sampled = [c.seq for c in chunks if c.completes_sequence]
         assert len(sampled) == len(token_ids), (len(sampled), len(token_ids))
         for seq, token in zip(sampled, token_ids):

@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from mserve.common import sampling_rules as rules
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
 from mserve.common.protocol.client import Sampling
 from mserve.workers.block_pool import BlockTable
@@ -24,25 +25,20 @@ class SeqStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy (argmax)."""
+    """How to pick each next token. temperature 0 means greedy (argmax). The defaults and bounds are
+    common/sampling_rules.py's, as the wire's."""
 
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    max_tokens: int = rules.MAX_TOKENS
+    temperature: float = rules.TEMPERATURE
+    top_k: int = rules.TOP_K
+    top_p: float = rules.TOP_P
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("max_tokens", "temperature", "top_k", "top_p"):
+            rules.check(name, getattr(self, name))
 
     @property
     def greedy(self) -> bool:
@@ -73,7 +69,7 @@ class Sequence:
     # Qwen2-VL: 3-D positions for the prompt [3, prompt_len] and the offset decode adds.
     mrope_positions: Any = None
     rope_delta: int = 0
-    priority: int = 0
+    priority: int = rules.PRIORITY
     latency_class: str = "interactive"  # or "batch": second to priority in the serving order
     eos_token_ids: tuple[int, ...] = ()
     # Prefill workers stop after the first token and hand the KV blocks on.

@@ -28,11 +28,11 @@ class WorkerSettings(BaseSettings):
     device: str = "cpu"
     dtype: str | None = None  # None / auto: common/serving_defaults.serving_dtype
     # Decode steps through torch.compile (EngineConfig.compile): 1.35x at batch 1 on the CPU, ~1.0x at 16,
-    # and 15-50 s to compile on first use (bench/README.md). Off by default; refused while attention is exact.
+    # and 15-50 s to compile on first use (bench/lab/NOTEBOOK.md). Off by default; refused while attention is exact.
     compile: bool = False
     # exact: attention over each request's exact key count, HF generate's bits in bf16 / float16, one
     # SDPA call per context length and layer; padded: one call per group over masked padding
-    # (bench/README.md, "The CUDA path": 6.9x exact's decode rate for a 7B at batch 32 on an H200).
+    # (bench/lab/NOTEBOOK.md, "The CUDA path": 6.9x exact's decode rate for a 7B at batch 32 on an H200).
     # auto: padded (workers/paged_attention.exact_setting says why).
     attention: Literal["auto", "exact", "padded"] = "auto"
     threads: int = 1  # torch threads; 1 per worker on small hosts so pools do not fight over cores
@@ -46,6 +46,7 @@ class WorkerSettings(BaseSettings):
     max_prefill_tokens: int = DEFAULT_ENGINE.max_prefill_tokens  # the chunk cap (common/policy.py says why)
     class_aging_s: float = Field(CLASS_AGING_S, ge=0.0)  # a prompt queued longer: before every class
     enable_prefix_caching: bool = True
+    state_snapshots: int = Field(DEFAULT_ENGINE.state_snapshots, ge=0)  # a hybrid model's prefix-hit states
     embedding_cache_mb: float = 512  # L1: this encode or unified worker's own memory
     # L2: encoded images shared by every encode and unified worker on this host (tmpfs files, outliving a
     # worker's restart); 0 turns it off. The directory defaults to /dev/shm/mserve-embeddings.
@@ -55,7 +56,7 @@ class WorkerSettings(BaseSettings):
     # waits behind a batch of others (it is taken first, by class, from the queue). None: 1 on the CPU,
     # where a batch is no quicker per image (22 ms alone, 27 in a batch of 8, small LLaVA in bf16) and
     # every image of it waits for the whole forward, while one at a time lets prefill start on the first;
-    # 8 on a GPU, where a batch is what fills it (bench/README.md, "An encode batch of one on the CPU").
+    # 8 on a GPU, where a batch is what fills it (bench/lab/NOTEBOOK.md, "An encode batch of one on the CPU").
     max_encode_images: int | None = Field(None, ge=1)
     heartbeat_s: float = 0.25
     # How long one Redis call may wait before Redis counts as down (its calls then skip it for a second).

@@ -61,6 +61,7 @@ NESTED_TEXT_TYPES = {
     "glm4v": "glm4v_text",
     "glm4v_moe": "glm4v_moe_text",
     "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
 }
 
 # What transformers' config classes default to when a config.json leaves a key out (published llava-hf
@@ -105,58 +106,6 @@ def state_bytes(layers: int, conv: int, recurrent: int, dtype_bytes: int) -> int
 
 class SizingError(ValueError):
     """A partition setting cannot be honoured (names the setting and the numbers)."""
-
-
-# --------------------------------------------------------------------------- MIG profiles
-
-
-@dataclass(frozen=True)
-class MigProfile:
-    gpu: str
-    name: str  # as nvidia-smi and the device plugin spell it: 1g.10gb
-    memory_slices: int  # of 8
-    compute_slices: int  # of 7 (SM slices)
-    max_instances: int  # of this profile on one GPU
-    board_memory_gib: int
-
-    @property
-    def memory_bytes(self) -> int:
-        """Nominal: slices × board / 8. A running instance reports a little less; a worker on a MIG device
-        sizes against what the device reports, this is for planning."""
-        return self.board_memory_gib * GIB * self.memory_slices // 8
-
-    @property
-    def resource(self) -> str:
-        """The Kubernetes extended resource under the NVIDIA device plugin's `mixed` MIG strategy."""
-        return f"nvidia.com/mig-{self.name}"
-
-
-def _profiles(gpu: str, board_gib: int, rows: list[tuple[str, int, int, int]]) -> tuple[MigProfile, ...]:
-    return tuple(MigProfile(gpu, name, mem, sm, n, board_gib) for name, mem, sm, n in rows)
-
-
-_A100_40 = [("1g.5gb", 1, 1, 7), ("1g.5gb+me", 1, 1, 1), ("1g.10gb", 2, 1, 4), ("2g.10gb", 2, 2, 3),
-            ("3g.20gb", 4, 3, 2), ("4g.20gb", 4, 4, 1), ("7g.40gb", 8, 7, 1)]
-_80GB = [("1g.10gb", 1, 1, 7), ("1g.10gb+me", 1, 1, 1), ("1g.20gb", 2, 1, 4), ("2g.20gb", 2, 2, 3),
-         ("3g.40gb", 4, 3, 2), ("4g.40gb", 4, 4, 1), ("7g.80gb", 8, 7, 1)]
-MIG_PROFILES: dict[str, tuple[MigProfile, ...]] = {
-    "A100-40GB": _profiles("A100-40GB", 40, _A100_40),
-    "A100-80GB": _profiles("A100-80GB", 80, _80GB),
-    "H100-80GB": _profiles("H100-80GB", 80, _80GB),
-}
-
-
-def mig_profile(spec: str) -> MigProfile:
-    """'A100-80GB:3g.40gb' (the profile may also be spelt as its resource, nvidia.com/mig-3g.40gb) -> its row."""
-    gpu, sep, name = spec.partition(":")
-    gpu, name = gpu.strip().upper(), name.strip().lower().removeprefix("nvidia.com/mig-")
-    if not sep or gpu not in MIG_PROFILES:
-        raise SizingError(f"MIG profile {spec!r}: name the GPU and the profile, e.g. 'A100-80GB:1g.10gb'; "
-                          f"GPUs: {', '.join(MIG_PROFILES)}")
-    for p in MIG_PROFILES[gpu]:
-        if p.name == name:
-            return p
-    raise SizingError(f"{gpu} has no MIG profile {name!r}; it has {', '.join(p.name for p in MIG_PROFILES[gpu])}")
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -283,15 +232,17 @@ class SizingPlan:
 
 
 def reserve_bytes(geom: TextGeometry, *, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
-                  workspace_bytes: int = WORKSPACE_BYTES, kv: bool = True) -> int:
-    """workspace + T × (4·H + 3·I) × b + S × V × 4 × 2 + S × linear state (the text terms only where a text
-    model runs)."""
+                  workspace_bytes: int = WORKSPACE_BYTES, kv: bool = True,
+                  state_snapshots: int = DEFAULT_ENGINE.state_snapshots) -> int:
+    """workspace + T × (4·H + 3·I) × b + S × V × 4 × 2 + (S + snapshots) × linear state (the text terms only
+    where a text model runs)."""
     if not kv:  # an encoder: the vision tower's activations are bounded by max_encode_images, in the workspace
         return workspace_bytes
     act = max_num_batched_tokens * (4 * geom.hidden_size + 3 * geom.intermediate_size) * dtype_bytes
     logits = max_num_seqs * geom.vocab_size * 4 * 2
-    # A hybrid model's running sequences each hold their linear layers' state outside the pool.
-    return workspace_bytes + act + logits + max_num_seqs * geom.state_bytes_per_sequence(dtype_bytes)
+    # A hybrid model's running sequences each hold their linear layers' state outside the pool, and its prefix
+    # hits resume from copies of it (workers/linear_state.py).
+    return workspace_bytes + act + logits + (max_num_seqs + state_snapshots) * geom.state_bytes_per_sequence(dtype_bytes)
 
 
 def plan_blocks(*, total_bytes: int, fraction: float, weights_bytes: int, reserve: int, block_bytes: int,
@@ -346,19 +297,6 @@ def serving_dtype_bytes(device: str, dtype: str | None, model_dir: str | None = 
     return DTYPE_BYTES[serving_dtype_for(device, dtype, model_dir)]
 
 
-def select_mig_device(mig_device: str, device: str) -> None:
-    """CUDA_VISIBLE_DEVICES = the MIG instance's UUID; must happen before CUDA starts in this process."""
-    if not device.startswith("cuda"):
-        raise SizingError(f"mig_device={mig_device!r} needs device=cuda (device is {device!r})")
-    if not mig_device.startswith("MIG-"):
-        raise SizingError(f"mig_device={mig_device!r}: give the MIG instance's UUID (MIG-...) as `nvidia-smi -L` "
-                          f"lists it")
-    current = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if current != mig_device and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-        raise SizingError(f"mig_device={mig_device!r} was set after CUDA started (CUDA_VISIBLE_DEVICES={current!r})")
-    os.environ["CUDA_VISIBLE_DEVICES"] = mig_device
-
-
 def partition_worker(s: Any, parts: str) -> int:
     """Apply a worker's mig_device / gpu_memory_fraction and return its KV pool's size in blocks.
 
@@ -367,6 +305,8 @@ def partition_worker(s: Any, parts: str) -> int:
     device_memory_gb names one, and torch's allocator is capped at the budget (the fraction of that
     memory); on CPU device_memory_gb is required (the memory to size against, e.g. the container's limit)."""
     if s.mig_device:
+        from mserve.workers.mig import select_mig_device
+
         select_mig_device(s.mig_device, s.device)
     if s.gpu_memory_fraction is None:
         return s.num_blocks
@@ -413,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_ENGINE.max_num_batched_tokens)
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_ENGINE.max_num_seqs)
     a = p.parse_args(argv)
+    from mserve.workers.mig import mig_profile
+
     total = mig_profile(a.profile).memory_bytes if a.profile else int(a.memory_gb * GIB)
     parts = {"encode": "vision", "unified": "all"}.get(a.role, "text")
     try:

@@ -25,7 +25,7 @@ from mserve.common.model import ImageError
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, parse_message
 from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
-from mserve.common.protocol.to_worker import TO_WORKER, Cancel
+from mserve.common.protocol.to_worker import TO_WORKER, Cancel, SwitchRole
 from mserve.common.protocol.typed import Message
 from mserve.common.security import CurveKeys, check_curve_settings
 from mserve.common.serde import WireError
@@ -95,6 +95,8 @@ class Worker:
         self.pulse = Pulse(settings.heartbeat_s, self._heartbeat)
         self.running = True
         self.drain = Drain(settings.drain_timeout_s)  # SIGTERM: finish what it has, then exit (workers/draining.py)
+        # SWITCH_ROLE: drain the same way, then `serve` builds this worker again as that role (workers/switching.py)
+        self.switch_to: str | None = None
         self._tokens_ewma = 0.0
         self._last_rate_t = time.monotonic()
         self._tokens_since = 0
@@ -111,7 +113,7 @@ class Worker:
             exact_attention=s.exact_attention(),
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             max_prefill_tokens=s.max_prefill_tokens, class_aging_s=s.class_aging_s,
-            enable_prefix_caching=s.enable_prefix_caching, max_image_pixels=s.max_image_pixels,
+            enable_prefix_caching=s.enable_prefix_caching, state_snapshots=s.state_snapshots, max_image_pixels=s.max_image_pixels,
             max_image_bytes=s.max_image_bytes, parts=self.PARTS, visual_token_pruning=s.visual_token_pruning)
 
     # -- what a role implements ------------------------------------------------------------------------
@@ -204,15 +206,30 @@ class Worker:
 
     def begin_drain(self) -> None:
         """SIGTERM: take no new work (the coordinator hears it from the load), finish, exit; twice: exit now.
-        Runs as a signal handler: flags only (the loop logs), no locks."""
-        if not self.drain.begin(time.monotonic()):
+        Runs as a signal handler: flags only (the loop logs), no locks. During a role switch's drain it
+        cancels the switch: the drain goes on, and the worker exits at its end."""
+        if self.switch_to is not None:
+            self.switch_to = None
+        elif not self.drain.begin(time.monotonic()):
             self.stop()
+
+    def begin_switch(self, msg: SwitchRole) -> None:
+        """SWITCH_ROLE: drain as on SIGTERM, then leave the loop to come back as its role (workers/switching.py)."""
+        why = ("it is draining" if self.drain.active else f"it is a {self.role} worker"
+               if msg.role == self.role or self.role == "encode" else None if msg.worker_id == self.worker_id
+               else f"the message names worker {msg.worker_id!r}")
+        if why is not None:
+            log.warning("worker %s ignores a switch to %s: %s", self.worker_id, msg.role, why)
+            return
+        self.switch_to = msg.role
+        self.drain.begin(time.monotonic())
 
     def _drain_check(self) -> None:
         if not self.drain.announced:
             self.drain.announced = True
-            log.info("worker %s draining (SIGTERM): %d running, %d queued, %d transfer(s) unfetched; exits once the "
+            log.info("worker %s draining (%s): %d running, %d queued, %d transfer(s) unfetched; exits once the "
                      "coordinator releases it (at most %gs; SIGTERM again to stop now)", self.worker_id,
+                     f"to switch role to {self.switch_to}" if self.switch_to else "SIGTERM",
                      len(self.engine.scheduler.running), len(self.queued_ids()), self.transfer.pending(),
                      self.drain.timeout_s)
         why = self.drain.exit_reason(busy=self.busy(), unfetched=self.transfer.pending(), now=time.monotonic())
@@ -222,7 +239,7 @@ class Worker:
 
     def close(self) -> None:
         self.pulse.stop()
-        self.links.close(bye=Bye(worker_id=self.worker_id))
+        self.links.close(bye=Bye(worker_id=self.worker_id, switching_to=self.switch_to))
         self.drop_indexes()
         self.redis.close(timeout_s=max(2.0, 4 * self.s.redis_timeout_s))
         self.transfer.close()
@@ -234,6 +251,7 @@ class Worker:
                 "free_blocks": self.engine.pool.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
                 "tokens_per_s": round(self._tokens_ewma, 2), "rss_mib": round(resident_mib(), 1), **self.memory_mib,
                 "draining": self.drain.active, "counters": {**self.engine.stats(), **self.transfer.counters()},
+                "histograms": {"step_seconds": self.engine.step_seconds.snapshot()},
                 "at": time.time()}  # lets the coordinator drop a report older than one it already has
 
     def count_tokens(self, n: int) -> None:
@@ -330,6 +348,8 @@ class Worker:
                     self.stop()
             elif isinstance(msg, Cancel):
                 self.cancel(msg.request_id)
+            elif isinstance(msg, SwitchRole):
+                self.begin_switch(msg)
             else:
                 if msg.STARTS_STAGE:  # a newer attempt's record replaces the older one's
                     self.requests.arrive(msg.request_id, msg.attempt, origin=link.address,

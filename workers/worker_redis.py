@@ -28,9 +28,9 @@ CACHE_COUNTERS = ("embedding_l1_hits", "embedding_l2_hits", "encoded_images", "p
 
 
 def redis_load(load: dict[str, Any]) -> dict[str, Any]:
-    """The load as Redis keeps it (a flat hash): the queued ids and other counters go to the coordinator only."""
+    """The load as Redis keeps it (a flat hash): the queued ids, other counters and histograms go to the coordinator only."""
     counters = load.get("counters") or {}
-    return {**{k: v for k, v in load.items() if k not in ("queued", "counters")},
+    return {**{k: v for k, v in load.items() if k not in ("queued", "counters", "histograms")},
             **{k: counters[k] for k in CACHE_COUNTERS if k in counters}}
 
 

@@ -8,7 +8,7 @@ one) against `paged_prefill.attend`, for a whole 673-token prompt, a first chunk
 tokens after it. Vision attention: 577 patches, 16 heads of 64 (CLIP-L/14 at 336 px), SDPA against
 `paged_prefill.vision_attention_forward`. Linear layers (the `small` llava's MLP and LM head shapes):
 `F.linear` against `PackedLinear` at 1, 16 and 512 rows (no bias), with a check that the bits are the same.
-Median ms of 10 calls a round, interleaved. Used for bench/README.md, "bf16 on the CPU".
+Median ms of 10 calls a round, interleaved. Used for bench/lab/NOTEBOOK.md, "bf16 on the CPU".
 """
 
 from __future__ import annotations

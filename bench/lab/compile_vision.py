@@ -19,7 +19,8 @@ its IO core), variants interleaved round by round, median ms an image:
   `freezing` is a process-wide inductor setting: put this variant in a run of its own (with `eager`).
 
 Also prints each variant's first call (compile included, into an empty inductor cache unless
-`--keep-cache`) and its largest difference from `eager`'s output. Used for bench/README.md, "Compiling the vision tower".
+`--keep-cache`) and its largest difference from `eager`'s output. Used for bench/lab/NOTEBOOK.md,
+"Compiling the vision tower".
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ head size 64), in float32 and bfloat16, for this checkout's kernel and, interlea
 process: `--against REV` (the kernel at a git revision, its headers included), `--portable` (built
 without -march=native) and `--avx2` (built for AVX2 and FMA, the build AVX2-only hosts get); with
 `--against`, each of those is built from both sources. Each build's largest difference from gather + SDPA in float32 is printed first. `--huge-pages on` allocates the
-pools as the engine does (workers/huge_pages.py). Used for bench/README.md, "bf16 on the CPU".
+pools as the engine does (workers/huge_pages.py). Used for bench/lab/NOTEBOOK.md, "bf16 on the CPU".
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ packs them (q 512, k 256, v 256, o 512 from 512; gate and up 1376 from 512; down
   check that the merged layer's columns have the separate layers' bits.
 
 Prints ms for the 56 (or 32 merged) calls and their GFLOP/s; read it against `lab.cpu_peak`. Used for
-bench/README.md, "What is left per core".
+bench/lab/NOTEBOOK.md, "What is left per core".
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ ignores EOS and makes --max-tokens tokens, like the bench's `--ignore-eos`. Repo
 request, split into steps that carry prompt tokens (prefill, with the decode tokens riding along),
 decode-only steps, and vision encoding (inside adding a request), with how many steps of each kind.
 One torch thread, like a worker.
-Used for bench/README.md, "Why 1.3x per core is out of reach".
+Used for bench/lab/NOTEBOOK.md, "Why 1.3x per core is out of reach".
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The candidate kernels (C below, built here with -march=native) against HF's torc
 forward, `silu(gate) * up`) at the checkpoint's hidden and intermediate widths, one thread, best of
 `--rounds`. For each row count: us an op both ways, their largest relative difference, and what a step
 of that many rows would save with 2L + 1 norms and L MLPs (L: the language model's layers). Needs a
-CPU with AVX2 and FMA. Used for bench/README.md, "Another AVX2 host".
+CPU with AVX2 and FMA. Used for bench/lab/NOTEBOOK.md, "Another AVX2 host".
 """
 
 from __future__ import annotations

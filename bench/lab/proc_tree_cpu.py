@@ -7,7 +7,7 @@
     python -m lab.proc_tree_cpu diff B.json.start B.json  # the last CPU times seen of every thread
 
 Unlike `lab.cpu_monitor` (which matches command lines) it follows parent links, so it also counts
-processes that rename themselves (vLLM's `VLLM::Worker`, `VLLM::EngineCore`). Used for bench/README.md,
+processes that rename themselves (vLLM's `VLLM::Worker`, `VLLM::EngineCore`). Used for bench/lab/NOTEBOOK.md,
 "Why 1.3x per core is out of reach".
 """
 

@@ -8,13 +8,13 @@ Cases, the peer's `small` llava's shapes over a pool of 2,048 blocks of 16 whose
 and a vision layer without the causal mask (577 patches, 16 heads as CLIP-L, and 4 as the `small`
 tower). For each case: whether `--against`'s output has this build's bits (else the largest
 difference), then the median ms of 20 calls a round, the builds interleaved round by round. Needs a CPU
-with AVX512_BF16 (the kernel is built only there). Used for bench/README.md, "The prompt kernel's registers".
+with AVX512_BF16 (the kernel is built only there). Used for bench/lab/NOTEBOOK.md, "The prompt kernel's registers".
 
 Where this build multiplies on AMX tiles (paged_prefill_amx), it also runs with them off ("this,
 vdpbf16ps"), and `--sdpa` adds what the kernel replaces: the request's blocks gathered and torch's SDPA
 (a bool mask for a chunk after a prefix), in bf16. Each variant's largest difference from the first
 variant is printed, and `--against`'s from this build's same products (on tiles where both have them,
-else "this, vdpbf16ps"). Used for bench/README.md, "Prompt attention on AMX tiles".
+else "this, vdpbf16ps"). Used for bench/lab/NOTEBOOK.md, "Prompt attention on AMX tiles".
 """
 
 from __future__ import annotations

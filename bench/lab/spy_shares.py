@@ -9,7 +9,7 @@ MServe, `worker_busy_loop` for vLLM-CPU's model process), so idle threads and st
 (PackedLinear.forward, the decode kernel's `attend`, ...). `--by op` is for a torch.compile'd model
 (vLLM's): each sample is charged to the operation on the line of the inductor-generated graph it was
 in (`Runner.call (FILE.py:LINE)`), read from that file under `--inductor-dir`; samples outside the
-graph are charged by frame. Used for bench/README.md, "Where vLLM-CPU's model core goes".
+graph are charged by frame. Used for bench/lab/NOTEBOOK.md, "Where vLLM-CPU's model core goes".
 """
 
 from __future__ import annotations

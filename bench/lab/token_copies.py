@@ -8,7 +8,7 @@ and scatters them back into the step's output (workers/paged_attention.py). Time
 for the prompt-chunk groups of one layer (the peer's `small` llava: 8 heads of 64, bf16), the way they
 were done before (`query[:, index]`, `out[rows]`, `out[dest] = ...`) against `_tokens`,
 `index_select` and `index_copy_`, which copy whole token rows, with a check that both give the same
-bits. Median us a layer over 200 calls a round. Used for bench/README.md, "Where a served request's
+bits. Median us a layer over 200 calls a round. Used for bench/lab/NOTEBOOK.md, "Where a served request's
 time goes".
 """
 

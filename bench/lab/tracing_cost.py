@@ -6,7 +6,7 @@ The clusters: tracing off; every request traced; one in ten traced (OTEL_TRACES_
 parentbased_traceidratio, 0.1). The traced ones export over OTLP/HTTP to a real receiver in this
 process (lab/otlp_sink.py), each cluster has its own Redis, and the trace is small text requests
 (16 words, 8 tokens), so the coordinator's per-request work is what is measured. Ratios are against
-the untraced cluster; bench/README.md ("Tracing cost") has a run's table.
+the untraced cluster; bench/lab/NOTEBOOK.md ("Tracing cost") has a run's table.
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@ class FamilyRules:
     # own rule, sized as one clip, and expanded as text with per-frame-group timestamps
     # (common/families/qwen3_vl.py). None: Qwen2-VL's video (one run, common/video.py defaults).
     timestamped_video_defaults: dict | None = None
+    # The traits (common/traits.py names: a layer kind, `token_type_mask`, `bidirectional_text`...) this
+    # family's code and tests honour; any other trait a checkpoint of it has is refused at load.
+    honoured_traits: frozenset[str] = frozenset()
     # (processor, (width, height)) -> an image's (t, h, w) patch grid, when the image processor does not
     # resize by Qwen2-VL's smart_resize (common/model.py's default for M-RoPE families).
     image_grid: Callable[[Any, tuple[int, int]], tuple[int, int, int]] | None = None
@@ -59,4 +62,8 @@ def rules_for(model_type: str | None) -> FamilyRules:
     return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "gemma4": gemma4.RULES, "internvl": tiled.INTERNVL,
             "smolvlm": tiled.SMOLVLM, "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
             "qwen3_vl_moe": qwen3_vl.RULES, "glm46v": glm4v.RULES, "glm4v": glm4v.RULES,
-            "glm4v_moe": glm4v.RULES}.get(model_type or "", FamilyRules())
+            "glm4v_moe": glm4v.RULES, "qwen3_5": HYBRID, "qwen3_5_moe": HYBRID}.get(model_type or "", FamilyRules())
+
+
+# Qwen3.5 and its MoE: Gated DeltaNet layers keep a per-sequence state (workers/linear_state.py).
+HYBRID = FamilyRules(honoured_traits=frozenset({"linear_attention"}))

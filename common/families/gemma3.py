@@ -44,4 +44,6 @@ def expand_images_in_text(text: str, processor: Any, num_images: int) -> str:
 
 
 RULES = FamilyRules(processor_gap=unservable, bidirectional_images=True, expand_text=expand_images_in_text,
+                    # softcapping and all-bidirectional text: refused by its own processor_gap, naming the key
+                    honoured_traits=frozenset({"token_type_mask", "attn_logit_softcapping", "bidirectional_text"}),
                     no_video="video input is not supported for model_type gemma3 (images only)")

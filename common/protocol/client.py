@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mserve.common import sampling_rules as rules
 from mserve.common.protocol.core import LATENCY_CLASSES, MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as_map, as_str, list_of,
                                           nested, one_of, optional, rest, wire)
@@ -20,12 +21,13 @@ from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as
 
 @dataclass
 class Sampling(Message):
-    """How the model picks each next token (temperature 0: greedy). A missing seed travels as no field."""
+    """How the model picks each next token (temperature 0: greedy). A missing seed travels as no field.
+    The defaults and bounds are common/sampling_rules.py's."""
 
-    max_tokens: int = wire(as_int, 64)
-    temperature: float = wire(as_float, 0.0)
-    top_k: int = wire(as_int, 0)
-    top_p: float = wire(as_float, 1.0)
+    max_tokens: int = wire(as_int, rules.MAX_TOKENS)
+    temperature: float = wire(as_float, rules.TEMPERATURE)
+    top_k: int = wire(as_int, rules.TOP_K)
+    top_p: float = wire(as_float, rules.TOP_P)
     seed: int | None = wire(optional(as_int), None)
     stop_token_ids: list[int] = wire(list_of(as_int), [])
     ignore_eos: bool = wire(as_bool, False)
@@ -37,7 +39,7 @@ class Generate(Message):
     request_id: str = wire(as_str)
     messages: list[dict[str, Any]] = wire(list_of(as_map))
     sampling: Sampling = wire(nested(Sampling), Sampling)
-    priority: int = wire(as_int, 0)
+    priority: int = wire(as_int, rules.PRIORITY)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     stream: bool = wire(as_bool, False)
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1

@@ -42,6 +42,8 @@ class MsgType(IntEnum):
     SHUTDOWN = 35
     ADOPT = 36  # cached KV blocks handed back to a prefill worker (a finished reply's, for the next turn)
     EMBEDDINGS = 37  # more of a running prefill's images, encoded elsewhere after its PREFILL was sent
+    # operator (client) -> coordinator, and coordinator -> worker: drain, then serve as another role
+    SWITCH_ROLE = 38
 
 
 
@@ -49,7 +51,7 @@ ROLES = ("encode", "prefill", "decode", "unified")
 
 # What a worker of each role accepts from the coordinator: a stage message for another role is a
 # routing bug, refused loudly rather than run.
-_CONTROL = {MsgType.CANCEL, MsgType.SHUTDOWN}
+_CONTROL = {MsgType.CANCEL, MsgType.SHUTDOWN, MsgType.SWITCH_ROLE}
 ROLE_ACCEPTS: dict[str, frozenset[MsgType]] = {
     "encode": frozenset({MsgType.ENCODE, *_CONTROL}),
     "prefill": frozenset({MsgType.PREFILL, MsgType.ADOPT, MsgType.EMBEDDINGS, *_CONTROL}),

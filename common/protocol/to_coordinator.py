@@ -141,6 +141,7 @@ class Failed(Message):
 class Bye(Message):
     KIND: ClassVar = MsgType.BYE
     worker_id: str = wire(as_str)
+    switching_to: str | None = wire(optional(as_str), None)  # it leaves to come back as this role (SWITCH_ROLE)
 
 
 TO_COORDINATOR: dict[MsgType, type[Message]] = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mserve.common import sampling_rules as rules
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.protocol.client import Sampling
 from mserve.common.protocol.core import MsgType
@@ -45,7 +46,7 @@ class EncodeTask(Message):
     request_id: str = wire(as_str)
     attempt: int = wire(as_int)
     images: list[ImageRef] = wire(list_of(nested(ImageRef)))
-    priority: int = wire(as_int, 0)
+    priority: int = wire(as_int, rules.PRIORITY)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
     # This request's own pruning ratio (SLO-adaptive pruning); None: the worker's --visual-token-pruning.
@@ -70,7 +71,7 @@ class PrefillTask(Message):
     image_hashes: list[str] = wire(list_of(as_str), [])
     embeddings: dict[str, Any] | None = wire(optional(as_map), None)  # transfer descriptor (on an encode worker)
     grids: list[Any] | None = wire(optional(list_of(optional(list_of(as_int)))), None)  # Qwen2-VL (t, h, w)
-    priority: int = wire(as_int, 0)
+    priority: int = wire(as_int, rules.PRIORITY)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     # Images encoded on several encode workers at once (instead of `embeddings`): each part's
     # descriptor, and which of the request's images (by index) its tensors img0..imgK are.
@@ -102,7 +103,7 @@ class KVState(Message):
     images: list[Any] = wire(list_of(as_list))  # [start, length, image hash] per image of the prompt
     sampling: Sampling = wire(nested(Sampling))
     rope_delta: int = wire(as_int, 0)
-    priority: int = wire(as_int, 0)
+    priority: int = wire(as_int, rules.PRIORITY)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
 
 
@@ -133,7 +134,7 @@ class RunTask(Message):
     sampling: Sampling = wire(nested(Sampling))
     output_ids: list[int] = wire(list_of(as_int), [])
     images: list[ImageRef] = wire(list_of(nested(ImageRef)), [])
-    priority: int = wire(as_int, 0)
+    priority: int = wire(as_int, rules.PRIORITY)
     latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     # Tokens off the coordinator (its --token-report-every, docs/scaling.md): the worker reports this
     # request's tokens to the coordinator only every `report_every` tokens (and its first and last), and
@@ -154,6 +155,21 @@ class Cancel(Message):
 @dataclass
 class Shutdown(Message):
     KIND: ClassVar = MsgType.SHUTDOWN
+
+
+# The roles a worker can switch between: each holds the whole text model (an encode worker holds the vision tower only).
+SWITCHABLE_ROLES = ("prefill", "decode", "unified")
+
+
+@dataclass
+class SwitchRole(Message):
+    """Drain, then serve as `role` (coordinator/role_switching.py): from an operator to the coordinator
+    (`mserve switch-role`), and from the coordinator to the worker it names."""
+
+    KIND: ClassVar = MsgType.SWITCH_ROLE
+    STARTS_STAGE: ClassVar = False
+    worker_id: str = wire(as_str)
+    role: str = wire(one_of(*SWITCHABLE_ROLES))
 
 
 @dataclass
@@ -182,4 +198,4 @@ class Embeddings(Message):
 
 TO_WORKER: dict[MsgType, type[Message]] = {
     cls.KIND: cls for cls in (EncodeTask, PrefillTask, DecodeTask, RunTask, Cancel, Shutdown, AdoptBlocks,
-                              Embeddings)}
+                              Embeddings, SwitchRole)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,3 +103,40 @@ def randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.fill_(1.0)
             else:  # matrices, conv kernels, embeddings, CLIP's class_embedding vector
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+class VideoProcessorStandIn(dict):
+    """Stands in for a video processor (Qwen2VLVideoProcessor, ...), whose class needs torchvision:
+    ProcessorMixin.save_pretrained writes a sub-processor that is a plain dict as it is (and skips
+    custom-code saving: no auto class)."""
+
+    _auto_class = None
+
+
+def with_video_stand_in(cls: type, video_config: dict, **parts: Any) -> Any:
+    """A real `cls` processor whose video processor is a VideoProcessorStandIn of `video_config`.
+
+    ProcessorMixin.__init__ type-checks every sub-processor, and without torchvision the video
+    processor check cannot even run, so that one check is skipped for this one instance."""
+    processor = cls.__new__(cls)
+    check = processor.check_argument_for_proper_class
+    processor.check_argument_for_proper_class = (
+        lambda name, arg: dict if name == "video_processor" else check(name, arg))
+    processor.__init__(video_processor=VideoProcessorStandIn(video_config), **parts)
+    del processor.check_argument_for_proper_class
+    return processor
+
+
+def save_processor_files(out: Path, processor: Any, image_processor: Any, layout: str) -> None:
+    """The processor's files in one of common/tiny_model.py's LAYOUTS: processor_config.json (image
+    processor nested), tokenizer and chat template always; the image processor's own
+    preprocessor_config.json, as on the hub, unless `layout` is "processor"; and for "preprocessor",
+    the hub's older layout, processor_config.json keeps the processor's own keys only."""
+    processor.save_pretrained(out)
+    if layout != "processor":
+        image_processor.save_pretrained(out)
+    if layout == "preprocessor":
+        path = out / "processor_config.json"
+        config = json.loads(path.read_text())
+        del config["image_processor"]
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

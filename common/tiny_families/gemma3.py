@@ -12,8 +12,7 @@ from pathlib import Path
 
 from tokenizers import processors
 
-from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
-from mserve.common.tiny_families.llava import _drop_nested_image_processor
+from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, save_processor_files, train_bpe
 
 SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 
@@ -45,20 +44,24 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 
-def gemma3_tokenizer(vocab_size: int):
+def gemma_tokenizer(vocab_size: int, specials: list[str], extra_special_tokens: dict[str, str], chat_template: str):
+    """A Gemma-style tokenizer (Gemma 3 and Gemma 4 alike): <pad> <eos> <bos> <unk> first, then the
+    family's `specials`; like Gemma's tokenizer, BOS is added by the tokenizer (the template emits it too)."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = train_bpe(vocab_size, ["<pad>", "<eos>", "<bos>", "<unk>"], SPECIALS)
+    tok = train_bpe(vocab_size, ["<pad>", "<eos>", "<bos>", "<unk>"], specials)
     bos = tok.token_to_id("<bos>")
-    # Like Gemma's tokenizer: BOS is added by the tokenizer (the template emits it too).
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
                                                        special_tokens=[("<bos>", bos)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                              "eoi_token": "<end_of_image>"},
-        padding_side="left", chat_template=GEMMA3_CHAT_TEMPLATE,
+        extra_special_tokens=extra_special_tokens, padding_side="left", chat_template=chat_template,
     )
+
+
+def gemma3_tokenizer(vocab_size: int):
+    return gemma_tokenizer(vocab_size, SPECIALS, {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                                                  "eoi_token": "<end_of_image>"}, GEMMA3_CHAT_TEMPLATE)
 
 
 def gemma3_config(dims: dict, tok, std: float):
@@ -95,11 +98,7 @@ def save_gemma3_processor(out: Path, dims: dict, tok, layout: str) -> None:
                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=dims["mm_tokens"],
                                 chat_template=GEMMA3_CHAT_TEMPLATE)
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":  # the hub's older layout: processor_config.json keeps the processor's own keys
-        _drop_nested_image_processor(out)
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def generation_config(tok):

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import processors
-
-from mserve.common.tiny_families.base import TinyFamily, train_bpe
+from mserve.common.tiny_families.base import TinyFamily, save_processor_files
+from mserve.common.tiny_families.gemma3 import gemma_tokenizer
 
 # The audio tokens too: Gemma4Processor refuses every call when the tokenizer lacks boa/eoa (as the published
 # tokenizer has them), audio or not.
@@ -50,18 +49,10 @@ GEMMA4_CHAT_TEMPLATE = (
 
 
 def gemma4_tokenizer(vocab_size: int):
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(vocab_size, ["<pad>", "<eos>", "<bos>", "<unk>"], SPECIALS)
-    bos = tok.token_to_id("<bos>")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
-                                                       special_tokens=[("<bos>", bos)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        extra_special_tokens={"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
-                              "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"},
-        padding_side="left", chat_template=GEMMA4_CHAT_TEMPLATE,
-    )
+    return gemma_tokenizer(vocab_size, SPECIALS,
+                           {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                            "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"},
+                           GEMMA4_CHAT_TEMPLATE)
 
 
 def gemma4_config(dims: dict, tok, std: float):
@@ -112,13 +103,7 @@ def save_gemma4_processor(out: Path, dims: dict, tok, layout: str) -> None:
                                    chat_template=GEMMA4_CHAT_TEMPLATE)
     # save_pretrained writes every part it owns: the parts left out (None) are not listed on this instance.
     processor.get_attributes = lambda: ["image_processor", "tokenizer"]
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":
-        from mserve.common.tiny_families.llava import _drop_nested_image_processor
-
-        _drop_nested_image_processor(out)
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def generation_config(tok):

@@ -12,11 +12,10 @@ model rotates half of each head (partial_rotary_factor 0.5) with M-RoPE sections
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from mserve.common.tiny_families.base import TinyFamily, train_bpe
-from mserve.common.tiny_families.qwen import _qwen2_vl_processor
+from mserve.common.tiny_families.base import TinyFamily
+from mserve.common.tiny_families.qwen import _qwen2_vl_processor, qwen_style_tokenizer, save_with_video_configs
 
 GLM_PATCH = 14
 SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
@@ -42,14 +41,8 @@ GLM4V_CHAT_TEMPLATE = (
 
 
 def glm4v_tokenizer(vocab_size: int):
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(vocab_size, [], SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image|>", "video_token": "<|video|>"},
-        padding_side="left", chat_template=GLM4V_CHAT_TEMPLATE,
-    )
+    return qwen_style_tokenizer(vocab_size, SPECIALS, GLM4V_CHAT_TEMPLATE, eos="<|endoftext|>", image="<|image|>",
+                                video="<|video|>")
 
 
 def _glm_config(dims: dict, tok, std: float, config_class: str, text_type: str, **text_extra):
@@ -119,13 +112,8 @@ def _save_processor(out: Path, dims: dict, tok, layout: str, processor_class: st
         "image_mean": image_config["image_mean"], "image_std": image_config["image_std"], "do_resize": True,
         "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "resample": 3, "rescale_factor": 1 / 255,
     }
-    _qwen2_vl_processor(image_processor, tok, video_config, processor_class, GLM4V_CHAT_TEMPLATE).save_pretrained(out)
-    if layout != "processor":
-        for name, config in [("preprocessor_config.json", image_config),
-                             ("video_preprocessor_config.json", video_config)]:
-            (out / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if layout == "preprocessor":
-        (out / "processor_config.json").unlink()
+    save_with_video_configs(out, _qwen2_vl_processor(image_processor, tok, video_config, processor_class,
+                                                     GLM4V_CHAT_TEMPLATE), image_config, video_config, layout)
 
 
 def generation_config(tok):

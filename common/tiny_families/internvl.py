@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mserve.common.tiny_families.llava import _drop_nested_image_processor
-from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
-from mserve.common.tiny_families.qwen import _VideoProcessorConfig
+from mserve.common.tiny_families.base import (PATCH_SIZE, TinyFamily, save_processor_files, train_bpe,
+                                              with_video_stand_in)
 
 # The chat template of OpenGVLab/InternVL3-*-hf (transformers' conversion script): no default system
 # prompt, one <IMG_CONTEXT> line per image that the processor expands to <img> + context tokens + </img>.
@@ -66,20 +65,10 @@ def save_internvl_processor(out: Path, dims: dict, tok, layout: str) -> None:
     side = dims["image_size"]
     image_processor = GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
                                               min_patches=1, max_patches=dims["max_patches"])
-    processor = InternVLProcessor.__new__(InternVLProcessor)
-    # The video processor needs torchvision: a plain-dict stand-in is saved as it is (see qwen.py).
-    check = processor.check_argument_for_proper_class
-    processor.check_argument_for_proper_class = (
-        lambda name, arg: dict if name == "video_processor" else check(name, arg))
-    processor.__init__(image_processor=image_processor, tokenizer=tok, image_seq_length=image_seq_length(dims),
-                       video_processor=_VideoProcessorConfig(video_processor_type="InternVLVideoProcessor"),
-                       chat_template=INTERNVL_CHAT_TEMPLATE)
-    del processor.check_argument_for_proper_class
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":
-        _drop_nested_image_processor(out)
+    processor = with_video_stand_in(InternVLProcessor, {"video_processor_type": "InternVLVideoProcessor"},
+                                    image_processor=image_processor, tokenizer=tok,
+                                    image_seq_length=image_seq_length(dims), chat_template=INTERNVL_CHAT_TEMPLATE)
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def generation_config(tok):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import processors
 
-from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
+from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, save_processor_files, train_bpe
 
 # Published llava-hf/llava-1.5-7b-hf chat_template.json, verbatim.  It does not emit <s>:
 # as with the real checkpoint, the tokenizer's post-processor prepends BOS (and
@@ -94,11 +93,7 @@ def save_llava_processor(out: Path, dims: dict, tok, layout: str) -> None:
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
         chat_template=LLAVA_CHAT_TEMPLATE,
     )
-    processor.save_pretrained(out)  # processor_config.json (nested), tokenizer, chat template
-    if layout != "processor":
-        image_processor.save_pretrained(out)  # legacy preprocessor_config.json, as on the hub
-    if layout == "preprocessor":  # llava-hf's processor_config.json: the processor's own keys only
-        _drop_nested_image_processor(out)
+    save_processor_files(out, processor, image_processor, layout)  # "preprocessor": llava-hf's layout
 
 
 def save_llava_next_processor(out: Path, dims: dict, tok, layout: str) -> None:
@@ -114,18 +109,7 @@ def save_llava_next_processor(out: Path, dims: dict, tok, layout: str) -> None:
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
         chat_template=LLAVA_CHAT_TEMPLATE,
     )
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":
-        _drop_nested_image_processor(out)
-
-
-def _drop_nested_image_processor(out: Path) -> None:
-    path = out / "processor_config.json"
-    config = json.loads(path.read_text())
-    del config["image_processor"]
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def generation_config(tok):

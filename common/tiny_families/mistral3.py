@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import processors
 
-from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
+from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, save_processor_files, train_bpe
 
 # Written for mserve after the published mistralai/Mistral-Small-3.1-24B-Instruct-2503 template: BOS,
 # an optional [SYSTEM_PROMPT]...[/SYSTEM_PROMPT], each user turn in [INST]...[/INST] with one [IMG]
@@ -90,13 +90,7 @@ def save_mistral3_processor(out: Path, dims: dict, tok, layout: str) -> None:
     )
     processor = PixtralProcessor(image_processor=image_processor, tokenizer=tok, patch_size=PATCH_SIZE,
                                  spatial_merge_size=2, chat_template=MISTRAL3_CHAT_TEMPLATE)
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)  # preprocessor_config.json, as on the hub
-    if layout == "preprocessor":
-        from mserve.common.tiny_families.llava import _drop_nested_image_processor
-
-        _drop_nested_image_processor(out)
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def generation_config(tok):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
+from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe, with_video_stand_in
 
 # Published Qwen/Qwen2-VL-*-Instruct chat template, verbatim (no BOS, default system prompt).
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -25,15 +25,22 @@ QWEN2_VL_CHAT_TEMPLATE = (
 QWEN2_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                      "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
-def qwen_tokenizer(vocab_size: int):
+def qwen_style_tokenizer(vocab_size: int, specials: list[str], chat_template: str, eos: str = "<|im_end|>",
+                         image: str = "<|image_pad|>", video: str = "<|video_pad|>"):
+    """The tokenizer of the Qwen-VL line (and GLM-4V, which differs in its tokens only): no trained
+    specials, <|endoftext|> pads, image and video placeholders named as the processor expects."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = train_bpe(vocab_size, [], QWEN2_VL_SPECIALS)
+    tok = train_bpe(vocab_size, [], specials)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-        padding_side="left", chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>",
+        extra_special_tokens={"image_token": image, "video_token": video},
+        padding_side="left", chat_template=chat_template,
     )
+
+
+def qwen_tokenizer(vocab_size: int):
+    return qwen_style_tokenizer(vocab_size, QWEN2_VL_SPECIALS, QWEN2_VL_CHAT_TEMPLATE)
 
 
 def qwen2_vl_config(dims: dict, tok, std: float):
@@ -89,30 +96,13 @@ def _qwen_text(dims: dict, tok, std: float) -> dict:
     )
 
 
-class _VideoProcessorConfig(dict):
-    """Stands in for Qwen2VLVideoProcessor, which needs torchvision: ProcessorMixin.save_pretrained
-    writes a sub-processor that is a plain dict as it is (and skips custom-code saving: no auto class)."""
-
-    _auto_class = None
-
-
 def _qwen2_vl_processor(image_processor, tok, video_config: dict, processor_class: str = "Qwen2VLProcessor",
                         chat_template: str = QWEN2_VL_CHAT_TEMPLATE):
-    """A real Qwen2VLProcessor (or Qwen2_5_VLProcessor) whose video processor is the `_VideoProcessorConfig` stand-in.
-
-    ProcessorMixin.__init__ type-checks every sub-processor, and without torchvision the video
-    processor check cannot even run, so that one check is skipped for this one instance."""
+    """A real Qwen2VLProcessor (or Qwen2_5_VLProcessor) whose video processor is a stand-in (base.py)."""
     import transformers
 
-    cls = getattr(transformers, processor_class)
-    processor = cls.__new__(cls)
-    check = processor.check_argument_for_proper_class
-    processor.check_argument_for_proper_class = (
-        lambda name, arg: dict if name == "video_processor" else check(name, arg))
-    processor.__init__(image_processor=image_processor, tokenizer=tok, chat_template=chat_template,
-                       video_processor=_VideoProcessorConfig(video_config))
-    del processor.check_argument_for_proper_class
-    return processor
+    return with_video_stand_in(getattr(transformers, processor_class), video_config, image_processor=image_processor,
+                               tokenizer=tok, chat_template=chat_template)
 
 
 def save_qwen2_vl_processor(out: Path, dims: dict, tok, layout: str, processor_class: str = "Qwen2VLProcessor") -> None:
@@ -138,12 +128,21 @@ def save_qwen2_vl_processor(out: Path, dims: dict, tok, layout: str, processor_c
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
         "resample": 3, "rescale_factor": 1 / 255,
     }
-    _qwen2_vl_processor(image_processor, tok, video_config, processor_class).save_pretrained(out)
+    save_with_video_configs(out, _qwen2_vl_processor(image_processor, tok, video_config, processor_class),
+                            image_config, video_config, layout)
+
+
+def save_with_video_configs(out: Path, processor, image_config: dict, video_config: dict, layout: str) -> None:
+    """A processor with a stand-in video processor, in one of common/tiny_model.py's LAYOUTS: its
+    processor_config.json, tokenizer and chat template; unless `layout` is "processor", the image and
+    video processors' own configs, written by hand (the video processor's class needs torchvision);
+    for "preprocessor", no processor_config.json, as Qwen/Qwen2-VL-*-Instruct on the hub."""
+    processor.save_pretrained(out)
     if layout != "processor":
         for name, config in [("preprocessor_config.json", image_config),
                              ("video_preprocessor_config.json", video_config)]:
             (out / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if layout == "preprocessor":  # Qwen/Qwen2-VL-*-Instruct on the hub have no processor_config.json
+    if layout == "preprocessor":
         (out / "processor_config.json").unlink()
 
 

@@ -8,8 +8,8 @@ generation prompt, so <think> and </think> are special tokens here as in the pub
 
 from __future__ import annotations
 
-from mserve.common.tiny_families.base import TinyFamily, train_bpe
-from mserve.common.tiny_families.qwen import QWEN2_VL_SPECIALS, generation_config
+from mserve.common.tiny_families.base import TinyFamily
+from mserve.common.tiny_families.qwen import QWEN2_VL_SPECIALS, generation_config, qwen_style_tokenizer
 from mserve.common.tiny_families.qwen3_vl import QWEN3_VL_CHAT_TEMPLATE, QWEN3_VL_PATCH, save_qwen3_vl_processor
 
 QWEN3_5_SPECIALS = QWEN2_VL_SPECIALS + ["<think>", "</think>"]
@@ -22,18 +22,11 @@ QWEN3_5_CHAT_TEMPLATE = QWEN3_VL_CHAT_TEMPLATE.replace(
 
 
 def qwen3_5_tokenizer(vocab_size: int):
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(vocab_size, [], QWEN3_5_SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-        padding_side="left", chat_template=QWEN3_5_CHAT_TEMPLATE,
-    )
+    return qwen_style_tokenizer(vocab_size, QWEN3_5_SPECIALS, QWEN3_5_CHAT_TEMPLATE)
 
 
-def qwen3_5_config(dims: dict, tok, std: float):
-    from transformers import Qwen3_5Config
+def qwen3_5_config(dims: dict, tok, std: float, cls: str = "Qwen3_5Config", **text_extra):
+    import transformers
 
     ids = tok.convert_tokens_to_ids
     vision = dict(
@@ -54,9 +47,9 @@ def qwen3_5_config(dims: dict, tok, std: float):
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_interleaved": True,
                          "mrope_section": [rotary - 2 * (rotary * 3 // 8), rotary * 3 // 8, rotary * 3 // 8],
                          "partial_rotary_factor": 0.25},
-        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **text_extra,
     )
-    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+    return getattr(transformers, cls)(text_config=text, vision_config=vision, tie_word_embeddings=False,
                          image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
                          vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
 
@@ -80,5 +73,25 @@ QWEN3_5 = TinyFamily(
                         lin_v_heads=8, layer_types=(_LINEAR, _LINEAR, _LINEAR, _FULL) * 2)},
     init_std={"tiny": 0.15, "small": 0.15},
     tokenizer=qwen3_5_tokenizer, config=qwen3_5_config, save_processor=save_qwen3_5_processor,
+    generation_config=generation_config,
+)
+
+
+def qwen3_5_moe_config(dims: dict, tok, std: float):
+    # Qwen3.5-MoE: every layer's MLP is sparse (routed experts plus a gated shared expert), beside the same
+    # hybrid attention. Several experts chosen per token, so a shortcut that took only the top one, dropped
+    # the routing weights or the shared expert's gate changes the tokens.
+    return qwen3_5_config(dims, tok, std, "Qwen3_5MoeConfig", num_experts=dims["experts"],
+                          num_experts_per_tok=dims["experts_per_tok"], moe_intermediate_size=dims["moe_inter"],
+                          shared_expert_intermediate_size=dims["shared_inter"])
+
+
+QWEN3_5_MOE = TinyFamily(
+    arch="qwen3_5_moe",
+    dims={size: {**dims, **moe} for (size, dims), moe in zip(QWEN3_5.dims.items(), (
+        dict(experts=8, experts_per_tok=2, moe_inter=64, shared_inter=64),
+        dict(experts=16, experts_per_tok=4, moe_inter=344, shared_inter=344)))},
+    init_std=QWEN3_5.init_std,
+    tokenizer=qwen3_5_tokenizer, config=qwen3_5_moe_config, save_processor=save_qwen3_5_processor,
     generation_config=generation_config,
 )

@@ -10,11 +10,11 @@ by hand (Qwen3VLVideoProcessor needs torchvision), as for Qwen2-VL (qwen.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from mserve.common.tiny_families.base import TinyFamily, train_bpe
-from mserve.common.tiny_families.qwen import QWEN2_VL_SPECIALS, _qwen2_vl_processor, generation_config
+from mserve.common.tiny_families.base import TinyFamily
+from mserve.common.tiny_families.qwen import (QWEN2_VL_SPECIALS, _qwen2_vl_processor, generation_config,
+                                              qwen_style_tokenizer, save_with_video_configs)
 
 QWEN3_VL_PATCH = 16
 
@@ -36,14 +36,7 @@ QWEN3_VL_CHAT_TEMPLATE = (
 
 
 def qwen3_vl_tokenizer(vocab_size: int):
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(vocab_size, [], QWEN2_VL_SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-        padding_side="left", chat_template=QWEN3_VL_CHAT_TEMPLATE,
-    )
+    return qwen_style_tokenizer(vocab_size, QWEN2_VL_SPECIALS, QWEN3_VL_CHAT_TEMPLATE)
 
 
 def qwen3_vl_config(dims: dict, tok, std: float, config_class: str = "Qwen3VLConfig", **text_extra):
@@ -94,14 +87,8 @@ def save_qwen3_vl_processor(out: Path, dims: dict, tok, layout: str, chat_templa
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
         "resample": 3, "rescale_factor": 1 / 255,
     }
-    _qwen2_vl_processor(image_processor, tok, video_config, "Qwen3VLProcessor",
-                        chat_template).save_pretrained(out)
-    if layout != "processor":
-        for name, config in [("preprocessor_config.json", image_config),
-                             ("video_preprocessor_config.json", video_config)]:
-            (out / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if layout == "preprocessor":
-        (out / "processor_config.json").unlink()
+    save_with_video_configs(out, _qwen2_vl_processor(image_processor, tok, video_config, "Qwen3VLProcessor",
+                                                     chat_template), image_config, video_config, layout)
 
 
 QWEN3_VL = TinyFamily(

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mserve.common.tiny_families.llava import _drop_nested_image_processor
-from mserve.common.tiny_families.base import PATCH_SIZE, TinyFamily, train_bpe
-from mserve.common.tiny_families.qwen import _VideoProcessorConfig
+from mserve.common.tiny_families.base import (PATCH_SIZE, TinyFamily, save_processor_files, train_bpe,
+                                              with_video_stand_in)
 
 # The chat template transformers' SmolVLMProcessor ships (processing_smolvlm.DEFAULT_CHAT_TEMPLATE), as
 # HuggingFaceTB/SmolVLM2 checkpoints publish it: BOS <|im_start|> written by the template itself.
@@ -72,32 +71,19 @@ def save_smolvlm_processor(out: Path, dims: dict, tok, layout: str) -> None:
     from transformers import SmolVLMImageProcessorPil, SmolVLMProcessor
 
     image_processor = _tiling_image_processor(SmolVLMImageProcessorPil, dims)
-    processor = SmolVLMProcessor.__new__(SmolVLMProcessor)
-    # The video processor needs torchvision: a plain-dict stand-in is saved as it is (see qwen.py).
-    check = processor.check_argument_for_proper_class
-    processor.check_argument_for_proper_class = (
-        lambda name, arg: dict if name == "video_processor" else check(name, arg))
-    processor.__init__(image_processor=image_processor, tokenizer=tok, image_seq_len=image_seq_len(dims),
-                       video_processor=_VideoProcessorConfig(video_processor_type="SmolVLMVideoProcessor"),
-                       chat_template=SMOLVLM_CHAT_TEMPLATE)
-    del processor.check_argument_for_proper_class
-    processor.save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":
-        _drop_nested_image_processor(out)
+    processor = with_video_stand_in(SmolVLMProcessor, {"video_processor_type": "SmolVLMVideoProcessor"},
+                                    image_processor=image_processor, tokenizer=tok, image_seq_len=image_seq_len(dims),
+                                    chat_template=SMOLVLM_CHAT_TEMPLATE)
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def save_idefics3_processor(out: Path, dims: dict, tok, layout: str) -> None:
     from transformers import Idefics3ImageProcessorPil, Idefics3Processor
 
     image_processor = _tiling_image_processor(Idefics3ImageProcessorPil, dims)
-    Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=image_seq_len(dims),
-                      chat_template=IDEFICS3_CHAT_TEMPLATE).save_pretrained(out)
-    if layout != "processor":
-        image_processor.save_pretrained(out)
-    if layout == "preprocessor":
-        _drop_nested_image_processor(out)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=image_seq_len(dims),
+                                  chat_template=IDEFICS3_CHAT_TEMPLATE)
+    save_processor_files(out, processor, image_processor, layout)
 
 
 def _tiling_image_processor(cls, dims: dict):

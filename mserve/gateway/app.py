@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP gateway: FastAPI routes over one AsyncClient to the coordinator.
 
 ``POST /v1/chat/completions`` (SSE streaming exactly as OpenAI sends it, or one JSON body),
-``GET /v1/models`` (every model the coordinator serves: gateway/models.py), ``GET /health``, ``GET /metrics``. Errors are OpenAI's error JSON with the
+``GET /v1/models`` (every model the coordinator serves: gateway/models.py), ``GET /health``, ``GET /metrics``,
+``GET /dashboard`` (a live page of the same numbers: gateway/dashboard.py). Errors are OpenAI's error JSON with the
 status a client expects (400, 401, 404, 413, 429 + Retry-After, 503, 504). A client that goes
 away aborts its request on every stage: the token stream is closed, which sends ABORT.
 """
@@ -9,33 +10,43 @@ away aborts its request on every stage: the token stream is closed, which sends 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import math
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from mserve.common import tracing
+from mserve.common.documents import DocumentLimits
 from mserve.common.perf import freeze_startup_heap
 from mserve.coordinator.async_client import AsyncClient
 from mserve.coordinator.client_core import MServeError
+from mserve.gateway.dashboard import Dashboard, page
+from mserve.gateway.generation import Generation
+from mserve.gateway.media_fetch import fetcher_from_settings
 from mserve.gateway.metrics import GatewayMetrics
 from mserve.gateway.models import ModelCatalog
 from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, MODEL_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
-                                       parse_chat_request, pruned_marker, status_for_code, usage_of)
+                                       has_documents, parse_chat_request, pruned_marker, status_for_code, usage_of)
 from mserve.gateway.settings import GatewaySettings
-from mserve.gateway.textstream import Detokenizer, StopMatcher
 
 log = logging.getLogger("mserve.gateway")
 T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.2
+# A body that may hold an http(s) URL string is parsed in a thread (its media are fetched there): a
+# string starting "http, or any \u escape (which could spell one). base64 holds neither '"' nor '\',
+# so a body of data URLs does not match and parses on the event loop as before.
+_REMOTE_URL = re.compile(rb'"[hH][tT][tT][pP]|\\u')
 
 
 class ClientGone(Exception):
@@ -75,79 +86,19 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
                 pass
 
 
-class Generation:
-    """One chat completion's tokens turned into text deltas, stop strings applied."""
-
-    def __init__(self, gw: Gateway, req: ChatRequest, model: str, span: Any = None) -> None:
-        self.req = req
-        self.catalog = gw.catalog
-        self.model = model  # the coordinator's name asked for; once a reply names it, the model answering
-        self.span = span  # the request's gateway span while tracing is on (common/tracing.py)
-        trace = {"trace": tracing.traceparent(span)} if span is not None else {}
-        self.stream = gw.client.stream(req.messages, timeout_s=gw.settings.request_timeout_s, model=model,
-                                       **req.sampling, **trace)
-        self.detok: Detokenizer = None  # type: ignore[assignment]  # the answering model's, at its first reply
-        self.stops = StopMatcher(req.stop)
-        self._chunks = self.stream.chunks()
-        self.finish_reason: str | None = None
-        self.prompt_tokens = 0
-        self.visual_keep_ratio: float | None = None  # from the RESULT: SLO-adaptive pruning pruned it
-        self.t_start = time.perf_counter()
-        self.t_first: float | None = None
-
-    async def next_delta(self) -> tuple[str, list[int]] | None:
-        """The next (text, token ids) piece, or None when the request is over (``finish_reason`` set)."""
-        if self.finish_reason is not None:
-            return None
-        try:
-            ids = await self._chunks.__anext__()
-        except StopAsyncIteration:
-            res = self.stream.result
-            assert res is not None
-            await self._answered_by(res.model)
-            self.prompt_tokens, self.finish_reason = res.prompt_tokens, res.finish_reason
-            self.visual_keep_ratio = res.visual_keep_ratio
-            tail = self.stops.feed(self.detok.finish(res.text))
-            tail += self.stops.flush()
-            if self.stops.stopped:
-                self.finish_reason = "stop"
-            return tail, []
-        if self.t_first is None:
-            self.t_first = time.perf_counter()
-        await self._answered_by(self.stream.model)
-        self.prompt_tokens = self.stream.prompt_tokens or self.prompt_tokens
-        text = self.stops.feed(self.detok.add(ids))
-        if self.stops.stopped:  # a stop string ended the answer: stop the cluster's work too
-            self.finish_reason = "stop"
-            self.close()
-        return text, ids
-
-    async def _answered_by(self, served: str | None) -> None:
-        """The first reply names the model answering (a group's variant): its tokenizer reads the tokens."""
-        if self.detok is None:
-            self.model = served or self.model
-            self.detok = Detokenizer(await self.catalog.tokenizer(self.model))
-
-    @property
-    def public_model(self) -> str:
-        """The answering model as clients name it (the request's own name until a reply said)."""
-        return self.catalog.public(self.model) if self.detok is not None else self.req.model
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.detok.ids) if self.detok is not None else 0
-
-    def close(self) -> None:
-        self.stream.close()
-
-
 class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.media_root = Path(settings.allowed_media_path).resolve() if settings.allowed_media_path else None
+        self.fetcher = fetcher_from_settings(settings)
+        # Fetches block a thread each (media_fetch.py); their own pool, so they never queue behind others.
+        self._media_pool = ThreadPoolExecutor(settings.media_max_concurrent_fetches + 4,
+                                              thread_name_prefix="media-fetch")
+        self.documents = DocumentLimits(max_pages=settings.max_document_pages, dpi=settings.document_dpi)
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
         self.catalog: ModelCatalog = None  # type: ignore[assignment]
         self.metrics = GatewayMetrics()
+        self.dashboard = Dashboard(lambda: self.client.status(timeout_s=2.0))
 
     async def start(self) -> None:
         # 5 ms: how late a reply can be read when a send consumed the socket's readable edge.
@@ -164,6 +115,7 @@ class Gateway:
         log.info("gateway for %s ready, serving %s", self.settings.coordinator, self.catalog.names())
 
     async def close(self) -> None:
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
         if self.client is not None:
             await self.client.close()
 
@@ -177,7 +129,19 @@ class Gateway:
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            type_="authentication_error", code="invalid_api_key")
 
-    async def read_json(self, request: Request) -> Any:
+    async def read_chat_request(self, request: Request) -> ChatRequest:
+        raw = await self.read_body(request)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        parse = functools.partial(parse_chat_request, body, media_root=self.media_root, fetcher=self.fetcher,
+                                  default_max_tokens=self.settings.default_max_tokens, documents=self.documents)
+        if _REMOTE_URL.search(raw) is None and not has_documents(body):  # fetches and page renders: off the loop
+            return parse()
+        return await asyncio.get_running_loop().run_in_executor(self._media_pool, parse)
+
+    async def read_body(self, request: Request) -> bytes:
         limit = self.settings.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -188,16 +152,12 @@ class Gateway:
             body += piece
             if len(body) > limit:
                 raise ApiError(413, f"request body is over the limit max_request_bytes={limit}", code="too_large")
-        try:
-            return json.loads(body)
-        except ValueError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        return bytes(body)
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
-        req = parse_chat_request(await self.read_json(request), media_root=self.media_root,
-                                 default_max_tokens=self.settings.default_max_tokens)
+        req = await self.read_chat_request(request)
         model = await self.catalog.resolve(req.model)
         if not self.catalog.is_group(model):
             await self.catalog.tokenizer(model)  # a folder not readable here fails now, not after the cluster's work
@@ -361,6 +321,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return await gw.scrape()
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return HTMLResponse(page())
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> Response:
+        try:
+            return JSONResponse(await gw.dashboard.data())
+        except MServeError as exc:
+            return JSONResponse({"error": f"coordinator: {exc.message}"}, status_code=503)
 
     return app
 

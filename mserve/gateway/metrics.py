@@ -27,6 +27,8 @@ WORKER_GAUGES = {
     "total_blocks": ("mserve_worker_kv_blocks_total", "KV blocks in the worker's pool", 1),
     "tokens_per_s": ("mserve_worker_tokens_per_second", "Tokens per second the worker produced (EWMA)", 1),
     "rss_mib": ("mserve_worker_resident_memory_bytes", "Resident memory of the worker process", 2**20),
+    "weights_mib": ("mserve_worker_weights_bytes", "Model weights the worker holds (on its device)", 2**20),
+    "kv_pool_mib": ("mserve_worker_kv_pool_bytes", "The worker's KV pool (on its device)", 2**20),
 }
 # engine counter -> (metric name without _total, help, kind)
 WORKER_COUNTERS = {
@@ -38,6 +40,10 @@ WORKER_COUNTERS = {
                           "counter"),
     "embedding_l2_hits": ("mserve_worker_embedding_l2_hits", "Images served from the host's shared cache (L2)",
                           "counter"),
+    "embedding_l1_evictions": ("mserve_worker_embedding_l1_evictions", "Embeddings dropped from the worker's own "
+                               "cache (L1) to make room", "counter"),
+    "embedding_l2_evictions": ("mserve_worker_embedding_l2_evictions", "Embeddings dropped from the host's shared "
+                               "cache (L2) to make room", "counter"),
     "encodes_skipped_by_prefix": ("mserve_worker_encodes_skipped_by_prefix",
                                   "Images not encoded: the cached prefix held their placeholders", "counter"),
     "prefix_skip_fallbacks": ("mserve_worker_prefix_skip_fallbacks",
@@ -64,6 +70,20 @@ _COORDINATOR_STATS = {
     "reruns": "Stages re-run after a worker failed or went silent", "shed": "Requests shed with an overloaded error",
     "encode_deduplicated": "Images a request read back from another request's encode instead of encoding again",
     "pruned_adaptive": "Requests admitted with their images pruned by SLO-adaptive pruning",
+}
+# coordinator/telemetry.py's labelled histograms, per model: kind -> (name, help, labels its key holds, "|"-joined)
+_LABELLED = {
+    "queue_wait": ("mserve_model_stage_queue_wait_seconds",
+                   "Time a stage waited in the coordinator's queue for a worker", ["stage", "modality"]),
+    "encode_forward": ("mserve_model_encode_worker_seconds",
+                       "An encode worker's time on one request's images (decoding, vision forward)", ["modality"]),
+    "visual_tokens_per_item": ("mserve_model_item_visual_tokens", "Visual tokens of one image or video of a "
+                               "completed request", ["modality"]),
+    "ttft": ("mserve_model_time_to_first_token_seconds", "Arrival to first token, per model and latency class",
+             ["class"]),
+    "tpot": ("mserve_model_time_per_output_token_seconds", "Per token after the first, per model and latency class",
+             ["class"]),
+    "e2e": ("mserve_model_e2e_request_latency_seconds", "Arrival to result, per model and latency class", ["class"]),
 }
 _TELEMETRY_COUNTERS = {
     "prompt_tokens": "Prompt tokens of completed requests (visual included)",
@@ -109,6 +129,11 @@ class ClusterCollector:
                                     value=status["rss_mib"] * 2**20)
         for key, help_ in _COORDINATOR_STATS.items():
             yield CounterMetricFamily(f"mserve_requests_{key}", help_, value=(status.get("stats") or {}).get(key, 0))
+        switches = status.get("role_switching") or {}  # coordinator/role_switching.py
+        yield CounterMetricFamily("mserve_role_switches", "Workers that switched role: drained, reloaded, rejoined",
+                                  value=switches.get("completed", 0))
+        yield CounterMetricFamily("mserve_role_switches_dropped", "Role switches abandoned: the worker died or came "
+                                  "back with another role", value=switches.get("dropped", 0))
         tele = status.get("telemetry") or {}
         for key, help_ in _TELEMETRY_COUNTERS.items():
             yield CounterMetricFamily(f"mserve_{key}", help_, value=(tele.get("counters") or {}).get(key, 0))
@@ -136,9 +161,8 @@ class ClusterCollector:
                                       labels=["model"])
         stats = {key: CounterMetricFamily(f"mserve_model_requests_{key}", f"{help_}, per model", labels=["model"])
                  for key, help_ in _COORDINATOR_STATS.items()}
-        latency = {key: HistogramMetricFamily(name, f"{help_}, per model", labels=["model"])
-                   for key, name, help_ in (("ttft", "mserve_model_time_to_first_token_seconds", "Arrival to first token"),
-                                            ("e2e", "mserve_model_e2e_request_latency_seconds", "Arrival to result"))}
+        labelled = {kind: HistogramMetricFamily(name, help_, labels=["model", *labels])
+                    for kind, (name, help_, labels) in _LABELLED.items()}
         for name, m in sorted(models.items()):
             if not isinstance(m, dict):
                 continue
@@ -147,14 +171,15 @@ class ClusterCollector:
             in_flight.add_metric([name], m.get("requests_in_flight", 0))
             for key, family in stats.items():
                 family.add_metric([name], (m.get("stats") or {}).get(key, 0))
-            hist = (m.get("telemetry") or {}).get("histograms") or {}
-            for key, family in latency.items():
-                if key in hist:
-                    _histogram("", "", hist[key], {"model": name}, family)
+            for kind, snaps in ((m.get("telemetry") or {}).get("labelled") or {}).items():
+                if kind in labelled:
+                    for key, snap in sorted(snaps.items()):
+                        values = dict(zip(_LABELLED[kind][2], key.split("|")))
+                        _histogram("", "", snap, {"model": name, **values}, labelled[kind])
         yield alive
         yield in_flight
         yield from stats.values()
-        yield from latency.values()
+        yield from labelled.values()
 
     def _workers(self, workers: dict[str, Any], roles: dict[str, int]) -> Iterator[Metric]:
         alive = GaugeMetricFamily("mserve_workers_alive", "Live workers per pool", labels=["role"])
@@ -163,6 +188,8 @@ class ClusterCollector:
         yield alive
         labels = ["worker", "role"]
         up = GaugeMetricFamily("mserve_worker_up", "1 while the coordinator counts the worker alive", labels=labels)
+        steps = HistogramMetricFamily("mserve_worker_step_seconds", "One engine step (an encoder: one batch's "
+                                      "vision forward)", labels=labels)
         gauges = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h, _) in WORKER_GAUGES.items()}
         counters = {k: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(n, h, labels=labels)
                     for k, (n, h, kind) in WORKER_COUNTERS.items()}
@@ -176,7 +203,11 @@ class ClusterCollector:
             for key, value in (w.get("counters") or {}).items():
                 if key in counters and isinstance(value, (int, float)):
                     counters[key].add_metric(lv, value)
+            step = (w.get("histograms") or {}).get("step_seconds")
+            if isinstance(step, dict) and step.get("count"):
+                _histogram("", "", step, dict(zip(labels, lv)), steps)
         yield up
+        yield steps
         yield from gauges.values()
         yield from counters.values()
 

@@ -1,6 +1,7 @@
 """OpenAI chat-completions requests in, MServe GENERATE arguments out; responses and errors in OpenAI's shapes.
 
-Pure code (no sockets, no event loop) so every rule here is unit-tested on its own. What the
+Pure code (no sockets, no event loop; http(s) media URLs go to the fetcher it is handed,
+gateway/media_fetch.py) so every rule here is unit-tested on its own. What the
 engine supports passes through; what it does not is refused with a 400 that names the field,
 unless the client sent that field at its neutral value (``n: 1``, ``presence_penalty: 0``: SDKs
 and frameworks send these by default, and honouring them costs nothing).
@@ -15,11 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mserve.common import sampling_rules as rules
+from mserve.common.documents import PDF_MIME, DocumentError, DocumentLimits, render_pdf
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.prompt import CHAT_ROLES
 from mserve.common.protocol import ErrorCode
+from mserve.gateway.media_fetch import MediaFetcher
+from mserve.gateway.media_rules import MediaRefused
 
-__all__ = ["ApiError", "ChatRequest", "parse_chat_request", "chat_response", "chunk", "usage_of", "KEEP_RATIO_HEADER",
+__all__ = ["ApiError", "ChatRequest", "parse_chat_request", "has_documents", "chat_response", "chunk", "usage_of", "KEEP_RATIO_HEADER",
            "MODEL_HEADER",
            "pruned_marker", "error_body", "status_for_code"]
 
@@ -97,22 +102,24 @@ class ChatRequest:
     return_token_ids: bool = False
 
 
-def _number(body: dict[str, Any], name: str, kind: type, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> Any:
+def _number(body: dict[str, Any], name: str, kind: type, rule: str | None = None) -> Any:
+    """body[name] as `kind` (None when absent), within common/sampling_rules.py's bound for `rule`."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise _bad(name, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise _bad(name, f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and value > hi:
-        raise _bad(name, f"'{name}' must be <= {hi}, got {value!r}")
+    bound = rules.BOUNDS[rule] if rule else None
+    if bound is not None and not bound.ok(value):
+        raise _bad(name, f"'{name}' must be {bound.describe()}, got {value!r}")
     return kind(value)
 
 
-def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max_tokens: int = 256) -> ChatRequest:
-    """Validate an OpenAI chat completion body; ApiError(400) names the first field that is wrong."""
+def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max_tokens: int = rules.MAX_TOKENS,
+                       fetcher: MediaFetcher | None = None, documents: DocumentLimits = DocumentLimits()) -> ChatRequest:
+    """Validate an OpenAI chat completion body; ApiError(400) names the first field that is wrong.
+    With a ``fetcher`` http(s) media URLs are fetched, and a PDF `file` part is rendered here: both slow,
+    so the gateway calls this in a thread for such bodies (has_documents, app.py)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():
@@ -137,13 +144,12 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max
         if not stream:
             raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
         include_usage = bool(opts.get("include_usage", False))
-    max_new = _number(body, "max_completion_tokens", int, 1)
+    max_new = _number(body, "max_completion_tokens", int, "max_tokens")
     if max_new is None:
-        max_new = _number(body, "max_tokens", int, 1)
+        max_new = _number(body, "max_tokens", int, "max_tokens")
     sampling: dict[str, Any] = {"max_tokens": default_max_tokens if max_new is None else max_new}
-    for name, kind, lo, hi, lo_open in (("temperature", float, 0, 2, False), ("top_p", float, 0, 1, True),
-                                        ("top_k", int, 0, None, False)):
-        value = _number(body, name, kind, lo, hi, lo_open)
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        value = _number(body, name, kind, name)
         if value is not None:
             sampling[name] = value
     if body.get("seed") is not None:
@@ -158,7 +164,7 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max
             raise _bad("stop_token_ids", "'stop_token_ids' must be a list of token ids")
         sampling["stop_token_ids"] = ids
     if body.get("priority") is not None:
-        sampling["priority"] = _number(body, "priority", int, -100, 100)
+        sampling["priority"] = _number(body, "priority", int, "priority")
     if body.get("latency_class") is not None:
         if body["latency_class"] not in LATENCY_CLASSES:
             raise _bad("latency_class", f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}")
@@ -170,12 +176,14 @@ def parse_chat_request(body: Any, *, media_root: Path | None = None, default_max
     return_ids = body.get("return_token_ids") or False
     if not isinstance(return_ids, bool):
         raise _bad("return_token_ids", "'return_token_ids' must be a boolean")
-    messages = convert_messages(body.get("messages"), media_root)
+    messages = convert_messages(body.get("messages"), media_root, fetcher, documents)
     return ChatRequest(model, messages, sampling, stream, include_usage, list(stops), return_ids)
 
 
-def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, Any]]:
-    """OpenAI messages -> MServe messages (images, video files and video frames as bytes); the chat
+def convert_messages(messages: Any, media_root: Path | None, fetcher: MediaFetcher | None = None,
+                     documents: DocumentLimits = DocumentLimits()) -> list[dict[str, Any]]:
+    """OpenAI messages -> MServe messages (images, video files and video frames as bytes, a PDF as its
+    pages' images); the chat
     template sees the turns as sent. Not the server's normalize_messages: this one reads files under the
     media root only and names the wrong field OpenAI's way (common/prompt.py says why the walks stay apart)."""
     if not isinstance(messages, list) or not messages:
@@ -211,7 +219,8 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
                     raise _bad(f"{pwhere}.image_url", f"{pwhere}.image_url.url must be a string")
-                parts.append({"type": "image", "image": load_image_url(url, media_root, f"{pwhere}.image_url")})
+                parts.append({"type": "image", "image": load_media_url(url, kind="image", media_root=media_root,
+                                                                       param=f"{pwhere}.image_url", fetcher=fetcher)})
             elif kind == "video_url":  # a video file, as vLLM takes it
                 url = part.get("video_url")
                 if isinstance(url, dict) and url.get("fps") is not None:
@@ -220,7 +229,8 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
                     raise _bad(f"{pwhere}.video_url", f"{pwhere}.video_url.url must be a string")
-                parts.append({"type": "video", "video": load_image_url(url, media_root, f"{pwhere}.video_url")})
+                parts.append({"type": "video", "video": load_media_url(url, kind="video", media_root=media_root,
+                                                                       param=f"{pwhere}.video_url", fetcher=fetcher)})
             elif kind == "video":  # the video as its frames: a list of image URLs
                 frames = part.get("video")
                 if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
@@ -228,21 +238,25 @@ def convert_messages(messages: Any, media_root: Path | None) -> list[dict[str, A
                 fps = part.get("fps")  # optional: the rate the frames were taken at (Qwen2.5-VL / Qwen3-VL use it)
                 if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < 1e4):
                     raise _bad(f"{pwhere}.fps", f"{pwhere}.fps must be a number of frames per second over 0")
-                parts.append({"type": "video", "video": [load_image_url(f, media_root, f"{pwhere}.video[{k}]")
+                parts.append({"type": "video", "video": [load_media_url(f, kind="image", media_root=media_root,
+                                                                        param=f"{pwhere}.video[{k}]", fetcher=fetcher)
                                                          for k, f in enumerate(frames)],
                               **({"fps": float(fps)} if fps is not None else {})})
+            elif kind == "file":  # a PDF, as OpenAI takes it: its pages become image parts, in order
+                parts.extend({"type": "image", "image": page} for page in load_file_part(part, pwhere, documents))
             elif kind in ("input_audio", "audio_url"):  # OpenAI's audio part, and vLLM's
-                parts.append({"type": "audio", "audio": load_audio_part(part, kind, media_root, pwhere)})
+                parts.append({"type": "audio", "audio": load_audio_part(part, kind, media_root, pwhere, fetcher)})
             else:
                 raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url, video_url, "
-                                             "video, input_audio, audio_url)")
+                                             "video, file, input_audio, audio_url)")
         out.append({"role": role, "content": parts})
     return out
 
 
-def load_audio_part(part: dict[str, Any], kind: str, media_root: Path | None, pwhere: str) -> bytes:
+def load_audio_part(part: dict[str, Any], kind: str, media_root: Path | None, pwhere: str,
+                    fetcher: MediaFetcher | None = None) -> bytes:
     """An audio clip's bytes: OpenAI's input_audio {"data": base64, "format": ...} (AUDIO_FORMATS), or
-    vLLM's audio_url {"url": ...} read as an image URL is (a data URL, or a file under the media root)."""
+    vLLM's audio_url {"url": ...}, read as every media URL is (load_media_url)."""
     from mserve.common.audio import AUDIO_FORMATS
 
     body = part.get(kind)
@@ -250,7 +264,8 @@ def load_audio_part(part: dict[str, Any], kind: str, media_root: Path | None, pw
         url = body.get("url") if isinstance(body, dict) else body
         if not isinstance(url, str) or not url:
             raise _bad(f"{pwhere}.audio_url", f"{pwhere}.audio_url.url must be a string")
-        return load_image_url(url, media_root, f"{pwhere}.audio_url")
+        return load_media_url(url, kind="audio", media_root=media_root, param=f"{pwhere}.audio_url",
+                              fetcher=fetcher)
     if not isinstance(body, dict) or not isinstance(body.get("data"), str) or not body["data"]:
         raise _bad(f"{pwhere}.input_audio.data", f"{pwhere}.input_audio.data must be the clip as a base64 string")
     if body.get("format") not in AUDIO_FORMATS:
@@ -262,8 +277,58 @@ def load_audio_part(part: dict[str, Any], kind: str, media_root: Path | None, pw
         raise _bad(f"{pwhere}.input_audio.data", f"{pwhere}.input_audio.data is not valid base64") from None
 
 
-def load_image_url(url: str, media_root: Path | None, param: str) -> bytes:
-    """A data URL, or a local file (``file://`` or a path) under ``media_root``; remote URLs are refused."""
+def load_file_part(part: dict[str, Any], where: str, limits: DocumentLimits) -> list[bytes]:
+    """A `file` part's PDF (``file.file_data``: a base64 data URL) -> its pages as PNG bytes, in order
+    (common/documents.py: resolution, limits). Uploaded files (``file_id``) are not kept by this server."""
+    f = part.get("file")
+    if not isinstance(f, dict):
+        raise _bad(f"{where}.file", f"{where}.file must be an object with file_data (a base64 data URL of a PDF)")
+    data = f.get("file_data")
+    if data is None and f.get("file_id") is not None:
+        raise _bad(f"{where}.file.file_id", f"{where}.file.file_id: uploaded files are not supported by this "
+                                            f"server; send the document inline as file.file_data "
+                                            f"(data:{PDF_MIME};base64,...)")
+    param = f"{where}.file.file_data"
+    if not isinstance(data, str) or not data.startswith("data:"):
+        raise _bad(param, f"{param} must be a base64 data URL (data:{PDF_MIME};base64,...)")
+    head, _, b64 = data.partition(",")
+    mime = head[len("data:"):].partition(";")[0]
+    if not head.endswith(";base64") or not b64:
+        raise _bad(param, f"{param}: data URLs must be base64 (data:{PDF_MIME};base64,...)")
+    if mime != PDF_MIME:
+        raise _bad(param, f"{param}: documents of type {mime!r} are not supported (only {PDF_MIME})")
+    if len(b64) // 4 * 3 > limits.max_bytes + 2:  # refused before decoding
+        raise _bad(param, f"{param}: the document is about {len(b64) // 4 * 3} bytes, over the limit "
+                          f"max_document_bytes={limits.max_bytes}")
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except ValueError:
+        raise _bad(param, f"{param}: the data URL is not valid base64") from None
+    try:
+        return render_pdf(raw, limits, param)
+    except DocumentError as exc:
+        raise _bad(param, str(exc)) from None
+
+
+def has_documents(body: Any) -> bool:
+    """Whether a request body carries a `file` part: its parse renders pages, which the gateway runs off its
+    event loop."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "file" for p in m["content"]) for m in messages)
+
+
+def load_image_url(url: str, media_root: Path | None, param: str, fetcher: MediaFetcher | None = None) -> bytes:
+    """An image part's URL: load_media_url with kind="image"."""
+    return load_media_url(url, kind="image", media_root=media_root, param=param, fetcher=fetcher)
+
+
+def load_media_url(url: str, *, kind: str, media_root: Path | None, param: str,
+                   fetcher: MediaFetcher | None = None) -> bytes:
+    """A media part's bytes, for every kind (image, video, audio, file): a data URL; an ``http(s)://`` URL
+    through ``fetcher`` (gateway/media_fetch.py: its rules, refusals named in a 400), refused without one;
+    or a local file (``file://`` or a path) under ``media_root``."""
     if url.startswith("data:"):
         head, _, data = url.partition(",")
         if not head.endswith(";base64") or not data:
@@ -272,9 +337,15 @@ def load_image_url(url: str, media_root: Path | None, param: str) -> bytes:
             return base64.b64decode(data, validate=True)
         except ValueError:
             raise _bad(param, f"{param}: the data URL is not valid base64") from None
-    if url.startswith(("http://", "https://")):
-        raise _bad(param, f"{param}: remote image URLs are not fetched by this server; send the image as a "
-                          "base64 data URL")
+    if url[:8].lower().startswith(("http://", "https://")):
+        if fetcher is None:
+            raise _bad(param, f"{param}: remote media URLs are not fetched here; send the {kind} as a base64 data URL")
+        try:
+            return fetcher.fetch(url, kind)
+        except MediaRefused as exc:
+            raise ApiError(exc.status, f"{param}: {exc.message}", param=param,
+                           type_="rate_limit_error" if exc.status == 429 else "invalid_request_error",
+                           retry_after_s=exc.retry_after_s) from None
     if media_root is None:
         raise _bad(param, f"{param}: local image paths are refused (the gateway was started without "
                           "--allowed-media-path); send the image as a base64 data URL")

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mserve.common import sampling_rules
+from mserve.common.documents import DEFAULT_DOCUMENT_DPI, MAX_DOCUMENT_PAGES
+
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
@@ -20,8 +23,27 @@ class GatewaySettings(BaseSettings):
     served_model_name: str | None = None
     # Image paths and file:// URLs are read only under this folder; None refuses them all.
     allowed_media_path: str | None = None
+    # Remote media (http(s) URLs in image / video parts), fetched by gateway/media_fetch.py: only public
+    # addresses, every redirect hop checked again. Hosts allowed, comma-separated: "cdn.example.com" that
+    # host only, ".example.com" the names under example.com; None: every public host.
+    allowed_media_domains: str | None = None
+    media_max_bytes: int = 32 * 1024 * 1024  # one fetched item; reading stops past it
+    media_connect_timeout_s: float = 5.0
+    media_read_timeout_s: float = 10.0  # the longest wait for the next bytes
+    media_total_timeout_s: float = 30.0  # one URL, redirects included
+    media_max_redirects: int = 5
+    media_max_concurrent_fetches: int = 16  # one more waits up to media_concurrency_wait_s, then 429
+    media_concurrency_wait_s: float = 5.0
+    media_cache_bytes: int = 128 * 1024 * 1024  # HTTP cache of fetched media (ETag / max-age); 0 = off
+    # TEST ONLY: lets media URLs reach 127.0.0.1 (and nothing else private) so tests can serve media
+    # from an in-process server. Never set it in a deployment.
+    allow_loopback_media_for_tests: bool = False
     max_request_bytes: int = 64 * 1024 * 1024  # whole HTTP body, images included (base64)
-    default_max_tokens: int = 256  # when a request names neither max_tokens nor max_completion_tokens
+    # A PDF `file` part's pages, each an image (common/documents.py): at most this many, rendered at this DPI.
+    max_document_pages: int = MAX_DOCUMENT_PAGES
+    document_dpi: int = DEFAULT_DOCUMENT_DPI
+    # max_tokens when a request names neither max_tokens nor max_completion_tokens
+    default_max_tokens: int = sampling_rules.MAX_TOKENS
     request_timeout_s: float = 600.0
     access_log: bool = False
     # The coordinator's client API key (its MSERVE_CLIENT_API_KEY), sent with every message to it; None

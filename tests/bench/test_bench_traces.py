@@ -179,3 +179,22 @@ def test_multiturn_with_fixed_turns() -> None:
     assert all(sorted(t) == list(range(len(t))) for t in per_conv.values())
     with pytest.raises(ValueError, match="turns"):
         make_trace("multiturn", 4, seed=0, turns=0)
+
+
+def test_document_trace_sends_one_pdf_of_2_to_4_pages_rendered_back_at_their_sizes(tmp_path) -> None:
+    pytest.importorskip("pypdfium2")
+    from mserve.bench.http_target import to_openai_messages
+    from mserve.common.documents import render_pdf
+
+    trace = make_trace("document", 6, seed=2, photos=False, resolutions=SMALL)
+    assert {r.modality for r in trace} == {"document"}
+    for r in trace:
+        (pdf,) = r.documents()
+        assert r.images() == [] and 2 <= len(r.image_sizes) <= 4
+        pages = render_pdf(pdf)  # as the gateway and the client render it: each page at its image's size
+        assert [Image.open(io.BytesIO(p)).size for p in pages] == r.image_sizes
+    assert len({len(r.image_sizes) for r in trace}) > 1
+    assert trace_digest(make_trace("document", 6, seed=2, photos=False, resolutions=SMALL)) == trace_digest(trace)
+    assert [r.documents() for r in load_trace(save_trace(trace, tmp_path / "d.jsonl"))] == [r.documents() for r in trace]
+    part = to_openai_messages(trace[0].messages)[0]["content"][0]
+    assert part["type"] == "file" and part["file"]["file_data"].startswith("data:application/pdf;base64,")

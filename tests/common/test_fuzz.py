@@ -1,13 +1,14 @@
-"""Fuzzing the edges (hypothesis, bounded): wire frames, client bodies, images and OpenAI requests.
+"""Fuzzing the edges (hypothesis, bounded): wire frames, client bodies, images, PDFs and OpenAI requests.
 
 Every case must end in the edge's own explicit error (WireError / ProtocolError / AdmissionError /
-ImageError / ApiError with a message), never another exception; a live cluster answers each bad
+ImageError / DocumentError / ApiError with a message), never another exception; a live cluster answers each bad
 message with an ERROR and keeps serving the good request running beside them, token for token.
 Longer runs: `HYPOTHESIS_PROFILE=long pytest tests/common/test_fuzz.py` (see docs/operations.md).
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import threading
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from mserve.common import protocol
+from mserve.common.documents import DocumentError, render_pdf
 from mserve.common.model import ImageError, decode_image, image_size_from_header
 from mserve.common.protocol import MsgType, ProtocolError
 from mserve.common.protocol.client import FROM_CLIENT
@@ -27,7 +29,7 @@ from mserve.common.serde import WireError, decode, encode
 from mserve.coordinator.admission import AdmissionError, Limits, admit
 from mserve.gateway.openai_api import ApiError, parse_chat_request
 from tests.clusters import LLAVA_UNIFIED
-from tests.helpers import make_image
+from tests.helpers import make_image, make_pdf
 
 settings.register_profile("ci", max_examples=150, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -182,6 +184,42 @@ def test_openai_bodies_parse_or_get_a_400(body):
         assert exc.status == 400 and exc.message
         return
     assert req.messages and isinstance(req.sampling["max_tokens"], int)
+
+
+GOOD_PDF = make_pdf([(30, 20), (20, 30)], seed=1)
+# PDF-ish bodies: the real one, cut, a byte changed (a digit of a page box, an xref offset, ...), junk after a header
+pdf_bytes = st.just(GOOD_PDF) | st.builds(lambda cut: GOOD_PDF[:cut], st.integers(0, len(GOOD_PDF))) | st.builds(
+    lambda i, b: GOOD_PDF[:i] + bytes([b]) + GOOD_PDF[i + 1:], st.integers(0, len(GOOD_PDF) - 1),
+    st.integers(0, 255)) | st.binary(max_size=200).map(lambda b: b"%PDF-1.4\n" + b) | st.binary(max_size=64)
+
+
+@pytest.mark.timeout(120)  # no hang: 150 bodies, each parsed and rendered (or refused) in milliseconds
+@given(pdf_bytes)
+def test_pdfs_render_or_raise_document_error(data):
+    pytest.importorskip("pypdfium2")
+    try:
+        pages = render_pdf(data)
+    except DocumentError as exc:
+        assert str(exc).startswith("document: ")
+        return
+    assert 1 <= len(pages) <= 8 and all(p.startswith(b"\x89PNG") for p in pages)
+
+
+file_part = st.fixed_dictionaries({"type": st.just("file")}, optional={"file": values | st.fixed_dictionaries(
+    {}, optional={"filename": values, "file_id": values, "file_data": values | pdf_bytes.map(
+        lambda b: "data:application/pdf;base64," + base64.b64encode(b).decode())})})
+
+
+@pytest.mark.timeout(120)
+@given(st.lists(file_part, min_size=1, max_size=2))
+def test_openai_file_parts_parse_or_get_a_400(parts):
+    pytest.importorskip("pypdfium2")
+    try:
+        req = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": parts}]})
+    except ApiError as exc:
+        assert exc.status == 400 and exc.message and exc.param
+        return
+    assert req.messages[0]["content"]
 
 
 # --------------------------------------------------------------------------- a live cluster

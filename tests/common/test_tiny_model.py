@@ -17,7 +17,7 @@ IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<
                "mistral3": "[IMG]", "gemma3": "<image_soft_token>", "gemma4": "<|image|>", "internvl": "<IMG_CONTEXT>", "smolvlm": "<image>",
                "idefics3": "<image>", "qwen3_vl": "<|image_pad|>", "qwen3_vl_moe": "<|image_pad|>",
                "glm46v": "<|image|>", "glm4v": "<|image|>", "glm4v_moe": "<|image|>",
-               "qwen3_5": "<|image_pad|>"}
+               "qwen3_5": "<|image_pad|>", "qwen3_5_moe": "<|image_pad|>"}
 ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                 "llava_next": "LlavaNextForConditionalGeneration",
                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -28,23 +28,24 @@ ARCHITECTURE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLFo
                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                 "glm46v": "Glm46VForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration",
                 "glm4v_moe": "Glm4vMoeForConditionalGeneration",
-                "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+                "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 PROCESSOR = {"llava": "LlavaProcessor", "qwen2_vl": "Qwen2VLProcessor", "llava_next": "LlavaNextProcessor",
              "qwen2_5_vl": "Qwen2_5_VLProcessor", "mistral3": "PixtralProcessor",
              "gemma3": "Gemma3Processor", "gemma4": "Gemma4Processor", "internvl": "InternVLProcessor",
              "smolvlm": "SmolVLMProcessor", "idefics3": "Idefics3Processor", "qwen3_vl": "Qwen3VLProcessor",
              "qwen3_vl_moe": "Qwen3VLProcessor", "glm46v": "Glm46VProcessor", "glm4v": "Glm4vProcessor",
-             "glm4v_moe": "Glm4vProcessor", "qwen3_5": "Qwen3VLProcessor"}
+             "glm4v_moe": "Glm4vProcessor", "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
 # Processors transformers' AutoProcessor hands out only with torchvision installed (a video processor, or
 # PixtralProcessor's module importing a helper from the torchvision image processor).
-NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "mistral3", "internvl", "smolvlm",
+NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "mistral3", "internvl", "smolvlm",
                      "glm46v", "glm4v", "glm4v_moe", "gemma4")
 # Families whose test inputs come from mserve's processor build (common/processor.py).
 BUILT_FROM_PARTS = ("internvl", "smolvlm", "idefics3", "glm46v", "glm4v", "glm4v_moe", "gemma4")
 TIED = ("gemma3", "gemma4")  # tie_word_embeddings, as the published checkpoints
 GLM = ("glm46v", "glm4v", "glm4v_moe")
-CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl")  # eos [<|im_end|>, <|endoftext|>]
-QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")  # one tower, processor and template (Qwen3.5 adds <think>)
+CHATML_EOS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl")  # eos [<|im_end|>, <|endoftext|>]
+QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # one tower, processor and template (Qwen3.5 adds <think>)
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
@@ -177,8 +178,8 @@ def test_chat_template_renders_image_token(loaded):
         assert prompt.startswith("<|im_start|>user\n<|vision_start|>")
         assert "<|vision_start|><|image_pad|><|vision_end|>What is shown" in prompt
         # Qwen3.5 opens its thinking block on the generation prompt, <think> one special token
-        assert prompt.endswith("<|im_start|>assistant\n" + ("<think>\n" if arch == "qwen3_5" else ""))
-        assert arch != "qwen3_5" or tokenizer.convert_tokens_to_ids("<think>") in ids
+        assert prompt.endswith("<|im_start|>assistant\n" + ("<think>\n" if arch.startswith("qwen3_5") else ""))
+        assert not arch.startswith("qwen3_5") or tokenizer.convert_tokens_to_ids("<think>") in ids
     elif arch in GLM:  # [gMASK]<sop> is GLM's BOS, written by the template
         assert prompt == ("[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>What is shown in this "
                           "image?<|assistant|>\n")

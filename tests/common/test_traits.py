@@ -14,7 +14,7 @@ from tests.workers.untested_families import BUILDERS
 
 # Families refused from config.json alone, with the words the refusal must hold.
 REFUSED = {
-    "qwen3_5_moe": "linear attention layers (Gated DeltaNet): not supported outside the tested qwen3_5 family",
+    "qwen4_exp": "linear attention layers (Gated DeltaNet): not supported outside the tested Qwen3.5 families",
     "lfm2_vl": "short convolution layers (a recurrent conv state per sequence): not supported",
     "llama4": "chunked attention layers (attention_chunk_size): not supported",
     "paligemma": "prefix-LM attention (bidirectional over the whole prompt, from token_type_ids): not supported",
@@ -54,3 +54,19 @@ def test_every_untested_builder_is_a_type_this_repository_has_no_code_for():
     from mserve.common.model import SERVED_MODEL_TYPES
 
     assert not set(BUILDERS) & set(SERVED_MODEL_TYPES)
+
+
+def test_a_tested_model_type_over_an_untested_trait_is_refused(tiny_model_dirs, tmp_path):
+    """A family's tests cover its own traits only: a LLaVA config over Qwen3.5's hybrid text model is not
+    served on LLaVA's tests (its linear layers are honoured for the Qwen3.5 families alone)."""
+    import shutil
+
+    folder = tmp_path / "llava_over_hybrid"
+    shutil.copytree(tiny_model_dirs["llava"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"] = json.loads((tiny_model_dirs["qwen3_5"] / "config.json").read_text())["text_config"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=r"^model_type 'llava': linear attention layers"):
+        load_family(folder)
+    for served in ("qwen3_5", "gemma3", "gemma4"):  # each honours its own trait
+        assert load_family(tiny_model_dirs[served]).model_type == served

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # checkpoint at start (workers/probe.py; one probes, the others read its cached verdict) and the coordinator
 # admits them through their processor's own count.
 FAMILIES = ["llava_next", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm46v", "mistral3", "gemma3", "gemma4", "internvl", "smolvlm",
-            "idefics3", "qwen3_5", "deepseek_vl", "llava_next_video"]
+            "idefics3", "qwen3_5", "qwen3_5_moe", "deepseek_vl", "llava_next_video"]
 
 
 @pytest.fixture(scope="module", params=[family_1e1p1d(f) for f in FAMILIES], ids=FAMILIES)
@@ -104,3 +104,22 @@ def test_timestamped_video_with_a_prefix_hit_and_chunked_prefill(family_cluster)
         assert res.token_ids == hf_generate_visual(model, pp.prompt_ids, [image, frames], 8)
         assert res.visual_tokens == sum(builder.family.visual_token_count(s) for s in pp.image_sizes)
     assert second.cache_hits["prefix_tokens"] >= 16
+
+
+def test_a_hybrid_models_prefix_hit_through_1e1p1d(family_cluster):
+    """Qwen3.5's prefill worker keeps its linear layers' state at a block boundary of each prompt: the same
+    image prompt again hits the cached prefix there, resumes from the snapshot and answers HF's tokens."""
+    model, cluster = family_cluster
+    if not load_family(model).rules.honoured_traits & {"linear_attention"}:
+        pytest.skip("a hybrid (linear-attention) family's prefix hit")
+    from tests.clusters import settled_counters
+
+    requests = request_mix(3, seed=21)[1:2]  # one image prompt
+    before = settled_counters(cluster)
+    first = asyncio.run(generate_all(cluster.address, requests))
+    again = asyncio.run(generate_all(cluster.address, requests))
+    assert [r.token_ids for r in first] == [r.token_ids for r in again] == expected(model, requests)
+    after = settled_counters(cluster)
+    prefill = next(w for w in after if w.startswith("prefill"))
+    gained = {k: after[prefill].get(k, 0) - before[prefill].get(k, 0) for k in ("prefix_hits", "state_snapshots_restored")}
+    assert gained["prefix_hits"] >= 1 and gained["state_snapshots_restored"] >= 1, gained

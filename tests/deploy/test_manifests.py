@@ -33,7 +33,7 @@ from mserve.cli import build_parser
 from mserve.coordinator.settings import CoordinatorSettings
 from mserve.gateway.settings import GatewaySettings
 from mserve.workers.settings import WorkerSettings
-from mserve.workers.sizing import MIG_PROFILES
+from mserve.workers.mig import MIG_PROFILES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"

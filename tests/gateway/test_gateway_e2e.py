@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 import time
 
 import httpx
@@ -14,12 +15,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from mserve.common.prompt import PromptBuilder
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
-from tests.helpers import hf_generate, make_image, wait_for
+from mserve.common.documents import render_pdf
+from tests.clusters import settled_counters
+from tests.gateway.media_server import MediaServer
+from tests.helpers import hf_generate, make_image, make_pdf, wait_for
 from lab.otlp_sink import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
 MAX_PIXELS = 160 * 120
+MEDIA_TOTAL_S = 4  # the llava gateway's --media-total-timeout-s
 
 
 def data_url(image: bytes) -> str:
@@ -88,7 +93,10 @@ def llava(tiny_model_dirs, redis_server):
         cluster, served = serve(str(tiny_model_dirs["llava"]), redis_server.url,
                                 {"encode": 1, "prefill": 1, "decode": 1},
                                 ["--max-image-pixels", str(MAX_PIXELS), "--max-waiting-requests", "2"],
-                                ["--max-request-bytes", "1000000", "--served-model-name", "tiny-llava"], key=KEY)
+                                ["--max-request-bytes", "1000000", "--served-model-name", "tiny-llava",
+                                 # media URLs from MediaServer on 127.0.0.1 (test_remote_media_...)
+                                 "--allow-loopback-media-for-tests", "--media-total-timeout-s", str(MEDIA_TOTAL_S)],
+                                key=KEY)
         served.model, served.otlp = "tiny-llava", otlp
         with cluster:
             yield served
@@ -129,6 +137,79 @@ def test_chat_with_images_matches_hf_streaming_and_not(family, request, tiny_mod
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want)
     assert chunks[-1].usage.prompt_tokens == prompt_len
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_remote_media_urls_are_fetched_safely_and_answered_as_the_same_image_inline(llava):
+    """An http image URL (MediaServer on 127.0.0.1, let through by --allow-loopback-media-for-tests) gets
+    exactly the tokens of the same image sent as a data URL; a link-local URL is a 400 naming the rule; a
+    trickling server times out while other requests flow through the same gateway."""
+    img = make_image(64, 48, seed=11)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    def ask(url: str, client: openai.OpenAI = llava.client):
+        return client.chat.completions.create(model=llava.model, max_tokens=8, extra_body=extra, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is in the picture?"}]}])
+
+    with MediaServer({"/cat.png": ("image/png", img, {"Cache-Control": "max-age=600"})}) as media:
+        inline = ask(data_url(img))
+        for _ in range(2):
+            remote = ask(media.base + "/cat.png")
+            assert remote.choices[0].token_ids == inline.choices[0].token_ids
+            assert remote.usage.prompt_tokens == inline.usage.prompt_tokens
+        assert media.requests["/cat.png"] == 1  # the second came from the gateway's HTTP cache
+
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask("http://169.254.169.254/latest/meta-data/")
+        body = refused.value.body
+        assert refused.value.status_code == 400 and body["param"] == "messages[0].content[0].image_url"
+        assert "169.254.169.254" in body["message"] and "link-local" in body["message"]
+
+        slow: list[BaseException] = []
+        patient = openai.OpenAI(base_url=llava.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        trickle = threading.Thread(target=lambda: slow.append(pytest.raises(openai.BadRequestError, ask,
+                                                                           media.base + "/trickle", patient).value))
+        trickle.start()
+        wait_for(lambda: media.requests["/trickle"] == 1, timeout_s=30, what="the gateway to start the trickle")
+        assert ask(data_url(img)).choices[0].token_ids == inline.choices[0].token_ids
+        assert trickle.is_alive(), "a trickling fetch held the gateway"
+        trickle.join(timeout=60)
+        assert f"media_total_timeout_s={MEDIA_TOTAL_S}" in slow[0].body["message"]
+
+
+def encoded_images(served: Served) -> int:
+    return sum(c.get("encoded_images", 0) for c in settled_counters(served.cluster).values())
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])  # a fixed-size processor; one that sizes by the page's pixels
+def test_a_pdf_file_part_is_answered_as_its_pages_and_a_page_seen_before_skips_its_encode(family, request,
+                                                                                          tiny_model_dirs):
+    """OpenAI's `file` part with a 2-page PDF: the answer is HF generate's on its pages sent as images, token
+    for token; its first page, sent before as an image, is not encoded again; a bad PDF is a 400 naming it."""
+    served: Served = request.getfixturevalue(family)
+    pdf = make_pdf([(90, 60), (60, 90)], seed=21)  # 120x80 and 80x120 pixels at 96 DPI: under llava's MAX_PIXELS
+    pages = render_pdf(pdf)
+    doc = {"type": "file", "file": {"filename": "a.pdf",
+                                    "file_data": "data:application/pdf;base64," + base64.b64encode(pdf).decode()}}
+
+    def ask(content: list[dict]) -> list[int]:
+        reply = served.client.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": content}], max_tokens=6,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        return reply.choices[0].token_ids
+
+    ask([image_part(pages[0]), {"type": "text", "text": "What is this?"}])
+    before = encoded_images(served)
+    got = ask([doc, {"type": "text", "text": "Summarize."}])
+    assert encoded_images(served) == before + 1, "only the page not seen before is encoded"
+    raw = [{"role": "user", "content": [{"type": "image", "image": pages[0]}, {"type": "image", "image": pages[1]},
+                                        {"type": "text", "text": "Summarize."}]}]
+    assert got == oracle(str(tiny_model_dirs["llava" if family == "llava" else "qwen2_vl"]), raw, 6)[1]
+    assert ask([image_part(pages[0]), image_part(pages[1]), {"type": "text", "text": "Summarize."}]) == got
+    with pytest.raises(openai.BadRequestError) as info:
+        ask([{"type": "file", "file": {**doc["file"], "file_data": doc["file"]["file_data"][:400]}}])
+    assert info.value.body["param"] == "messages[0].content[0].file.file_data"
+    assert "cannot be read" in info.value.body["message"]
 
 
 def test_stop_string_ends_the_answer_and_frees_the_request(llava):

@@ -67,7 +67,7 @@ def test_messages_are_checked_part_by_part():
     assert param_of(lambda: parse_chat_request(msgs({"type": "hologram"}))) == "messages[0].content[0].type"
     assert param_of(lambda: parse_chat_request(msgs({"type": "text", "text": 3}))) == "messages[0].content[0].text"
     remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
-    with pytest.raises(ApiError, match="remote image URLs are not fetched"):
+    with pytest.raises(ApiError, match="remote media URLs are not fetched here"):
         parse_chat_request(msgs(remote))
     bad64 = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}
     with pytest.raises(ApiError, match="not valid base64"):

@@ -22,7 +22,7 @@ from mserve.workers.sequence import SamplingParams
 from tests.helpers import PROMPTS, _hf_generate, hf_generate, make_image, reference_model
 
 MAX_NEW = 10
-MOE_ARCHS = ["qwen3_vl_moe", "glm4v_moe"]
+MOE_ARCHS = ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe"]
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)

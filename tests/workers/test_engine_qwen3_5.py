@@ -83,11 +83,50 @@ def test_chunked_prefill_ending_inside_the_image(model_dir, builder):
     assert run(model_dir, pp, max_num_batched_tokens=8) == hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
 
 
-def test_prefix_reuse_is_off(model_dir, builder, caplog):
-    """No state snapshots at block boundaries: a repeated prompt is computed again, never served a hit."""
+def test_prefix_hit_resumes_from_the_state_snapshot_at_a_block_boundary(model_dir, builder, caplog):
+    """Every prompt leaves a copy of its linear layers' state at its last full block before its last token
+    (the scheduler ends a chunk there); a repeated prompt, and a second turn extending the first, reuse the
+    blocks up to that boundary and resume from the copy: HF's tokens, with only the rest computed."""
     pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
     with caplog.at_level("INFO", logger="mserve.workers.engine"):
         e = engine(model_dir)
+    assert "prefix caching with state snapshots" in caplog.text and "layers [0, 1, 2, 4]" in caplog.text
+    expected = hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+    boundary = (len(pp.prompt_ids) - 1) // 16 * 16
+    (start, length), = builder.family.image_spans(pp.prompt_ids)
+    assert start + length < boundary  # the hit covers the whole image
+    for rid, cached in (("first", 0), ("again", boundary)):
+        seq = e.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+        assert e.run_until_done()[rid] == expected
+        assert seq.num_cached_tokens == cached
+    states = e.runner.linear_states
+    assert states.snapshots_restored == 1 and len(states) == 0
+    # A second turn: the first turn's prompt, its answer and a new question, on the same image.
+    turn2 = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])  # same ids as pp
+    ids = pp.prompt_ids + expected + turn2.prompt_ids[-12:]
+    seq = e.add_request("turn2", ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+    assert e.run_until_done()["turn2"] == hf_generate(model_dir, ids, pp.images, MAX_NEW)
+    assert seq.num_cached_tokens >= boundary
+
+
+def test_a_hit_resumed_from_a_fresh_state_would_change_the_tokens(model_dir, builder):
+    """Not vacuous: a shortcut that reused the blocks but started the linear layers from zero, as a pool that
+    ignored their state would, moves the greedy tokens off HF's."""
+    pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
+    e = engine(model_dir)
+    e.runner.restore = lambda seq, block_hash: e.runner.linear_states.for_chunk(seq.request_id, 0)
+    e.scheduler.restore = e.runner.restore
+    for rid in ("first", "again"):
+        seq = e.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW))
+        out = e.run_until_done()[rid]
+    assert seq.num_cached_tokens > 0 and out != hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+
+
+def test_snapshots_off_turns_prefix_reuse_off(model_dir, builder, caplog):
+    """state_snapshots=0: no copy to resume from, so no hit is ever served (or published) with a wrong state."""
+    pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
+    with caplog.at_level("INFO", logger="mserve.workers.engine"):
+        e = engine(model_dir, state_snapshots=0)
     assert "prefix caching off" in caplog.text and "linear-attention layers [0, 1, 2, 4]" in caplog.text
     assert e.config.enable_prefix_caching is False and e.scheduler.enable_prefix_caching is False
     expected = hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
@@ -211,3 +250,20 @@ def test_abort_mid_prompt_frees_the_state_and_the_others_go_on(model_dir, builde
         out.setdefault(rid, []).extend(tokens)
     assert out["keep"] == hf_generate(model_dir, keep.prompt_ids, [], MAX_NEW) and "drop" not in out
     assert len(e.runner.linear_states) == 0 and e.pool.num_used_blocks == 0
+
+
+def test_moe_sibling_matches_hf_with_two_images_and_across_the_hand_off(tiny_model_dirs):
+    """Qwen3.5-MoE: the same hybrid attention over sparse MLPs (tests/workers/test_engine_moe.py pins that its
+    routing matters). Two images in one prompt, and a prefill here / decode there carrying the state."""
+    model_dir = str(tiny_model_dirs["qwen3_5_moe"])
+    pp = PromptBuilder(model_dir).prepare_text(PROMPTS[3], [make_image(200, 120, seed=2), make_image(90, 150, seed=5)])
+    expected = hf_generate(model_dir, pp.prompt_ids, pp.images, MAX_NEW)
+    assert run(model_dir, pp) == expected
+    prefill, decode = engine(model_dir), engine(model_dir)
+    prefill.add_request("r", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=MAX_NEW),
+                        prefill_only=True)
+    first = []
+    while prefill.has_unfinished():  # two chunks: one ends at the last full block (its state snapshot)
+        first += [o.new_token_ids[0] for o in prefill.step()]
+    decode.import_kv(prefill.export_kv("r"))
+    assert first + decode.run_until_done()["r"] == expected

@@ -99,6 +99,6 @@ def test_mserve_verify_prints_cases_traits_and_verdict(tiny_model_dirs, tmp_path
     verdict = json.loads(capsys.readouterr().out)
     assert verdict["served"] and verdict["traits"]["layer_types"] == {"sliding_attention": 2}
     assert [c["ok"] for c in verdict["cases"]] == [True] * len(probe.CASES)
-    assert main(["verify", "--model", str(tiny_model_dirs["qwen3_5_moe"])]) == 1
-    assert ("REFUSED: model_type 'qwen3_5_moe': linear attention layers (Gated DeltaNet): not supported outside the "
-            "tested qwen3_5 family") in capsys.readouterr().out
+    assert main(["verify", "--model", str(tiny_model_dirs["qwen4_exp"])]) == 1
+    assert ("REFUSED: model_type 'qwen4_exp': linear attention layers (Gated DeltaNet): not supported outside the "
+            "tested Qwen3.5 families") in capsys.readouterr().out

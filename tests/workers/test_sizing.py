@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mserve.workers import sizing
+from mserve.workers import mig, sizing
 from mserve.workers.settings import WorkerSettings
 from mserve.workers.sizing import GIB, MIB, SizingError
 
@@ -147,7 +147,7 @@ def test_llava_7b_on_mig_profiles():
 
     def blocks(spec: str, parts: str = "text") -> int:
         return sizing.plan_blocks(
-            total_bytes=sizing.mig_profile(spec).memory_bytes, fraction=0.9,
+            total_bytes=mig.mig_profile(spec).memory_bytes, fraction=0.9,
             weights_bytes=sizing.weight_bytes(counts, parts, 2),
             reserve=sizing.reserve_bytes(g, dtype_bytes=2, max_num_batched_tokens=2048, max_num_seqs=64,
                                          kv=parts != "vision"),
@@ -179,19 +179,19 @@ def test_errors_name_the_setting():
 
 
 def test_mig_profile_lookup():
-    p = sizing.mig_profile("A100-80GB:1g.10gb")
+    p = mig.mig_profile("A100-80GB:1g.10gb")
     assert (p.memory_bytes, p.compute_slices, p.memory_slices, p.max_instances) == (10 * GIB, 1, 1, 7)
     assert p.resource == "nvidia.com/mig-1g.10gb"
-    assert sizing.mig_profile("h100-80gb:nvidia.com/mig-3g.40gb").memory_bytes == 40 * GIB
-    assert sizing.mig_profile("A100-40GB:1g.10gb").memory_slices == 2  # 2/8 of a 40 GB board
+    assert mig.mig_profile("h100-80gb:nvidia.com/mig-3g.40gb").memory_bytes == 40 * GIB
+    assert mig.mig_profile("A100-40GB:1g.10gb").memory_slices == 2  # 2/8 of a 40 GB board
     with pytest.raises(SizingError, match="name the GPU"):
-        sizing.mig_profile("1g.10gb")
+        mig.mig_profile("1g.10gb")
     with pytest.raises(SizingError, match="A100-40GB has no MIG profile '3g.40gb'"):
-        sizing.mig_profile("A100-40GB:3g.40gb")
+        mig.mig_profile("A100-40GB:3g.40gb")
 
 
 def test_mig_table_is_consistent():
-    for gpu, profiles in sizing.MIG_PROFILES.items():
+    for gpu, profiles in mig.MIG_PROFILES.items():
         for p in profiles:
             compute, _, memory = p.name.partition("+")[0].partition(".")
             assert int(compute.rstrip("g")) == p.compute_slices, p
@@ -256,9 +256,9 @@ def test_mig_device_checks(checkpoints, monkeypatch):
     with pytest.raises(SizingError, match="needs device=cuda"):
         sizing.partition_worker(_settings(checkpoints["llava"], mig_device="MIG-abc"), "text")
     with pytest.raises(SizingError, match="MIG instance's UUID"):
-        sizing.select_mig_device("0", "cuda")
+        mig.select_mig_device("0", "cuda")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    sizing.select_mig_device("MIG-0c0ffee0-aaaa-bbbb-cccc-0123456789ab", "cuda")  # CUDA has not started here
+    mig.select_mig_device("MIG-0c0ffee0-aaaa-bbbb-cccc-0123456789ab", "cuda")  # CUDA has not started here
     import os
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "MIG-0c0ffee0-aaaa-bbbb-cccc-0123456789ab"

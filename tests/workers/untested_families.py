@@ -153,13 +153,13 @@ def _config_only(out: Path, config) -> Path:
     return out
 
 
-def qwen3_5_moe(out: Path) -> Path:
-    """Qwen3.5-MoE: Gated DeltaNet (linear attention) layers between full-attention ones, experts in every
-    layer. The linear layers are served for the tested qwen3_5 family only (workers/linear_state.py)."""
-    from transformers import Qwen3_5MoeConfig
+def qwen4_exp(out: Path) -> Path:
+    """Qwen4-Exp: Gated DeltaNet (linear attention) layers beside indexed (sparse) attention ones. The linear
+    layers are served for the tested Qwen3.5 families only (workers/linear_state.py)."""
+    from transformers import Qwen4ExpConfig
 
-    return _config_only(out, Qwen3_5MoeConfig(text_config={"hidden_size": 64, "num_hidden_layers": 4,
-                                                           "num_attention_heads": 4, "num_key_value_heads": 2}))
+    return _config_only(out, Qwen4ExpConfig(text_config={"hidden_size": 64, "num_hidden_layers": 4,
+                                                         "num_attention_heads": 4, "num_key_value_heads": 2}))
 
 
 def lfm2_vl(out: Path) -> Path:
@@ -179,7 +179,7 @@ def llama4(out: Path) -> Path:
 
 
 BUILDERS.update({"llava_next_video": llava_next_video, "deepseek_vl": deepseek_vl, "video_llava": video_llava,
-                 "paligemma": paligemma, "qwen3_5_moe": qwen3_5_moe, "lfm2_vl": lfm2_vl, "llama4": llama4})
+                 "paligemma": paligemma, "qwen4_exp": qwen4_exp, "lfm2_vl": lfm2_vl, "llama4": llama4})
 
 
 def llava_onevision1_5(out: Path) -> Path:
