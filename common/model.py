@@ -25,7 +25,9 @@ from mserve.common.traits import read_traits
 # the trait the engine cannot honour (common/traits.py) or the case the probe failed.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
                       "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
-                      "glm4v_moe", "qwen3_5", "qwen3_5_moe")
+                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio")
+# Families that take audio clips, token-exact here (Qwen2-Audio: its audio token is the one placeholder).
+AUDIO_MODEL_TYPES = ("qwen2_audio",)
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
 # second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
 # timestamps as text, common/families/qwen3_vl.py).
@@ -133,6 +135,33 @@ class ModelFamily:
     visual_keep_ratio: float | None = None
     # A family with tests here (SERVED_MODEL_TYPES); False: served only once a probe proved it (workers/probe.py).
     tested: bool = True
+    # An audio family's (AUDIO_MODEL_TYPES) audio token and its feature extractor's settings
+    # (common/families/qwen2_audio.py: AudioFeatures); None for a family that takes no audio. A family
+    # with no image token (Qwen2-Audio) has image_token_id NO_TOKEN.
+    audio_token_id: int | None = None
+    audio_features: Any = None
+
+    @property
+    def takes_images(self) -> bool:
+        return self.image_token_id != NO_TOKEN
+
+    @property
+    def modalities(self) -> list[str]:
+        """What a request to this checkpoint may hold (STATUS and the gateway's /v1/models say it)."""
+        return ["text"] + (["image"] if self.takes_images else []) + \
+            (["video"] if self.takes_images and self.video_unsupported() is None else []) + \
+            (["audio"] if self.audio_unsupported() is None else [])
+
+    def audio_unsupported(self) -> str | None:
+        """Why this checkpoint cannot take an audio clip, or None."""
+        if self.audio_features is None:
+            return (f"model_type {self.model_type} has no audio tower mserve serves (audio is served for "
+                    f"{', '.join(AUDIO_MODEL_TYPES)})")
+        return None
+
+    def audio_token_count(self, info: Any) -> int:
+        """Exact audio placeholder tokens of one clip (common/audio.py: AudioInfo)."""
+        return self.audio_features.tokens(info.resampled_samples(self.audio_features.sampling_rate))
 
     @property
     def uses_mrope(self) -> bool:
@@ -158,7 +187,8 @@ class ModelFamily:
 
     @property
     def placeholder_ids(self) -> tuple[int, ...]:
-        return (self.image_token_id,) if self.video_token_id is None else (self.image_token_id, self.video_token_id)
+        return tuple(t for t in (self.image_token_id, self.video_token_id, self.audio_token_id)
+                     if t is not None and t != NO_TOKEN)
 
     def video_unsupported(self) -> str | None:
         """Why this checkpoint cannot take a video, or None."""
@@ -237,6 +267,8 @@ class ModelFamily:
         `keep_ratio`: one request's own pruning ratio (SLO-adaptive pruning), else the family's."""
         if isinstance(image_size, VideoInfo):
             return self.video_token_count(image_size, keep_ratio)
+        if not isinstance(image_size, tuple):  # an audio clip's AudioInfo
+            return self.audio_token_count(image_size)
         from mserve.common.processor import image_token_count
 
         width, height = image_size
@@ -277,10 +309,16 @@ class ModelFamily:
         for tok in token_ids:
             if tok in self.placeholder_ids:
                 size = next(images, None)
+                if tok == self.audio_token_id:
+                    if size is None or isinstance(size, (tuple, VideoInfo)):
+                        raise ValueError("the chat template placed an audio placeholder where the request has "
+                                         + ("no more items" if size is None else "another kind"))
+                    out.extend([tok] * self.audio_token_count(size))
+                    continue
                 kind = "video" if tok == self.video_token_id else "image"
                 if size is None:
                     raise ValueError(f"prompt has more {kind} placeholders than {kind}s")
-                if isinstance(size, VideoInfo) != (kind == "video"):
+                if isinstance(size, VideoInfo) != (kind == "video") or not isinstance(size, (tuple, VideoInfo)):
                     raise ValueError(f"the chat template placed the images and videos in another order than "
                                      f"the request (a {kind} placeholder where the request has another kind)")
                 out.extend(self.image_placeholder(size, keep_ratio) if kind == "image"
@@ -324,6 +362,9 @@ class ModelFamily:
         return spans
 
 
+NO_TOKEN = -1  # the image_token_id of a family that has no image token (an audio-only one)
+
+
 def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: Any, where: str) -> Any:
     """The family's processor, refused at load (naming the settings file) when it cannot count one
     image's tokens: transformers would fail on the first image, or place no token for it."""
@@ -331,6 +372,8 @@ def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer:
 
     try:
         processor = build_processor(model_dir, model_type, tokenizer)
+        if model_type in AUDIO_MODEL_TYPES and getattr(processor, "image_processor", None) is None:
+            return processor  # an audio-only family: its count is common/families/qwen2_audio.py's
         probe = image_token_count(processor, 224, 224)
     except (UnsupportedModelError, OSError):
         raise
@@ -362,9 +405,14 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
-    if image_token_id is None:
+    audio_token_id, audio_features = cfg.get("audio_token_index", cfg.get("audio_token_id")), None
+    if model_type in AUDIO_MODEL_TYPES:
+        from mserve.common.families.qwen2_audio import read_audio_features
+
+        audio_features = read_audio_features(model_dir)
+    if image_token_id is None and audio_features is None:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
-    proc, where = read_image_processor_config(model_dir)
+    proc, where = read_image_processor_config(model_dir) if image_token_id is not None else ({}, "")
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
@@ -375,7 +423,7 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         video_config = read_video_settings(model_dir, rules.timestamped_video_defaults)
     return ModelFamily(
         model_type=model_type,
-        image_token_id=int(image_token_id),
+        image_token_id=NO_TOKEN if image_token_id is None else int(image_token_id),
         text_config=cfg.get("text_config", {}),
         processor_config=proc,
         vision_config=cfg.get("vision_config", {}),
@@ -385,4 +433,6 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         video_config=video_config,
         rules=rules,
         tested=tested,
+        audio_token_id=int(audio_token_id) if audio_features is not None else None,
+        audio_features=audio_features,
     )

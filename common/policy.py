@@ -81,6 +81,11 @@ class Limits:
     max_tokens: int = 4096
     max_video_frames: int = 32  # frames of one video (a video file is sampled down to it)
     video_fps: float = 2.0  # frames sampled per second of a video file (Qwen2-VL's own convention)
+    # Audio clips (a family with an audio tower): bytes and seconds of one clip, clips per request. A clip
+    # longer than the model's own window (Qwen2-Audio: 30 s) is cut to it, as its feature extractor cuts it.
+    max_audio_bytes: int = 25 * 1024 * 1024
+    max_audio_seconds: float = 60.0
+    max_audio_per_request: int = 8
 
 
 DEFAULT_LIMITS = Limits()

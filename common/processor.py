@@ -36,7 +36,9 @@ def processor_class(model_type: str) -> type:
     cls = load() if load is not None else getattr(transformers, name, None) if name else None
     if cls is None:
         raise UnsupportedModelError(f"model_type {model_type!r}: transformers has no processor class for it")
-    if not hasattr(cls, "_get_num_multimodal_tokens"):
+    from mserve.common.model import AUDIO_MODEL_TYPES
+
+    if not hasattr(cls, "_get_num_multimodal_tokens") and model_type not in AUDIO_MODEL_TYPES:  # audio: families/
         raise UnsupportedModelError(f"model_type {model_type!r}: {cls.__name__} has no _get_num_multimodal_tokens, "
                                     "so the visual-token count per image cannot be known at admission")
     return cls
@@ -54,25 +56,31 @@ def processor_settings(model_dir: str | os.PathLike, cls: type) -> dict[str, Any
 
 
 # Parts a processor owns that the image path never runs: the video processor (it needs torchvision) and an
-# audio feature extractor (Gemma 4's: audio is not served). They are built as None.
+# audio feature extractor (Gemma 4's: its audio is not served; an AUDIO_MODEL_TYPES family's is loaded).
+# They are built as None.
 _LEFT_OUT = ("video_processor", "feature_extractor")
 
 
 def build_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: Any = None) -> Any:
     """The checkpoint's processor, with the PIL image processor and no video processor."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
+
+    from mserve.common.model import AUDIO_MODEL_TYPES
 
     cls = processor_class(model_type)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    parts: dict[str, Any] = {"tokenizer": tokenizer,
-                             "image_processor": AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")}
     attributes = cls.get_attributes()
+    parts: dict[str, Any] = {"tokenizer": tokenizer}
+    if "image_processor" in attributes:
+        parts["image_processor"] = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+    if "feature_extractor" in attributes and model_type in AUDIO_MODEL_TYPES:  # a served audio family's
+        parts["feature_extractor"] = AutoFeatureExtractor.from_pretrained(str(model_dir))
     missing = [a for a in attributes if a not in parts and a not in _LEFT_OUT]
     if missing:
         raise UnsupportedModelError(f"model_type {model_type!r}: {cls.__name__} needs {', '.join(missing)}, "
                                     "which mserve does not load")
-    parts.update({a: None for a in attributes if a in _LEFT_OUT})
+    parts.update({a: None for a in attributes if a in _LEFT_OUT and a not in parts})
     return assemble_processor(cls, **parts, **processor_settings(model_dir, cls))
 
 

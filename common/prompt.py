@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from mserve.common.audio import AudioInfo, AudioPart, audio_part_from_content, read_audio_header
 from mserve.common.model import ModelFamily, VideoInfo, image_size_from_header, load_family
 from mserve.common.video import VideoPart, describe_video, payload_bytes, video_part_from_value
 
@@ -21,8 +22,8 @@ from mserve.common.video import VideoPart, describe_video, payload_bytes, video_
 @dataclass
 class PreparedPrompt:
     prompt_ids: list[int]  # placeholders expanded
-    images: list[bytes | VideoPart]  # images and videos, in prompt order
-    image_sizes: list[tuple[int, int] | VideoInfo]
+    images: list[bytes | VideoPart | AudioPart]  # images, videos and audio clips, in prompt order
+    image_sizes: list[tuple[int, int] | VideoInfo | AudioInfo]
     text: str
 
 
@@ -103,6 +104,9 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
             elif kind == "video":
                 images.append(video_part_from_value(part.get("video"), allow_paths, part.get("fps")))
                 parts.append({"type": "video"})
+            elif kind in ("audio", "input_audio", "audio_url"):
+                images.append(audio_part_from_content(part, allow_paths))
+                parts.append({"type": "audio"})
             else:
                 raise ValueError(f"messages[{i}] has an unsupported content part type {kind!r}")
         out.append({"role": role, "content": parts})
@@ -159,14 +163,26 @@ class PromptBuilder:
             if isinstance(item, VideoPart):
                 items[i], info = describe_video(item, family=self.family)
                 sizes.append(info)
+            elif isinstance(item, AudioPart):
+                items[i], audio = self.admit_audio(item)
+                sizes.append(audio)
             else:
                 sizes.append(image_size_from_header(item))
         return self.prepare_normalized(norm, sizes, items)
+
+    def admit_audio(self, part: AudioPart) -> tuple[AudioPart, AudioInfo]:
+        """A clip's header read (AudioError when unusable) and its length at the feature extractor's rate fixed."""
+        if (why := self.family.audio_unsupported()) is not None:
+            raise ValueError(why)
+        info = read_audio_header(part.data)
+        return AudioPart(part.data, info.resampled_samples(self.family.audio_features.sampling_rate)), info
 
     def prepare_normalized(self, norm: list[dict[str, Any]], sizes: Sequence[tuple[int, int] | VideoInfo],
                            images: Sequence[bytes | VideoPart], keep_ratio: float | None = None) -> PreparedPrompt:
         """Messages already split from their images and videos (see normalize_messages), sizes known
         (a VideoInfo for each video). `keep_ratio`: this request's pruning ratio, else the builder's."""
+        if any(isinstance(s, AudioInfo) for s in sizes) and (why := self.family.audio_unsupported()) is not None:
+            raise ValueError(why)
         if not any(p.get("text", "").strip() for m in norm for p in m["content"] if p["type"] == "text") and not images:
             raise ValueError("prompt is empty: no text and no image")
         if any(isinstance(s, VideoInfo) for s in sizes):
@@ -235,11 +251,13 @@ class PromptBuilder:
             raise ValueError(f"{self.family.model_type}: the prompt's image placeholder runs {[n for _, n in runs]} "
                              f"do not match its images' token counts {expected}") from None
 
-    def prepare_text(self, prompt: str, images: Sequence[bytes] = ()) -> PreparedPrompt:
-        """One user turn: the images first, then the text (the llava-1.5 / Qwen2-VL convention)."""
-        if not prompt.strip() and not images:
+    def prepare_text(self, prompt: str, images: Sequence[bytes] = (), audio: Sequence[bytes] = ()) -> PreparedPrompt:
+        """One user turn: the images first, then the audio clips, then the text (the llava-1.5 / Qwen2-VL /
+        Qwen2-Audio convention)."""
+        if not prompt.strip() and not images and not audio:
             raise ValueError("prompt is empty: give --prompt text or at least one image")
         content: list[dict[str, Any]] = [{"type": "image", "image": b} for b in images]
+        content.extend({"type": "audio", "audio": b} for b in audio)
         content.append({"type": "text", "text": prompt})
         return self.prepare([{"role": "user", "content": content}])
 

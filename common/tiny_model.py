@@ -1,4 +1,4 @@
-"""Random-weight vision-language models built fully offline, for tests and benchmarks.
+"""Random-weight vision- and audio-language models built fully offline, for tests and benchmarks.
 
 ``make_tiny_model(out_dir, arch, size)`` writes a folder that looks like a published
 Hugging Face checkpoint (config, safetensors weights, tokenizer, image processor, chat
@@ -42,7 +42,7 @@ def make_tiny_model(out_dir: str | Path, arch: str, size: str = "tiny", seed: in
     """Write a random-weight ``arch`` VLM checkpoint of ``size`` into ``out_dir``; return it.
 
     ``layout`` picks where the image processor's settings go (see ``LAYOUTS``)."""
-    from transformers import AutoModelForImageTextToText
+    import transformers
 
     _check_choice(arch, size)
     if layout not in LAYOUTS:
@@ -57,7 +57,7 @@ def make_tiny_model(out_dir: str | Path, arch: str, size: str = "tiny", seed: in
     config = family.config(dims, tok, std)
     family.save_processor(out, dims, tok, layout)
 
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, family.model_class).from_config(config, dtype=torch.float32)
     randomize(model, std, seed)
     model.generation_config = family.generation_config(tok)
     model.save_pretrained(out)

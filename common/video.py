@@ -170,7 +170,12 @@ def video_hash(video: VideoPart) -> str:
     return h.hexdigest()
 
 
-def visual_hash(item: bytes | VideoPart) -> str:
+def visual_hash(item: Any) -> str:
+    """An image's (bytes), a video's or an audio clip's (common/audio.py) cache key."""
+    from mserve.common.audio import AudioPart, audio_hash
+
+    if isinstance(item, AudioPart):
+        return audio_hash(item)
     return video_hash(item) if isinstance(item, VideoPart) else image_hash(item)
 
 

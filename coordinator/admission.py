@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mserve.common import sampling_rules as rules
+from mserve.common.audio import AudioInfo, AudioPart, audio_hash, read_audio_header
 from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_from_header
 from mserve.common.policy import LATENCY_CLASSES, Limits
 from mserve.common.prompt import PromptBuilder, normalize_messages
@@ -98,6 +99,9 @@ class AdmittedImage:
     # A prefill can do without its embeddings when the cached prefix holds its placeholders: an image (a
     # video is always encoded) whose grid is known where positions need one (workers/prefix_skip.py).
     skippable: bool = False
+    # An audio clip (`data` its file): its length in samples at the feature extractor's rate, which the
+    # encode worker holds the decoded clip to (common/audio.py). None: an image or a video.
+    audio_samples: int | None = None
 
     @property
     def is_video(self) -> bool:
@@ -143,13 +147,22 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
         messages, images = normalize_messages(req.messages, allow_paths=False)
     except ValueError as exc:
         raise AdmissionError(str(exc)) from None
-    n_images = sum(1 for x in images if not isinstance(x, VideoPart))
+    n_images = sum(1 for x in images if not isinstance(x, (VideoPart, AudioPart)))
+    n_audio = sum(1 for x in images if isinstance(x, AudioPart))
+    if n_audio > limits.max_audio_per_request:
+        raise AdmissionError(f"{n_audio} audio clips is over the limit max_audio_per_request={limits.max_audio_per_request}")
     if n_images > limits.max_images_per_request:
         raise AdmissionError(f"{n_images} images is over the limit max_images_per_request={limits.max_images_per_request}")
     ratio = keep_ratio(req.latency_class) if keep_ratio is not None and images else None
     admitted_images: list[AdmittedImage] = []
-    sizes: list[tuple[int, int] | VideoInfo] = []
+    sizes: list[tuple[int, int] | VideoInfo | AudioInfo] = []
     for i, data in enumerate(images):
+        if isinstance(data, AudioPart):
+            clip, audio = _admit_audio(builder, limits, i, data, req.model)
+            admitted_images.append(clip)
+            images[i] = AudioPart(clip.data, clip.audio_samples)
+            sizes.append(audio)
+            continue
         if isinstance(data, VideoPart):
             video, info = _admit_video(builder, limits, i, data, ratio)
             admitted_images.append(video)
@@ -189,11 +202,37 @@ def _place(family: Any, prompt_ids: list[int], images: list[AdmittedImage]) -> N
         while covered < im.num_tokens and (run := next(runs, None)) is not None:
             covered += run[1]
             im.end = run[0] + run[1]
-        if not im.is_video and family.uses_mrope:
+        if not im.is_video and im.audio_samples is None and family.uses_mrope:  # an image's grid
             grid = family.image_grid(im.size)
             if grid is not None and grid[0] * grid[1] * grid[2] // family.merge_size ** 2 == im.num_tokens:
                 im.grid = list(grid)
         im.skippable = not im.is_video and (im.grid is not None or not family.uses_mrope)
+
+
+def _admit_audio(builder: PromptBuilder, limits: Limits, i: int, part: AudioPart,
+                 model: str | None) -> tuple[AdmittedImage, AudioInfo]:
+    """Check one audio clip against the limits and count its tokens from its container header (no sample decoded)."""
+    family = builder.family
+    if family.audio_unsupported() is not None:
+        raise AdmissionError(f"audio {i}: model {model or builder.model_dir} takes no audio input "
+                             f"(model_type {family.model_type} has no audio tower mserve serves)")
+    if len(part.data) > limits.max_audio_bytes:
+        raise AdmissionError(f"audio {i} is {len(part.data)} bytes, over the limit max_audio_bytes={limits.max_audio_bytes}",
+                             ErrorCode.TOO_LARGE)
+    try:
+        info = read_audio_header(part.data)
+    except ImageError as exc:
+        raise AdmissionError(f"audio {i}: {exc}") from None
+    if info.seconds > limits.max_audio_seconds:
+        raise AdmissionError(f"audio {i} is {info.seconds:.3f} s, over the limit max_audio_seconds="
+                             f"{limits.max_audio_seconds:g}", ErrorCode.TOO_LARGE)
+    tokens = family.audio_token_count(info)
+    if tokens < 1:
+        raise AdmissionError(f"audio {i} is {info.seconds:.3f} s, too short for one audio token of "
+                             f"{family.model_type} (a clip must be at least {family.audio_features.min_seconds:.3f} s)")
+    samples = info.resampled_samples(family.audio_features.sampling_rate)
+    return AdmittedImage(audio_hash(AudioPart(part.data, samples)), part.data, (0, 0), tokens,
+                         audio_samples=samples), info
 
 
 def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart,

@@ -92,8 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          ("max-image-pixels", f"{side}*{side}" if side * side == limits.max_image_pixels
                           else limits.max_image_pixels),
                          ("max-images-per-request", limits.max_images_per_request),
-                         ("max-video-frames", f"{limits.max_video_frames}; a video file is sampled down to it")):
+                         ("max-video-frames", f"{limits.max_video_frames}; a video file is sampled down to it"),
+                         ("max-audio-bytes", f"{limits.max_audio_bytes / 2**20:g} MiB per audio clip"),
+                         ("max-audio-per-request", limits.max_audio_per_request)):
         p.add_argument(f"--{limit}", type=int, help=f"admission limit (default {help_})")
+    p.add_argument("--max-audio-seconds", type=float,
+                   help=f"admission limit, seconds of one audio clip (default {limits.max_audio_seconds:g})")
     p.add_argument("--video-fps", type=float,
                    help=f"frames sampled per second of a video file (Qwen3-VL: by its video processor's own "
                         f"rule with this fps; default {limits.video_fps:g})")

@@ -19,6 +19,7 @@ from typing import Any, Sequence, Union
 
 import zmq
 
+from mserve.common.audio import audio_part_from_content
 from mserve.common.documents import MAX_DOCUMENT_PAGES, DocumentError, DocumentLimits, render_pdf, render_pdf_file
 from mserve.common.prompt import image_bytes_from_part
 from mserve.common.video import video_part_from_value
@@ -173,7 +174,9 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]],
                               documents: DocumentLimits = DocumentLimits()) -> list[dict[str, Any]]:
     """OpenAI-shaped messages with every image part turned into ``{"type": "image", "image": bytes}``, and
     every video part into ``{"type": "video", "video": [frame bytes, ...] or video file bytes}``, and every
-    document part (``{"type": "document", "document": PDF bytes or a path}``) into its pages' image parts.
+    document part (``{"type": "document", "document": PDF bytes or a path}``) into its pages' image parts,
+    and every audio part (``audio``: bytes, a path or a data URL; OpenAI's ``input_audio``; vLLM's ``audio_url``) into
+    ``{"type": "audio", "audio": bytes}``.
 
     Image parts may hold bytes, a file path (str or Path), a data URL, or be OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}``. The server refuses paths (they name files on
@@ -204,6 +207,13 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]],
                     parts.append({"type": "image", "image": image_bytes_from_part(part)})
                 except ValueError as exc:
                     raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
+            elif kind in ("audio", "input_audio", "audio_url"):  # a clip: bytes, a path, a data URL, OpenAI's, vLLM's
+                if isinstance(part.get("audio"), PurePath):
+                    part = {**part, "audio": str(part["audio"])}
+                try:
+                    parts.append({"type": "audio", "audio": audio_part_from_content(part).data})
+                except ValueError as exc:
+                    raise ValueError(f"messages[{i}].content[{j}]: {exc}") from None
             elif kind == "video":  # a list of frames, or one video file; paths are read here too
                 try:
                     video = video_part_from_value(part.get("video"), fps=part.get("fps"))
@@ -215,7 +225,7 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]],
                 parts.extend({"type": "image", "image": page} for page in _document_pages(part, f"messages[{i}].content[{j}]", documents))
             else:
                 raise ValueError(f"messages[{i}].content[{j}] has an unsupported part type {kind!r} "
-                                 "(expected 'text', 'image', 'image_url', 'video' or 'document')")
+                                 "(expected 'text', 'image', 'image_url', 'video', 'document', 'audio', 'input_audio' or 'audio_url')")
         out.append({**msg, "content": parts})
     return out
 

@@ -180,9 +180,11 @@ def merged_status(models: ModelTable, default: str | None) -> dict[str, Any]:
     """STATUS over every model: the cluster's totals at the top (as with one model, so `mserve status`, the
     gateway and the autoscaler read a one-model cluster as before), each model's own under "models".
     "model" / "model_path" name the default model (else the first that joined)."""
-    # "verification": a family with tests here, or one its workers proved at load (workers/probe.py)
+    # "verification": a family with tests here, or one its workers proved at load (workers/probe.py);
+    # "modalities": what its requests may hold (ModelFamily.modalities)
     per = {m.name: {**m.machine.status(), "model_path": m.path,
-                    "verification": "tested" if m.builder.family.tested else "verified at load"} for m in models}
+                    "verification": "tested" if m.builder.family.tested else "verified at load",
+                    "modalities": m.builder.family.modalities} for m in models}
     workers: dict[str, Any] = {}
     roles: dict[str, int] = {}
     stats: dict[str, float] = {}

@@ -95,6 +95,9 @@ class CoordinatorSettings(BaseSettings):
     max_tokens: int = DEFAULT_LIMITS.max_tokens
     max_video_frames: int = DEFAULT_LIMITS.max_video_frames
     video_fps: float = DEFAULT_LIMITS.video_fps
+    max_audio_bytes: int = DEFAULT_LIMITS.max_audio_bytes
+    max_audio_seconds: float = DEFAULT_LIMITS.max_audio_seconds
+    max_audio_per_request: int = DEFAULT_LIMITS.max_audio_per_request
     # Security (docs/operations.md, "Security"). None: off, for one trusted host (the local demo).
     # Every GENERATE / ABORT / STATUS must carry this `api_key`; printed masked in the settings line.
     client_api_key: SecretStr | None = None

@@ -47,12 +47,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from mserve.workers.paged_attention import exact_setting
     from mserve.workers.sequence import SamplingParams
 
-    images = []
-    for path in args.image:
-        p = Path(path)
-        if not p.is_file():
-            raise SystemExit(f"error: --image {path}: no such file")
-        images.append(p.read_bytes())
+    images, clips = [], []
+    for flag, paths, out in (("--image", args.image, images), ("--audio", args.audio, clips)):
+        for path in paths:
+            p = Path(path)
+            if not p.is_file():
+                raise SystemExit(f"error: {flag} {path}: no such file")
+            out.append(p.read_bytes())
     try:  # each PDF's pages, rendered as the gateway renders them, after the images
         for path in args.document:
             images.extend(render_pdf_file(path, DocumentLimits(max_pages=args.max_document_pages), f"--document {path}"))
@@ -60,7 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {exc}")
     try:
         builder = PromptBuilder(args.model, visual_token_pruning=args.visual_token_pruning)
-        prompt = builder.prepare_text(args.prompt, images)
+        prompt = builder.prepare_text(args.prompt, images, clips)
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed)
         engine = Engine(EngineConfig(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
@@ -68,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                      num_blocks=args.num_blocks, block_size=args.block_size,
                                      visual_token_pruning=builder.visual_token_pruning))
         t0 = time.perf_counter()
-        engine.add_request("cli", prompt.prompt_ids, images=images, sampling=sampling)
+        engine.add_request("cli", prompt.prompt_ids, images=prompt.images, sampling=sampling)
         tokens = engine.run_until_done()["cli"]
         elapsed = time.perf_counter() - t0
     except (ValueError, ImageError, FileNotFoundError) as exc:
@@ -301,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a PDF: each page an image, after the --image ones; repeat for more")
     p.add_argument("--max-document-pages", type=int, default=MAX_DOCUMENT_PAGES,
                    help=f"most pages a --document may have (default {MAX_DOCUMENT_PAGES})")
+    p.add_argument("--audio", action="append", default=[], metavar="PATH",
+                   help="an audio file (wav, mp3, flac, ogg) for a model that takes audio; repeat for more")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")

@@ -18,7 +18,8 @@ import torch
 
 def deepstack_layers(model: torch.nn.Module) -> int:
     """How many DeepStack features the checkpoint's tower makes (0: none, every other family)."""
-    return len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+    vision = getattr(model.config, "vision_config", None)  # an audio-only family (Qwen2-Audio) has none
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
 
 
 def pack(embeds: Sequence[torch.Tensor], features: Sequence[Sequence[torch.Tensor]] | None) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from mserve.common import sampling_rules as rules
+from mserve.common.audio import AudioPart, decode_audio
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.histogram import STEP_BUCKETS_S, Histogram
@@ -135,6 +136,8 @@ class Engine:
         """Image bytes and videos -> embeddings; every image (frame) is checked against the limits before decoding.
         An item whose hash is in `predecoded` (decoded ahead, off the loop: roles/unified.py) is not decoded again."""
         for i, item in enumerate(images):
+            if isinstance(item, AudioPart):  # its bytes and seconds were checked at admission (max_audio_*)
+                continue
             for data in (item.frames or (item.data,)) if isinstance(item, VideoPart) else (item,):
                 if len(data or b"") > self.config.max_image_bytes:
                     raise ValueError(f"image {i} is {len(data)} bytes, over the limit "
@@ -146,8 +149,11 @@ class Engine:
         self.counters["visual_tokens"] += sum(int(enc.embeds.shape[0]) for enc in encoded)
         return encoded
 
-    def decode_visual(self, item: bytes | VideoPart) -> Any:
-        """An image (PIL) or a video (a list of PIL frames), decoded within the pixel limit."""
+    def decode_visual(self, item: bytes | VideoPart | AudioPart) -> Any:
+        """An image (PIL) or a video (a list of PIL frames), decoded within the pixel limit; an audio clip
+        (a waveform at the feature extractor's rate, held to its admitted length)."""
+        if isinstance(item, AudioPart):
+            return decode_audio(item.data, self.family.audio_features.sampling_rate, item.samples)
         limit = self.config.max_image_pixels
         if not isinstance(item, VideoPart):
             return decode_image(item, limit)

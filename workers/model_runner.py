@@ -15,8 +15,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
+from mserve.common.checkpoint_files import read_model_config
 from mserve.common.model import ModelFamily, load_family
 from mserve.common.serving_defaults import serving_dtype_for
 from mserve.common.video import seconds_per_grid
@@ -78,11 +80,16 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
     `parts` = "vision" or "text" keeps only what that stage runs: the other half is dropped right
     after loading, so the worker's resident memory holds one half of the weights (the load itself
     still reads the whole checkpoint, through transformers' own key mapping)."""
-    from transformers import AutoModelForImageTextToText
+    import transformers
+
+    from mserve.common.model import AUDIO_MODEL_TYPES
 
     if parts not in PARTS:
         raise ValueError(f"parts must be one of {PARTS}, got {parts!r}")
-    model, info = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype, model_dir),
+    # An audio-language model is no image-text-to-text one: transformers' multimodal-LM auto class has it.
+    auto = "AutoModelForMultimodalLM" if read_model_config(model_dir).get("model_type") in AUDIO_MODEL_TYPES \
+        else "AutoModelForImageTextToText"
+    model, info = getattr(transformers, auto).from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype, model_dir),
                                                               output_loading_info=True)
     refuse_unloaded_weights(model_dir, model, info)
     if parts == "text":
@@ -284,6 +291,10 @@ class ModelRunner:
         the videos through its video path (one forward for all of them); LLaVA encodes every frame as an
         image, in the images' forward, and a video's embeddings are its frames' one after another.
         `keep_ratio`: their own pruning ratio (LLaVA; SLO-adaptive pruning), else the worker's."""
+        if any(isinstance(x, np.ndarray) for x in items):  # audio clips (waveforms): a family that takes no images
+            from mserve.workers.audio_encoding import encode_audio
+
+            return [EncodedImage(e) for e in encode_audio(self.model, self.family, items)]
         is_video = [isinstance(x, list) for x in items]
         videos = [x for x, v in zip(items, is_video) if v]
         if self.family.video_as_frames:

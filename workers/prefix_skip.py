@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from mserve.common import prefix_rules
+from mserve.common.audio import AudioPart
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
 from mserve.common.model import image_size_from_header
 from mserve.workers.block_pool import BlockPool
@@ -38,16 +39,18 @@ def covered(spans: Sequence[ImageSpan], cached: int) -> list[int]:
 
 def covered_images(pool: BlockPool, family: Any, prompt_ids: Sequence[int], output_ids: Sequence[int],
                    runs: Sequence[tuple[int, int]], images: Sequence[Any], hashes: Sequence[str]) -> dict[int, Any]:
-    """The images (bytes, one placeholder run each) whose whole run the pool's cached prefix holds now:
-    {item: its (t, h, w) grid on an M-RoPE family, else None}. Videos, and an image whose grid cannot be
-    known without decoding it, are always encoded."""
-    if len(runs) != len(images) or any(not isinstance(im, bytes) for im in images):
+    """The images (bytes) and audio clips (AudioPart), one placeholder run each, whose whole run the pool's
+    cached prefix holds now: {item: its (t, h, w) grid on an M-RoPE family, else None}. Videos, and an
+    item whose grid cannot be known without decoding it, are always encoded."""
+    if len(runs) != len(images) or any(not isinstance(im, (bytes, AudioPart)) for im in images):
         return {}
     spans = [ImageSpan(start, length, h) for (start, length), h in zip(runs, hashes)]
     out: dict[int, Any] = {}
     for i in covered(spans, cached_tokens(pool, prompt_ids, output_ids, spans)):
         grid = None
         if family.uses_mrope:
+            if not isinstance(images[i], bytes):
+                continue
             grid = family.image_grid(image_size_from_header(images[i]))
             if grid is None or grid[0] * grid[1] * grid[2] // family.merge_size ** 2 != spans[i].length:
                 continue

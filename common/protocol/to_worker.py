@@ -20,13 +20,15 @@ from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_float, 
 @dataclass
 class ImageRef(Message):
     """One image of a request: its bytes and the hash caches key on. A video is one ImageRef too: its
-    frames (`frames`, `data` empty), or a video file (`data`) and the frames of it to use (`frame_indices`)."""
+    frames (`frames`, `data` empty), or a video file (`data`) and the frames of it to use (`frame_indices`);
+    so is an audio clip: its file (`data`) and the samples it is held to (`audio_samples`, common/audio.py)."""
 
     hash: str = wire(as_str)
     data: bytes = wire(as_bytes)
     frames: list[bytes] | None = wire(optional(list_of(as_bytes)), None)
     frame_indices: list[int] | None = wire(optional(list_of(as_int)), None)
     fps: float | None = wire(optional(as_float), None)  # a video's sampled frame rate (None: unknown)
+    audio_samples: int | None = wire(optional(as_int), None)  # an audio clip's length at its feature rate
 
     @property
     def is_video(self) -> bool:

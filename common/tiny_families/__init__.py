@@ -15,10 +15,13 @@ from mserve.common.tiny_families.internvl import INTERNVL
 from mserve.common.tiny_families.llava import LLAVA, LLAVA_NEXT
 from mserve.common.tiny_families.mistral3 import MISTRAL3
 from mserve.common.tiny_families.qwen import QWEN2_5_VL, QWEN2_VL
+from mserve.common.tiny_families.qwen2_audio import QWEN2_AUDIO
 from mserve.common.tiny_families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from mserve.common.tiny_families.qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 from mserve.common.tiny_families.smolvlm import IDEFICS3, SMOLVLM
 
 FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, MISTRAL3, GEMMA3, GEMMA4,
                                                   INTERNVL, SMOLVLM, IDEFICS3, GLM46V, GLM4V,
-                                                  GLM4V_MOE, QWEN3_5, QWEN3_5_MOE)}
+                                                  GLM4V_MOE, QWEN3_5, QWEN3_5_MOE, QWEN2_AUDIO)}
+# Families that take audio (and no image): their folders hold a feature extractor, no image processor.
+AUDIO_ARCHS = ("qwen2_audio",)

@@ -35,6 +35,8 @@ class TinyFamily:
     config: Callable[[dict, Any, float], Any]  # (dims, tokenizer, std) -> transformers config
     save_processor: Callable[[Path, dict, Any, str], None]  # (folder, dims, tokenizer, layout)
     generation_config: Callable[[Any], Any]  # tokenizer -> GenerationConfig
+    # The transformers auto class that builds it: an audio-language model is no image-text-to-text one.
+    model_class: str = "AutoModelForImageTextToText"
 
 # Tokenizer training corpus: docstrings of a fixed list of stdlib modules (offline, and
 # identical on every run with the same Python) plus a few plain English sentences.

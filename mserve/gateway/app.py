@@ -256,6 +256,8 @@ class Gateway:
             log.warning("models: coordinator status unavailable: %s", exc)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mserve",
                                             **({"mserve_verification": v} if (v := self.catalog.verification(name))
+                                               else {}),
+                                            **({"mserve_modalities": mod} if (mod := self.catalog.modalities(name))
                                                else {})}
                                            for name in self.catalog.names()]}
 

@@ -29,6 +29,7 @@ class ModelCatalog:
         self._tokenizers: dict[str, Any] = {}  # folder -> tokenizer
         self._groups: dict[str, list[str]] = {}  # variant group -> its variants (--variant-groups)
         self._verification: dict[str, str | None] = {}  # coordinator name -> "tested" / "verified at load"
+        self._modalities: dict[str, list[str]] = {}  # coordinator name -> ["text", "image", "video", "audio"]
 
     async def refresh(self) -> None:
         status = await self._status()
@@ -42,6 +43,7 @@ class ModelCatalog:
         self._folders = folders
         self._served = list(status.get("served_models") or ([self.default] if self.default else []))
         self._verification = {name: m.get("verification") for name, m in per_model.items()}
+        self._modalities = {name: list(m["modalities"]) for name, m in per_model.items() if m.get("modalities")}
         self._groups = dict(status.get("variant_groups") or {})
 
     def is_group(self, name: str) -> bool:
@@ -57,6 +59,11 @@ class ModelCatalog:
         from a coordinator that does not say."""
         name = self.default if self._alias and public_name == self._alias else public_name
         return self._verification.get(name)
+
+    def modalities(self, public_name: str) -> list[str] | None:
+        """What a request to this model may hold; None from a coordinator that does not say."""
+        name = self.default if self._alias and public_name == self._alias else public_name
+        return self._modalities.get(name)
 
     def names(self) -> list[str]:
         """The names /v1/models lists, the default model first."""

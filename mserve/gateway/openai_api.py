@@ -244,11 +244,37 @@ def convert_messages(messages: Any, media_root: Path | None, fetcher: MediaFetch
                               **({"fps": float(fps)} if fps is not None else {})})
             elif kind == "file":  # a PDF, as OpenAI takes it: its pages become image parts, in order
                 parts.extend({"type": "image", "image": page} for page in load_file_part(part, pwhere, documents))
+            elif kind in ("input_audio", "audio_url"):  # OpenAI's audio part, and vLLM's
+                parts.append({"type": "audio", "audio": load_audio_part(part, kind, media_root, pwhere, fetcher)})
             else:
                 raise _bad(f"{pwhere}.type", f"{pwhere}.type {kind!r} is not supported (text, image_url, video_url, "
-                                             "video, file)")
+                                             "video, file, input_audio, audio_url)")
         out.append({"role": role, "content": parts})
     return out
+
+
+def load_audio_part(part: dict[str, Any], kind: str, media_root: Path | None, pwhere: str,
+                    fetcher: MediaFetcher | None = None) -> bytes:
+    """An audio clip's bytes: OpenAI's input_audio {"data": base64, "format": ...} (AUDIO_FORMATS), or
+    vLLM's audio_url {"url": ...}, read as every media URL is (load_media_url)."""
+    from mserve.common.audio import AUDIO_FORMATS
+
+    body = part.get(kind)
+    if kind == "audio_url":
+        url = body.get("url") if isinstance(body, dict) else body
+        if not isinstance(url, str) or not url:
+            raise _bad(f"{pwhere}.audio_url", f"{pwhere}.audio_url.url must be a string")
+        return load_media_url(url, kind="audio", media_root=media_root, param=f"{pwhere}.audio_url",
+                              fetcher=fetcher)
+    if not isinstance(body, dict) or not isinstance(body.get("data"), str) or not body["data"]:
+        raise _bad(f"{pwhere}.input_audio.data", f"{pwhere}.input_audio.data must be the clip as a base64 string")
+    if body.get("format") not in AUDIO_FORMATS:
+        raise _bad(f"{pwhere}.input_audio.format", f"{pwhere}.input_audio.format must be one of "
+                                                    f"{', '.join(AUDIO_FORMATS)} (got {body.get('format')!r})")
+    try:
+        return base64.b64decode(body["data"], validate=True)
+    except ValueError:
+        raise _bad(f"{pwhere}.input_audio.data", f"{pwhere}.input_audio.data is not valid base64") from None
 
 
 def load_file_part(part: dict[str, Any], where: str, limits: DocumentLimits) -> list[bytes]:

@@ -39,7 +39,8 @@ def test_prompt_ids_match_the_engine_path(builder):
     (generate("hi", sampling={"temprature": 1}), Limits(), "sampling.temprature: Extra inputs are not permitted"),
     (generate([{"type": "image", "image": b"junk"}]), Limits(), "image 0: cannot read image header"),
     (generate([{"type": "image", "image": "/etc/passwd"}]), Limits(), "not a file path"),
-    (generate([{"type": "audio"}]), Limits(), "unsupported content part type 'audio'"),
+    (generate([{"type": "audio"}]), Limits(), "audio is not usable"),
+    (generate([{"type": "sound"}]), Limits(), "unsupported content part type 'sound'"),
     (generate("   "), Limits(), "prompt is empty"),
     (generate("word " * 300), Limits(max_prompt_tokens=100), "over the limit max_prompt_tokens=100"),
 ])

@@ -82,7 +82,7 @@ def test_missing_file_names_the_part(tmp_path):
 
 
 @pytest.mark.parametrize("part, pattern", [
-    ({"type": "audio", "audio": b"x"}, "unsupported part type 'audio'"),
+    ({"type": "hologram", "hologram": b"x"}, "unsupported part type 'hologram'"),
     ("just a string", "unsupported part type None"),
     ({"type": "image", "image": 42}, "no usable image"),
     ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "not fetched"),

@@ -64,7 +64,7 @@ def test_messages_are_checked_part_by_part():
         return body(messages=[{"role": role, "content": list(content)}])
 
     assert param_of(lambda: parse_chat_request(body(messages=[{"role": "tool", "content": "x"}]))) == "messages[0].role"
-    assert param_of(lambda: parse_chat_request(msgs({"type": "input_audio"}))) == "messages[0].content[0].type"
+    assert param_of(lambda: parse_chat_request(msgs({"type": "hologram"}))) == "messages[0].content[0].type"
     assert param_of(lambda: parse_chat_request(msgs({"type": "text", "text": 3}))) == "messages[0].content[0].text"
     remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
     with pytest.raises(ApiError, match="remote media URLs are not fetched here"):

@@ -8,6 +8,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from mserve.common.audio import AudioPart
 from mserve.common.model import ImageError
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
 from mserve.common.policy import encode_batch
@@ -23,8 +24,11 @@ from mserve.workers.worker import Worker
 log = logging.getLogger("mserve.worker")
 
 
-def visual_input(ref: ImageRef) -> bytes | VideoPart:
-    """What the engine decodes for one ImageRef: image bytes, or a video (frames, or a file and its frames)."""
+def visual_input(ref: ImageRef) -> bytes | VideoPart | AudioPart:
+    """What the engine decodes for one ImageRef: image bytes, a video (frames, or a file and its frames) or
+    an audio clip."""
+    if ref.audio_samples is not None:
+        return AudioPart(ref.data, ref.audio_samples)
     if ref.frames is not None:
         return VideoPart(frames=tuple(ref.frames), fps=ref.fps)
     if ref.frame_indices is not None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from mserve.common.protocol.to_coordinator import TokenItem
 from mserve.common.protocol.to_worker import RunTask
 from mserve.common.video import visual_hash
@@ -40,7 +42,9 @@ class UnifiedWorker(SteppingWorker):
             for item in todo:
                 try:
                     decoded = self.engine.decode_visual(item)
-                    out[visual_hash(item)] = decoded if isinstance(decoded, list) else runner.prepare_image(decoded)
+                    # a video's frames and an audio clip's waveform go to the tower as they are
+                    out[visual_hash(item)] = decoded if isinstance(decoded, (list, np.ndarray)) \
+                        else runner.prepare_image(decoded)
                 except Exception:  # decoded again at admission, which fails the request as it always did
                     pass
             return out
