@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -20,67 +20,18 @@ from mserve.common.audio import AudioPart, decode_audio
 from mserve.common.model import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.histogram import STEP_BUCKETS_S, Histogram
-from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, DEFAULT_LIMITS
 from mserve.common.video import VideoPart, decode_video_file, visual_hash
 from mserve.workers import prefix_skip
 from mserve.workers.block_pool import BlockPool
+from mserve.workers.engine_config import EngineConfig, RequestInput, StepOutput
 from mserve.common.protocol.to_worker import KVState
-from mserve.workers.hand_back import KVExport, ReplyBlocks, adopt_blocks, reply_blocks
+from mserve.workers.hand_back import KVExport, adopt_blocks, reply_blocks
 from mserve.workers.model_runner import EncodedImage, ModelRunner
 from mserve.workers.sampler import sample
 from mserve.workers.scheduler import Scheduler
 from mserve.workers.sequence import SamplingParams, Sequence as Seq
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_dir: str
-    device: str = "cpu"
-    dtype: str | None = None  # None: the serving default for the device (common/serving_defaults.py)
-    block_size: int = DEFAULT_ENGINE.block_size
-    num_blocks: int = DEFAULT_ENGINE.num_blocks
-    max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs
-    max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens
-    max_prefill_tokens: int | None = None  # prompt tokens per step (the chunk cap); None: the whole budget
-    reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens
-    class_aging_s: float = CLASS_AGING_S  # a prompt queued longer goes before every class
-    enable_prefix_caching: bool = True
-    state_snapshots: int = DEFAULT_ENGINE.state_snapshots  # a hybrid model's prefix-hit states (LinearStates)
-    max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
-    max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
-    threads: int | None = None
-    parts: str = "all"  # "vision" (encode), "text" (prefill/decode) or "all": which weights stay loaded
-    visual_token_pruning: float | None = None  # FasterVLM keep ratio on the encode path; None = off (common/pruning.py)
-    # Attention over each request's exact key count: HF bf16's bits where its top-2 logits tie, at a
-    # fraction of the rate. None / False: one padded call per group (workers/paged_attention.exact_setting).
-    exact_attention: bool | None = None
-    # Decode steps through torch.compile (ModelRunner._compile_decode); off: it pays at small batches only
-    # and the first decode steps compile for 10-30 s (bench/lab/NOTEBOOK.md, "Where a decode step's time goes").
-    compile: bool = False
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    # Decode with hand-back: the finished reply's full KV blocks, copied out for a prefill worker
-    # (workers/hand_back.py); None when there are none.
-    hand_back: ReplyBlocks | None = None
-
-
-@dataclass
-class RequestInput:
-    """What a caller hands the engine: prompt ids with placeholders already expanded, plus images."""
-
-    request_id: str
-    prompt_ids: list[int]
-    images: list[bytes | VideoPart] = field(default_factory=list)  # images and videos, in prompt order
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = rules.PRIORITY
 
 
 class Engine:
@@ -427,11 +378,7 @@ class Engine:
         return n
 
     def stats(self) -> dict[str, Any]:
-        states = self.runner.linear_states
-        snapshots = {} if states is None else {
-            "state_snapshots": states.num_snapshots, "state_snapshot_bytes": states.snapshot_bytes(),
-            "state_snapshots_taken": states.snapshots_taken, "state_snapshots_restored": states.snapshots_restored,
-            "state_snapshots_evicted": states.snapshots_evicted}
+        snapshots = self.runner.linear_states.snapshot_stats() if self.runner.linear_states is not None else {}
         return {**self.counters, **self.pool.stats(), **snapshots, "waiting": len(self.scheduler.waiting),
                 "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
                 "batch_size": self.last_batch_size}

@@ -125,6 +125,12 @@ class LinearStates:
     def snapshot_bytes(self) -> int:
         return sum(t.nbytes for ts in self._snapshots.values() for t in ts)
 
+    def snapshot_stats(self) -> dict[str, int]:
+        """The snapshots' counters, for the worker's STATUS (docs/operations.md, sizing)."""
+        return {"state_snapshots": self.num_snapshots, "state_snapshot_bytes": self.snapshot_bytes(),
+                "state_snapshots_taken": self.snapshots_taken, "state_snapshots_restored": self.snapshots_restored,
+                "state_snapshots_evicted": self.snapshots_evicted}
+
     def adopt(self, request_id: str, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
         """Take a state another engine exported (`export`): the request continues from it here."""
         assert len(tensors) == 2 * len(self.layers), f"{len(tensors)} state tensors for {len(self.layers)} layers"

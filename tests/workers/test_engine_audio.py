@@ -138,9 +138,9 @@ def test_generate_cli_takes_audio(model_dir, tmp_path):
     out = json.loads(res.stdout)
     pp = PromptBuilder(model_dir).prepare_text("What is this sound?", audio=[clip.read_bytes()])
     assert out["prompt_token_ids"] == pp.prompt_ids and out["token_ids"] == hf_generate_audio(model_dir, pp)
-    from mserve.cli import cmd_generate, build_parser
+    from mserve.cli import build_parser
 
     clip.write_bytes(clip.read_bytes()[:100])  # refused before any engine loads: run in this process
     args = build_parser().parse_args(["generate", "--model", model_dir, "--prompt", "?", "--audio", str(clip)])
     with pytest.raises(SystemExit, match="error: cannot read the audio container"):
-        cmd_generate(args)
+        args.func(args)
