@@ -38,7 +38,7 @@ def build_big_llava(out: Path, size: str, device: str) -> tuple[Path, torch.nn.M
 
     from mserve.common.tiny_families import FAMILIES
     from mserve.common.tiny_families.base import VOCAB_SIZES
-    from mserve.workers.model_runner import use_paged_attention
+    from mserve.workers.model_loading import use_paged_attention
 
     family, dims = FAMILIES["llava"], BIG_SIZES[size]
     out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def build_big_llava(out: Path, size: str, device: str) -> tuple[Path, torch.nn.M
 
 def part_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Weight bytes an encode worker keeps (vision tower + projector) and a prefill/decode worker keeps."""
-    from mserve.workers.model_runner import _VISION_MODULES
+    from mserve.workers.model_loading import _VISION_MODULES
 
     vision = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                  if any(f".{m}." in f".{n}" for m in _VISION_MODULES))

@@ -119,7 +119,7 @@ class Probe:
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str | None = None,
                  max_new_tokens: int = MAX_NEW_TOKENS) -> None:
-        from mserve.workers.model_runner import resolve_dtype
+        from mserve.workers.model_loading import resolve_dtype
 
         self.model_dir, self.device = str(model_dir), device
         self.dtype = resolve_dtype(device, dtype, model_dir)
@@ -206,7 +206,7 @@ class Probe:
     # -- the engine ---------------------------------------------------------------------------
     def _ready_for_engine(self, model) -> None:
         """What load_vlm does to a loaded model before an engine runs it (model_runner.py)."""
-        from mserve.workers.model_runner import use_paged_attention
+        from mserve.workers.model_loading import use_paged_attention
         from mserve.workers.vision_layers import drop_unread_vision_layers
 
         drop_unread_vision_layers(model)
@@ -259,7 +259,7 @@ def failure(results: Sequence[CaseResult]) -> str | None:
 
 def verify(model_dir: str, device: str = "cpu", dtype: str | None = None) -> Verdict:
     """The probe's verdict on one checkpoint (no cache): refused at once for a trait the engine lacks."""
-    from mserve.workers.model_runner import resolve_dtype
+    from mserve.workers.model_loading import resolve_dtype
 
     start = time.perf_counter()
     cfg = read_model_config(model_dir)

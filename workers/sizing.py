@@ -47,7 +47,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual", "vision_model", "connector",
-                  "audio_tower", "embed_audio")  # as model_runner._VISION_MODULES: the encoder side (audio too)
+                  "audio_tower", "embed_audio")  # as model_loading._VISION_MODULES: the encoder side (audio too)
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Families whose text model is all in text_config: model_type -> its config class's default text model.
 NESTED_TEXT_TYPES = {

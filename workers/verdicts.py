@@ -55,7 +55,7 @@ def verdict_key(model_dir: str | os.PathLike, dtype: str) -> str:
 def cached_verdict(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | None = None,
                    refresh: bool = False) -> tuple[dict[str, Any], bool]:
     """(the verdict as JSON, whether it came from the cache), probing when none is cached."""
-    from mserve.workers.model_runner import resolve_dtype
+    from mserve.workers.model_loading import resolve_dtype
     from mserve.workers.probe import verify
 
     name = str(resolve_dtype(device, dtype, model_dir)).removeprefix("torch.")

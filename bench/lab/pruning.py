@@ -78,7 +78,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from mserve.bench.traces import make_trace
     from mserve.common.prompt import PromptBuilder
     from mserve.workers.engine import Engine, EngineConfig
-    from mserve.workers.model_runner import load_vlm
+    from mserve.workers.model_loading import load_vlm
     from mserve.workers.sequence import SamplingParams
 
     torch.set_num_threads(args.threads)

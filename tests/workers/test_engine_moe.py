@@ -100,7 +100,7 @@ def test_glm46v_class_over_per_expert_weights_is_refused_at_load(tiny_model_dirs
     weights only for glm4v_moe's model_type, so it leaves the experts newly initialized, different on every
     load (HF's own generate with them). The engine refuses to load it, naming the weights."""
     from mserve.common.processor import UnsupportedModelError
-    from mserve.workers.model_runner import load_vlm
+    from mserve.workers.model_loading import load_vlm
 
     folder = tmp_path / "glm46v-over-moe"
     shutil.copytree(tiny_model_dirs["glm4v_moe"], folder)

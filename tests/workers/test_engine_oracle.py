@@ -10,7 +10,7 @@ import pytest
 from mserve.common.prompt import PromptBuilder
 from tests.helpers import PROMPTS, hf_generate, make_image
 from mserve.workers.engine import Engine, EngineConfig
-from mserve.workers.model_runner import load_vlm
+from mserve.workers.model_loading import load_vlm
 from mserve.workers.sequence import SamplingParams
 
 ARCHS = ["llava", "qwen2_vl", "llava_next", "qwen2_5_vl", "mistral3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v_moe"]

@@ -123,7 +123,7 @@ def test_prefix_cache_hit_keeps_tokens(model_dir, builder):
 def test_lean_encode_prefill_decode_engines_split_the_weights_and_stay_exact(model_dir, builder):
     """Encode keeps only the vision tower + projector (connector), prefill and decode only the language
     model + head; encode -> prefill -> KV export -> decode gives HF's tokens."""
-    from mserve.workers.model_runner import text_module_name
+    from mserve.workers.model_loading import text_module_name
 
     encoder = new_engine(model_dir, parts="vision", num_blocks=16)
     prefill = new_engine(model_dir, parts="text")

@@ -22,7 +22,7 @@ from mserve.coordinator.admission import Limits, admit
 from mserve.coordinator.requests import RequestMachine
 from mserve.coordinator.settings import CoordinatorSettings
 from mserve.workers.engine import Engine, EngineConfig
-from mserve.workers.model_runner import load_vlm
+from mserve.workers.model_loading import load_vlm
 from mserve.workers.sequence import SamplingParams
 from mserve.workers.settings import WorkerSettings
 from tests.helpers import hf_generate, make_image

@@ -104,7 +104,7 @@ def test_unknown_text_key_names_it():
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "mistral3", "internvl", "smolvlm", "qwen3_vl_moe", "glm46v"])
 def test_weight_split_matches_what_each_role_loads(checkpoints, arch):
     """The safetensors header count per part equals the parameters load_vlm keeps for that part."""
-    from mserve.workers.model_runner import load_vlm
+    from mserve.workers.model_loading import load_vlm
 
     counts = sizing.parameter_counts(checkpoints[arch])
     assert counts["vision"] > 0 and counts["text"] > 0

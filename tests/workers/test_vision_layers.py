@@ -9,7 +9,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from mserve.common.model import load_family
-from mserve.workers.model_runner import load_vlm
+from mserve.workers.model_loading import load_vlm
 from mserve.workers.vision_layers import layers_read
 from tests.helpers import make_image
 
