@@ -7,15 +7,14 @@ admission and the engine can never disagree on how many placeholder tokens an im
 
 from __future__ import annotations
 
-import hashlib
-import io
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from PIL import Image
 
+# Image headers and decoding (common/images.py), imported from here by much of the code base.
+from mserve.common.images import PIL_MAX_PIXELS, ImageError, decode_image, image_hash, image_size_from_header  # noqa: F401
 from mserve.common.checkpoint_files import CheckpointError, read_image_processor_config, read_model_config
 from mserve.common.families import FamilyRules, rules_for
 from mserve.common.traits import read_traits
@@ -37,10 +36,6 @@ KNOWN_GAPS = {
     "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
                        "view only, but its processor's _get_num_multimodal_tokens counts every image with its tiles",
 }
-
-
-class ImageError(ValueError):
-    """An image the user sent cannot be used (corrupt, unsupported, over a limit)."""
 
 
 @dataclass(frozen=True)
@@ -70,43 +65,6 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def image_hash(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def image_size_from_header(data: bytes) -> tuple[int, int]:
-    """(width, height) read from the header only: PIL's open() does not decode pixels."""
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            return im.size
-    except Exception as exc:  # PIL raises many types for bad input
-        raise ImageError(f"cannot read image header: {exc.__class__.__name__}: {exc}") from exc
-
-
-# PIL's own decompression-bomb guard would refuse a huge header before our limits could name
-# themselves; every decode below checks a pixel limit (at most PIL's) before decoding, so the
-# guard is moved here: reading a header decodes nothing.
-PIL_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 178956970
-Image.MAX_IMAGE_PIXELS = None
-
-
-def decode_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
-    """Decode image bytes to RGB, checking the pixel limit (default: PIL's bomb guard) before any pixel
-    is decoded."""
-    width, height = image_size_from_header(data)
-    if max_pixels is None and width * height > PIL_MAX_PIXELS:
-        raise ImageError(f"image is {width}x{height} = {width * height} pixels, over the decompression-bomb "
-                         f"guard of {PIL_MAX_PIXELS} pixels")
-    if max_pixels is not None and width * height > max_pixels:
-        raise ImageError(f"image is {width}x{height} = {width * height} pixels, over the limit max_image_pixels={max_pixels}")
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-            return im.convert("RGB")
-    except Exception as exc:
-        raise ImageError(f"cannot decode image ({width}x{height}): {exc.__class__.__name__}: {exc}") from exc
 
 
 @dataclass
