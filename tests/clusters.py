@@ -41,6 +41,11 @@ class Lean:
 LLAVA_1E1P1D = Lean("llava", transfer="shm")
 QWEN2_VL_1E1P1D = Lean("qwen2_vl", transfer="tcp")
 LLAVA_UNIFIED = Lean("llava", encode=0, prefill=0, decode=0, unified=1)
+# Two encoders: tests/coordinator/test_cluster.py's batch (spread encodes; the prefill worker lends prompts to
+# the decode worker whenever it has any waiting) and test_cluster_single_flight.py's bursts (its encoders are
+# stopped for a moment without being declared dead before 3 s; one is killed, then declared dead).
+LLAVA_2E1P1D_LENDING = Lean("llava", encode=2, prefill=1, decode=1, transfer="shm",
+                            coordinator_args=("--local-prefill-tokens", "1", "--dead-after-s", "3"))
 QWEN2_VL_UNIFIED = Lean("qwen2_vl", encode=0, prefill=0, decode=0, unified=1)
 
 

@@ -257,8 +257,10 @@ def run_status(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 
 def test_cli_coordinator_down_with_redis(redis_url):
     store = RedisStore(redis_url)
-    store.register_worker("decode-7", {"role": "decode", "pid": 1})
-    store.publish_load("decode-7", {"queue_len": 0, "running": 2, "free_blocks": 10, "total_blocks": 64})
+    # A long TTL: the entries stand for a live worker through both CLI runs (each seconds on a loaded host),
+    # where the default 3 s would let them expire between the two.
+    store.register_worker("decode-7", {"role": "decode", "pid": 1}, ttl_s=120)
+    store.publish_load("decode-7", {"queue_len": 0, "running": 2, "free_blocks": 10, "total_blocks": 64}, ttl_s=120)
     store.close()
     address = f"tcp://127.0.0.1:{_free_port()}"
     proc = run_status("--coordinator", address, "--redis", redis_url, "--timeout", "0.5")

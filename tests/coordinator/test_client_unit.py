@@ -308,12 +308,18 @@ def test_video_parts_pass_as_frame_bytes_or_file_bytes(tmp_path):
 
 
 def _forgetful_router(ctx, answer_probe: bool):
-    """A ROUTER that takes GENERATE and never answers it; probes get `unknown_requests` (if asked to)."""
+    """A ROUTER that takes GENERATE and never answers it; probes get `unknown_requests` (if asked to). It
+    serves until its `stop` event is set (the test's end, not a stretch of silence the test would wait out)."""
+    import threading
+
     router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
     probes: list[list[str]] = []
+    stop = threading.Event()
 
     def serve() -> None:
-        while router.poll(5000):
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
             identity, kind, body = recv(router)
             if kind == MsgType.STATUS and "request_ids" in body:
                 probes.append(list(body["request_ids"]))
@@ -321,11 +327,9 @@ def _forgetful_router(ctx, answer_probe: bool):
                     send(router, MsgType.STATUS_REPLY, protocol.body(workers={}, unknown_requests=body["request_ids"]),
                          identity=identity)
 
-    import threading
-
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    return router, probes, thread
+    return router, probes, thread, stop
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])
@@ -335,7 +339,7 @@ def test_a_request_the_coordinator_lost_ends_as_lost_not_at_the_timeout(flavour)
     from mserve.coordinator.client import Client, Lost
 
     ctx = zmq.Context()
-    router, probes, thread = _forgetful_router(ctx, answer_probe=True)
+    router, probes, thread, stop = _forgetful_router(ctx, answer_probe=True)
     address = router.getsockopt_string(zmq.LAST_ENDPOINT)
     t0 = time.monotonic()
     try:
@@ -352,6 +356,7 @@ def test_a_request_the_coordinator_lost_ends_as_lost_not_at_the_timeout(flavour)
         assert time.monotonic() - t0 < 10, "the client waited for its timeout instead of asking"
         assert probes and probes[0] == ["gone"]
     finally:
+        stop.set()
         thread.join(10)
         router.close(linger=0)
         ctx.term()
@@ -361,13 +366,14 @@ def test_a_silent_but_known_request_keeps_waiting_until_its_timeout():
     from mserve.coordinator.client import Client
 
     ctx = zmq.Context()
-    router, probes, thread = _forgetful_router(ctx, answer_probe=False)  # probes unanswered: still "held"
+    router, probes, thread, stop = _forgetful_router(ctx, answer_probe=False)  # probes unanswered: still "held"
     try:
         with Client(router.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=1.2, probe_after_s=0.3) as c:
             with pytest.raises(RequestTimeout):
                 c.generate(user({"type": "text", "text": "hi"}), request_id="slow")
         assert len(probes) >= 2  # it kept asking while it waited
     finally:
+        stop.set()
         thread.join(10)
         router.close(linger=0)
         ctx.term()

@@ -11,7 +11,7 @@ from mserve.common.prompt import PromptBuilder
 from mserve.common.redis_store import RedisStore
 from mserve.coordinator.client import AsyncClient, Client
 from mserve.coordinator.launcher import LocalCluster
-from tests.clusters import LLAVA_UNIFIED, QWEN2_VL_UNIFIED, Lean
+from tests.clusters import LLAVA_2E1P1D_LENDING, LLAVA_UNIFIED, QWEN2_VL_UNIFIED, Lean
 from tests.helpers import chat, hf_generate, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ LENDING = ("--local-prefill-tokens", "1")
 
 
 @pytest.mark.parametrize("shared_cluster", [
-    Lean("llava", encode=2, prefill=1, decode=1, transfer="shm", coordinator_args=LENDING),
+    LLAVA_2E1P1D_LENDING,  # LENDING, and the single-flight module's --dead-after-s (they share it)
     Lean("qwen2_vl", encode=2, prefill=2, decode=2, transfer="tcp"),
     Lean("qwen2_vl", encode=1, prefill=1, decode=1, transfer="torch", coordinator_args=LENDING),
     LLAVA_UNIFIED,  # transfer auto, as for the unified ones below

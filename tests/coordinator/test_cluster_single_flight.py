@@ -11,18 +11,20 @@ import pytest
 from mserve.common.redis_store import RedisStore
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
+from tests.clusters import LLAVA_2E1P1D_LENDING
 from tests.coordinator.test_cluster import expected, generate_all
 from tests.helpers import make_image, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dirs, redis_server):
-    # dead_after_s: the encoders are stopped (SIGSTOP) for a moment below, without being declared dead.
-    with LocalCluster(str(tiny_model_dirs["llava"]), encode=2, prefill=1, decode=1, redis_url=redis_server.url,
-                      transfer="shm", extra_coordinator_args=["--dead-after-s", "3"]) as c:
-        yield c
+@pytest.fixture(scope="module", params=[LLAVA_2E1P1D_LENDING], ids=str)
+def cluster(request, shared_clusters):
+    """2 encode, 1 prefill, 1 decode (shm), shared with tests/coordinator/test_cluster.py's batch (tests/clusters.py):
+    its --dead-after-s 3 lets the encoders be stopped (SIGSTOP) for a moment below without being declared dead.
+    Its counters and stats are read as differences; the images here are new to it."""
+    yield shared_clusters.get(request.param)
+    shared_clusters.release(request.param)
 
 
 def forwards(cluster: LocalCluster) -> dict[str, int]:
