@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mserve.common.protocol.core import LATENCY_CLASSES
 from mserve.coordinator.launcher import LocalCluster
 from tests.browser import CHROMIUM, Browser
 from tests.clusters import LLAVA_1E1P1D
@@ -139,4 +140,5 @@ def test_prometheus_evaluates_every_grafana_expression_with_data(gateway, promet
     roles = {r["metric"]["role"] for r in prometheus.query("mserve_worker_step_seconds_count > 0")}
     assert roles == {"encode", "prefill", "decode"}
     classes = {r["metric"]["class"] for r in prometheus.query("mserve_model_time_to_first_token_seconds_count > 0")}
-    assert classes == {"interactive"}  # the requests' default latency class
+    # this test's requests' default latency class (the shared cluster's other users may have sent "batch" too)
+    assert "interactive" in classes and classes <= set(LATENCY_CLASSES)
