@@ -65,7 +65,7 @@ def image_data_url(data: bytes) -> str:
 def to_openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Trace messages -> OpenAI chat messages (images become image_url data URLs; a video's frames a
     ``{"type": "video", "video": [data URLs]}`` part, as MServe's gateway takes it; a video file a video_url;
-    a document OpenAI's ``file`` part)."""
+    a document OpenAI's ``file`` part; an audio clip OpenAI's ``input_audio`` part)."""
     out: list[dict[str, Any]] = []
     for msg in messages:
         content = msg.get("content")
@@ -85,6 +85,9 @@ def to_openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             elif part.get("type") == "video":  # a video file
                 url = f"data:video/mp4;base64,{base64.b64encode(part['video']).decode('ascii')}"
                 parts.append({"type": "video_url", "video_url": {"url": url}})
+            elif part.get("type") == "audio":  # a clip, as OpenAI's input_audio part
+                data = base64.b64encode(part["audio"]).decode("ascii")
+                parts.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
             elif part.get("type") == "document":  # a PDF, as OpenAI's file part
                 data = base64.b64encode(part["document"]).decode("ascii")
                 parts.append({"type": "file", "file": {"filename": "document.pdf",

@@ -72,7 +72,8 @@ def parse_resolutions(text: str | None) -> list[tuple[tuple[int, int], float]] |
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
     """Trace and load flags shared by `bench serve` and `bench compare`."""
     p.add_argument("--trace", default="mixed", help="text, image, mixed, multi-image, multiturn, video "
-                   "(4-8 frames per request) or document (a 2-4 page PDF per request; default mixed)")
+                   "(4-8 frames per request), document (a 2-4 page PDF per request) or audio (a 1-8 s WAV clip per "
+                   "request, for a model with an audio tower; default mixed)")
     p.add_argument("--trace-file", default=None, metavar="PATH", help="replay a saved trace.jsonl instead")
     p.add_argument("--num-requests", type=int, default=100, help="requests in the trace (default 100)")
     p.add_argument("--rate", type=parse_rate, default=math.inf, help="requests/s, or inf = all at once (default)")

@@ -18,9 +18,11 @@ from mserve.bench.images import IMAGE_RESOLUTIONS, VIDEO_RESOLUTIONS, ImageFacto
 
 log = logging.getLogger(__name__)
 
-TRACE_NAMES = ("text", "image", "mixed", "multi-image", "multiturn", "video", "document")
+TRACE_NAMES = ("text", "image", "mixed", "multi-image", "multiturn", "video", "document", "audio")
 VIDEO_FRAMES = (4, 8)  # frames per clip of the video trace, drawn uniformly (both ends included)
 DOCUMENT_PAGES = (2, 4)  # pages per PDF of the document trace, drawn uniformly (both ends included)
+AUDIO_SECONDS = (1.0, 8.0)  # length of the audio trace's clip, drawn uniformly
+AUDIO_RATES = (16000, 22050, 44100)  # its sample rate, drawn uniformly (the encode worker resamples)
 PRIORITY_LEVELS = ((0, 0.7), (1, 0.2), (2, 0.1))
 
 _VOCAB = (
@@ -70,6 +72,28 @@ class TraceRequest:
     def documents(self) -> list[bytes]:
         """Every document's PDF bytes, in message order."""
         return [part["document"] for m in self.messages for part in _parts(m) if part.get("type") == "document"]
+
+    def audio(self) -> list[bytes]:
+        """Every audio clip's file bytes (WAV), in message order."""
+        return [part["audio"] for m in self.messages for part in _parts(m) if part.get("type") == "audio"]
+
+
+def wav_of(rng: np.random.Generator, seconds: float, rate: int) -> bytes:
+    """A mono 16-bit WAV of `seconds`: a few tones and some noise drawn from `rng` (the same draws, the same
+    bytes), so each clip is distinct and its encoder work is real."""
+    import io
+    import wave
+
+    t = np.arange(int(seconds * rate)) / rate
+    signal = sum(0.2 * np.sin(2 * np.pi * f * t) for f in rng.uniform(110, 1800, size=3))
+    signal = signal + 0.05 * rng.standard_normal(t.shape)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(signal, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
 
 
 def pdf_of(pages: Sequence[bytes]) -> bytes:
@@ -193,7 +217,8 @@ def make_trace(
     `photos=None` uses scikit-image photographs (JPEG) when installed, else
     synthetic PNGs; `resolutions` overrides IMAGE_RESOLUTIONS (VIDEO_RESOLUTIONS
     for the frames of `video`, one clip of 4-8 frames per request; the pages of
-    `document`, one PDF of 2-4 pages per request, as `pdf_of` writes it).
+    `document`, one PDF of 2-4 pages per request, as `pdf_of` writes it). `audio`: one WAV clip of 1-8 s per
+    request at 16, 22.05 or 44.1 kHz (`wav_of`), for a model with an audio tower.
     Multiturn: every turn resends the conversation's image(s) and the whole
     history (with placeholder assistant replies of ~max_tokens words); a runner
     must not send turn k+1 before turn k has finished, so arrival_s is a lower bound.
@@ -256,6 +281,16 @@ def make_trace(
                 trace.append(TraceRequest(request_id=f"r{i:06d}", arrival_s=arrivals[i], messages=[user_message([], frames)],
                                           max_tokens=max_tokens, modality="video", priority=prio, latency_class=lat,
                                           image_sizes=[size]))
+                continue
+            if name == "audio":  # one clip per request, for a model with an audio tower
+                seconds = float(r_shape.uniform(*AUDIO_SECONDS))
+                clip = wav_of(r_img, seconds, int(r_shape.choice(AUDIO_RATES)))
+                prio, lat = classes()
+                message = user_message([])
+                message["content"].insert(0, {"type": "audio", "audio": clip})
+                trace.append(TraceRequest(request_id=f"r{i:06d}", arrival_s=arrivals[i], messages=[message],
+                                          max_tokens=max_tokens, modality="audio", priority=prio,
+                                          latency_class=lat))
                 continue
             if name == "document":
                 pages, page_sizes = draw_images(int(r_shape.integers(DOCUMENT_PAGES[0], DOCUMENT_PAGES[1] + 1)))

@@ -98,6 +98,7 @@ class ZmqTarget(Target):
             n_images = len(req.images()) + len(req.videos() if hasattr(req, "videos") else [])
             if req.modality == "document":  # each page an image (image_sizes lists them)
                 n_images += len(req.image_sizes)
+            n_images += len(req.audio()) if hasattr(req, "audio") else 0  # a clip is an encoder item too
             rec.cache_hits = {"prefix": (int(res.cache_hits.get("prefix_tokens", 0)), res.prompt_tokens)}
             if n_images:
                 rec.cache_hits["encoder"] = (int(res.cache_hits.get("embedding", 0)), n_images)

@@ -198,3 +198,25 @@ def test_document_trace_sends_one_pdf_of_2_to_4_pages_rendered_back_at_their_siz
     assert [r.documents() for r in load_trace(save_trace(trace, tmp_path / "d.jsonl"))] == [r.documents() for r in trace]
     part = to_openai_messages(trace[0].messages)[0]["content"][0]
     assert part["type"] == "file" and part["file"]["file_data"].startswith("data:application/pdf;base64,")
+
+
+def test_audio_trace_sends_one_wav_clip_whose_header_admission_counts(tmp_path) -> None:
+    """`audio`: one 1-8 s WAV clip per request, distinct and reproducible; admission reads its length from the
+    header alone (common/audio.py), and the HTTP target sends it as OpenAI's input_audio part."""
+    import base64
+
+    from mserve.bench.http_target import to_openai_messages
+    from mserve.bench.traces import AUDIO_RATES, AUDIO_SECONDS
+    from mserve.common.audio import read_audio_header
+
+    trace = make_trace("audio", 5, seed=3)
+    assert {r.modality for r in trace} == {"audio"}
+    clips = [clip for r in trace for clip in r.audio()]
+    assert len(clips) == 5 and len(set(clips)) == 5
+    for clip in clips:
+        info = read_audio_header(clip)
+        assert info.sample_rate in AUDIO_RATES and AUDIO_SECONDS[0] - 0.01 <= info.seconds <= AUDIO_SECONDS[1]
+    assert trace_digest(make_trace("audio", 5, seed=3)) == trace_digest(trace)
+    assert [r.audio() for r in load_trace(save_trace(trace, tmp_path / "a.jsonl"))] == [r.audio() for r in trace]
+    (part, _text), = [m["content"] for m in to_openai_messages(trace[0].messages)]
+    assert part["type"] == "input_audio" and base64.b64decode(part["input_audio"]["data"]) == clips[0]
