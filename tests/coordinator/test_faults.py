@@ -17,7 +17,7 @@ from mserve.coordinator.client import AsyncClient, BadRequest, Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.clusters import LLAVA_1E1P1D
 from tests.coordinator.test_cluster import expected, generate_all
-from tests.helpers import chat, request_mix
+from tests.helpers import chat, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
 LONG = 48  # tokens per request: long enough to be mid-stream when a worker is killed
@@ -78,7 +78,10 @@ def test_redis_outage_degrades_routing_but_loses_nothing(tiny_model_dirs):
     with RedisServer() as redis_srv:
         with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_srv.url) as cluster:
             redis_srv.stop()
-            time.sleep(1.0)  # heartbeats now fail against a dead Redis
+            # The requests go out once the coordinator has seen Redis go (its heartbeats fail against it).
+            with Client(cluster.address, timeout_s=10) as c:
+                wait_for(lambda: c.status()["redis_healthy"] is False, timeout_s=30,
+                         what="the coordinator to see Redis down")
             results = asyncio.run(generate_all(cluster.address, requests))
             assert [r.token_ids for r in results] == expected(model, requests)
             assert Client(cluster.address).status()["redis_healthy"] is False
