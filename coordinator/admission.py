@@ -107,6 +107,11 @@ class AdmittedImage:
     def is_video(self) -> bool:
         return self.frames is not None or self.frame_indices is not None
 
+    @property
+    def kind(self) -> str:
+        """The item's modality label: "image", "video" or "audio" (the metrics' `modality`)."""
+        return "audio" if self.audio_samples is not None else "video" if self.is_video else "image"
+
 
 @dataclass
 class Admitted:

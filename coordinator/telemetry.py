@@ -20,8 +20,10 @@ _STAGES = {"queue_s": "queue", "encode_s": "encode", "prefill_s": "prefill", "tr
 
 
 def modality(images: Any) -> str:
-    """A request's modality label: "video" when any item is one, "image" when it has images, else "text"."""
-    return "video" if any(im.is_video for im in images) else "image" if images else "text"
+    """A request's modality label: "video" or "audio" when any item is one (video first), "image" when it has
+    images, else "text"."""
+    kinds = {im.kind for im in images}
+    return next((k for k in ("video", "audio", "image") if k in kinds), "text")
 
 
 class Telemetry:
@@ -85,8 +87,7 @@ class Telemetry:
         self.on_result(st.timings, arrived=st.arrived, first_token_at=st.first_token_at, now=now,
                        prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
                        output_tokens=len(st.output_ids), images=len(st.admitted.images), cache_hits=st.cache_hits,
-                       item_tokens=tuple(("video" if im.is_video else "image", im.num_tokens)
-                                         for im in st.admitted.images),
+                       item_tokens=tuple((im.kind, im.num_tokens) for im in st.admitted.images),
                        latency_class=st.admitted.request.latency_class)
 
     def snapshot(self) -> dict[str, Any]:

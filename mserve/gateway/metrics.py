@@ -76,9 +76,9 @@ _LABELLED = {
     "queue_wait": ("mserve_model_stage_queue_wait_seconds",
                    "Time a stage waited in the coordinator's queue for a worker", ["stage", "modality"]),
     "encode_forward": ("mserve_model_encode_worker_seconds",
-                       "An encode worker's time on one request's images (decoding, vision forward)", ["modality"]),
-    "visual_tokens_per_item": ("mserve_model_item_visual_tokens", "Visual tokens of one image or video of a "
-                               "completed request", ["modality"]),
+                       "An encode worker's time on one request's items (decoding, vision or audio tower)", ["modality"]),
+    "visual_tokens_per_item": ("mserve_model_item_visual_tokens", "Placeholder tokens of one image, video or "
+                               "audio clip of a completed request", ["modality"]),
     "ttft": ("mserve_model_time_to_first_token_seconds", "Arrival to first token, per model and latency class",
              ["class"]),
     "tpot": ("mserve_model_time_per_output_token_seconds", "Per token after the first, per model and latency class",

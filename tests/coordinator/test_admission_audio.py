@@ -38,6 +38,9 @@ def test_openai_and_vllm_parts_admit_as_the_engine_prepares(builder):
     assert im.num_tokens == openai.prompt_ids.count(builder.family.audio_token_id) == 23
     assert im.hash == vllm.images[0].hash != admit(builder, Limits(), generate(
         [{"type": "audio", "audio": make_audio(20000, 22050, "mp3", seed=2)}])).images[0].hash
+    from mserve.coordinator.telemetry import modality
+
+    assert im.kind == "audio" and modality(openai.images) == "audio"  # the metrics' modality label
 
 
 def test_wire_form_round_trips_to_the_workers_audio_part(builder):
