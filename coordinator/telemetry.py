@@ -37,7 +37,7 @@ class Telemetry:
                          "embedding_cache_hits": 0, "prefix_cache_hit_tokens": 0, "images_skipped_by_prefix": 0}
         self.labelled: dict[str, dict[str, Histogram]] = {"queue_wait": {}, "encode_forward": {},
                                                           "visual_tokens_per_item": {}, "ttft": {}, "tpot": {},
-                                                          "e2e": {}}
+                                                          "e2e": {}, "stage_time": {}}
 
     def _labelled(self, kind: str, key: str, buckets: tuple[float, ...]) -> Histogram:
         h = self.labelled[kind].get(key)
@@ -56,13 +56,15 @@ class Telemetry:
     def on_result(self, timings: dict[str, float], *, arrived: float, first_token_at: float | None, now: float,
                   prompt_tokens: int, visual_tokens: int, output_tokens: int, images: int,
                   cache_hits: dict[str, int], item_tokens: tuple[tuple[str, int], ...] = (),
-                  latency_class: str = "interactive") -> None:
-        """A request that finished with a result (errors are counted by the request machine). TTFT, TPOT and
-        end-to-end time go in twice: unlabelled, and by the request's latency class."""
+                  latency_class: str = "interactive", modality_: str = "text") -> None:
+        """A request that finished with a result (errors are counted by the request machine). Each stage's
+        time, and TTFT, TPOT and end-to-end time, go in twice: unlabelled, and by the request's modality (the
+        stages: encode and embedding transfer per modality) or latency class."""
         for key, name in _STAGES.items():
             value = timings.get(key, 0.0)
             if value > 0 or key == "queue_s":
                 self.histograms[name].observe(value)
+                self._labelled("stage_time", f"{name}|{modality_}", LATENCY_BUCKETS_S).observe(value)
         latencies = {"e2e": now - arrived}
         if first_token_at is not None:
             latencies["ttft"] = first_token_at - arrived
@@ -88,7 +90,7 @@ class Telemetry:
                        prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
                        output_tokens=len(st.output_ids), images=len(st.admitted.images), cache_hits=st.cache_hits,
                        item_tokens=tuple((im.kind, im.num_tokens) for im in st.admitted.images),
-                       latency_class=st.admitted.request.latency_class)
+                       latency_class=st.admitted.request.latency_class, modality_=modality(st.admitted.images))
 
     def snapshot(self) -> dict[str, Any]:
         return {"histograms": {k: h.snapshot() for k, h in self.histograms.items()}, "counters": dict(self.counters),

@@ -79,6 +79,8 @@ _LABELLED = {
                        "An encode worker's time on one request's items (decoding, vision or audio tower)", ["modality"]),
     "visual_tokens_per_item": ("mserve_model_item_visual_tokens", "Placeholder tokens of one image, video or "
                                "audio clip of a completed request", ["modality"]),
+    "stage_time": ("mserve_model_request_stage_seconds", "Time a completed request spent per stage (encode, "
+                   "embedding transfer...), by the request's modality", ["stage", "modality"]),
     "ttft": ("mserve_model_time_to_first_token_seconds", "Arrival to first token, per model and latency class",
              ["class"]),
     "tpot": ("mserve_model_time_per_output_token_seconds", "Per token after the first, per model and latency class",
