@@ -23,19 +23,23 @@ Several coordinator shards routing on the same load reports would otherwise all 
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from mserve.common.hashing import host_member
 from mserve.common.policy import request_blocks
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.recent_prefixes import SKIP_HORIZON_S
-from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, Outbox, RequestState,
-                                        RequestTable, Stage, stage_message)
+from mserve.coordinator.records import (STAGE_ROLE, EncodePart, Lookups, MachineSettings, NoLookups, Outbox,
+                                        RequestState, RequestTable, Stage, stage_message)
 from mserve.coordinator.routing import (WorkerView, alive, pipeline_for, prefix_covered, route_decode, route_encode,
                                         route_lend_adaptive, route_local_prefill, route_prefill, route_unified,
                                         spread_encode)
 from mserve.coordinator.single_flight import Parked, SingleFlight
 from mserve.coordinator.stage_queues import StageQueues, takers
 from mserve.coordinator.telemetry import Telemetry, modality
+
+if TYPE_CHECKING:
+    from mserve.coordinator.admission import Admitted
 
 
 class Dispatcher:
@@ -125,7 +129,7 @@ class Dispatcher:
         if st.prefix_skip_off or not self.settings.prefix_skip or not any(im.skippable for im in a.images):
             return False
         # What this coordinator sent a worker counts only within the horizon: it never hears of evictions
-        hits = self.lookups.prefix_hits(a, block_size, sent_since=self.outbox.now - SKIP_HORIZON_S)
+        hits = self._prefix_hits(a, block_size, sent_since=self.outbox.now - SKIP_HORIZON_S)
         prefill = hits and route_prefill(self._draw(alive(self.members.routable(), "prefill"), set(hits)),
                                          len(a.prompt_ids), hits, block_size)
         if not prefill:
@@ -166,12 +170,29 @@ class Dispatcher:
 
     def _holders(self, hashes: list[str]) -> dict[str, set[str]]:
         """Who holds each image's embeddings: encoders that sent them, and the Redis index (workers, hosts)."""
-        return {h: self.members.embedding_holders.get(h, set()) | self.lookups.embedding_holders(h) for h in hashes}
+        out = {}
+        for h in hashes:
+            indexed = self.lookups.embedding_holders(h)
+            self._looked_up("embedding", bool(indexed))
+            out[h] = self.members.embedding_holders.get(h, set()) | indexed
+        return out
+
+    def _prefix_hits(self, a: Admitted, block_size: int, sent_since: float | None = None) -> dict[str, int]:
+        hits = self.lookups.prefix_hits(a, block_size, sent_since=sent_since)
+        self._looked_up("prefix", bool(hits))
+        return hits
+
+    def _looked_up(self, index: str, hit: bool) -> None:
+        """Count a lookup in the cluster's Redis index (embedding holders, prefix blocks), and whether it found
+        any holder: mserve_redis_{index}_lookups_total / _lookup_hits_total."""
+        if self.telemetry is not None and not isinstance(self.lookups, NoLookups):
+            self.telemetry.counters[f"redis_{index}_lookups"] += 1
+            self.telemetry.counters[f"redis_{index}_lookup_hits"] += hit
 
     def _route(self, st: RequestState, ws: list[WorkerView], holders: dict[str, set[str]]) -> WorkerView | None:
         a = st.admitted
         if st.next_stage == Stage.RUN:
-            hits = self.lookups.prefix_hits(a, self.members.block_size)
+            hits = self._prefix_hits(a, self.members.block_size)
             chosen = route_unified(self._draw(ws, set(hits)), len(a.prompt_ids), hits, self.members.block_size)
             self._credit(st, chosen, hits)
             return chosen
@@ -186,7 +207,7 @@ class Dispatcher:
             pinned = next((w for w in ws if w.worker_id == st.skip_prefill), None)
             if pinned is not None:  # it holds the prefix the skipped images are in (elsewhere: a retry encodes them)
                 return pinned  # credited when the skip was planned (_skip_covered_images)
-            hits = self.lookups.prefix_hits(a, block_size)
+            hits = self._prefix_hits(a, block_size)
             chosen = route_prefill(self._draw(ws, set(hits)), len(a.prompt_ids), hits, block_size)
             local = self._local_prefill(st, chosen)
             self._credit(st, local or chosen, hits)

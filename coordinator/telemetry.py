@@ -34,7 +34,10 @@ class Telemetry:
         names = [*_STAGES.values(), "ttft", "tpot", "e2e"]
         self.histograms = {name: Histogram() for name in names}
         self.counters = {"prompt_tokens": 0, "visual_tokens": 0, "generation_tokens": 0, "images": 0,
-                         "embedding_cache_hits": 0, "prefix_cache_hit_tokens": 0, "images_skipped_by_prefix": 0}
+                         "embedding_cache_hits": 0, "prefix_cache_hit_tokens": 0, "images_skipped_by_prefix": 0,
+                         # lookups in the cluster's Redis index at routing (coordinator/dispatch.py)
+                         "redis_embedding_lookups": 0, "redis_embedding_lookup_hits": 0,
+                         "redis_prefix_lookups": 0, "redis_prefix_lookup_hits": 0}
         self.labelled: dict[str, dict[str, Histogram]] = {"queue_wait": {}, "encode_forward": {},
                                                           "visual_tokens_per_item": {}, "ttft": {}, "tpot": {},
                                                           "e2e": {}, "stage_time": {}}

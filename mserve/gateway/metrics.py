@@ -95,6 +95,10 @@ _TELEMETRY_COUNTERS = {
     "embedding_cache_hits": "Images of completed requests whose embeddings came from a cache",
     "prefix_cache_hit_tokens": "Prompt tokens of completed requests whose KV came from the prefix cache",
     "images_skipped_by_prefix": "Images of completed requests not encoded: the cached prefix held them",
+    "redis_embedding_lookups": "Lookups of an item's embedding holders in the cluster's Redis index, at routing",
+    "redis_embedding_lookup_hits": "Redis embedding-index lookups that found a holder",
+    "redis_prefix_lookups": "Lookups of a prompt's prefix blocks in the cluster's Redis index, at routing",
+    "redis_prefix_lookup_hits": "Redis prefix-index lookups that found a worker holding leading blocks",
 }
 
 

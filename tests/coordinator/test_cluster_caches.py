@@ -103,6 +103,12 @@ def test_every_cache_tier_hit_is_exact_and_the_prefix_index_is_exact(tiny_model_
             held = {w: cs[w].get("indexed_blocks") for w in cluster.worker_names("prefill") + cluster.worker_names("decode")}
             return all(len(store.prefix_blocks_of(model, w)) == n for w, n in held.items()) and held[prefill]
         wait_for(indexed_equals_pool, what="the Redis prefix index to equal the pools")
+        # Routing asked the Redis index (mserve_redis_*_lookups_total): the second request's image and prompt
+        # were found there.
+        with Client(cluster.address, timeout_s=10) as c:
+            tele = c.status()["telemetry"]["counters"]
+        assert tele["redis_embedding_lookups"] >= 4 and 1 <= tele["redis_embedding_lookup_hits"] < tele["redis_embedding_lookups"]
+        assert tele["redis_prefix_lookups"] >= 4 and 1 <= tele["redis_prefix_lookup_hits"] <= tele["redis_prefix_lookups"]
 
         def drained() -> bool:  # counters come with heartbeats: wait for one after the last request
             cs = counters(cluster)
