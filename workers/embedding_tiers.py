@@ -55,8 +55,8 @@ class EmbeddingTiers:
     """L1 + L2 lookups and inserts, kept in step with the Redis embedding index.
 
     `counters` is the engine's counter dict: l1 and l2 hits and evictions are counted there
-    (embedding_l1_hits, embedding_l2_hits, embedding_l1_evictions, embedding_l2_evictions), so they reach
-    the load report like every other engine counter."""
+    (embedding_l1_hits, embedding_l2_hits, embedding_l1_evictions, embedding_l2_evictions), and L1's bytes
+    (embedding_l1_bytes), so they reach the load report like every other engine counter."""
 
     def __init__(self, *, l1_bytes: int, l2_bytes: int, l2_dir: str | None, namespace: str, model_name: str,
                  worker_id: str, host_id: str, store: RedisStore | None, counters: dict[str, Any],
@@ -66,7 +66,8 @@ class EmbeddingTiers:
         self.host_member = host_member(host_id)  # the L2 entries' holder in the Redis index
         self.model_name, self.worker_id, self.store, self.counters = model_name, worker_id, store, counters
         self.defer = defer  # how an index write runs: a worker queues it on its Redis lane (common/redis_lane.py)
-        for key in ("embedding_l1_hits", "embedding_l2_hits", "embedding_l1_evictions", "embedding_l2_evictions"):
+        for key in ("embedding_l1_hits", "embedding_l2_hits", "embedding_l1_evictions", "embedding_l2_evictions",
+                    "embedding_l1_bytes"):
             counters.setdefault(key, 0)
 
     def peek(self, h: str) -> EncodedImage | None:
@@ -110,6 +111,7 @@ class EmbeddingTiers:
             self.counters["embedding_l1_evictions"] += 1
             if self.store:
                 self.defer(self.store.remove_embedding, self.model_name, gone, self.worker_id)
+        self.counters["embedding_l1_bytes"] = self.cache.used
         if self.store:
             self.defer(self.store.add_embedding, self.model_name, h, self.worker_id)
 

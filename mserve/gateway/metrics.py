@@ -44,6 +44,12 @@ WORKER_COUNTERS = {
                                "cache (L1) to make room", "counter"),
     "embedding_l2_evictions": ("mserve_worker_embedding_l2_evictions", "Embeddings dropped from the host's shared "
                                "cache (L2) to make room", "counter"),
+    "embedding_l1_bytes": ("mserve_worker_embedding_l1_bytes", "Bytes of embeddings in the worker's own cache (L1)",
+                           "gauge"),
+    "state_snapshot_bytes": ("mserve_worker_state_snapshot_bytes", "Bytes of a hybrid model's state copies kept "
+                             "for prefix hits (linear-attention layers)", "gauge"),
+    "state_snapshots_restored": ("mserve_worker_state_snapshots_restored", "Prefix hits of a hybrid model resumed "
+                                 "from a state copy", "counter"),
     "encodes_skipped_by_prefix": ("mserve_worker_encodes_skipped_by_prefix",
                                   "Images not encoded: the cached prefix held their placeholders", "counter"),
     "prefix_skip_fallbacks": ("mserve_worker_prefix_skip_fallbacks",

@@ -159,7 +159,10 @@ def test_histogram_buckets_and_telemetry_snapshot():
     assert snap["histograms"]["ttft"]["count"] == 1 and snap["histograms"]["tpot"]["sum"] == pytest.approx(0.1)
     assert snap["histograms"]["transfer"]["count"] == 0  # a stage that did not run is not a 0 s sample
     assert snap["counters"] == {"prompt_tokens": 40, "visual_tokens": 30, "generation_tokens": 11, "images": 1,
-                                "embedding_cache_hits": 1, "prefix_cache_hit_tokens": 16, "images_skipped_by_prefix": 0}
+                                "embedding_cache_hits": 1, "prefix_cache_hit_tokens": 16, "images_skipped_by_prefix": 0,
+                                # routing's lookups in the Redis index: none in this request-only snapshot
+                                "redis_embedding_lookups": 0, "redis_embedding_lookup_hits": 0,
+                                "redis_prefix_lookups": 0, "redis_prefix_lookup_hits": 0}
 
 
 def test_cluster_status_renders_as_prometheus_text():

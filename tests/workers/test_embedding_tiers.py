@@ -1,5 +1,5 @@
 """The embedding tiers count their evictions (workers/embedding_tiers.py): what /metrics shows as
-mserve_worker_embedding_l1_evictions_total and _l2_evictions_total. In-process, no Redis."""
+mserve_worker_embedding_l1_evictions_total and _l2_evictions_total, and L1's bytes. In-process, no Redis."""
 
 from __future__ import annotations
 
@@ -17,5 +17,6 @@ def test_each_tier_counts_what_it_evicts(tmp_path):
     for i in range(5):
         tiers.put(f"img{i}", EncodedImage(torch.full((4, 8), float(i)), None))
     assert counters["embedding_l1_evictions"] == 3  # L1 holds 2 of the 5
+    assert counters["embedding_l1_bytes"] == 2 * one  # ... and says how many bytes (a gauge in /metrics)
     assert len(tiers.host_cache.keys()) == 3 and counters["embedding_l2_evictions"] == 2  # 64-byte header each
     assert tiers.lookup("img4") is not None and counters["embedding_l1_hits"] == 1
