@@ -26,6 +26,7 @@ ROLE_STAGE = {"encode": "encode", "prefill": "prefill", "decode": "decode", "uni
 PANELS = {
     "rate": ("Completed requests per model", "req/s"),
     "ttft": ("Time to first token (p50 / p95 / p99)", "s"),
+    "ttft_class": ("Time to first token per latency class (p95)", "s"),
     "tpot": ("Time per output token (p50 / p95 / p99)", "s"),
     "e2e": ("End-to-end latency (p50 / p95 / p99)", "s"),
     "in_flight": ("Requests in flight per model", "requests"),
@@ -83,7 +84,9 @@ def extract(status: dict[str, Any]) -> dict[str, Any]:
         for key, snap in ((tele.get("labelled") or {}).get("queue_wait") or {}).items():
             stage = key.split("|")[0]
             waits[stage] = _add(waits.get(stage), snap)
+        classes = dict((tele.get("labelled") or {}).get("ttft") or {})  # latency class -> its TTFT histogram
         models[name] = {"hist": {k: hist[k] for k in ("ttft", "tpot", "e2e") if k in hist}, "waits": waits,
+                        "ttft_class": classes,
                         "completed": (m.get("stats") or {}).get("completed", 0),
                         "in_flight": m.get("requests_in_flight", 0)}
     steps: dict[str, Any] = {}
@@ -130,6 +133,9 @@ def point(t: float, cur: dict[str, Any], ref: dict[str, Any] | None, dt: float) 
         p["in_flight"][name] = m["in_flight"]
         for key in ("ttft", "tpot", "e2e"):
             p[key].update(_percentiles(m["hist"].get(key), old["hist"].get(key) if old else None, f"{name} "))
+        for cls, h in m.get("ttft_class", {}).items():
+            old_h = old.get("ttft_class", {}).get(cls) if old else None
+            p["ttft_class"][f"{name} {cls}"] = _percentiles(h, old_h, "", (0.95,))["p95"]
         for stage, h in m["waits"].items():
             w = _percentiles(h, old["waits"].get(stage) if old else None, "", (0.95,))["p95"]
             p["queue_wait"][f"{name} {stage}"] = w

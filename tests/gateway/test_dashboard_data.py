@@ -38,6 +38,7 @@ def _status_after(n_done: int, ttft_s: float, used_blocks: int) -> dict:
         h.observe(ttft_s)
     model["telemetry"] = copy.deepcopy(model["telemetry"])
     model["telemetry"]["histograms"]["ttft"] = h.snapshot()
+    model["telemetry"]["labelled"]["ttft"] = {"interactive": h.snapshot()}  # every one of them interactive
     model["stats"] = {"completed": n_done}
     status["queued"] = {"encode": {"interactive": n_done, "batch": 1}}  # coordinator/stage_queues.py's counts()
     worker = status["workers"]["prefill-0"]
@@ -63,6 +64,7 @@ def test_points_are_rates_and_percentiles_over_the_window():
     assert panels["rate"]["series"]["m"][-1] == pytest.approx(1.0)  # 10 completed in 10 s
     assert 0.2 < panels["ttft"]["series"]["m p50"][-1] <= 0.3  # the 10 new observations, in (0.2, 0.3]
     assert panels["ttft"]["series"]["m p50"][0] is None  # none before
+    assert 0.2 < panels["ttft_class"]["series"]["m interactive"][-1] <= 0.3  # ... and per latency class
     assert panels["kv"]["series"]["prefill-0"][-1] == 0.25
     assert panels["queued"]["series"]["encode"] == [1, 11] and panels["queued"]["series"]["decode"] == [0, 0]
     assert panels["cache"]["series"]["prefix blocks"][-1] == 0.5
