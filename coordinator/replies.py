@@ -69,7 +69,7 @@ class StageReplies:
             return
         self.life.stage_done(st, "encode_s")
         st.timings["worker_s"] += msg.worker_s
-        self.life.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s)
+        self.life.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s, msg.preprocess_s)
         st.embeddings, st.embeddings_from = msg.descriptor, worker_id
         st.image_grids = [im.grid for im in msg.images]
         st.cache_hits["embedding"] += msg.cache_hits
@@ -86,7 +86,7 @@ class StageReplies:
         part.descriptor, part.grids = msg.descriptor, [im.grid for im in msg.images]
         self.staging.uncharge(st, worker_id)
         st.timings["worker_s"] += msg.worker_s
-        self.life.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s)
+        self.life.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s, msg.preprocess_s)
         st.cache_hits["embedding"] += msg.cache_hits
         grids: list = [None] * len(st.admitted.images)
         for p in st.parts:

@@ -40,7 +40,7 @@ class Telemetry:
                          "redis_prefix_lookups": 0, "redis_prefix_lookup_hits": 0}
         self.labelled: dict[str, dict[str, Histogram]] = {"queue_wait": {}, "encode_forward": {},
                                                           "visual_tokens_per_item": {}, "ttft": {}, "tpot": {},
-                                                          "e2e": {}, "stage_time": {}}
+                                                          "e2e": {}, "stage_time": {}, "encode_preprocess": {}}
 
     def _labelled(self, kind: str, key: str, buckets: tuple[float, ...]) -> Histogram:
         h = self.labelled[kind].get(key)
@@ -52,9 +52,12 @@ class Telemetry:
         """A stage left the coordinator's queue for a worker after ``queued_s`` there."""
         self._labelled("queue_wait", f"{stage}|{modality_}", LATENCY_BUCKETS_S).observe(queued_s)
 
-    def on_encoded(self, modality_: str, worker_s: float) -> None:
-        """An encode worker's time on one request's images (decode, vision forward, pruning)."""
+    def on_encoded(self, modality_: str, worker_s: float, preprocess_s: float = 0.0) -> None:
+        """An encode worker's time on one request's images (decode, vision forward, pruning), and its batch's
+        preprocessing (decoding, resampling) when it had new items to encode."""
         self._labelled("encode_forward", modality_, STEP_BUCKETS_S).observe(worker_s)
+        if preprocess_s > 0:
+            self._labelled("encode_preprocess", modality_, STEP_BUCKETS_S).observe(preprocess_s)
 
     def on_result(self, timings: dict[str, float], *, arrived: float, first_token_at: float | None, now: float,
                   prompt_tokens: int, visual_tokens: int, output_tokens: int, images: int,

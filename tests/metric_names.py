@@ -27,7 +27,7 @@ def full_status() -> dict[str, Any]:
     tele = Telemetry()
     image = SimpleNamespace(is_video=False, num_tokens=16)
     tele.on_dispatch("encode", "image", 0.002)
-    tele.on_encoded("image", 0.05)
+    tele.on_encoded("image", 0.05, 0.01)
     tele.on_result({"queue_s": 0.01, "encode_s": 0.1, "prefill_s": 0.2, "transfer_s": 0.01, "decode_s": 0.5},
                    arrived=0.0, first_token_at=0.3, now=1.0, prompt_tokens=40, visual_tokens=16, output_tokens=5,
                    images=1, cache_hits={}, item_tokens=(("image", image.num_tokens),))

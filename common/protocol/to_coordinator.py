@@ -75,6 +75,7 @@ class Encoded(Message):
     images: list[EncodedImageInfo] = wire(list_of(nested(EncodedImageInfo)))
     cache_hits: int = wire(as_int, 0)
     worker_s: float = wire(as_float, 0.0)
+    preprocess_s: float = wire(as_float, 0.0)  # the batch's decoding / resampling of its new items (preprocessing)
 
 
 @dataclass

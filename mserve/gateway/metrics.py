@@ -85,6 +85,8 @@ _LABELLED = {
                        "An encode worker's time on one request's items (decoding, vision or audio tower)", ["modality"]),
     "visual_tokens_per_item": ("mserve_model_item_visual_tokens", "Placeholder tokens of one image, video or "
                                "audio clip of a completed request", ["modality"]),
+    "encode_preprocess": ("mserve_model_encode_preprocess_seconds", "An encode worker's decoding / resampling of "
+                          "a batch's new items (preprocessing), per request", ["modality"]),
     "stage_time": ("mserve_model_request_stage_seconds", "Time a completed request spent per stage (encode, "
                    "embedding transfer...), by the request's modality", ["stage", "modality"]),
     "ttft": ("mserve_model_time_to_first_token_seconds", "Arrival to first token, per model and latency class",

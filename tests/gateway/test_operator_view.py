@@ -137,6 +137,10 @@ def test_prometheus_evaluates_every_grafana_expression_with_data(gateway, promet
     waits = {r["metric"]["stage"] for r in prometheus.query(
         'mserve_model_stage_queue_wait_seconds_count{modality="image"} > 0')}
     assert waits == {"encode", "prefill", "decode"}
+    assert prometheus.query('mserve_model_encode_preprocess_seconds_count{modality="image"} > 0')  # decoding
+    stages = {r["metric"]["stage"] for r in prometheus.query(
+        'mserve_model_request_stage_seconds_count{modality="image"} > 0')}
+    assert {"encode", "transfer"} <= stages  # encode and embedding transfer per modality
     roles = {r["metric"]["role"] for r in prometheus.query("mserve_worker_step_seconds_count > 0")}
     assert roles == {"encode", "prefill", "decode"}
     classes = {r["metric"]["class"] for r in prometheus.query("mserve_model_time_to_first_token_seconds_count > 0")}

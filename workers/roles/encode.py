@@ -137,7 +137,7 @@ class EncodeWorker(Worker):
         for task in batch:
             if task.request_id not in failed:
                 self._trace_batch(task, started, decoded, len(pending))
-                self._send_encoded(task, found, fresh=set(pending))
+                self._send_encoded(task, found, fresh=set(pending), preprocess_s=(decoded - started) / 1e9)
 
     def _trace_batch(self, task: EncodeTask, started: int, decoded: int, images: int) -> None:
         """Note the batch's parts on a traced request: its wait here, image decoding, the vision forward."""
@@ -187,7 +187,8 @@ class EncodeWorker(Worker):
             self.lane.submit(self.store.incr_counter, "encoded_images", self.worker_id, len(pending))
         return dict(zip(pending, encoded))
 
-    def _send_encoded(self, task: EncodeTask, found: dict[str, EncodedImage], fresh: set[str]) -> None:
+    def _send_encoded(self, task: EncodeTask, found: dict[str, EncodedImage], fresh: set[str],
+                      preprocess_s: float = 0.0) -> None:
         """Publish the request's embeddings (`found` has every image) and tell the coordinator."""
         rid, attempt = task.request_id, task.attempt
         tensors, images, hits = {}, [], 0
@@ -211,5 +212,5 @@ class EncodeWorker(Worker):
             self.published.popitem(last=False)
         rec = self.requests.get(rid, attempt)  # an older attempt's task, still queued, has none
         self.send(Encoded(request_id=rid, attempt=attempt, descriptor=desc.to_wire(), images=images, cache_hits=hits,
-                          worker_s=rec.worker_s() if rec is not None else 0.0))
+                          worker_s=rec.worker_s() if rec is not None else 0.0, preprocess_s=preprocess_s))
         self.end(rid, attempt)
