@@ -55,8 +55,8 @@ class EmbeddingTiers:
     """L1 + L2 lookups and inserts, kept in step with the Redis embedding index.
 
     `counters` is the engine's counter dict: l1 and l2 hits and evictions are counted there
-    (embedding_l1_hits, embedding_l2_hits, embedding_l1_evictions, embedding_l2_evictions), and L1's bytes
-    (embedding_l1_bytes), so they reach the load report like every other engine counter."""
+    (embedding_l1_hits, embedding_l2_hits, embedding_l1_evictions, embedding_l2_evictions), and each tier's bytes
+    (embedding_l1_bytes, embedding_l2_bytes: the host's shared tier as this worker last wrote it), so they reach the load report like every other engine counter."""
 
     def __init__(self, *, l1_bytes: int, l2_bytes: int, l2_dir: str | None, namespace: str, model_name: str,
                  worker_id: str, host_id: str, store: RedisStore | None, counters: dict[str, Any],
@@ -67,7 +67,7 @@ class EmbeddingTiers:
         self.model_name, self.worker_id, self.store, self.counters = model_name, worker_id, store, counters
         self.defer = defer  # how an index write runs: a worker queues it on its Redis lane (common/redis_lane.py)
         for key in ("embedding_l1_hits", "embedding_l2_hits", "embedding_l1_evictions", "embedding_l2_evictions",
-                    "embedding_l1_bytes"):
+                    "embedding_l1_bytes", "embedding_l2_bytes"):
             counters.setdefault(key, 0)
 
     def peek(self, h: str) -> EncodedImage | None:
@@ -99,6 +99,7 @@ class EmbeddingTiers:
         self._l1_put(h, enc)
         evicted = self.host_cache.put(h, enc.embeds, enc.grid_thw)
         self.counters["embedding_l2_evictions"] += len(evicted)
+        self.counters["embedding_l2_bytes"] = self.host_cache.used_after_put
         if self.store and self.host_cache.enabled:
             self.defer(self.store.add_embedding, self.model_name, h, self.host_member)
             if evicted:

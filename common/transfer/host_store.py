@@ -59,6 +59,7 @@ class HostEmbeddingStore:
         self.capacity = capacity_bytes
         self.dir = os.path.join(root, hashlib.sha256(namespace.encode()).hexdigest()[:16])
         self.enabled = capacity_bytes > 0
+        self.used_after_put = 0
         self._warned = False
         if self.enabled:
             try:
@@ -163,6 +164,7 @@ class HostEmbeddingStore:
             if _unlink(os.path.join(self.dir, name)):
                 evicted.append(name[: -len(_SUFFIX)])
             used -= size
+        self.used_after_put = used  # the tier's bytes as this writer left it (every host worker writes it)
         return evicted
 
     def used_bytes(self) -> int:

@@ -46,6 +46,8 @@ WORKER_COUNTERS = {
                                "cache (L2) to make room", "counter"),
     "embedding_l1_bytes": ("mserve_worker_embedding_l1_bytes", "Bytes of embeddings in the worker's own cache (L1)",
                            "gauge"),
+    "embedding_l2_bytes": ("mserve_worker_embedding_l2_bytes", "Bytes of embeddings in the host's shared cache (L2), "
+                           "as this worker last wrote it", "gauge"),
     "state_snapshot_bytes": ("mserve_worker_state_snapshot_bytes", "Bytes of a hybrid model's state copies kept "
                              "for prefix hits (linear-attention layers)", "gauge"),
     "state_snapshots_restored": ("mserve_worker_state_snapshots_restored", "Prefix hits of a hybrid model resumed "

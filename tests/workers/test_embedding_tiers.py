@@ -19,4 +19,5 @@ def test_each_tier_counts_what_it_evicts(tmp_path):
     assert counters["embedding_l1_evictions"] == 3  # L1 holds 2 of the 5
     assert counters["embedding_l1_bytes"] == 2 * one  # ... and says how many bytes (a gauge in /metrics)
     assert len(tiers.host_cache.keys()) == 3 and counters["embedding_l2_evictions"] == 2  # 64-byte header each
+    assert counters["embedding_l2_bytes"] == tiers.host_cache.used_bytes() == 3 * (64 + one)
     assert tiers.lookup("img4") is not None and counters["embedding_l1_hits"] == 1
