@@ -84,6 +84,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64, help="words of text per user turn (default 64)")
     p.add_argument("--image-share", type=float, default=0.5,
                    help="share of requests (multiturn: conversations) with an image (mixed, multiturn; 0.5)")
+    p.add_argument("--audio-share", type=parse_share, default=0.0, metavar="F",
+                   help="mixed trace: share of requests that also carry an audio clip, for a model that takes "
+                        "images and audio (default 0)")
     p.add_argument("--interactive-share", type=parse_share, default=0.5, metavar="F",
                    help="share of requests (multiturn: conversations) in latency class interactive, the rest "
                         "batch (default 0.5); the report and compare tables split by class")
@@ -305,7 +308,8 @@ def build_trace(args: argparse.Namespace) -> list[Any]:
         return load_trace(args.trace_file)
     try:
         return make_trace(args.trace, args.num_requests, args.seed, rate=args.rate, burstiness=args.burstiness,
-                          image_share=args.image_share, interactive_share=getattr(args, "interactive_share", 0.5),
+                          image_share=args.image_share, audio_share=getattr(args, "audio_share", 0.0),
+                          interactive_share=getattr(args, "interactive_share", 0.5),
                           max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
                           resolutions=parse_resolutions(args.resolutions), turns=getattr(args, "turns", None))
     except ValueError as exc:

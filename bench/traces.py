@@ -202,6 +202,7 @@ def make_trace(
     rate: float = math.inf,
     burstiness: float = 1.0,
     image_share: float = 0.5,
+    audio_share: float = 0.0,
     max_tokens: int = 64,
     prompt_tokens: int = 64,
     interactive_share: float = 0.5,
@@ -223,7 +224,9 @@ def make_trace(
     history (with placeholder assistant replies of ~max_tokens words); a runner
     must not send turn k+1 before turn k has finished, so arrival_s is a lower bound.
     Conversations have 2-4 turns, or exactly `turns` (the last one shorter when
-    num_requests is not a multiple of it).
+    num_requests is not a multiple of it). `audio_share` (mixed only, for a model that takes images and audio):
+    that share of the requests also carries one clip, drawn as the audio trace draws it; 0 draws nothing, so
+    the trace is byte-identical to one made without it.
     """
     if turns is not None and turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
@@ -233,6 +236,7 @@ def make_trace(
         raise ValueError("num_requests must be >= 0")
     ss = np.random.SeedSequence([seed, *name.encode()])
     r_arrival, r_class, r_text, r_img, r_shape = (np.random.default_rng(s) for s in ss.spawn(5))
+    r_audio = np.random.default_rng(ss.spawn(1)[0])  # the mixed trace's clips: a stream of their own
     sizes, weights = zip(*(resolutions or (VIDEO_RESOLUTIONS if name == "video" else IMAGE_RESOLUTIONS)))
     probs = np.asarray(weights, dtype=float) / float(np.sum(weights))
     factory = ImageFactory(r_img, use_photos=photos if photos is not None else True, distinct=distinct_images)
@@ -303,10 +307,15 @@ def make_trace(
                 continue
             images, img_sizes = draw_images(image_count())
             prio, lat = classes()
+            message, kind = user_message(images), modality(len(images))
+            if name == "mixed" and audio_share > 0 and r_audio.random() < audio_share:
+                clip = wav_of(r_audio, float(r_audio.uniform(*AUDIO_SECONDS)), int(r_audio.choice(AUDIO_RATES)))
+                message["content"].insert(0, {"type": "audio", "audio": clip})
+                kind = "audio"
             trace.append(
                 TraceRequest(
-                    request_id=f"r{i:06d}", arrival_s=arrivals[i], messages=[user_message(images)],
-                    max_tokens=max_tokens, modality=modality(len(images)), priority=prio,
+                    request_id=f"r{i:06d}", arrival_s=arrivals[i], messages=[message],
+                    max_tokens=max_tokens, modality=kind, priority=prio,
                     latency_class=lat, image_sizes=img_sizes,
                 )
             )

@@ -220,3 +220,13 @@ def test_audio_trace_sends_one_wav_clip_whose_header_admission_counts(tmp_path) 
     assert [r.audio() for r in load_trace(save_trace(trace, tmp_path / "a.jsonl"))] == [r.audio() for r in trace]
     (part, _text), = [m["content"] for m in to_openai_messages(trace[0].messages)]
     assert part["type"] == "input_audio" and base64.b64decode(part["input_audio"]["data"]) == clips[0]
+
+
+def test_mixed_trace_with_an_audio_share_adds_clips_and_is_unchanged_without() -> None:
+    plain = make_trace("mixed", 20, seed=4, resolutions=SMALL, photos=False)
+    assert trace_digest(make_trace("mixed", 20, seed=4, resolutions=SMALL, photos=False, audio_share=0.0)) == \
+        trace_digest(plain)
+    mixed = make_trace("mixed", 20, seed=4, resolutions=SMALL, photos=False, audio_share=0.5)
+    with_audio = [r for r in mixed if r.audio()]
+    assert 3 <= len(with_audio) <= 17 and all(r.modality == "audio" for r in with_audio)
+    assert [r.images() for r in mixed] == [r.images() for r in plain]  # the same images, a clip beside some
