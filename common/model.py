@@ -25,8 +25,9 @@ from mserve.common.traits import read_traits
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
                       "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
                       "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio")
-# Families that take audio clips, token-exact here (Qwen2-Audio: its audio token is the one placeholder).
-AUDIO_MODEL_TYPES = ("qwen2_audio",)
+# Families that take audio clips, token-exact here, in a checkpoint with an audio tower (an audio_config):
+# Qwen2-Audio (its audio token is the one placeholder), Gemma 4 (boa + audio tokens + eoa, beside images).
+AUDIO_MODEL_TYPES = ("qwen2_audio", "gemma4")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
 # second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
 # timestamps as text, common/families/qwen3_vl.py).
@@ -271,7 +272,7 @@ class ModelFamily:
                     if size is None or isinstance(size, (tuple, VideoInfo)):
                         raise ValueError("the chat template placed an audio placeholder where the request has "
                                          + ("no more items" if size is None else "another kind"))
-                    out.extend([tok] * self.audio_token_count(size))
+                    out.extend(self.audio_placeholder(self.audio_token_count(size)))
                     continue
                 kind = "video" if tok == self.video_token_id else "image"
                 if size is None:
@@ -294,6 +295,13 @@ class ModelFamily:
         if self.rules.image_placeholder is None or self.visual_keep_ratio is not None or keep_ratio is not None:
             return [self.image_token_id] * self.visual_token_count(size, keep_ratio)
         return self.rules.image_placeholder(self.processor, size)
+
+    def audio_placeholder(self, count: int) -> list[int]:
+        """The token ids one audio placeholder of `count` soft tokens becomes (one run, unless the family
+        brackets it: common/families/)."""
+        if self.rules.audio_placeholder is None:
+            return [self.audio_token_id] * count
+        return self.rules.audio_placeholder(self.processor, count)
 
     def image_inputs(self, images: Sequence[Any]) -> Any:
         """The vision tower's inputs for PIL images, prepared as the checkpoint's processor prepares them."""
@@ -321,6 +329,12 @@ class ModelFamily:
 
 
 NO_TOKEN = -1  # the image_token_id of a family that has no image token (an audio-only one)
+
+
+def has_audio_tower(model_type: str | None, cfg: dict) -> bool:
+    """Whether this checkpoint's audio is served: a family of AUDIO_MODEL_TYPES, with an audio tower (Gemma 4's
+    larger checkpoints have none)."""
+    return model_type in AUDIO_MODEL_TYPES and cfg.get("audio_config") is not None
 
 
 def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: Any, where: str) -> Any:
@@ -363,15 +377,18 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
-    audio_token_id, audio_features = cfg.get("audio_token_index", cfg.get("audio_token_id")), None
-    if model_type in AUDIO_MODEL_TYPES:
-        from mserve.common.families.qwen2_audio import read_audio_features
-
-        audio_features = read_audio_features(model_dir)
-    if image_token_id is None and audio_features is None:
+    audio_token_id, audio = cfg.get("audio_token_index", cfg.get("audio_token_id")), has_audio_tower(model_type, cfg)
+    if image_token_id is None and not audio:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
     proc, where = read_image_processor_config(model_dir) if image_token_id is not None else ({}, "")
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
+    audio_features = None
+    if audio and rules.audio_features is not None:
+        audio_features = rules.audio_features(processor)
+    elif audio:
+        from mserve.common.families.qwen2_audio import read_audio_features
+
+        audio_features = read_audio_features(model_dir)
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None

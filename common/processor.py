@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mserve.common.checkpoint_files import PROCESSOR_FILE
+from mserve.common.checkpoint_files import PROCESSOR_FILE, read_model_config
 
 
 class UnsupportedModelError(ValueError):
@@ -56,7 +56,7 @@ def processor_settings(model_dir: str | os.PathLike, cls: type) -> dict[str, Any
 
 
 # Parts a processor owns that the image path never runs: the video processor (it needs torchvision) and an
-# audio feature extractor (Gemma 4's: its audio is not served; an AUDIO_MODEL_TYPES family's is loaded).
+# audio feature extractor (one of a checkpoint without an audio tower; a served one's is loaded: has_audio_tower).
 # They are built as None.
 _LEFT_OUT = ("video_processor", "feature_extractor")
 
@@ -65,7 +65,7 @@ def build_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: An
     """The checkpoint's processor, with the PIL image processor and no video processor."""
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
-    from mserve.common.model import AUDIO_MODEL_TYPES
+    from mserve.common.model import has_audio_tower
 
     cls = processor_class(model_type)
     if tokenizer is None:
@@ -74,7 +74,7 @@ def build_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: An
     parts: dict[str, Any] = {"tokenizer": tokenizer}
     if "image_processor" in attributes:
         parts["image_processor"] = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
-    if "feature_extractor" in attributes and model_type in AUDIO_MODEL_TYPES:  # a served audio family's
+    if "feature_extractor" in attributes and has_audio_tower(model_type, read_model_config(model_dir)):
         parts["feature_extractor"] = AutoFeatureExtractor.from_pretrained(str(model_dir))
     missing = [a for a in attributes if a not in parts and a not in _LEFT_OUT]
     if missing:

@@ -63,7 +63,8 @@ class Engine:
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    reserve_tokens=config.reserve_tokens, class_aging_s=config.class_aging_s,
                                    enable_prefix_caching=config.enable_prefix_caching,
-                                   whole_images=self.family.bidirectional_images, release=self.runner.release,
+                                   whole_images=self.family.bidirectional_images,
+                                   causal_token=self.family.audio_token_id, release=self.runner.release,
                                    snapshot=self.runner.snapshot if hybrid else None,
                                    restore=self.runner.restore if hybrid else None)
         gen = self.runner.model.generation_config

@@ -1,12 +1,20 @@
 """Where a prefill chunk or a reused cached prefix may end for families whose image tokens attend to
 each other both ways (Gemma 3): never inside an image, so each image is computed in one forward and
-its first tokens see its last ones. Pure Python, no torch."""
+its first tokens see its last ones. An audio clip's tokens attend causally (Gemma 4's audio beside its
+images): a chunk may end inside one. Pure Python, no torch."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 from mserve.common.hashing import ImageSpan
+
+
+def bidirectional_spans(images: Sequence[ImageSpan], token_ids: Sequence[int],
+                        causal_token: int | None) -> list[ImageSpan]:
+    """The spans of `images` whose tokens attend both ways: all but the runs of `causal_token` (the audio
+    token of a family whose images alone are bidirectional; HF's Gemma 4 groups image and video tokens only)."""
+    return [s for s in images if causal_token is None or token_ids[s.start] != causal_token]
 
 
 def chunk_end(images: Sequence[ImageSpan], start: int, end: int) -> int:

@@ -21,6 +21,7 @@ from mserve.common.model import ModelFamily, load_family
 from mserve.common.video import seconds_per_grid
 from mserve.workers import fused_ops, packed_linear, paged_attention, paged_prefill, text_traits
 from mserve.workers.deepstack import DeepstackRows, deepstack_layers, pack
+from mserve.workers.image_bounds import bidirectional_spans
 from mserve.workers.linear_state import LinearStates, linear_layers, wrap_linear_layers
 from mserve.workers.model_loading import _cpu_bf16_matmuls, text_module_name, load_vlm
 from mserve.workers.paged_attention import KVCache, PagedBatch
@@ -200,10 +201,14 @@ class ModelRunner:
         the videos through its video path (one forward for all of them); LLaVA encodes every frame as an
         image, in the images' forward, and a video's embeddings are its frames' one after another.
         `keep_ratio`: their own pruning ratio (LLaVA; SLO-adaptive pruning), else the worker's."""
-        if any(isinstance(x, np.ndarray) for x in items):  # audio clips (waveforms): a family that takes no images
+        is_audio = [isinstance(x, np.ndarray) for x in items]  # audio clips (waveforms), beside images (Gemma 4)
+        if any(is_audio):
             from mserve.workers.audio_encoding import encode_audio
 
-            return [EncodedImage(e) for e in encode_audio(self.model, self.family, items)]
+            clips = iter(EncodedImage(e) for e in encode_audio(self.model, self.family,
+                                                               [x for x, a in zip(items, is_audio) if a]))
+            visuals = iter(self.encode_visuals([x for x, a in zip(items, is_audio) if not a], keep_ratio))
+            return [next(clips) if a else next(visuals) for a in is_audio]
         is_video = [isinstance(x, list) for x in items]
         videos = [x for x, v in zip(items, is_video) if v]
         if self.family.video_as_frames:
@@ -334,8 +339,9 @@ class ModelRunner:
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """One packed forward; returns logits [num completing chunks, vocab] in chunk order."""
         embeds, positions, visual = self._inputs(chunks)
-        runs = ([[(span.start, span.end) for span in c.seq.images] for c in chunks]
-                if self.family.bidirectional_images else None)
+        runs = ([[(span.start, span.end) for span in bidirectional_spans(c.seq.images, c.seq.prompt_ids,
+                                                                         self.family.audio_token_id)]
+                 for c in chunks] if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
                                  self.device, image_runs=runs, exact=self.exact_attention,
                                  images_on_sliding_only=self.family.rules.bidirectional_images_sliding_only)

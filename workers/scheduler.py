@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from mserve.common.policy import CLASS_AGING_S, DEFAULT_ENGINE, aged_class_rank, fits_kv
 from mserve.workers.block_pool import BlockPool, OutOfBlocks
-from mserve.workers.image_bounds import chunk_end, usable_prefix_blocks
+from mserve.workers.image_bounds import bidirectional_spans, chunk_end, usable_prefix_blocks
 from mserve.workers.sequence import Sequence, SeqStatus
 
 
@@ -51,11 +51,13 @@ class Scheduler:
                  reserve_tokens: int = DEFAULT_ENGINE.reserve_tokens, enable_prefix_caching: bool = True,
                  class_aging_s: float = CLASS_AGING_S,
                  clock: Callable[[], float] = time.monotonic, whole_images: bool = False,
+                 causal_token: int | None = None,
                  release: Callable[[Sequence], None] | None = None,
                  snapshot: Callable[[Sequence, str], None] | None = None,
                  restore: Callable[[Sequence, str], None] | None = None) -> None:
         """`whole_images`: no chunk and no reused prefix ends inside an image (workers/image_bounds.py),
-        for families whose image tokens attend to each other both ways. `release`: called when a sequence's
+        for families whose image tokens attend to each other both ways; not the runs of `causal_token` (an audio
+        clip's, which attend causally). `release`: called when a sequence's
         computed state is dropped (freed or preempted), for state kept outside the block pool (the model
         runner's linear-attention states, workers/linear_state.py). `snapshot(seq, block hash)`: called where a
         prompt chunk ends on a full block, to keep that state for later prefix hits, which `restore(seq, block
@@ -73,6 +75,7 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock
         self.whole_images = whole_images
+        self.causal_token = causal_token
         self.release = release
         self.snapshot, self.restore = snapshot, restore
         self.waiting: list[Sequence] = []
@@ -170,12 +173,16 @@ class Scheduler:
     def _chunk_size(self, seq: Sequence, start: int, n: int) -> int:
         """`n` tokens from `start`, or as many as keep the chunk from ending inside an image (whole_images)."""
         if n > 0 and self.whole_images:
-            n = chunk_end(seq.images, start, start + n) - start
+            n = chunk_end(self._whole(seq), start, start + n) - start
         if self.snapshot is not None and self.enable_prefix_caching:  # end one chunk at the last full block
             last_full = (len(seq.prompt_ids) - 1) // self.pool.block_size * self.pool.block_size  # a hit stops there
             if start < last_full < start + n:
                 n = last_full - start
         return n
+
+    def _whole(self, seq: Sequence) -> list:
+        """The spans of `seq` no chunk and no reused prefix may end inside."""
+        return bidirectional_spans(seq.images, seq.prompt_ids, self.causal_token)
 
     def _lookahead(self, seq: Sequence) -> int:
         """Tokens `seq` will still add, as far as admission plans ahead."""
@@ -219,7 +226,7 @@ class Scheduler:
         hashes = seq.prompt_hashes(bs) if self.enable_prefix_caching else []
         hit_ids = self.pool.reusable_prefix(hashes, seq.token_ids, seq.num_tokens) if hashes else None
         if hit_ids and self.whole_images:
-            hit_ids = hit_ids[:usable_prefix_blocks(seq.images, len(hit_ids), bs)]
+            hit_ids = hit_ids[:usable_prefix_blocks(self._whole(seq), len(hit_ids), bs)]
         hits = len(hit_ids or ())
         # Admit only when the whole (remaining) prompt fits: a half-prefilled request that
         # must be preempted wastes the work already done. Cached hits that sit in the free

@@ -54,6 +54,12 @@ class FamilyRules:
     # (processor, (width, height)) -> an image's (t, h, w) patch grid, when the image processor does not
     # resize by Qwen2-VL's smart_resize (common/model.py's default for M-RoPE families).
     image_grid: Callable[[Any, tuple[int, int]], tuple[int, int, int]] | None = None
+    # (processor, soft tokens) -> the token ids one audio placeholder becomes, when it is not one run of the
+    # audio token (Gemma 4: boa + run + eoa).
+    audio_placeholder: Callable[[Any, int], list[int]] | None = None
+    # processor -> the audio token arithmetic's settings (sampling_rate, tokens(samples), min_seconds), for a
+    # family that reads them from its built processor; None: Qwen2-Audio's, from the checkpoint's files.
+    audio_features: Callable[[Any], Any] | None = None
 
 
 def rules_for(model_type: str | None) -> FamilyRules:

@@ -14,7 +14,8 @@ Every trait that sets Gemma 4 apart is on, at a size where a shortcut would chan
 - per-layer embeddings (hidden_size_per_layer_input 8);
 - final logit softcapping at 2.0, where tanh bends the tiny model's logits.
 Images keep their aspect ratio: 4-pixel patches pooled 2 x 2, at most 70 soft tokens, so the count
-depends on the image's size.
+depends on the image's size. An audio tower (E2B's kind: a 2-conv stem, conformer layers with chunked local
+attention, a projection) behind Gemma4AudioFeatureExtractor's 16 kHz log-mel frames: 25 soft tokens a second.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ SPECIALS = ["<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>
 
 # Written for mserve after the published Gemma 4 template's shape (not a copy): BOS first; turns open with
 # <|turn> + role and close with <turn|>; assistant turns are "model" turns; an image part is the image token,
-# which the processor expands to <|image> + soft tokens + <image|>.
+# which the processor expands to <|image> + soft tokens + <image|>; an audio part is the audio token, which it
+# expands to <|audio> + soft tokens + <audio|>.
 GEMMA4_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages -%}"
@@ -40,6 +42,7 @@ GEMMA4_CHAT_TEMPLATE = (
     "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}{{ '<|image|>' }}"
+    "{%- elif part['type'] == 'audio' -%}{{ '<|audio|>' }}"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{ '<turn|>\n' }}"
@@ -56,13 +59,19 @@ def gemma4_tokenizer(vocab_size: int):
 
 
 def gemma4_config(dims: dict, tok, std: float):
-    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
 
     vision = Gemma4VisionConfig(
         hidden_size=dims["v_hidden"], intermediate_size=dims["v_inter"], num_hidden_layers=dims["v_layers"],
         num_attention_heads=dims["v_heads"], num_key_value_heads=dims["v_heads"],
         head_dim=dims["v_hidden"] // dims["v_heads"], patch_size=dims["patch"], pooling_kernel_size=dims["pool"],
         position_embedding_size=dims["positions"], initializer_range=std,
+    )
+    # The conv stem's projection assumes mel bins = 4 x its first channel count (128 and 128 in E2B).
+    audio = Gemma4AudioConfig(
+        hidden_size=dims["a_hidden"], num_hidden_layers=dims["a_layers"], num_attention_heads=dims["a_heads"],
+        subsampling_conv_channels=[dims["mel_bins"], dims["a_channels"]], output_proj_dims=dims["a_out"],
+        initializer_range=std,
     )
     head_dim = dims["hidden"] // dims["heads"]
     text = Gemma4TextConfig(
@@ -82,7 +91,7 @@ def gemma4_config(dims: dict, tok, std: float):
     )
     ids = tok.convert_tokens_to_ids
     return Gemma4Config(
-        text_config=text, vision_config=vision, audio_config=None, boi_token_id=ids("<|image>"),
+        text_config=text, vision_config=vision, audio_config=audio, boi_token_id=ids("<|image>"),
         eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
         audio_token_id=ids("<|audio|>"), boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"),
         initializer_range=std,
@@ -90,19 +99,20 @@ def gemma4_config(dims: dict, tok, std: float):
 
 
 def save_gemma4_processor(out: Path, dims: dict, tok, layout: str) -> None:
-    from transformers import Gemma4ImageProcessorPil
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessorPil
 
     from mserve.common.families.gemma4 import processor_class
     from mserve.common.processor import assemble_processor
 
     image_processor = Gemma4ImageProcessorPil(patch_size=dims["patch"], pooling_kernel_size=dims["pool"],
                                               max_soft_tokens=dims["max_soft_tokens"])
-    # No audio feature extractor (the tiny model has no audio tower) and no video processor (torchvision).
-    processor = assemble_processor(processor_class(), feature_extractor=None, image_processor=image_processor,
+    features = Gemma4AudioFeatureExtractor(feature_size=dims["mel_bins"])  # 16 kHz, 20 ms frames, 10 ms hops
+    # No video processor (torchvision).
+    processor = assemble_processor(processor_class(), feature_extractor=features, image_processor=image_processor,
                                    tokenizer=tok, video_processor=None, image_seq_length=dims["max_soft_tokens"],
-                                   chat_template=GEMMA4_CHAT_TEMPLATE)
-    # save_pretrained writes every part it owns: the parts left out (None) are not listed on this instance.
-    processor.get_attributes = lambda: ["image_processor", "tokenizer"]
+                                   audio_seq_length=dims["audio_seq_length"], chat_template=GEMMA4_CHAT_TEMPLATE)
+    # save_pretrained writes every part it owns: the part left out (None) is not listed on this instance.
+    processor.get_attributes = lambda: ["feature_extractor", "image_processor", "tokenizer"]
     save_processor_files(out, processor, image_processor, layout)
 
 
@@ -117,11 +127,13 @@ def generation_config(tok):
 _LAYERS = ["sliding_attention", "full_attention"] * 3
 _TINY = dict(v_hidden=32, v_inter=64, v_layers=2, v_heads=2, patch=4, pool=2, positions=160, max_soft_tokens=70,
              hidden=64, inter=128, heads=4, kv_heads=2, global_head_dim=32, global_kv_heads=1, sliding_window=12,
-             layer_types=_LAYERS, kv_shared=2, per_layer=8, softcap=2.0)
+             layer_types=_LAYERS, kv_shared=2, per_layer=8, softcap=2.0,
+             mel_bins=16, a_channels=8, a_hidden=32, a_layers=2, a_heads=2, a_out=48, audio_seq_length=750)
 _SMALL = dict(_TINY, v_hidden=128, v_inter=512, v_layers=4, v_heads=4, patch=8, max_soft_tokens=140, hidden=256,
               inter=768, global_head_dim=128, sliding_window=64,
               layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
-              + ["full_attention"], kv_shared=3, per_layer=32, softcap=30.0)
+              + ["full_attention"], kv_shared=3, per_layer=32, softcap=30.0,
+              mel_bins=32, a_channels=16, a_hidden=128, a_layers=4, a_heads=4, a_out=256)
 
 GEMMA4 = TinyFamily(
     arch="gemma4",
