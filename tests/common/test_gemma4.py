@@ -88,3 +88,34 @@ def test_what_is_not_served_exactly_is_refused_at_load(model_dir, tmp_path, text
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'gemma4': this checkpoint needs " + match) as info:
         load_family(folder)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("fmt, rate, samples", [
+    ("wav", 16000, 161), ("wav", 16000, 641), ("wav", 16000, 16001), ("wav", 8000, 12345), ("wav", 44100, 30001),
+    ("flac", 48000, 20000), ("mp3", 22050, 12345), ("ogg", 48000, 47000),
+])
+def test_audio_count_from_the_header_is_the_processors(model_dir, hf_processor, fmt, rate, samples):
+    """A clip's soft tokens from its container header alone equal Gemma4Processor's count of the waveform the
+    encode worker decodes (641 samples at 16 kHz: 1 token, where ceil(duration / 40 ms) would say 2), and the
+    placeholder is boa + that many audio tokens + eoa."""
+    from mserve.common.audio import decode_audio, read_audio_header
+    from tests.audio_clips import make_audio
+
+    family = load_family(model_dir)
+    data = make_audio(samples, rate, fmt)
+    info = read_audio_header(data)
+    count = family.audio_token_count(info)
+    clip = decode_audio(data, family.audio_features.sampling_rate, info.resampled_samples(16000))
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "hi"}]}]
+    text = hf_processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = hf_processor(text=text, audio=[clip], add_special_tokens=False, return_tensors="pt")["input_ids"][0].tolist()
+    assert count >= 1 and ids.count(family.audio_token_id) == count
+    start = ids.index(family.audio_token_id) - 1
+    assert ids[start:start + count + 2] == family.audio_placeholder(count)
+
+
+def test_audio_tokens_are_capped_and_short_clips_give_none(model_dir):
+    features = load_family(model_dir).audio_features
+    assert features.tokens(160) == 0 and features.tokens(161) == 1 and round(features.min_seconds * 16000) == 161
+    assert features.tokens(16000 * 40) == features.tokens(480_000) == 750  # the extractor cuts at 30 s
+    assert load_family(model_dir).modalities == ["text", "image", "audio"]
