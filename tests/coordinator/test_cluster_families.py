@@ -123,3 +123,28 @@ def test_a_hybrid_models_prefix_hit_through_1e1p1d(family_cluster):
     prefill = next(w for w in after if w.startswith("prefill"))
     gained = {k: after[prefill].get(k, 0) - before[prefill].get(k, 0) for k in ("prefix_hits", "state_snapshots_restored")}
     assert gained["prefix_hits"] >= 1 and gained["state_snapshots_restored"] >= 1, gained
+
+
+def test_a_clip_an_image_and_text_in_one_request_through_1e1p1d(family_cluster):
+    """Gemma 4 takes images and audio in one prompt: the clip admitted from its header, both encoded on the encode
+    worker, transferred and scattered; HF's tokens; STATUS (and so /v1/models) lists audio beside images."""
+    model, cluster = family_cluster
+    family = load_family(model)
+    if not {"image", "audio"} <= set(family.modalities):
+        pytest.skip("a family that takes images and audio in one prompt")
+    from mserve.common.prompt import PromptBuilder
+    from tests.audio_clips import make_audio
+    from tests.workers.test_engine_gemma4_audio import MAX_NEW, hf_generate, hf_inputs
+
+    conversation = [{"role": "user", "content": [
+        {"type": "audio", "audio": make_audio(20000, 22050, "mp3", seed=1)}, {"type": "image", "image": make_image(120, 90)},
+        {"type": "text", "text": "What do you hear and see?"}]}]
+
+    async def run():
+        async with AsyncClient(cluster.address, timeout_s=120) as client:
+            return await client.generate(conversation, max_tokens=MAX_NEW), await client.status()
+
+    res, status = asyncio.run(run())
+    builder = PromptBuilder(model)
+    assert res.token_ids == hf_generate(model, hf_inputs(builder, builder.prepare(conversation)))
+    assert [m["modalities"] for m in status["models"].values()] == [["text", "image", "audio"]]
