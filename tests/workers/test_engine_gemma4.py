@@ -179,7 +179,7 @@ def test_first_step_logits_are_hfs_softcapped_ones(model_dir, requests):
 def test_checkpoints_with_experts_and_an_audio_tower_serve_their_image_path_as_hf(tmp_path, requests):
     """Gemma 4 26B-A4B adds mixture-of-experts blocks beside each MLP; E2B and E4B carry an audio tower. One tiny
     checkpoint with both: the experts run as the model runs them, in a ragged batch and in chunks of 8; the
-    audio tower is never run and the text stages drop it; the tokens are HF's."""
+    audio tower is not run on image prompts and the text stages drop it; the tokens are HF's."""
     import dataclasses
 
     from transformers import Gemma4AudioConfig
