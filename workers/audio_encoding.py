@@ -1,10 +1,10 @@
 """Audio clips -> embeddings on an encode worker: the checkpoint's own feature extractor and audio tower.
 
 A model with `get_audio_features` (Gemma 4) runs it on the feature extractor's batch, as its forward does, and
-each clip keeps the rows its output mask marks valid. Qwen2-Audio's model has no `get_audio_features`: its forward pads each clip's log-mel features to the
-window, masks the tower's attention past each clip's valid frames, runs the tower and the projector and
-keeps each clip's first `output_lengths` rows. This does those same steps, one clip per row of the
-batch, so each clip's rows are what HF's forward scatters into its prompt.
+each clip keeps the rows its output mask marks valid. Qwen2-Audio's model has no `get_audio_features`: its
+forward pads each clip's log-mel features to the window, masks the tower's attention past each clip's valid
+frames, runs the tower and the projector and keeps each clip's first `output_lengths` rows. This does those
+same steps, one clip per row of the batch, so each clip's rows are what HF's forward scatters into its prompt.
 """
 
 from __future__ import annotations

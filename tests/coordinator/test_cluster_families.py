@@ -137,7 +137,8 @@ def test_a_clip_an_image_and_text_in_one_request_through_1e1p1d(family_cluster):
     from tests.workers.test_engine_gemma4_audio import MAX_NEW, hf_generate, hf_inputs
 
     conversation = [{"role": "user", "content": [
-        {"type": "audio", "audio": make_audio(20000, 22050, "mp3", seed=1)}, {"type": "image", "image": make_image(120, 90)},
+        {"type": "audio", "audio": make_audio(20000, 22050, "mp3", seed=1)},
+        {"type": "image", "image": make_image(120, 90)},
         {"type": "text", "text": "What do you hear and see?"}]}]
 
     async def run():

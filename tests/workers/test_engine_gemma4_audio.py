@@ -79,15 +79,16 @@ def test_two_clips_and_an_image_in_one_request(model_dir, builder):
     family = builder.family
     runs = family.image_spans(pp.prompt_ids)
     assert [n for _, n in runs] == [25, 63, 17]  # 1 s, the image, 0.68 s
-    assert [pp.prompt_ids[s] for s, _ in runs] == [family.audio_token_id, family.image_token_id, family.audio_token_id]
+    kinds = [pp.prompt_ids[s] for s, _ in runs]
+    assert kinds == [family.audio_token_id, family.image_token_id, family.audio_token_id]
     assert run(new_engine(model_dir), {"r": pp})["r"] == hf_generate(model_dir, hf_inputs(builder, pp))
 
 
 def test_ragged_batch(model_dir, builder):
     """A clip, an image with a clip, and text alone, in one batch."""
     pps = {"a": prompt(builder, [("audio", make_audio(8000, 16000, "wav", seed=5))]),
-           "b": prompt(builder, [("image", make_image(90, 150, seed=6)), ("audio", make_audio(47000, 48000, "ogg", seed=7))],
-                       "Describe both."),
+           "b": prompt(builder, [("image", make_image(90, 150, seed=6)),
+                                 ("audio", make_audio(47000, 48000, "ogg", seed=7))], "Describe both."),
            "c": builder.prepare([{"role": "user", "content": "Say something."}])}
     out = run(new_engine(model_dir), pps)
     for rid, pp in pps.items():
