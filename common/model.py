@@ -95,7 +95,7 @@ class ModelFamily:
     # A family with tests here (SERVED_MODEL_TYPES); False: served only once a probe proved it (workers/probe.py).
     tested: bool = True
     # An audio family's (AUDIO_MODEL_TYPES) audio token and its feature extractor's settings
-    # (common/families/qwen2_audio.py: AudioFeatures); None for a family that takes no audio. A family
+    # (FamilyRules.audio_features); None for a checkpoint that takes no audio. A family
     # with no image token (Qwen2-Audio) has image_token_id NO_TOKEN.
     audio_token_id: int | None = None
     audio_features: Any = None
@@ -382,13 +382,7 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
     proc, where = read_image_processor_config(model_dir) if image_token_id is not None else ({}, "")
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
-    audio_features = None
-    if audio and rules.audio_features is not None:
-        audio_features = rules.audio_features(processor)
-    elif audio:
-        from mserve.common.families.qwen2_audio import read_audio_features
-
-        audio_features = read_audio_features(model_dir)
+    audio_features = rules.audio_features(model_dir, processor) if audio else None
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None

@@ -57,18 +57,19 @@ class FamilyRules:
     # (processor, soft tokens) -> the token ids one audio placeholder becomes, when it is not one run of the
     # audio token (Gemma 4: boa + run + eoa).
     audio_placeholder: Callable[[Any, int], list[int]] | None = None
-    # processor -> the audio token arithmetic's settings (sampling_rate, tokens(samples), min_seconds), for a
-    # family that reads them from its built processor; None: Qwen2-Audio's, from the checkpoint's files.
-    audio_features: Callable[[Any], Any] | None = None
+    # (model folder, processor) -> the audio token arithmetic's settings (sampling_rate, tokens(samples),
+    # min_seconds) of a family of AUDIO_MODEL_TYPES (common/model.py), read when the checkpoint has an audio tower.
+    audio_features: Callable[[Any, Any], Any] | None = None
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import gemma3, gemma4, glm4v, pixtral, qwen3_vl, tiled
+    from mserve.common.families import gemma3, gemma4, glm4v, pixtral, qwen2_audio, qwen3_vl, tiled
 
     return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "gemma4": gemma4.RULES, "internvl": tiled.INTERNVL,
             "smolvlm": tiled.SMOLVLM, "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
             "qwen3_vl_moe": qwen3_vl.RULES, "glm46v": glm4v.RULES, "glm4v": glm4v.RULES,
-            "glm4v_moe": glm4v.RULES, "qwen3_5": HYBRID, "qwen3_5_moe": HYBRID}.get(model_type or "", FamilyRules())
+            "glm4v_moe": glm4v.RULES, "qwen3_5": HYBRID, "qwen3_5_moe": HYBRID,
+            "qwen2_audio": qwen2_audio.RULES}.get(model_type or "", FamilyRules())
 
 
 # Qwen3.5 and its MoE: Gated DeltaNet layers keep a per-sequence state (workers/linear_state.py).

@@ -83,7 +83,7 @@ class AudioFeatures:
         return min(frames, self.seq_length)
 
 
-def audio_features(processor: Any) -> AudioFeatures:
+def audio_features(_model_dir: Any, processor: Any) -> AudioFeatures:
     """The settings of the checkpoint's own feature extractor and processor, as transformers built them."""
     fe = processor.feature_extractor
     return AudioFeatures(sampling_rate=int(fe.sampling_rate), frame_length=int(fe.frame_length),
