@@ -113,6 +113,8 @@ class ModelFamily:
 
     def audio_unsupported(self) -> str | None:
         """Why this checkpoint cannot take an audio clip, or None."""
+        if self.audio_features is None and self.model_type in AUDIO_MODEL_TYPES:
+            return f"this {self.model_type} checkpoint has no audio tower (its config.json has no audio_config)"
         if self.audio_features is None:
             return (f"model_type {self.model_type} has no audio tower mserve serves (audio is served for "
                     f"{', '.join(AUDIO_MODEL_TYPES)})")

@@ -119,3 +119,19 @@ def test_audio_tokens_are_capped_and_short_clips_give_none(model_dir):
     assert features.tokens(160) == 0 and features.tokens(161) == 1 and round(features.min_seconds * 16000) == 161
     assert features.tokens(16000 * 40) == features.tokens(480_000) == 750  # the extractor cuts at 30 s
     assert load_family(model_dir).modalities == ["text", "image", "audio"]
+
+
+def test_a_checkpoint_without_an_audio_tower_takes_no_audio(model_dir, tmp_path):
+    """Gemma 4's larger checkpoints (26B-A4B, 31B) have no audio_config: images only, audio refused by name."""
+    from mserve.common.audio import AudioPart
+    from tests.audio_clips import make_audio
+
+    local = tmp_path / "no-audio"
+    shutil.copytree(model_dir, local)
+    config = json.loads((local / "config.json").read_text())
+    config["audio_config"] = None
+    (local / "config.json").write_text(json.dumps(config))
+    family = load_family(local)
+    assert family.modalities == ["text", "image"] and family.processor.feature_extractor is None
+    with pytest.raises(ValueError, match="this gemma4 checkpoint has no audio tower"):
+        PromptBuilder(local).admit_audio(AudioPart(make_audio(16000)))
