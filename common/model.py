@@ -24,9 +24,10 @@ from mserve.common.traits import read_traits
 # the trait the engine cannot honour (common/traits.py) or the case the probe failed.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
                       "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
-                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio")
-# Families that take audio clips, token-exact here (Qwen2-Audio: its audio token is the one placeholder).
-AUDIO_MODEL_TYPES = ("qwen2_audio",)
+                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio", "voxtral")
+# Families that take audio clips, token-exact here (each: its audio token is the one placeholder; Voxtral's
+# count and prompt are its Tekken tokenizer's, common/families/voxtral.py).
+AUDIO_MODEL_TYPES = ("qwen2_audio", "voxtral")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
 # second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
 # timestamps as text, common/families/qwen3_vl.py).
@@ -364,14 +365,18 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
     audio_token_id, audio_features = cfg.get("audio_token_index", cfg.get("audio_token_id")), None
-    if model_type in AUDIO_MODEL_TYPES:
+    if model_type in AUDIO_MODEL_TYPES and model_type != "voxtral":
         from mserve.common.families.qwen2_audio import read_audio_features
 
         audio_features = read_audio_features(model_dir)
-    if image_token_id is None and audio_features is None:
+    if image_token_id is None and audio_features is None and model_type not in AUDIO_MODEL_TYPES:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
     proc, where = read_image_processor_config(model_dir) if image_token_id is not None else ({}, "")
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
+    if model_type == "voxtral":  # its Tekken tokenizer counts a clip's tokens (common/families/voxtral.py)
+        from mserve.common.families.voxtral import voxtral_audio
+
+        audio_features = voxtral_audio(processor.tokenizer, cfg, model_dir)
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None
