@@ -16,7 +16,7 @@ from typing import Any, Sequence
 # Image headers and decoding (common/images.py), imported from here by much of the code base.
 from mserve.common.images import PIL_MAX_PIXELS, ImageError, decode_image, image_hash, image_size_from_header  # noqa: F401
 from mserve.common.checkpoint_files import CheckpointError, read_image_processor_config, read_model_config
-from mserve.common.families import FamilyRules, rules_for
+from mserve.common.families import FamilyRules, audio_settings, rules_for
 from mserve.common.traits import read_traits
 
 # Families tested token-exact here (each one against Hugging Face generate). Any other model_type serves
@@ -94,8 +94,8 @@ class ModelFamily:
     visual_keep_ratio: float | None = None
     # A family with tests here (SERVED_MODEL_TYPES); False: served only once a probe proved it (workers/probe.py).
     tested: bool = True
-    # An audio family's (AUDIO_MODEL_TYPES) audio token and its feature extractor's settings
-    # (common/families/qwen2_audio.py: AudioFeatures); None for a family that takes no audio. A family
+    # An audio family's (AUDIO_MODEL_TYPES) audio token and its count settings (common/families' audio_settings:
+    # qwen2_audio.py's AudioFeatures, voxtral.py's VoxtralAudio); None for a family that takes no audio. A family
     # with no image token (Qwen2-Audio) has image_token_id NO_TOKEN.
     audio_token_id: int | None = None
     audio_features: Any = None
@@ -332,7 +332,7 @@ def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer:
     try:
         processor = build_processor(model_dir, model_type, tokenizer)
         if model_type in AUDIO_MODEL_TYPES and getattr(processor, "image_processor", None) is None:
-            return processor  # an audio-only family: its count is common/families/qwen2_audio.py's
+            return processor  # an audio-only family: its count is common/families' audio_settings
         probe = image_token_count(processor, 224, 224)
     except (UnsupportedModelError, OSError):
         raise
@@ -364,19 +364,12 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
-    audio_token_id, audio_features = cfg.get("audio_token_index", cfg.get("audio_token_id")), None
-    if model_type in AUDIO_MODEL_TYPES and model_type != "voxtral":
-        from mserve.common.families.qwen2_audio import read_audio_features
-
-        audio_features = read_audio_features(model_dir)
-    if image_token_id is None and audio_features is None and model_type not in AUDIO_MODEL_TYPES:
+    audio_token_id = cfg.get("audio_token_index", cfg.get("audio_token_id"))
+    if image_token_id is None and model_type not in AUDIO_MODEL_TYPES:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
     proc, where = read_image_processor_config(model_dir) if image_token_id is not None else ({}, "")
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
-    if model_type == "voxtral":  # its Tekken tokenizer counts a clip's tokens (common/families/voxtral.py)
-        from mserve.common.families.voxtral import voxtral_audio
-
-        audio_features = voxtral_audio(processor.tokenizer, cfg, model_dir)
+    audio_features = audio_settings(model_type, model_dir, cfg, processor) if model_type in AUDIO_MODEL_TYPES else None
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None

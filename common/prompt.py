@@ -142,9 +142,7 @@ class PromptBuilder:
         self.family: ModelFamily = load_family(model_dir)
         self.visual_token_pruning = pruning.apply(self.family, visual_token_pruning)
         self.tokenizer = self.family.processor.tokenizer  # the processor's own: one load, one vocabulary
-        # Voxtral's Tekken tokenizer encodes a chat itself (common/families/voxtral.py): no template.
-        self.encodes_chat = self.family.model_type == "voxtral"
-        self.chat_template = None if self.encodes_chat else load_chat_template(model_dir, self.tokenizer)
+        self.chat_template = None if self.family.rules.encode_chat is not None else load_chat_template(model_dir, self.tokenizer)
         self.bos_token_id = self._implicit_bos()
 
     def _implicit_bos(self) -> int | None:
@@ -192,10 +190,8 @@ class PromptBuilder:
                 raise ValueError(why)
             if self.family.video_as_frames:  # LLaVA: each frame is an image part of its own
                 norm = _videos_as_frames(norm, iter(sizes))
-        if self.encodes_chat:
-            from mserve.common.families.voxtral import encode_chat
-
-            ids = encode_chat(self.tokenizer, norm, self.family.audio_token_id)
+        if self.family.rules.encode_chat is not None:  # a tokenizer that encodes the chat itself (Voxtral's)
+            ids = self.family.rules.encode_chat(self.tokenizer, norm, self.family.audio_token_id)
             ids = self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes), keep_ratio)
             return PreparedPrompt(ids, list(images), list(sizes), self.tokenizer.decode(ids))
         text = self.render(norm)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
 
+from mserve.common.families import FamilyRules
+
 
 @dataclass(frozen=True)
 class VoxtralAudio:
@@ -65,6 +67,9 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], audio_token_
         turns.append({"role": msg["role"], "content": parts})
     ids = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False)
     return [t for i, t in enumerate(ids) if t != audio_token_id or ids[i - 1] != audio_token_id]
+
+
+RULES = FamilyRules(encode_chat=encode_chat)
 
 
 def voxtral_audio(tokenizer: Any, config: dict, model_dir: Any) -> VoxtralAudio:

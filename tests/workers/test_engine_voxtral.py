@@ -99,7 +99,7 @@ def test_one_clip(model_dir):
 
 
 def test_two_clips_in_one_prompt(model_dir):
-    pp = prompt(model_dir, [make_audio(16000, 16000, "wav", seed=2), make_audio(1400000, 44100, "flac", seed=3)])
+    pp = prompt(model_dir, [make_audio(16000, 16000, "wav", seed=2), make_audio(496000, 16000, "wav", seed=3)])
     runs = PromptBuilder(model_dir).family.image_spans(pp.prompt_ids)
     assert [n for _, n in runs] == [375, 750]
     assert run(new_engine(model_dir), {"r": pp})["r"] == hf_generate(model_dir, pp)
