@@ -44,24 +44,25 @@ def audio_config(tokenizer: Any) -> Any:
     return None if encoder is None else encoder.audio_config
 
 
-@lru_cache(maxsize=1)
-def _stand_in_clip() -> str:
-    """One silent sample as a base64 WAV: mistral_common needs a clip to place an audio's tokens."""
+@lru_cache(maxsize=4)
+def _stand_in_clip(rate: int) -> str:
+    """One silent sample at the tokenizer's rate (no resampling) as a base64 WAV: mistral_common needs a
+    clip to place an audio's tokens."""
     import base64
     import wave
 
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(b"\0\0")
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate), w.writeframes(b"\0\0")
     return base64.b64encode(buf.getvalue()).decode()
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], audio_token_id: int) -> list[int]:
     """The prompt ids mistral_common encodes for `messages` (common/prompt.py's normalized turns), each
     clip's [AUDIO] run cut to one token for ModelFamily.expand_placeholders to expand by its own count."""
-    turns = []
+    turns, rate = [], int(audio_config(tokenizer).sampling_rate)
     for msg in messages:
-        parts = [{"type": "audio", "base64": _stand_in_clip()} if p["type"] == "audio" else p for p in msg["content"]]
+        parts = [{"type": "audio", "base64": _stand_in_clip(rate)} if p["type"] == "audio" else p for p in msg["content"]]
         if msg["role"] != "user":  # mistral_common takes system and assistant turns as text
             parts = "".join(p["text"] for p in parts if p["type"] == "text")
         turns.append({"role": msg["role"], "content": parts})
