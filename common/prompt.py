@@ -142,7 +142,7 @@ class PromptBuilder:
         self.family: ModelFamily = load_family(model_dir)
         self.visual_token_pruning = pruning.apply(self.family, visual_token_pruning)
         self.tokenizer = self.family.processor.tokenizer  # the processor's own: one load, one vocabulary
-        self.chat_template = load_chat_template(model_dir, self.tokenizer)
+        self.chat_template = None if self.family.rules.encode_chat is not None else load_chat_template(model_dir, self.tokenizer)
         self.bos_token_id = self._implicit_bos()
 
     def _implicit_bos(self) -> int | None:
@@ -190,6 +190,10 @@ class PromptBuilder:
                 raise ValueError(why)
             if self.family.video_as_frames:  # LLaVA: each frame is an image part of its own
                 norm = _videos_as_frames(norm, iter(sizes))
+        if self.family.rules.encode_chat is not None:  # a tokenizer that encodes the chat itself (Voxtral's)
+            ids = self.family.rules.encode_chat(self.tokenizer, norm, self.family.audio_token_id)
+            ids = self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes), keep_ratio)
+            return PreparedPrompt(ids, list(images), list(sizes), self.tokenizer.decode(ids))
         text = self.render(norm)
         expanded_text = text
         if self.family.rules.expand_text is not None:  # its processor expands each image as text (Gemma 3)
