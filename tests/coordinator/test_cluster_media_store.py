@@ -17,8 +17,8 @@ import pytest
 from mserve.common.media_store import MediaStore
 from mserve.common.protocol.client import MediaRef
 from mserve.coordinator.client import BadRequest, Client
-from tests.clusters import LLAVA_1E1P1D
-from tests.coordinator.test_cluster import expected
+from tests.clusters import LLAVA_1E1P1D, LLAVA_2E1P1D_LENDING, LLAVA_UNIFIED
+from tests.coordinator.test_cluster import encoders_idle, expected
 from tests.helpers import chat, make_image, wait_for
 
 pytestmark = pytest.mark.slow
@@ -52,6 +52,24 @@ def test_images_go_through_the_store_not_the_coordinator(shared_cluster, tiny_mo
     with Client(shared_cluster.address, timeout_s=60) as inline:  # the counter does count inline bytes
         inline.generate(chat("Describe the picture.", [make_image(64, 64, seed=502)]), max_tokens=2)
         assert inline_bytes(inline) > before
+
+
+@pytest.mark.parametrize("shared_cluster", [LLAVA_2E1P1D_LENDING, LLAVA_UNIFIED], ids=["spread", "unified"],
+                         indirect=True)
+def test_spread_encodes_and_unified_workers_pull_from_the_store(shared_cluster):
+    """Two images: two idle encoders each pull their part (a spread encode), or the unified worker pulls both."""
+    cluster, encoders = shared_cluster, shared_cluster.counts["encode"]
+    request = ("Compare the pictures.", [make_image(100, 70, seed=505), make_image(70, 100, seed=506)])
+    if encoders:
+        wait_for(lambda: encoders_idle(cluster.address, encoders), timeout_s=30, what="both encoders idle")
+    with MediaStore() as store, Client(cluster.address, timeout_s=60, media_store=store) as c:
+        before = c.status()["stats"]
+        result = c.generate(chat(*request), max_tokens=MAX_TOKENS)
+        after = c.status()["stats"]
+        wait_for(lambda: store.stats()["served"] == 2, what="each image pulled once")
+    assert result.token_ids == expected(cluster.model, [request], MAX_TOKENS)[0]
+    assert after["media_bytes_inline"] == before["media_bytes_inline"]
+    assert (after["spread_encodes"] - before["spread_encodes"] >= 1) == bool(encoders)
 
 
 HOLDER = """
