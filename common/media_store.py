@@ -21,6 +21,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from mserve.common.images import ImageError, image_hash, image_size_from_header
@@ -66,8 +67,9 @@ class MediaStore:
         except ImageError:
             size = [0, 0]  # admission refuses it, naming the image, as it refuses inline bytes
         tid = f"{h}-{uuid.uuid4().hex[:8]}"
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        desc = self.engine.publish(tid, {_TENSOR: tensor}, shared=True)
+        staged = self.engine.alloc({_TENSOR: ((len(data),), torch.uint8)})  # written once, where it is served
+        staged.tensors[_TENSOR].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        desc = self.engine.publish_allocated(tid, staged, shared=True)
         ref = MediaRef(hash=h, nbytes=len(data), size=size, source=desc.to_wire())
         with self._lock:
             self._items[h] = (ref, tid)
@@ -120,7 +122,8 @@ def pull_image(transfer: TransferEngine, ref: MediaRef, timeout_s: float) -> byt
     """The image's bytes from its store, checked against the ref's facts; MediaError naming the item otherwise."""
     where = f"image {ref.hash} in the media store at {ref.source.get('address', '?')}"
     try:
-        data = transfer.fetch(ref.source, timeout_s)[_TENSOR].numpy().tobytes()
+        with transfer.fetch_view(ref.source, timeout_s) as tensors:  # one copy: out of the store's segment
+            data = tensors[_TENSOR].numpy().tobytes()
     except (TransferError, KeyError) as exc:
         raise MediaError(f"{where} could not be pulled (its holder is gone or dropped it): {exc}") from None
     check_facts(ref, data, where)

@@ -145,8 +145,6 @@ class TransferEngine:
         media store's items); its shm segment is never recycled, only unlinked.
         """
         kind = self._check_publish(transfer_id, backend)
-        if shared and kind == "torch":
-            raise ValueError("a shared transfer is served over shm or tcp, not torch")
         layout = tb.plan_layout(tensors)
         storage, kind = tb.stage(kind, layout, tensors, pool=self._server.pool, device=self.device)
         return self._register(transfer_id, storage, kind, layout, ttl_s, shared)
@@ -168,9 +166,10 @@ class TransferEngine:
         return Allocation(tensors, kind, storage, layout)
 
     def publish_allocated(
-        self, transfer_id: str, allocation: Allocation, *, ttl_s: float | None = None
+        self, transfer_id: str, allocation: Allocation, *, ttl_s: float | None = None, shared: bool = False
     ) -> Descriptor:
-        """Publish an ``alloc``ated transfer; the engine owns its memory from here on."""
+        """Publish an ``alloc``ated transfer; the engine owns its memory from here on. ``shared``: as
+        ``publish``'s."""
         if allocation.published:
             raise ValueError("allocation was already published or freed")
         self._check_publish(transfer_id, allocation.backend)
@@ -182,7 +181,7 @@ class TransferEngine:
             torch.cuda.synchronize()
         allocation.published = True
         allocation.tensors = {}
-        return self._register(transfer_id, storage, allocation.backend, allocation.layout, ttl_s)
+        return self._register(transfer_id, storage, allocation.backend, allocation.layout, ttl_s, shared)
 
     def release(self, transfer_id: str) -> None:
         """Free a published transfer now (idempotent). Its shm segment is unlinked, not reused:
@@ -230,6 +229,8 @@ class TransferEngine:
         self, transfer_id: str, storage: Any, kind: str,
         layout: tuple[list[LayoutEntry], int], ttl_s: float | None, shared: bool = False,
     ) -> Descriptor:
+        if shared and kind == "torch":
+            raise ValueError("a shared transfer is served over shm or tcp, not torch")
         entries, total = layout
         shm: dict[str, Any] = {}
         pg = None
