@@ -26,7 +26,7 @@ import torch
 
 from mserve.common.images import ImageError, image_hash, image_size_from_header
 from mserve.common.protocol.client import MediaRef
-from mserve.common.transfer.descriptor import TransferError
+from mserve.common.transfer.descriptor import TransferError, as_descriptor
 from mserve.common.transfer.engine import TransferEngine
 
 # How long an item stays pullable after it was last put (a request outliving it fails clearly).
@@ -122,7 +122,11 @@ def pull_image(transfer: TransferEngine, ref: MediaRef, timeout_s: float) -> byt
     """The image's bytes from its store, checked against the ref's facts; MediaError naming the item otherwise."""
     where = f"image {ref.hash} in the media store at {ref.source.get('address', '?')}"
     try:
-        with transfer.fetch_view(ref.source, timeout_s) as tensors:  # one copy: out of the store's segment
+        source = as_descriptor(ref.source)
+        if not source.shared or [(e.name, e.dtype, e.shape) for e in source.tensors] != [(_TENSOR, torch.uint8, (ref.nbytes,))]:
+            raise TransferError(f"not a media store item of {ref.nbytes} bytes (a shared transfer of one "
+                                f"uint8 tensor {_TENSOR!r})")  # checked before a byte is pulled
+        with transfer.fetch_view(source, timeout_s) as tensors:  # one copy: out of the store's segment
             data = tensors[_TENSOR].numpy().tobytes()
     except (TransferError, KeyError) as exc:
         raise MediaError(f"{where} could not be pulled (its holder is gone or dropped it): {exc}") from None
