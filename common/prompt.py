@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from mserve.common.protocol.client import MediaRef
 from mserve.common.audio import AudioInfo, AudioPart, audio_part_from_content, read_audio_header
 from mserve.common.model import ModelFamily, VideoInfo, image_size_from_header, load_family
 from mserve.common.video import VideoPart, describe_video, payload_bytes, video_part_from_value
@@ -99,7 +100,9 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
                     raise ValueError(f"messages[{i}] has a text part whose text is not a string")
                 parts.append({"type": "text", "text": text})
             elif kind in ("image", "image_url"):
-                images.append(image_bytes_from_part(part, allow_paths))
+                # An image in a media store (common/media_store.py): its ref, not its bytes.
+                images.append(MediaRef.parse(part["media"], f"messages[{i}] image part's media") if "media" in part
+                              else image_bytes_from_part(part, allow_paths))
                 parts.append({"type": "image"})
             elif kind == "video":
                 images.append(video_part_from_value(part.get("video"), allow_paths, part.get("fps")))
