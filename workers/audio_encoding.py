@@ -1,10 +1,16 @@
 """Audio clips -> embeddings on an encode worker: the checkpoint's own feature extractor and audio tower.
 
-A model with `get_audio_features` (Gemma 4) runs it on the feature extractor's batch, as its forward does, and
-each clip keeps the rows its output mask marks valid. Qwen2-Audio's model has no `get_audio_features`: its
-forward pads each clip's log-mel features to the window, masks the tower's attention past each clip's valid
-frames, runs the tower and the projector and keeps each clip's first `output_lengths` rows. This does those
-same steps, one clip per row of the batch, so each clip's rows are what HF's forward scatters into its prompt.
+Qwen2-Audio's model has no `get_audio_features`: its forward pads each clip's log-mel features to the
+window, masks the tower's attention past each clip's valid frames, runs the tower and the projector and
+keeps each clip's first `output_lengths` rows. This does those same steps, one clip per row of the
+batch, so each clip's rows are what HF's forward scatters into its prompt.
+
+Voxtral's does have `get_audio_features`: each clip padded to whole chunks as its Tekken tokenizer pads it,
+its features cut into chunks as VoxtralProcessor cuts them, every chunk of every clip in one batch, and
+each clip's rows (its token count, common/families/voxtral.py) taken in order.
+
+Gemma 4's too: it runs on the feature extractor's batch (padded to the longest clip), as its forward runs it,
+and each clip keeps the rows its output mask marks valid.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ def encode_audio(model: torch.nn.Module, family: Any, clips: Sequence[np.ndarray
 
     if not clips:
         return []
+    if family.model_type == "voxtral":
+        return _encode_voxtral(model, family, clips)
     fe = family.processor.feature_extractor
-    if getattr(model.model, "get_audio_features", None) is not None:
-        return _own_audio_features(model, fe, clips)
+    if family.model_type == "gemma4":
+        return _encode_gemma4(model, fe, clips)
     inputs = fe(list(clips), sampling_rate=fe.sampling_rate, padding="max_length", return_attention_mask=True,
                 return_tensors="pt")
     tower, projector = model.model.audio_tower, model.model.multi_modal_projector
@@ -40,7 +48,7 @@ def encode_audio(model: torch.nn.Module, family: Any, clips: Sequence[np.ndarray
     return [hidden[i, : int(n)].contiguous() for i, n in enumerate(out_lengths.tolist())]
 
 
-def _own_audio_features(model: torch.nn.Module, fe: Any, clips: Sequence[np.ndarray]) -> list[torch.Tensor]:
+def _encode_gemma4(model: torch.nn.Module, fe: Any, clips: Sequence[np.ndarray]) -> list[torch.Tensor]:
     """The model's get_audio_features on the extractor's batch (padded to the longest clip, as the processor
     pads it); each clip's valid rows, the ones HF's forward scatters into its prompt."""
     inputs = fe(list(clips), sampling_rate=fe.sampling_rate, return_tensors="pt")
@@ -48,3 +56,13 @@ def _own_audio_features(model: torch.nn.Module, fe: Any, clips: Sequence[np.ndar
     out = model.model.get_audio_features(inputs["input_features"].to(weight.device, weight.dtype),
                                          inputs["input_features_mask"].to(weight.device), return_dict=True)
     return [rows[valid].contiguous() for rows, valid in zip(out.pooler_output, out.attention_mask)]
+def _encode_voxtral(model: torch.nn.Module, family: Any, clips: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    processor = family.processor
+    kwargs = processor._merge_kwargs()["audio_kwargs"]  # the processor's own feature settings
+    per_chunk = kwargs.pop("max_source_positions")
+    pad = processor.tokenizer.tokenizer.instruct_tokenizer.audio_encoder.pad
+    rate = family.audio_features.sampling_rate
+    features = processor._retrieve_input_features([pad(np.asarray(c), rate) for c in clips], per_chunk, **kwargs)
+    weight = next(model.model.audio_tower.parameters())
+    rows = model.model.get_audio_features(features.to(weight.device, weight.dtype), return_dict=True).pooler_output
+    return [r.contiguous() for r in rows.split([family.audio_features.tokens(len(c)) for c in clips])]

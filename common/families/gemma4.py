@@ -83,7 +83,7 @@ class AudioFeatures:
         return min(frames, self.seq_length)
 
 
-def audio_features(_model_dir: Any, processor: Any) -> AudioFeatures:
+def audio_features(processor: Any) -> AudioFeatures:
     """The settings of the checkpoint's own feature extractor and processor, as transformers built them."""
     fe = processor.feature_extractor
     return AudioFeatures(sampling_rate=int(fe.sampling_rate), frame_length=int(fe.frame_length),
@@ -100,7 +100,7 @@ RULES = FamilyRules(processor_class=processor_class, image_placeholder=image_pla
                     bidirectional_images=True, bidirectional_images_sliding_only=True,
                     # its images' bidirectional mask (config_gap refuses an all-bidirectional checkpoint)
                     honoured_traits=frozenset({"token_type_mask", "bidirectional_text"}),
-                    audio_placeholder=audio_placeholder, audio_features=audio_features,
+                    audio_placeholder=audio_placeholder,
                     bidirectional_images_if=images_bidirectional,
                     # Measured on the tiny model: in bfloat16, image prompts' greedy tokens left HF bf16's where
                     # HF's top two logits were 4+ bf16 steps apart, not only at rounding ties (float32: exact).

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from mserve.common.checkpoint_files import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, CheckpointError, read_json
-from mserve.common.families import FamilyRules
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,3 @@ def read_audio_features(model_dir: str | os.PathLike) -> AudioFeatures:
     if rate <= 0 or hop <= 0 or n_samples <= 0:
         raise CheckpointError(f"{where}: sampling_rate, hop_length and n_samples must be positive")
     return AudioFeatures(sampling_rate=rate, hop_length=hop, n_samples=n_samples)
-
-
-RULES = FamilyRules(audio_features=lambda model_dir, _processor: read_audio_features(model_dir))
