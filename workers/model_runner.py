@@ -314,7 +314,9 @@ class ModelRunner:
             ids.extend(c.seq.token_ids[c.start : c.end])
             positions.append(self._positions(c))
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        embeds = self.embed_tokens(token_ids)
+        embeds = self.embed_tokens(text_traits.placeholders_as_pad(self.language_model, token_ids,
+                                                                   self.family.placeholder_ids)
+                                   if self.family.rules.placeholders_read_as_pad else token_ids)
         deepstack = DeepstackRows(self.hidden_size, self.deepstack_layers)
         offset = 0
         for c in chunks:

@@ -40,9 +40,16 @@ def per_layer_inputs(language_model: Any, ids: torch.Tensor, placeholder_ids: Se
     inside the text model). {} for a text model without per-layer inputs."""
     if not getattr(language_model, "hidden_size_per_layer_input", 0):
         return {}
+    return {"per_layer_inputs": language_model.get_per_layer_inputs(placeholders_as_pad(language_model, ids,
+                                                                                        placeholder_ids)[None])}
+
+
+def placeholders_as_pad(language_model: Any, ids: torch.Tensor, placeholder_ids: Sequence[int]) -> torch.Tensor:
+    """`ids` with every placeholder token read as the pad token, as Gemma4Model.forward reads them before its
+    embedding lookups: a prompt's placeholder rows then take the item's features, but a placeholder token the
+    model generated stays the pad token's embedding."""
     pad = language_model.config.pad_token_id
-    ids = torch.where(torch.isin(ids, torch.tensor(list(placeholder_ids), device=ids.device)), pad, ids)
-    return {"per_layer_inputs": language_model.get_per_layer_inputs(ids[None])}
+    return torch.where(torch.isin(ids, torch.tensor(list(placeholder_ids), device=ids.device)), pad, ids)
 
 
 def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

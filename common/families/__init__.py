@@ -54,6 +54,9 @@ class FamilyRules:
     # (processor, (width, height)) -> an image's (t, h, w) patch grid, when the image processor does not
     # resize by Qwen2-VL's smart_resize (common/model.py's default for M-RoPE families).
     image_grid: Callable[[Any, tuple[int, int]], tuple[int, int, int]] | None = None
+    # HF's forward embeds every placeholder token as the pad token (Gemma 4): a prompt's rows take the item's
+    # features anyway, a placeholder token the model generates stays pad (workers/text_traits.py).
+    placeholders_read_as_pad: bool = False
     # (processor, soft tokens) -> the token ids one audio placeholder becomes, when it is not one run of the
     # audio token (Gemma 4: boa + run + eoa).
     audio_placeholder: Callable[[Any, int], list[int]] | None = None

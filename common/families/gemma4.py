@@ -100,7 +100,7 @@ RULES = FamilyRules(processor_class=processor_class, image_placeholder=image_pla
                     bidirectional_images=True, bidirectional_images_sliding_only=True,
                     # its images' bidirectional mask (config_gap refuses an all-bidirectional checkpoint)
                     honoured_traits=frozenset({"token_type_mask", "bidirectional_text"}),
-                    audio_placeholder=audio_placeholder,
+                    audio_placeholder=audio_placeholder, placeholders_read_as_pad=True,
                     bidirectional_images_if=images_bidirectional,
                     # Measured on the tiny model: in bfloat16, image prompts' greedy tokens left HF bf16's where
                     # HF's top two logits were 4+ bf16 steps apart, not only at rounding ties (float32: exact).

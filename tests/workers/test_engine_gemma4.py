@@ -237,3 +237,17 @@ def test_reduced_precision_is_refused_at_load_naming_the_dtype(model_dir):
 
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'gemma4' in bfloat16: .*--dtype float32"):
         new_engine(model_dir, dtype="bfloat16")
+
+
+def test_a_generated_image_token_is_read_as_pad_as_hf_reads_it(model_dir, builder):
+    """The tiny model generates the image token on this prompt: HF's forward embeds it (every placeholder id) as
+    the pad token, so the next tokens depend on the engine doing the same (it embedded the token itself)."""
+    from tests.helpers import request_mix
+
+    text, images = request_mix(6, seed=11)[2]
+    pp = builder.prepare_text(text, images)
+    expected = hf_generate(model_dir, pp.prompt_ids, pp.images, 12)
+    assert builder.family.image_token_id in expected[:-1]
+    engine = new_engine(model_dir)
+    engine.add_request("r", pp.prompt_ids, images=pp.images, sampling=greedy(12))
+    assert engine.run_until_done()["r"] == expected
