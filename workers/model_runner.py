@@ -145,8 +145,10 @@ class ModelRunner:
         else:
             inputs = self.family.image_inputs([im.image if isinstance(im, PreparedImage) else im for im in images])
         kwargs = {k: v for k, v in inputs.items() if k in self._image_feature_inputs}
-        # Pixels in the model's dtype, whatever the processor calls them (Video-LLaVA: pixel_values_images).
-        kwargs.update({k: v.to(self.device, self.dtype) if k.startswith("pixel_values") and v.is_floating_point()
+        # Pixels in the model's dtype, whatever the processor calls them (Video-LLaVA: pixel_values_images),
+        # unless the vision tower casts them itself (FamilyRules.casts_own_pixels).
+        pixels = self.family.rules.pixel_dtype(self.dtype)
+        kwargs.update({k: v.to(self.device, pixels) if k.startswith("pixel_values") and v.is_floating_point()
                        else v.to(self.device) for k, v in kwargs.items() if torch.is_tensor(v)})
         pruner = self.pruner_for(keep_ratio)
         with pruner.capture() if pruner else contextlib.nullcontext() as scores:

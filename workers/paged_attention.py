@@ -135,8 +135,7 @@ class AttentionGroup:
     whole_uniform: bool = False
     query_pos: torch.Tensor | None = None  # [G, max_q] each query's position in its sequence
     # Exact-length attention (reduced precision): each request's context length. Requests of one
-    # length attend together over exactly their keys, never over masked padding (see _attend). None
-    # with bidirectional image runs, whose mask is not the causal one.
+    # length attend together over exactly their keys, never over masked padding (see _attend_exact).
     key_lens: tuple[int, ...] | None = None
     # A group of one prompt's first chunk (position 0, causal only): its token count. Such a chunk
     # attends causally over exactly its own keys, `is_causal` and no mask, as HF's prefill calls SDPA
@@ -184,7 +183,7 @@ class AttentionGroup:
                    query_index=torch.tensor(q_index, dtype=torch.long, device=device), mask=mask[:, None],
                    out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
                    dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole, query_pos=qp,
-                   key_lens=tuple(c[1] + c[2] for c in chunks) if exact and not any(c[4] for c in chunks) else None,
+                   key_lens=tuple(c[1] + c[2] for c in chunks) if exact else None,
                    fresh_prompt=max_q if len(chunks) == 1 and chunks[0][1] == 0 and max_q > 1 and not chunks[0][4]
                    else None,
                    decode_lens=qp[:, 0] + 1 if max_q == 1 and not any(c[4] for c in chunks) else None,
@@ -306,12 +305,12 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
         n = group.fresh_prompt
         out = F.scaled_dot_product_attention(q, k[:, :, :n].to(q.dtype), v[:, :, :n].to(q.dtype), is_causal=True,
                                              scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-    elif group.key_lens is None or (window is not None and window < max(group.key_lens)):
+    elif group.key_lens is None:
         mask = group.mask if window is None else group.windowed_mask(window)
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
                                              enable_gqa=q.shape[1] != k.shape[1])
     else:
-        out = _attend_exact(group, q, k.to(q.dtype), v.to(q.dtype), scaling)
+        out = _attend_exact(group, q, k.to(q.dtype), v.to(q.dtype), scaling, window)
     out = out.transpose(1, 2).reshape(g * max_q, heads, d)
     return out if group.whole_uniform else out.index_select(0, group.out_rows)
 
@@ -335,21 +334,26 @@ def exact_setting(choice: str | None) -> bool:
 
 
 def _attend_exact(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scaling: float | None) -> torch.Tensor:
-    """The group's SDPA output [G, heads, max_q, head_dim], each request over exactly its own keys.
+                  scaling: float | None, window: int | None = None) -> torch.Tensor:
+    """The group's SDPA output [G, heads, max_q, head_dim], each request over exactly the keys HF's is given.
 
-    Called as HF calls SDPA without padding: no mask where a query sees every key (decode), and
-    `is_causal` for a whole prompt in one chunk (on CUDA a mask would also pick another kernel)."""
+    Called as HF calls SDPA without padding: no mask where a query sees every key (decode: on a sliding
+    layer the last `window` keys, all DynamicSlidingWindowLayer hands it), and `is_causal` for a whole
+    causal prompt in one chunk (on CUDA a mask would also pick another kernel); a prompt whose mask is not
+    the causal one (a window shorter than it, images attending both ways) over its own keys with that mask."""
     out = q.new_empty(q.shape)
     by_len: dict[int, list[int]] = {}
     for i, n in enumerate(group.key_lens):
         by_len.setdefault(n, []).append(i)
     max_q = q.shape[2]
+    causal = group.causal and (window is None or window >= max(group.key_lens))
+    full = group.mask if window is None else group.windowed_mask(window)
     for n, rows in by_len.items():
         sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=q.device)
-        whole_prompt = n == max_q > 1  # first chunk of a prompt: causal over exactly its own tokens
-        mask = None if max_q == 1 or whole_prompt else group.mask[sel, :, :, :n]
-        out[sel] = F.scaled_dot_product_attention(q[sel], k[sel, :, :n], v[sel, :, :n], attn_mask=mask,
+        whole_prompt = causal and n == max_q > 1  # first chunk of a causal prompt: is_causal over its own tokens
+        lo = max(0, n - window) if max_q == 1 and window is not None else 0
+        mask = None if max_q == 1 or whole_prompt else full[sel, :, :, :n]
+        out[sel] = F.scaled_dot_product_attention(q[sel], k[sel, :, lo:n], v[sel, :, lo:n], attn_mask=mask,
                                                   is_causal=whole_prompt, scale=scaling,
                                                   enable_gqa=q.shape[1] != k.shape[1])
     return out

@@ -41,6 +41,14 @@ class FamilyRules:
     bidirectional_images_if: Callable[[dict], bool] | None = None
     # Why the family is served in float32 only (its reduced-precision tokens not shown to be HF's), or None.
     float32_only: str | None = None
+    # The vision tower takes the processor's float32 pixels and casts them itself, after arithmetic of its own
+    # (Gemma 4's patch embedder: 2 * (x - 0.5) in float32, then the model's dtype): pixels cast to a reduced
+    # dtype first round before that arithmetic, not after, and the image's rows leave HF's bits.
+    casts_own_pixels: bool = False
+
+    def pixel_dtype(self, model_dtype: Any) -> Any:
+        """The dtype pixel values go to the vision tower in: the model's, or the processor's own (None)."""
+        return None if self.casts_own_pixels else model_dtype
     # (rendered prompt, processor, number of images) -> the prompt with each image's placeholder
     # expanded as text, for a processor that expands before tokenizing (neighbouring text merges).
     expand_text: Callable[[str, Any, int], str] | None = None
