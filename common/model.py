@@ -24,7 +24,7 @@ from mserve.common.traits import read_traits
 # the trait the engine cannot honour (common/traits.py) or the case the probe failed.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
                       "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
-                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio")
+                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio", "llama4")
 # Families that take audio clips, token-exact here (Qwen2-Audio: its audio token is the one placeholder).
 AUDIO_MODEL_TYPES = ("qwen2_audio",)
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
@@ -101,7 +101,13 @@ class ModelFamily:
 
     @property
     def takes_images(self) -> bool:
-        return self.image_token_id != NO_TOKEN
+        return self.image_token_id != NO_TOKEN and self.rules.no_images is None
+
+    def image_unsupported(self) -> str | None:
+        """Why this checkpoint cannot take an image, or None."""
+        if self.rules.no_images is not None:
+            return self.rules.no_images
+        return None if self.takes_images else f"model_type {self.model_type} has no image input"
 
     @property
     def modalities(self) -> list[str]:
@@ -330,8 +336,9 @@ def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer:
 
     try:
         processor = build_processor(model_dir, model_type, tokenizer)
-        if model_type in AUDIO_MODEL_TYPES and getattr(processor, "image_processor", None) is None:
-            return processor  # an audio-only family: its count is common/families/qwen2_audio.py's
+        if getattr(processor, "image_processor", None) is None and (
+                model_type in AUDIO_MODEL_TYPES or rules_for(model_type).no_images is not None):
+            return processor  # no image to count: an audio-only family, or one whose images are refused
         probe = image_token_count(processor, 224, 224)
     except (UnsupportedModelError, OSError):
         raise
@@ -370,7 +377,8 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
         audio_features = read_audio_features(model_dir)
     if image_token_id is None and audio_features is None:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
-    proc, where = read_image_processor_config(model_dir) if image_token_id is not None else ({}, "")
+    takes_images = image_token_id is not None and rules.no_images is None
+    proc, where = read_image_processor_config(model_dir) if takes_images else ({}, "")
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")

@@ -173,6 +173,8 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
             admitted_images.append(video)
             sizes.append(info)
             continue
+        if (why := builder.family.image_unsupported()) is not None:
+            raise AdmissionError(f"image {i}: model {req.model or builder.model_dir} takes no image input: {why}")
         if len(data) > limits.max_image_bytes:
             raise AdmissionError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={limits.max_image_bytes}",
                                  ErrorCode.TOO_LARGE)

@@ -50,7 +50,11 @@ def reference_model(model_dir: str, dtype: str = "float32"):
 def _reference_model(model_dir: str, dtype: str):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
+    from mserve.common.families import rules_for
+
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if rules_for(model.config.model_type).no_images is not None:  # Llama 4: its image processor needs torchvision
+        return model, None
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     return model, processor
 
