@@ -26,3 +26,6 @@ FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NE
                                                   GLM4V_MOE, QWEN3_5, QWEN3_5_MOE, QWEN2_AUDIO, LLAMA4)}
 # Families that take audio (and no image): their folders hold a feature extractor, no image processor.
 AUDIO_ARCHS = ("qwen2_audio",)
+# Families served for text only: their folders hold the image processor's settings, but its class needs
+# torchvision (common/families/llama4.py).
+TEXT_ONLY_ARCHS = ("llama4",)

@@ -172,3 +172,25 @@ def test_text_served_images_and_videos_refused_at_admission(model_dir, builder):
         payload["messages"][0]["content"].pop(0)
     with pytest.raises(ValueError, match="torchvision"):  # the engine-side builder refuses it too
         builder.prepare_text(PROMPTS[0], [make_image(40, 30)])
+
+
+def test_tiny_model_folder_loads_as_published_with_its_image_processor_settings(model_dir):
+    """`mserve make-tiny-model --arch llama4`: transformers' own classes load it; the image processor's settings
+    are saved (in both layouts) though its class, torchvision-only, cannot be built here."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoProcessor, AutoTokenizer
+
+    folder = Path(model_dir)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Llama4ForConditionalGeneration"]
+    nested = json.loads((folder / "processor_config.json").read_text())
+    assert nested["processor_class"] == "Llama4Processor"
+    assert nested["image_processor"] == json.loads((folder / "preprocessor_config.json").read_text())
+    assert nested["image_processor"]["image_processor_type"] == "Llama4ImageProcessor"
+    with pytest.raises(ValueError, match="Missing optional dependencies: torchvision"):
+        AutoProcessor.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPTS[3]}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|begin_of_text|><|header_start|>user<|header_end|>\n\nHi<|eot|><|header_start|>assistant<|header_end|>\n\n"
+
