@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mserve.workers import huge_pages, paged_decode, paged_prefill, text_traits
+from mserve.workers import attention_masks, huge_pages, paged_decode, paged_prefill, text_traits
 
 ATTN_IMPLEMENTATION = "mserve_paged"
 
@@ -157,19 +157,10 @@ class AttentionGroup:
         return any(size is not None and size < self.max_len for size in (window, chunk))
 
     def local_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
-        """`mask` limited to the last `window` keys of each query, as transformers' sliding_window_overlay
-        (key > query - window), and to the query's own attention chunk, as its chunked_overlay (key // chunk
-        == query // chunk: Llama 4's local layers); applied after the image groups' bidirectional part, as
-        in HF's Gemma 3."""
+        """`mask` limited by the layer's sliding window or attention chunk (attention_masks.local_keys)."""
         if (window, chunk) not in self._local:
-            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)[None, None, :]
-            query_pos = self.query_pos[:, :, None]
-            near = torch.ones_like(self.mask[:, 0])
-            if window is not None:
-                near &= key_pos > query_pos - window
-            if chunk is not None:
-                near &= key_pos >= query_pos // chunk * chunk
-            self._local[(window, chunk)] = self.mask & near[:, None]
+            self._local[(window, chunk)] = self.mask & attention_masks.local_keys(
+                self.query_pos, self.mask.shape[-1], window, chunk)[:, None]
         return self._local[(window, chunk)]
 
     @classmethod
@@ -191,7 +182,7 @@ class AttentionGroup:
         qp = torch.tensor(q_pos, device=device)
         mask = key_pos[None, None, :] <= qp[:, :, None]  # causal; also bounds keys to the context
         if any(c[4] for c in chunks):
-            mask |= _same_image(chunks, max_blocks * bs, qp, device)
+            mask |= attention_masks.same_image(chunks, max_blocks * bs, qp, device)
         whole = len(dest) == total and dest == list(range(total)) and all(c[2] == max_q for c in chunks)
         return cls(block_tables=torch.tensor(tables, dtype=torch.long, device=device),
                    query_index=torch.tensor(q_index, dtype=torch.long, device=device), mask=mask[:, None],
@@ -202,17 +193,6 @@ class AttentionGroup:
                    else None,
                    decode_lens=qp[:, 0] + 1 if max_q == 1 and not any(c[4] for c in chunks) else None,
                    max_len=max(c[1] + c[2] for c in chunks), causal=not any(c[4] for c in chunks))
-
-
-def _same_image(chunks: Sequence[tuple], num_keys: int, query_pos: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[G, max_q, keys]: True where query and key are tokens of one image (HF's blockwise_overlay over
-    token_type_ids groups). The scheduler computes an image in one chunk, so all its keys are written."""
-    key_image = torch.full((len(chunks), num_keys), -1, dtype=torch.long, device=device)
-    for i, c in enumerate(chunks):
-        for k, (lo, hi) in enumerate(c[4]):
-            key_image[i, lo:hi] = k
-    query_image = key_image.gather(1, query_pos)
-    return (query_image[:, :, None] == key_image[:, None, :]) & (query_image[:, :, None] >= 0)
 
 
 @dataclass
