@@ -19,5 +19,9 @@ NO_IMAGES = (f"model_type {MODEL_TYPE} is served for text only: its image proces
              "torchvision, which this build of mserve does not install")
 
 RULES = FamilyRules(no_images=NO_IMAGES, no_video=NO_IMAGES,
-                    # its chunked local attention layers (workers/paged_attention.py: AttentionGroup.chunked_mask)
-                    honoured_traits=frozenset({"chunked_attention"}))
+                    # its chunked local attention layers (workers/attention_masks.py: local_keys)
+                    honoured_traits=frozenset({"chunked_attention"}),
+                    # Measured on the tiny model: in bfloat16 HF's own top-2 logits tie within rounding at the first
+                    # steps of most prompts, so no comparison here reaches far enough to prove the tokens.
+                    float32_only="its bfloat16 / float16 tokens are not verified against HF generate's in that dtype "
+                                 "(no test here proves them: the tiny model's bf16 logits tie within rounding)")

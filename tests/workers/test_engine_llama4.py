@@ -68,6 +68,15 @@ def test_the_tiny_model_turns_every_trait_on(model_dir, builder):
     assert [type(m).__name__ for m in wrapped] == ["Llama4TextAttention"] * 3 + ["TemperatureAtPositions"]
 
 
+def test_reduced_precision_is_refused_at_load_and_never_the_default(model_dir):
+    from mserve.common.processor import UnsupportedModelError
+    from mserve.common.serving_defaults import serving_dtype_for
+
+    assert serving_dtype_for("cuda", None, model_dir) == "float32"
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'llama4' in bfloat16: .* serve it in float32"):
+        engine(model_dir, dtype="bfloat16")
+
+
 def test_ragged_batch_in_prefill_chunks_matches_hf(model_dir, builder):
     for rid, (got, want) in ragged(model_dir, builder).items():
         assert got == want, rid
