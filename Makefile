@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,bench,video,documents]'
+	$(PY) -m pip install -q -e '.[dev,bench,video,audio,documents]'
 	touch $@
 
 models/tiny-llava/config.json: | install

@@ -81,12 +81,16 @@ class TraceRequest:
 def wav_of(rng: np.random.Generator, seconds: float, rate: int) -> bytes:
     """A mono 16-bit WAV of `seconds`: a few tones and some noise drawn from `rng` (the same draws, the same
     bytes), so each clip is distinct and its encoder work is real."""
+    t = np.arange(int(seconds * rate)) / rate
+    signal = sum(0.2 * np.sin(2 * np.pi * f * t) for f in rng.uniform(110, 1800, size=3))
+    return pcm16_wav(signal + 0.05 * rng.standard_normal(t.shape), rate)
+
+
+def pcm16_wav(signal: np.ndarray, rate: int) -> bytes:
+    """A mono float signal in [-1, 1] (clipped) as a 16-bit PCM WAV file."""
     import io
     import wave
 
-    t = np.arange(int(seconds * rate)) / rate
-    signal = sum(0.2 * np.sin(2 * np.pi * f * t) for f in rng.uniform(110, 1800, size=3))
-    signal = signal + 0.05 * rng.standard_normal(t.shape)
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(1)

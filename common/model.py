@@ -16,7 +16,7 @@ from typing import Any, Sequence
 # Image headers and decoding (common/images.py), imported from here by much of the code base.
 from mserve.common.images import PIL_MAX_PIXELS, ImageError, decode_image, image_hash, image_size_from_header  # noqa: F401
 from mserve.common.checkpoint_files import CheckpointError, read_image_processor_config, read_model_config
-from mserve.common.families import FamilyRules, rules_for
+from mserve.common.families import FamilyRules, audio_settings, rules_for
 from mserve.common.traits import read_traits
 
 # Families tested token-exact here (each one against Hugging Face generate). Any other model_type serves
@@ -24,9 +24,10 @@ from mserve.common.traits import read_traits
 # the trait the engine cannot honour (common/traits.py) or the case the probe failed.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
                       "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
-                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio", "llama4")
-# Families that take audio clips, token-exact here (Qwen2-Audio: its audio token is the one placeholder).
-AUDIO_MODEL_TYPES = ("qwen2_audio",)
+                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio", "voxtral", "llama4")
+# Families that take audio clips, token-exact here (each: its audio token is the one placeholder; Voxtral's
+# count and prompt are its Tekken tokenizer's, common/families/voxtral.py).
+AUDIO_MODEL_TYPES = ("qwen2_audio", "voxtral")
 # Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
 # second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
 # timestamps as text, common/families/qwen3_vl.py).
@@ -93,8 +94,8 @@ class ModelFamily:
     visual_keep_ratio: float | None = None
     # A family with tests here (SERVED_MODEL_TYPES); False: served only once a probe proved it (workers/probe.py).
     tested: bool = True
-    # An audio family's (AUDIO_MODEL_TYPES) audio token and its feature extractor's settings
-    # (common/families/qwen2_audio.py: AudioFeatures); None for a family that takes no audio. A family
+    # An audio family's (AUDIO_MODEL_TYPES) audio token and its count settings (common/families' audio_settings:
+    # qwen2_audio.py's AudioFeatures, voxtral.py's VoxtralAudio); None for a family that takes no audio. A family
     # with no image token (Qwen2-Audio) has image_token_id NO_TOKEN.
     audio_token_id: int | None = None
     audio_features: Any = None
@@ -338,7 +339,8 @@ def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer:
         processor = build_processor(model_dir, model_type, tokenizer)
         if getattr(processor, "image_processor", None) is None and (
                 model_type in AUDIO_MODEL_TYPES or rules_for(model_type).no_images is not None):
-            return processor  # no image to count: an audio-only family, or one whose images are refused
+            return processor  # no image to count: an audio-only family (its count: families' audio_settings), or
+            # one whose images are refused (FamilyRules.no_images)
         probe = image_token_count(processor, 224, 224)
     except (UnsupportedModelError, OSError):
         raise
@@ -370,16 +372,13 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     if rules.config_gap is not None and (gap := rules.config_gap(cfg)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: this checkpoint needs {gap}")
     image_token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
-    audio_token_id, audio_features = cfg.get("audio_token_index", cfg.get("audio_token_id")), None
-    if model_type in AUDIO_MODEL_TYPES:
-        from mserve.common.families.qwen2_audio import read_audio_features
-
-        audio_features = read_audio_features(model_dir)
-    if image_token_id is None and audio_features is None:
+    audio_token_id = cfg.get("audio_token_index", cfg.get("audio_token_id"))
+    if image_token_id is None and model_type not in AUDIO_MODEL_TYPES:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
     takes_images = image_token_id is not None and rules.no_images is None
     proc, where = read_image_processor_config(model_dir) if takes_images else ({}, "")
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
+    audio_features = audio_settings(model_type, model_dir, cfg, processor) if model_type in AUDIO_MODEL_TYPES else None
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:
         raise UnsupportedModelError(f"model_type {model_type!r}: {model_dir} uses {why}")
     video_token_id, video_config = cfg.get("video_token_id"), None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from mserve.common.protocol.client import MediaRef
 from mserve.common.audio import AudioInfo, AudioPart, audio_part_from_content, read_audio_header
 from mserve.common.model import ModelFamily, VideoInfo, image_size_from_header, load_family
 from mserve.common.video import VideoPart, describe_video, payload_bytes, video_part_from_value
@@ -99,7 +100,9 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
                     raise ValueError(f"messages[{i}] has a text part whose text is not a string")
                 parts.append({"type": "text", "text": text})
             elif kind in ("image", "image_url"):
-                images.append(image_bytes_from_part(part, allow_paths))
+                # An image in a media store (common/media_store.py): its ref, not its bytes.
+                images.append(MediaRef.parse(part["media"], f"messages[{i}] image part's media") if "media" in part
+                              else image_bytes_from_part(part, allow_paths))
                 parts.append({"type": "image"})
             elif kind == "video":
                 images.append(video_part_from_value(part.get("video"), allow_paths, part.get("fps")))
@@ -142,7 +145,7 @@ class PromptBuilder:
         self.family: ModelFamily = load_family(model_dir)
         self.visual_token_pruning = pruning.apply(self.family, visual_token_pruning)
         self.tokenizer = self.family.processor.tokenizer  # the processor's own: one load, one vocabulary
-        self.chat_template = load_chat_template(model_dir, self.tokenizer)
+        self.chat_template = None if self.family.rules.encode_chat is not None else load_chat_template(model_dir, self.tokenizer)
         self.bos_token_id = self._implicit_bos()
 
     def _implicit_bos(self) -> int | None:
@@ -192,6 +195,10 @@ class PromptBuilder:
                 raise ValueError(why)
             if self.family.video_as_frames:  # LLaVA: each frame is an image part of its own
                 norm = _videos_as_frames(norm, iter(sizes))
+        if self.family.rules.encode_chat is not None:  # a tokenizer that encodes the chat itself (Voxtral's)
+            ids = self.family.rules.encode_chat(self.tokenizer, norm, self.family.audio_token_id)
+            ids = self.family.expand_placeholders(ids, self.family.placeholder_sizes(sizes), keep_ratio)
+            return PreparedPrompt(ids, list(images), list(sizes), self.tokenizer.decode(ids))
         text = self.render(norm)
         expanded_text = text
         if self.family.rules.expand_text is not None:  # its processor expands each image as text (Gemma 3)

@@ -24,7 +24,7 @@ from mserve.common.prompt import PromptBuilder, normalize_messages
 from mserve.common.pruning import pruned_hash
 from mserve.common.video import VideoPart, describe_video, video_hash
 from mserve.common.protocol import ErrorCode
-from mserve.common.protocol.client import Generate, Sampling
+from mserve.common.protocol.client import Generate, MediaRef, Sampling
 
 
 class AdmissionError(ValueError):
@@ -102,6 +102,7 @@ class AdmittedImage:
     # An audio clip (`data` its file): its length in samples at the feature extractor's rate, which the
     # encode worker holds the decoded clip to (common/audio.py). None: an image or a video.
     audio_samples: int | None = None
+    media: MediaRef | None = None  # an image in a media store (`data` empty): where its encoder pulls it
 
     @property
     def is_video(self) -> bool:
@@ -128,6 +129,11 @@ class Admitted:
     @property
     def visual_tokens(self) -> int:
         return sum(im.num_tokens for im in self.images)
+
+    @property
+    def inline_media_bytes(self) -> int:
+        """Raw media bytes this request brings through the coordinator (none for items in a media store)."""
+        return sum(len(im.data) + sum(len(f) for f in im.frames or ()) for im in self.images)
 
 
 def _pydantic_message(exc: ValidationError) -> str:
@@ -175,18 +181,22 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
             continue
         if (why := builder.family.image_unsupported()) is not None:
             raise AdmissionError(f"image {i}: model {req.model or builder.model_dir} takes no image input: {why}")
-        if len(data) > limits.max_image_bytes:
-            raise AdmissionError(f"image {i} is {len(data)} bytes, over the limit max_image_bytes={limits.max_image_bytes}",
+        # An image in a media store comes as its ref: its facts are counted, its bytes never come here.
+        ref = data if isinstance(data, MediaRef) else None
+        nbytes = ref.nbytes if ref is not None else len(data)
+        if nbytes > limits.max_image_bytes:
+            raise AdmissionError(f"image {i} is {nbytes} bytes, over the limit max_image_bytes={limits.max_image_bytes}",
                                  ErrorCode.TOO_LARGE)
         try:
-            w, h = image_size_from_header(data)
+            w, h = _stored_size(ref) if ref is not None else image_size_from_header(data)
             if w * h > limits.max_image_pixels:
                 raise AdmissionError(f"image {i} is {w}x{h} = {w * h} pixels, over the limit "
                                      f"max_image_pixels={limits.max_image_pixels}", ErrorCode.TOO_LARGE)
             tokens = builder.family.visual_token_count((w, h), ratio)
         except ImageError as exc:
             raise AdmissionError(f"image {i}: {exc}") from None
-        admitted_images.append(AdmittedImage(pruned_hash(image_hash(data), ratio), data, (w, h), tokens))
+        admitted_images.append(AdmittedImage(pruned_hash(ref.hash if ref is not None else image_hash(data), ratio),
+                                             b"" if ref is not None else data, (w, h), tokens, media=ref))
         sizes.append((w, h))
     try:
         prompt = builder.prepare_normalized(messages, sizes, images, ratio)
@@ -199,6 +209,16 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
                              ErrorCode.TOO_LARGE)
     _place(builder.family, prompt.prompt_ids, admitted_images)
     return Admitted(req.to_wire(), prompt.prompt_ids, admitted_images, keep_ratio=ratio)
+
+
+def _stored_size(ref: MediaRef) -> tuple[int, int]:
+    """A stored image's (width, height) from its ref, once the ref is one an encoder can pull."""
+    if len(ref.size) != 2 or min(ref.size) < 1:
+        raise ImageError(f"its media ref's size must be [width, height], both positive (got {ref.size})")
+    # The encoder parses the whole descriptor when it pulls (the coordinator loads no torch for it).
+    if ref.source.get("shared") is not True or ref.source.get("backend") not in ("auto", "shm", "tcp"):
+        raise ImageError("its media ref's source must be a media store's shared shm/tcp transfer descriptor")
+    return ref.size[0], ref.size[1]
 
 
 def _place(family: Any, prompt_ids: list[int], images: list[AdmittedImage]) -> None:

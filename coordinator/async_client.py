@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import zmq
 
@@ -27,6 +27,9 @@ from mserve.coordinator.client_links import ShardLink
 __all__ = ["AsyncClient", "AsyncTokenStream"]
 
 # --------------------------------------------------------------------------- async client
+
+if TYPE_CHECKING:  # the store loads torch; a client without one does not
+    from mserve.common.media_store import MediaStore
 
 
 class AsyncClient:
@@ -57,10 +60,12 @@ class AsyncClient:
 
     def __init__(self, address: str, *, timeout_s: float = 120.0, poll_interval_s: float = 0.05,
                  probe_after_s: float = PROBE_AFTER_S, api_key: str | None = None, direct_tokens: bool = False,
-                 tokens_host: str = "127.0.0.1") -> None:
+                 tokens_host: str = "127.0.0.1", media_store: MediaStore | None = None) -> None:
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.address = address
+        # Images go into this store and GENERATE carries their refs (common/media_store.py); None: inline.
+        self.media_store = media_store
         self._shards = ShardChooser(address)
         self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
@@ -112,6 +117,8 @@ class AsyncClient:
         if rid in self._pending:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
         payload = generate_body(rid, messages, stream, **sampling)
+        if self.media_store is not None:
+            payload = self.media_store.store_messages(payload)
         if stream and self._sink is not None:
             payload["tokens_to"] = self._sink.address
         return AsyncTokenStream(self, rid, payload, self.timeout_s if timeout_s is None else timeout_s)

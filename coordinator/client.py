@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import zmq
 
@@ -47,6 +47,9 @@ __all__ = [
     "TokenStream", "AsyncTokenStream", "Unauthorized",
 ]
 
+if TYPE_CHECKING:  # the store loads torch; a client without one does not
+    from mserve.common.media_store import MediaStore
+
 
 # --------------------------------------------------------------------------- sync client
 
@@ -61,8 +64,11 @@ class Client:
     """
 
     def __init__(self, address: str, *, timeout_s: float = 120.0, probe_after_s: float = PROBE_AFTER_S,
-                 api_key: str | None = None, direct_tokens: bool = False, tokens_host: str = "127.0.0.1") -> None:
+                 api_key: str | None = None, direct_tokens: bool = False, tokens_host: str = "127.0.0.1",
+                 media_store: MediaStore | None = None) -> None:
         self.address = address
+        # Images go into this store and GENERATE carries their refs (common/media_store.py); None: inline.
+        self.media_store = media_store
         self._shards = ShardChooser(address)
         self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
@@ -124,6 +130,8 @@ class Client:
         self._check_idle()
         rid = new_request_id(request_id)
         payload = generate_body(rid, messages, stream, **sampling)
+        if self.media_store is not None:
+            payload = self.media_store.store_messages(payload)
         if stream and self._sink_address is not None:
             payload["tokens_to"] = self._sink_address
         timeout = self.timeout_s if timeout_s is None else timeout_s

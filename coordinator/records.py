@@ -271,7 +271,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False, part:
     a, req = st.admitted, st.admitted.request
     ids = {"request_id": st.rid, "attempt": st.attempt, "trace": trace}
     images = [ImageRef(hash=im.hash, data=im.data, frames=im.frames, frame_indices=im.frame_indices,
-                       fps=im.fps, audio_samples=im.audio_samples) for im in a.images]
+                       fps=im.fps, audio_samples=im.audio_samples, media=im.media) for im in a.images]
     classes = {"priority": req.priority, "latency_class": req.latency_class}
     tokens = 0
     if stage == Stage.ENCODE:

@@ -98,7 +98,8 @@ class RequestMachine:
         self._refused: dict[str, float | None] = {}  # worker -> the ratio it was refused for (logged once)
         self.stats = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "reruns": 0, "shed": 0,
                       "spread_encodes": 0, "token_items": 0, "encode_deduplicated": 0,
-                      "encodes_skipped_by_prefix": 0, "pruned_adaptive": 0, "local_prefills": 0}
+                      "encodes_skipped_by_prefix": 0, "pruned_adaptive": 0, "local_prefills": 0,
+                      "media_bytes_inline": 0}
         self.adaptive = adaptive_pruning  # SLO-adaptive pruning: admission asks it a request's keep ratio
         self.outbox = Outbox()
         self.members = Membership()
@@ -138,6 +139,7 @@ class RequestMachine:
         self.requests.add(st)
         self.stats["admitted"] += 1
         self.stats["pruned_adaptive"] += admitted.keep_ratio is not None
+        self.stats["media_bytes_inline"] += admitted.inline_media_bytes
         log.info("%s admitted: %d prompt tokens (%d visual, %d images), max_tokens %d", st.client_rid,
                  len(admitted.prompt_ids), admitted.visual_tokens, len(admitted.images),
                  admitted.request.sampling.max_tokens)

@@ -109,6 +109,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True) -> None:
+    from mserve.gateway.settings import GatewaySettings
+
+    def d(name: str) -> str:  # a default as --help shows it, read from GatewaySettings (its one place)
+        value = GatewaySettings.model_fields[name].default
+        whole_mib = isinstance(value, int) and value >= 2**20 and not value % 2**20
+        return f"{value // 2**20} MiB" if whole_mib else f"{value:g}"
+
     if standalone:
         p.add_argument("--coordinator", help="the coordinator's client address (default tcp://127.0.0.1:5555); "
                                              "sharded coordinators: their addresses comma-separated, or redis://... "
@@ -118,6 +125,9 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
                             "--token-report-every > 1 to pay); they connect to --tokens-host")
         p.add_argument("--tokens-host", help="address the workers reach this gateway's token sink on (default "
                                              "127.0.0.1)")
+        p.add_argument("--media-store-host", help="put request images in a media store bound on this address (the "
+                                                  "encode / unified workers pull them from it) instead of sending "
+                                                  "their bytes through the coordinator; default: inline")
         p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
         p.add_argument("--port", type=int, help="HTTP port (default 8000)")
         p.add_argument("--model", help="checkpoint folder for the tokenizer (default: the coordinator's model path)")
@@ -130,28 +140,27 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
                    help="hosts http(s) media URLs may be fetched from, comma-separated: 'cdn.example.com' that host "
                         "only, '.example.com' the names under example.com (default: every host with a public address; "
                         "private, loopback, link-local, multicast and reserved addresses are always refused)")
-    p.add_argument("--media-max-bytes", type=int, help="largest fetched media item; reading stops past it (default 32 MiB)")
-    p.add_argument("--media-connect-timeout-s", type=float, help="connect timeout of a media fetch (default 5)")
-    p.add_argument("--media-read-timeout-s", type=float,
-                   help="longest wait for the next bytes of a media fetch (default 10)")
-    p.add_argument("--media-total-timeout-s", type=float,
-                   help="whole time of one media URL, redirects included (default 30)")
-    p.add_argument("--media-max-redirects", type=int,
-                   help="redirect hops followed per media URL, each checked again (default 5)")
-    p.add_argument("--media-max-concurrent-fetches", type=int,
-                   help="media fetches running at once; one more waits --media-concurrency-wait-s, then 429 (default 16)")
-    p.add_argument("--media-concurrency-wait-s", type=float,
-                   help="how long a media fetch waits for a free slot before a 429 (default 5)")
-    p.add_argument("--media-cache-bytes", type=int,
-                   help="HTTP cache of fetched media, bytes (ETag / Last-Modified / max-age; default 128 MiB; 0 = off)")
+    for flag, kind, text in (
+            ("media-max-bytes", int, "largest fetched media item; reading stops past it"),
+            ("media-connect-timeout-s", float, "connect timeout of a media fetch"),
+            ("media-read-timeout-s", float, "longest wait for the next bytes of a media fetch"),
+            ("media-total-timeout-s", float, "whole time of one media URL, redirects included"),
+            ("media-max-redirects", int, "redirect hops followed per media URL, each checked again"),
+            ("media-max-concurrent-fetches", int,
+             "media fetches running at once; one more waits --media-concurrency-wait-s, then 429"),
+            ("media-concurrency-wait-s", float, "how long a media fetch waits for a free slot before a 429"),
+            ("media-cache-bytes", int, "HTTP cache of fetched media, bytes (ETag / Last-Modified / max-age; 0 = off)")):
+        p.add_argument(f"--{flag}", type=kind, help=f"{text} (default {d(flag.replace('-', '_'))})")
     p.add_argument("--allow-loopback-media-for-tests", action="store_true", default=None,
                    help="TEST ONLY: let media URLs reach 127.0.0.1 (no other private address), for tests that serve "
                         "media from a local server; never in a deployment")
-    p.add_argument("--max-request-bytes", type=int, help="largest HTTP body, images included (default 64 MiB)")
+    p.add_argument("--max-request-bytes", type=int,
+                   help=f"largest HTTP body, images included (default {d('max_request_bytes')})")
     p.add_argument("--max-document-pages", type=int,
-                   help="most pages a PDF `file` part may have; each page is an image (default 8)")
+                   help=f"most pages a PDF `file` part may have; each page is an image "
+                        f"(default {d('max_document_pages')})")
     p.add_argument("--document-dpi", type=int, help="resolution PDF pages render at, longer side capped at 2048 "
-                                                    "pixels (default 96)")
+                                                    f"pixels (default {d('document_dpi')})")
     p.add_argument("--default-max-tokens", type=int,
                    help="max_tokens when a request names neither max_tokens nor max_completion_tokens "
                         "(default 256, common/sampling_rules.py)")

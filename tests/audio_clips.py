@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import io
-import wave
 
 import numpy as np
+
+from mserve.bench.traces import pcm16_wav
 
 CODECS = {"wav": None, "flac": "flac", "mp3": "libmp3lame", "ogg": "libopus"}
 
@@ -23,13 +24,7 @@ def make_audio(samples: int, rate: int = 16000, fmt: str = "wav", seed: int = 0)
     """`samples` samples of `tone` at `rate`, as a `fmt` file (wav, flac, mp3, ogg)."""
     x = tone(samples, rate, seed)
     if fmt == "wav":
-        buf = io.BytesIO()
-        with wave.open(buf, "wb") as f:
-            f.setnchannels(1)
-            f.setsampwidth(2)
-            f.setframerate(rate)
-            f.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
-        return buf.getvalue()
+        return pcm16_wav(x, rate)
     import av
 
     buf = io.BytesIO()

@@ -15,13 +15,13 @@ import os
 import shutil
 import socket
 import struct
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from mserve.common.sockets import free_port
+from tests.logged_process import LoggedProcess
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 _FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
@@ -93,17 +93,15 @@ class WebSocket:
         self.sock.close()
 
 
-class Browser:
+class Browser(LoggedProcess):
     """One headless Chromium with one page; `errors` collects what the page logged as an error."""
 
     def __init__(self, profile: Path, width: int = 1400, height: int = 1100) -> None:
         assert CHROMIUM, "Debian's chromium is not installed (apt-get install chromium)"
         port = free_port()
-        self.log_path = profile / "chromium.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([CHROMIUM, *_FLAGS, f"--remote-debugging-port={port}",
-                                      f"--user-data-dir={profile / 'profile'}", f"--window-size={width},{height}",
-                                      "about:blank"], stdout=self._log, stderr=subprocess.STDOUT)
+        super().__init__([CHROMIUM, *_FLAGS, f"--remote-debugging-port={port}",
+                          f"--user-data-dir={profile / 'profile'}", f"--window-size={width},{height}", "about:blank"],
+                         profile / "chromium.log")
         self.errors: list[str] = []
         self._id = 0
         try:
@@ -176,16 +174,4 @@ class Browser:
     def close(self) -> None:
         if getattr(self, "ws", None) is not None:
             self.ws.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> Browser:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()

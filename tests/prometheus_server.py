@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from mserve.common.sockets import free_port
+from tests.logged_process import LoggedProcess
 
 PROMETHEUS = shutil.which("prometheus")
 
 
-class Prometheus:
+class Prometheus(LoggedProcess):
     def __init__(self, folder: Path, targets: list[str], scrape_every_s: int = 1) -> None:
         assert PROMETHEUS, "Debian's prometheus is not installed (apt-get install prometheus)"
         assert all(t.startswith("127.0.0.1:") for t in targets), targets
@@ -26,12 +26,9 @@ class Prometheus:
             "global": {"scrape_interval": f"{scrape_every_s}s", "evaluation_interval": f"{scrape_every_s}s"},
             "scrape_configs": [{"job_name": "mserve", "static_configs": [{"targets": targets}]}]}))
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.log_path = folder / "prometheus.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-                                      f"--web.listen-address={self.url[len('http://'):]}",
-                                      "--storage.tsdb.retention.time=1h"],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        super().__init__([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+                          f"--web.listen-address={self.url[len('http://'):]}", "--storage.tsdb.retention.time=1h"],
+                         folder / "prometheus.log")
 
     def get(self, path: str, **params: str) -> Any:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
@@ -54,18 +51,4 @@ class Prometheus:
             return False  # not listening yet
         return bool(active) and all(t["health"] == "up" for t in active)
 
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> Prometheus:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 

@@ -4,6 +4,10 @@ Qwen2-Audio's model has no `get_audio_features`: its forward pads each clip's lo
 window, masks the tower's attention past each clip's valid frames, runs the tower and the projector and
 keeps each clip's first `output_lengths` rows. This does those same steps, one clip per row of the
 batch, so each clip's rows are what HF's forward scatters into its prompt.
+
+Voxtral's does have `get_audio_features`: each clip padded to whole chunks as its Tekken tokenizer pads it,
+its features cut into chunks as VoxtralProcessor cuts them, every chunk of every clip in one batch, and
+each clip's rows (its token count, common/families/voxtral.py) taken in order.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ def encode_audio(model: torch.nn.Module, family: Any, clips: Sequence[np.ndarray
 
     if not clips:
         return []
+    if family.model_type == "voxtral":
+        return _encode_voxtral(model, family, clips)
     fe = family.processor.feature_extractor
     inputs = fe(list(clips), sampling_rate=fe.sampling_rate, padding="max_length", return_attention_mask=True,
                 return_tensors="pt")
@@ -35,3 +41,15 @@ def encode_audio(model: torch.nn.Module, family: Any, clips: Sequence[np.ndarray
                                                                device=weight.device))
     hidden = projector(tower(features, attention_mask=mask).last_hidden_state)
     return [hidden[i, : int(n)].contiguous() for i, n in enumerate(out_lengths.tolist())]
+
+
+def _encode_voxtral(model: torch.nn.Module, family: Any, clips: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    processor = family.processor
+    kwargs = processor._merge_kwargs()["audio_kwargs"]  # the processor's own feature settings
+    per_chunk = kwargs.pop("max_source_positions")
+    pad = processor.tokenizer.tokenizer.instruct_tokenizer.audio_encoder.pad
+    rate = family.audio_features.sampling_rate
+    features = processor._retrieve_input_features([pad(np.asarray(c), rate) for c in clips], per_chunk, **kwargs)
+    weight = next(model.model.audio_tower.parameters())
+    rows = model.model.get_audio_features(features.to(weight.device, weight.dtype), return_dict=True).pooler_output
+    return [r.contiguous() for r in rows.split([family.audio_features.tokens(len(c)) for c in clips])]

@@ -57,16 +57,31 @@ class FamilyRules:
     # (processor, (width, height)) -> an image's (t, h, w) patch grid, when the image processor does not
     # resize by Qwen2-VL's smart_resize (common/model.py's default for M-RoPE families).
     image_grid: Callable[[Any, tuple[int, int]], tuple[int, int, int]] | None = None
+    # (tokenizer, normalized turns, audio token id) -> the prompt ids, one placeholder per item, for a tokenizer
+    # that encodes a chat itself with no chat template (Voxtral's Tekken: families/voxtral.py).
+    encode_chat: Callable[[Any, Sequence[dict], int | None], list[int]] | None = None
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import gemma3, gemma4, glm4v, llama4, pixtral, qwen3_vl, tiled
+    from mserve.common.families import gemma3, gemma4, glm4v, llama4, pixtral, qwen3_vl, tiled, voxtral
 
     return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "gemma4": gemma4.RULES, "internvl": tiled.INTERNVL,
             "smolvlm": tiled.SMOLVLM, "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
             "qwen3_vl_moe": qwen3_vl.RULES, "glm46v": glm4v.RULES, "glm4v": glm4v.RULES,
             "glm4v_moe": glm4v.RULES, "qwen3_5": HYBRID, "qwen3_5_moe": HYBRID,
-            "llama4": llama4.RULES}.get(model_type or "", FamilyRules())
+            "voxtral": voxtral.RULES, "llama4": llama4.RULES}.get(model_type or "", FamilyRules())
+
+
+def audio_settings(model_type: str, model_dir: Any, config: dict, processor: Any) -> Any:
+    """An audio family's count settings (common/model.py's ModelFamily.audio_features): Voxtral's from its
+    Tekken tokenizer (families/voxtral.py), Qwen2-Audio's from its feature extractor (families/qwen2_audio.py)."""
+    if model_type == "voxtral":
+        from mserve.common.families.voxtral import voxtral_audio
+
+        return voxtral_audio(processor.tokenizer, config, model_dir)
+    from mserve.common.families.qwen2_audio import read_audio_features
+
+    return read_audio_features(model_dir)
 
 
 # Qwen3.5 and its MoE: Gated DeltaNet layers keep a per-sequence state (workers/linear_state.py).

@@ -34,6 +34,20 @@ class Sampling(Message):
 
 
 @dataclass
+class MediaRef(Message):
+    """A media item in a media store (common/media_store.py) instead of its bytes: a GENERATE image part
+    `{"type": "image", "media": MediaRef}` and an ENCODE / RUN ImageRef carry it. Admission counts the
+    item's tokens from its header facts (`size`); the encoder pulls the bytes from `source` and checks
+    them against `hash`, `nbytes` and `size` before decoding."""
+
+    hash: str = wire(as_str)  # common/images.py image_hash of the bytes
+    nbytes: int = wire(as_int)
+    size: list[int] = wire(list_of(as_int))  # (width, height) from the image's header
+    source: dict[str, Any] = wire(as_map)  # the store's shared transfer descriptor (common/transfer/descriptor.py)
+    kind: str = wire(one_of("image"), "image")  # the modality (images only, for now)
+
+
+@dataclass
 class Generate(Message):
     KIND: ClassVar = MsgType.GENERATE
     request_id: str = wire(as_str)
@@ -126,5 +140,5 @@ class StatusReply(Message):
 FROM_CLIENT: dict[MsgType, type[Message]] = {cls.KIND: cls for cls in (Generate, Abort, Status)}
 TO_CLIENT: dict[MsgType, type[Message]] = {cls.KIND: cls for cls in (Tokens, Result, Error, StatusReply)}
 
-__all__ = ["FROM_CLIENT", "LATENCY_CLASSES", "TO_CLIENT", "Abort", "Error", "Generate", "Result", "Sampling", "Status",
+__all__ = ["FROM_CLIENT", "LATENCY_CLASSES", "TO_CLIENT", "Abort", "Error", "Generate", "MediaRef", "Result", "Sampling", "Status",
            "StatusReply", "Tokens"]

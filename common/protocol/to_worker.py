@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from mserve.common import sampling_rules as rules
 from mserve.common.policy import LATENCY_CLASSES
-from mserve.common.protocol.client import Sampling
+from mserve.common.protocol.client import MediaRef, Sampling
 from mserve.common.protocol.core import MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_float, as_int, as_list, as_map, as_str,
                                           list_of, nested, one_of, optional, wire)
@@ -29,6 +29,8 @@ class ImageRef(Message):
     frame_indices: list[int] | None = wire(optional(list_of(as_int)), None)
     fps: float | None = wire(optional(as_float), None)  # a video's sampled frame rate (None: unknown)
     audio_samples: int | None = wire(optional(as_int), None)  # an audio clip's length at its feature rate
+    # An image held in a media store (`data` empty): the worker pulls its bytes (common/media_store.py).
+    media: MediaRef | None = wire(optional(nested(MediaRef)), None)
 
     @property
     def is_video(self) -> bool:

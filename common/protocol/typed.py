@@ -92,6 +92,27 @@ def nested(cls: type[Message]) -> Check:
     return lambda v, where: cls.parse(v, where)
 
 
+_SPECS: dict[type, tuple[tuple[str, Check | None, type | None, bool, bool, bool], ...]] = {}
+
+
+def _spec(cls: type) -> tuple[tuple[str, Check | None, type | None, bool, bool, bool], ...]:
+    """A message class's fields as (name, check, exact type the check passes as it is or None, required, rest,
+    send_none), read from its dataclass fields once: `dataclasses.fields` per message was most of a parse."""
+    spec = _SPECS.get(cls)
+    if spec is None:
+        spec = _SPECS[cls] = tuple(
+            (f.name, f.metadata.get("check"), _exact_type(f.metadata.get("check")),
+             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+             bool(f.metadata.get("rest")), bool(f.metadata.get("send_none")))
+            for f in dataclasses.fields(cls))
+    return spec
+
+
+def _exact_type(check: Check | None) -> type | None:
+    kind = getattr(check, "type", None)  # a tuple of types (bytes-like, list-like) never matches `type(v) is`
+    return kind if isinstance(kind, type) else None
+
+
 class Message:
     """Base of every typed body (subclasses are dataclasses)."""
 
@@ -105,18 +126,18 @@ class Message:
 
     def fields(self) -> dict[str, Any]:
         out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            v = getattr(self, f.name)
-            if f.metadata.get("rest"):
+        for name, _check, _kind, _required, is_rest, send_none in _spec(type(self)):
+            v = getattr(self, name)
+            if is_rest:
                 out.update(v)
                 continue
-            if v is None and not f.metadata.get("send_none"):
+            if v is None and not send_none:
                 continue
             if isinstance(v, list) and v and isinstance(v[0], Message):
                 v = [x.fields() for x in v]
             elif isinstance(v, Message):
                 v = v.fields()
-            out[f.name] = v
+            out[name] = v
         return out
 
     @classmethod
@@ -128,13 +149,16 @@ class Message:
         if not isinstance(payload, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(payload).__name__}")
         values, open_field = {}, None
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.metadata.get("rest"):
-                open_field = f.name
-            elif f.name in payload:
-                values[f.name] = f.metadata["check"](payload[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{where}: missing field {f.name}")
+        for name, check, kind, required, is_rest, _send_none in _spec(cls):
+            if is_rest:
+                open_field = name
+            elif name in payload:
+                v = payload[name]
+                # A plain value of the field's exact type is what its check would return: skip the call (and
+                # the `where` it would be given); anything else goes through the check, which names `where`.
+                values[name] = v if type(v) is kind else check(v, f"{where}.{name}")
+            elif required:
+                raise ProtocolError(f"{where}: missing field {name}")
         if open_field is not None:
             values[open_field] = {k: v for k, v in payload.items() if k not in values and k != "v"}
         return cls(**values)

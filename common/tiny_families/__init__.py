@@ -20,12 +20,13 @@ from mserve.common.tiny_families.qwen2_audio import QWEN2_AUDIO
 from mserve.common.tiny_families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from mserve.common.tiny_families.qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 from mserve.common.tiny_families.smolvlm import IDEFICS3, SMOLVLM
+from mserve.common.tiny_families.voxtral import VOXTRAL
 
 FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, MISTRAL3, GEMMA3, GEMMA4,
                                                   INTERNVL, SMOLVLM, IDEFICS3, GLM46V, GLM4V,
-                                                  GLM4V_MOE, QWEN3_5, QWEN3_5_MOE, QWEN2_AUDIO, LLAMA4)}
+                                                  GLM4V_MOE, QWEN3_5, QWEN3_5_MOE, QWEN2_AUDIO, VOXTRAL, LLAMA4)}
 # Families that take audio (and no image): their folders hold a feature extractor, no image processor.
-AUDIO_ARCHS = ("qwen2_audio",)
+AUDIO_ARCHS = ("qwen2_audio", "voxtral")
 # Families served for text only: their folders hold the image processor's settings, but its class needs
 # torchvision (common/families/llama4.py).
 TEXT_ONLY_ARCHS = ("llama4",)

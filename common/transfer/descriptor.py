@@ -94,6 +94,9 @@ class Descriptor:
     shm_gen: int | None = None
     pg: str | None = None  # process-group backend (torch)
     key: str | None = None  # the sender's CURVE public key (Z85): its data plane admits CURVE peers only
+    # Many receivers (a media store's item, common/media_store.py): acks do not free it, only its
+    # release or expiry does, and a receiver may fetch it again.
+    shared: bool = False
 
     def __post_init__(self) -> None:
         for name in ("id", "sender", "instance", "address", "host_id"):
@@ -153,6 +156,8 @@ class Descriptor:
             value = getattr(self, name)
             if value is not None:
                 wire[name] = value
+        if self.shared:
+            wire["shared"] = True
         return wire
 
     @classmethod
@@ -171,6 +176,7 @@ class Descriptor:
             fields[name] = obj[name]
         for name in ("shm", "shm_nonce", "shm_gen", "pg", "key"):
             fields[name] = obj.get(name)
+        fields["shared"] = obj.get("shared") is True
         fields["tensors"] = _layout_from_wire(fields["tensors"])
         return cls(**fields)
 

@@ -134,17 +134,20 @@ class TransferEngine:
         *,
         backend: str | None = None,
         ttl_s: float | None = None,
+        shared: bool = False,
     ) -> Descriptor:
         """Stage ``tensors`` for one fetch and return the descriptor to hand to the receiver
         (over the control plane: ``to_wire()``).
 
         ``backend``/``ttl_s`` override the engine defaults for this transfer. shm and torch copy
         the tensors here; tcp keeps references (do not modify them in place until released).
+        ``shared``: for any number of fetches, by any receivers, until released or expired (a
+        media store's items); its shm segment is never recycled, only unlinked.
         """
         kind = self._check_publish(transfer_id, backend)
         layout = tb.plan_layout(tensors)
         storage, kind = tb.stage(kind, layout, tensors, pool=self._server.pool, device=self.device)
-        return self._register(transfer_id, storage, kind, layout, ttl_s)
+        return self._register(transfer_id, storage, kind, layout, ttl_s, shared)
 
     def alloc(
         self, spec: dict[str, tuple[Any, torch.dtype]], *, backend: str | None = None
@@ -163,9 +166,10 @@ class TransferEngine:
         return Allocation(tensors, kind, storage, layout)
 
     def publish_allocated(
-        self, transfer_id: str, allocation: Allocation, *, ttl_s: float | None = None
+        self, transfer_id: str, allocation: Allocation, *, ttl_s: float | None = None, shared: bool = False
     ) -> Descriptor:
-        """Publish an ``alloc``ated transfer; the engine owns its memory from here on."""
+        """Publish an ``alloc``ated transfer; the engine owns its memory from here on. ``shared``: as
+        ``publish``'s."""
         if allocation.published:
             raise ValueError("allocation was already published or freed")
         self._check_publish(transfer_id, allocation.backend)
@@ -177,7 +181,7 @@ class TransferEngine:
             torch.cuda.synchronize()
         allocation.published = True
         allocation.tensors = {}
-        return self._register(transfer_id, storage, allocation.backend, allocation.layout, ttl_s)
+        return self._register(transfer_id, storage, allocation.backend, allocation.layout, ttl_s, shared)
 
     def release(self, transfer_id: str) -> None:
         """Free a published transfer now (idempotent). Its shm segment is unlinked, not reused:
@@ -223,8 +227,10 @@ class TransferEngine:
 
     def _register(
         self, transfer_id: str, storage: Any, kind: str,
-        layout: tuple[list[LayoutEntry], int], ttl_s: float | None,
+        layout: tuple[list[LayoutEntry], int], ttl_s: float | None, shared: bool = False,
     ) -> Descriptor:
+        if shared and kind == "torch":
+            raise ValueError("a shared transfer is served over shm or tcp, not torch")
         entries, total = layout
         shm: dict[str, Any] = {}
         pg = None
@@ -237,9 +243,9 @@ class TransferEngine:
         desc = Descriptor(
             id=transfer_id, backend=kind, sender=self.worker_id, instance=self._instance,
             address=self.address, host_id=self.host_id, nbytes=total, tensors=tuple(entries),
-            pg=pg, key=self.key, **shm,
+            pg=pg, key=self.key, shared=shared, **shm,
         )
-        self._server.add(transfer_id, storage, kind, self.ttl_s if ttl_s is None else ttl_s)
+        self._server.add(transfer_id, storage, kind, self.ttl_s if ttl_s is None else ttl_s, shared)
         return desc
 
     # ------------------------------------------------------------------ receiver API

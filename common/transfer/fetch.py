@@ -72,13 +72,14 @@ class Fetcher:
             # No round trip: the lease (a shared flock on the segment) keeps the sender off it,
             # the header under the lease proves it still holds this transfer.
             key = (str(desc.shm), int(desc.shm_nonce or 0), int(desc.shm_gen or 0))
-            if key in self._acked:
+            if key in self._acked and not desc.shared:
                 raise TransferError(
                     f"{where}: unknown transfer id {tid!r}: already fetched and acked here")
             shm_ack = ack
 
             def ack() -> None:
-                self._remember_ack(key)
+                if not desc.shared:  # a shared transfer may be read again
+                    self._remember_ack(key)
                 shm_ack()
 
             try:

@@ -47,6 +47,7 @@ class _Published:
     backend: str
     deadline: float
     served: int = 0  # > 1: several receivers may hold it, so it is unlinked, never reused
+    shared: bool = False  # many receivers: an ack does not end it (Descriptor.shared)
 
 
 class Server:
@@ -89,12 +90,12 @@ class Server:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} is already published")
 
-    def add(self, transfer_id: str, storage: Any, kind: str, ttl_s: float) -> None:
-        """Start serving ``storage`` until it is acked, released or ``ttl_s`` passes."""
+    def add(self, transfer_id: str, storage: Any, kind: str, ttl_s: float, shared: bool = False) -> None:
+        """Start serving ``storage`` until it is acked (unless ``shared``), released or ``ttl_s`` passes."""
         with self._lock:
             duplicate = transfer_id in self._transfers  # lost a race with a concurrent publish
             if not duplicate:
-                pub = _Published(storage, kind, time.monotonic() + ttl_s)
+                pub = _Published(storage, kind, time.monotonic() + ttl_s, shared=shared)
                 self._transfers[transfer_id] = pub
                 self._stats["published"] += 1
         if duplicate:
@@ -118,7 +119,7 @@ class Server:
             # Reuse the memory only once the receiver says it is done, and never after serving
             # it twice over tcp (the other receiver may still be reading). Over shm the segment
             # lock catches a second reader (mserve.common.transfer.shm_pool).
-            self._free(pub.storage, recycle=acked and pub.served <= 1)
+            self._free(pub.storage, recycle=acked and pub.served <= 1 and not pub.shared)
 
     # ------------------------------------------------------------------ server thread
 
@@ -162,6 +163,14 @@ class Server:
                 send_nowait(router, Msg.ERROR, FetchFailed(error=str(exc), rq=_rq_of(body)).to_body(), identity)
             return
         if isinstance(msg, Ack):
+            with self._lock:
+                pub = self._transfers.get(msg.id)
+                if pub is not None and pub.shared:  # read once more; it stays for the next receiver
+                    self._stats["acked"] += 1
+                    if isinstance(pub.storage, tb.SegmentStorage):
+                        self._stats["served"] += 1
+                        self._stats["bytes_sent"]["shm"] += pub.storage.nbytes
+                    return
             self.finish(msg.id, acked=True)
             return
         assert isinstance(msg, FetchRequest)

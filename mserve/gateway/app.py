@@ -96,6 +96,7 @@ class Gateway:
                                               thread_name_prefix="media-fetch")
         self.documents = DocumentLimits(max_pages=settings.max_document_pages, dpi=settings.document_dpi)
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
+        self.media_store: Any = None  # with --media-store-host (common/media_store.py)
         self.catalog: ModelCatalog = None  # type: ignore[assignment]
         self.metrics = GatewayMetrics()
         self.dashboard = Dashboard(lambda: self.client.status(timeout_s=2.0))
@@ -105,7 +106,8 @@ class Gateway:
         key = self.settings.coordinator_api_key
         self.client = AsyncClient(self.settings.coordinator, timeout_s=self.settings.request_timeout_s,
                                   poll_interval_s=0.005, api_key=key.get_secret_value() if key else None,
-                                  direct_tokens=self.settings.direct_tokens, tokens_host=self.settings.tokens_host)
+                                  direct_tokens=self.settings.direct_tokens, tokens_host=self.settings.tokens_host,
+                                  media_store=self._media_store())
         self.catalog = ModelCatalog(lambda: self.client.status(timeout_s=30.0), self.settings.served_model_name,
                                     self.settings.model)
         await self.catalog.refresh()
@@ -114,10 +116,21 @@ class Gateway:
         freeze_startup_heap()
         log.info("gateway for %s ready, serving %s", self.settings.coordinator, self.catalog.names())
 
+    def _media_store(self) -> Any:
+        """The media store request images go into (--media-store-host), None: they go inline."""
+        if self.settings.media_store_host is None:
+            return None
+        from mserve.common.media_store import MediaStore  # loads torch: only when the store is on
+
+        self.media_store = MediaStore(self.settings.media_store_host)
+        return self.media_store
+
     async def close(self) -> None:
         self._media_pool.shutdown(wait=False, cancel_futures=True)
         if self.client is not None:
             await self.client.close()
+        if self.media_store is not None:
+            self.media_store.close()
 
     def check_auth(self, request: Request) -> None:
         key = self.settings.api_key.get_secret_value() if self.settings.api_key else ""

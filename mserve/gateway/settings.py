@@ -53,6 +53,9 @@ class GatewaySettings(BaseSettings):
     # the workers must reach) instead of through the coordinator; pays with --token-report-every > 1 there.
     direct_tokens: bool = False
     tokens_host: str = "127.0.0.1"
+    # Put request images in a media store bound on this address, which the encode / unified workers must
+    # reach, and send the coordinator their refs, not their bytes (common/media_store.py); None: inline.
+    media_store_host: str | None = None
     # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
     otlp_endpoint: str | None = None
     # The CPU cores this process runs on (--cpus, $MSERVE_CPUS; common/cpu_placement.py): mserve/cli.py

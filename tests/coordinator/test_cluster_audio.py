@@ -134,3 +134,25 @@ def test_the_official_openai_client_sends_input_audio_through_the_gateway(cluste
         client.chat.completions.create(model=cluster.model, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": base64.b64encode(make_audio(100, 16000)).decode(),
                                                     "format": "wav"}}]}])
+
+
+def test_voxtral_through_1e1p1d_matches_hf(shared_clusters):
+    """Voxtral (its Tekken tokenizer's prompt, 30 s chunks) through the families' 1e1p1d cluster: one clip and
+    two clips are HF's tokens, admission's counts are the processor's, and a repeated clip is an embedding hit."""
+    from tests.workers.test_engine_voxtral import hf_generate
+
+    lean = family_1e1p1d("voxtral")
+    vox = shared_clusters.get(lean)
+    try:
+        a, b = make_audio(20000, 22050, "mp3", seed=41), make_audio(500000, 16000, "wav", seed=42)
+        conversations = [turn([a], "What is this sound?"), turn([b, a], "Compare them.")]
+        results = asyncio.run(_generate(vox.address, conversations))
+        builder = PromptBuilder(vox.model)
+        for i, (res, conv) in enumerate(zip(results, conversations)):
+            expected = hf_generate(vox.model, builder.prepare(conv), conv[0]["content"][-1]["text"])
+            assert res.token_ids == expected[:MAX_NEW], f"request {i}"
+        again = asyncio.run(_generate(vox.address, [turn([a, b], "Again?")]))[0]  # both clips cached now
+        assert again.cache_hits["embedding"] == 2, again.cache_hits
+        assert again.token_ids == hf_generate(vox.model, builder.prepare(turn([a, b], "Again?")), "Again?")
+    finally:
+        shared_clusters.release(lean)

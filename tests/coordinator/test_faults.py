@@ -10,6 +10,7 @@ import pytest
 import redis
 import zmq
 
+from mserve.common.media_store import MediaStore
 from mserve.common.protocol import ErrorCode, MsgType, body
 from mserve.common.redis_server import RedisServer
 from mserve.common.sockets import make_socket, recv, send
@@ -327,7 +328,8 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
 
 def test_kill_9_of_an_encode_worker_holding_work_reruns_it_elsewhere(tiny_model_dirs, redis_url):
     """The encoder is frozen (SIGSTOP) so it surely holds dispatched images, then killed: the coordinator
-    declares it dead and runs those encodes on the other encoder; every request ends once, token-exact."""
+    declares it dead and runs those encodes on the other encoder; every request ends once, token-exact.
+    The images are in the client's media store (common/media_store.py): the other encoder pulls them again."""
     model = str(tiny_model_dirs["qwen2_vl"])
     requests = [r for r in request_mix(9, seed=51) if r[1]]  # the ones with images
     with LocalCluster(model, encode=2, prefill=1, decode=1, redis_url=redis_url,
@@ -335,7 +337,7 @@ def test_kill_9_of_an_encode_worker_holding_work_reruns_it_elsewhere(tiny_model_
         victim = cluster.worker_names("encode")[0]
 
         async def run():
-            async with AsyncClient(cluster.address, timeout_s=120) as client:
+            async with AsyncClient(cluster.address, timeout_s=120, media_store=media) as client:
                 cluster.kill_worker(victim, signal.SIGSTOP)
                 tasks = [asyncio.ensure_future(client.generate(chat(t, ims), max_tokens=12)) for t, ims in requests]
                 deadline = time.monotonic() + 10
@@ -345,6 +347,10 @@ def test_kill_9_of_an_encode_worker_holding_work_reruns_it_elsewhere(tiny_model_
                 cluster.kill_worker(victim, signal.SIGKILL)
                 return await asyncio.gather(*tasks)
 
-        results = asyncio.run(run())
+        with MediaStore() as media:
+            results = asyncio.run(run())
+            pulled = media.stats()["served"]
+        status = Client(cluster.address).status()
     assert [r.token_ids for r in results] == expected(model, requests)
     assert any(r.attempts > 1 for r in results)  # the killed encoder really held work
+    assert status["stats"]["media_bytes_inline"] == 0 and pulled >= len({im for _, ims in requests for im in ims})

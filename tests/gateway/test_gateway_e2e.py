@@ -104,8 +104,10 @@ def llava(tiny_model_dirs, redis_server):
 
 @pytest.fixture(scope="module")
 def qwen(tiny_model_dirs, redis_server):
+    """A unified worker behind a gateway whose images go through its media store (--media-store-host)."""
     pools = {"unified": 1, "encode": 0, "prefill": 0, "decode": 0}
-    cluster, served = serve(str(tiny_model_dirs["qwen2_vl"]), redis_server.url, pools)
+    cluster, served = serve(str(tiny_model_dirs["qwen2_vl"]), redis_server.url, pools,
+                            gateway_args=["--media-store-host", "127.0.0.1"])
     with cluster:
         yield served
 
@@ -137,6 +139,8 @@ def test_chat_with_images_matches_hf_streaming_and_not(family, request, tiny_mod
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want)
     assert chunks[-1].usage.prompt_tokens == prompt_len
     assert all(c.usage is None for c in chunks[:-1])
+    # The qwen gateway's images went to the worker through its media store, none through the coordinator.
+    assert (served.status()["stats"]["media_bytes_inline"] == 0) == (family == "qwen")
 
 
 def test_remote_media_urls_are_fetched_safely_and_answered_as_the_same_image_inline(llava):

@@ -12,21 +12,11 @@ from mserve.coordinator.telemetry import Histogram, Telemetry
 from mserve.gateway.metrics import GatewayMetrics
 from mserve.gateway.openai_api import ApiError, parse_chat_request, status_for_code
 from mserve.gateway.textstream import Detokenizer, StopMatcher
+from tests.gateway.chat_requests import body, param_of
 from tests.helpers import make_image
 
 IMG = make_image(32, 24)
 DATA_URL = "data:image/png;base64," + base64.b64encode(IMG).decode()
-
-
-def body(**kw):
-    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
-
-
-def param_of(call) -> str | None:
-    with pytest.raises(ApiError) as info:
-        call()
-    assert info.value.status == 400
-    return info.value.param
 
 
 def test_supported_fields_become_sampling_options():

@@ -9,22 +9,12 @@ import base64
 
 import pytest
 
-from mserve.gateway.openai_api import ApiError, parse_chat_request
+from mserve.gateway.openai_api import parse_chat_request
 from tests.audio_clips import make_audio
+from tests.gateway.chat_requests import body, param_of
 
 CLIP = make_audio(1600, 8000, "wav")
 B64 = base64.b64encode(CLIP).decode()
-
-
-def body(**kw):
-    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
-
-
-def param_of(call) -> str | None:
-    with pytest.raises(ApiError) as info:
-        call()
-    assert info.value.status == 400
-    return info.value.param
 
 
 def test_input_audio_and_audio_url_become_audio_parts():

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from typing import Any
 
 from mserve.common.audio import AudioPart
+from mserve.common.media_store import pull_image
 from mserve.common.model import ImageError
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
 from mserve.common.policy import encode_batch
@@ -55,7 +56,13 @@ class EncodeWorker(Worker):
         # older entries only wait for the expiry). Not in the request's record: it outlives the stage
         # here, whose record ends when ENCODED goes out, while the prefill worker has yet to fetch.
         self.published: OrderedDict[str, str] = OrderedDict()
-        self.prefetch = ImagePrefetch(lambda im: self.engine.decode_visual(visual_input(im)))
+        self.prefetch = ImagePrefetch(lambda im: self.engine.decode_visual(self.pulled_input(im)))
+
+    def pulled_input(self, ref: ImageRef) -> bytes | VideoPart | AudioPart:
+        """`visual_input`, an image in a media store pulled from it first (checked against its facts)."""
+        if ref.media is not None:
+            return pull_image(self.transfer, ref.media, self.s.fetch_timeout_s)
+        return visual_input(ref)
 
     def close(self) -> None:
         self.prefetch.close()

@@ -15,6 +15,7 @@ from mserve.common.video import visual_hash
 from mserve.workers.embedding_tiers import embedding_tiers
 from mserve.workers.engine import StepOutput
 from mserve.workers.requests import WorkerRequest
+from mserve.common.media_store import pull_image
 from mserve.workers.roles.encode import visual_input
 from mserve.workers.roles.stepping import SteppingWorker
 from mserve.workers.sequence import SamplingParams, Sequence
@@ -28,38 +29,43 @@ class UnifiedWorker(SteppingWorker):
         self.engine.tiers = self.tiers = embedding_tiers(self)
 
     def transfers(self, task: RunTask) -> Callable[[], dict[str, Any]] | None:
-        """The images not in L1, decoded and run through the image processor on an IO thread
-        (workers/fetcher.py) while the loop steps: the model's thread then only runs the vision forward."""
+        """On an IO thread (workers/fetcher.py) while the loop steps: the images in a media store pulled
+        from it (common/media_store.py), and the images not in L1 decoded and run through the image
+        processor: the model's thread then only runs the vision forward."""
         limit = self.s.max_image_bytes
-        todo = [visual_input(im) for im in task.images if not self.tiers.in_memory(im.hash)
-                and all(len(d or b"") <= limit for d in (im.frames or [im.data]))]  # over: refused on the loop
-        if not todo:
+        stored = [im.media for im in task.images if im.media is not None]
+        inline = [visual_input(im) for im in task.images if im.media is None and not self.tiers.in_memory(im.hash)
+                  and all(len(d or b"") <= limit for d in (im.frames or [im.data]))]  # over: refused on the loop
+        to_decode = {im.media.hash for im in task.images if im.media is not None and not self.tiers.in_memory(im.hash)}
+        if not inline and not stored:
             return None
-        runner = self.engine.runner
+        runner, timeout_s = self.engine.runner, self.s.fetch_timeout_s
 
-        def decode() -> dict[str, Any]:
-            out = {}
-            for item in todo:
+        def pull_and_decode() -> dict[str, Any]:
+            pulled = {ref.hash: pull_image(self.transfer, ref, timeout_s) for ref in stored}  # MediaError fails it
+            decoded = {}
+            for item in inline + [data for h, data in pulled.items() if h in to_decode]:
                 try:
-                    decoded = self.engine.decode_visual(item)
+                    out = self.engine.decode_visual(item)
                     # a video's frames and an audio clip's waveform go to the tower as they are
-                    out[visual_hash(item)] = decoded if isinstance(decoded, (list, np.ndarray)) \
-                        else runner.prepare_image(decoded)
+                    decoded[visual_hash(item)] = out if isinstance(out, (list, np.ndarray)) else runner.prepare_image(out)
                 except Exception:  # decoded again at admission, which fails the request as it always did
                     pass
-            return out
+            return {"decoded": decoded, "pulled": pulled}
 
-        return decode
+        return pull_and_decode
 
     def add(self, task: RunTask, rec: WorkerRequest, fetched: dict[str, Any] | None) -> Sequence:
-        self.engine.predecoded.update(fetched or {})
+        decoded, pulled = (fetched or {}).get("decoded", {}), (fetched or {}).get("pulled", {})
+        self.engine.predecoded.update(decoded)
         try:
             return self.engine.add_request(task.request_id, task.prompt_ids,
-                                           images=[visual_input(im) for im in task.images],
+                                           images=[pulled[im.media.hash] if im.media is not None else visual_input(im)
+                                                   for im in task.images],
                                            sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
                                            output_ids=task.output_ids, latency_class=task.latency_class)
         finally:
-            for h in fetched or ():  # those a cache or the prefix made unnecessary
+            for h in decoded:  # those a cache or the prefix made unnecessary
                 self.engine.predecoded.pop(h, None)
 
     def finishing(self, rec: WorkerRequest, item: TokenItem, out: StepOutput) -> None:

@@ -1,0 +1,100 @@
+"""Images through a media store in a real cluster: the coordinator carries none of their bytes, the tokens stay
+HF generate's, an image the encoder already holds is never pulled, and a bad ref or a dead holder ends its
+request with a clear error (never a hang) while the cluster serves on.
+
+One shared cluster (LLAVA_1E1P1D, shm between its workers) serves every test here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from mserve.common.media_store import MediaStore
+from mserve.common.protocol.client import MediaRef
+from mserve.coordinator.client import BadRequest, Client
+from tests.clusters import LLAVA_1E1P1D, LLAVA_2E1P1D_LENDING, LLAVA_UNIFIED
+from tests.coordinator.test_cluster import encoders_idle, expected
+from tests.helpers import chat, make_image, wait_for
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 8
+
+
+def inline_bytes(c: Client) -> int:
+    return c.status()["stats"]["media_bytes_inline"]
+
+
+def stored_chat(text: str, ref: MediaRef) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "media": ref.fields()}, {"type": "text", "text": text}]}]
+
+
+@pytest.mark.parametrize("shared_cluster", [LLAVA_1E1P1D], indirect=True)
+def test_images_go_through_the_store_not_the_coordinator(shared_cluster, tiny_model_dirs):
+    model = str(tiny_model_dirs["llava"])
+    image = make_image(120, 90, seed=501)
+    requests = [("Describe the picture.", [image]), ("What colour is it?", [image])]
+    want = expected(model, requests, MAX_TOKENS)
+    with MediaStore() as store, Client(shared_cluster.address, timeout_s=60, media_store=store) as c:
+        before = inline_bytes(c)
+        first = c.generate(chat(*requests[0]), max_tokens=MAX_TOKENS)
+        assert first.token_ids == want[0]
+        wait_for(lambda: store.stats()["served"] == 1, what="the encoder's one pull")
+        # The same image again: the encoder holds its embeddings, so it never pulls the bytes.
+        second = c.generate(chat(*requests[1]), max_tokens=MAX_TOKENS)
+        assert second.token_ids == want[1] and second.cache_hits.get("embedding", 0) >= 1
+        assert store.stats()["served"] == 1 and store.published == 1
+        assert inline_bytes(c) == before  # no image byte went through the coordinator
+    with Client(shared_cluster.address, timeout_s=60) as inline:  # the counter does count inline bytes
+        inline.generate(chat("Describe the picture.", [make_image(64, 64, seed=502)]), max_tokens=2)
+        assert inline_bytes(inline) > before
+
+
+@pytest.mark.parametrize("shared_cluster", [LLAVA_2E1P1D_LENDING, LLAVA_UNIFIED], ids=["spread", "unified"],
+                         indirect=True)
+def test_spread_encodes_and_unified_workers_pull_from_the_store(shared_cluster):
+    """Two images: two idle encoders each pull their part (a spread encode), or the unified worker pulls both."""
+    cluster, encoders = shared_cluster, shared_cluster.counts["encode"]
+    request = ("Compare the pictures.", [make_image(100, 70, seed=505), make_image(70, 100, seed=506)])
+    if encoders:
+        wait_for(lambda: encoders_idle(cluster.address, encoders), timeout_s=30, what="both encoders idle")
+    with MediaStore() as store, Client(cluster.address, timeout_s=60, media_store=store) as c:
+        before = c.status()["stats"]
+        result = c.generate(chat(*request), max_tokens=MAX_TOKENS)
+        after = c.status()["stats"]
+        wait_for(lambda: store.stats()["served"] == 2, what="each image pulled once")
+    assert result.token_ids == expected(cluster.model, [request], MAX_TOKENS)[0]
+    assert after["media_bytes_inline"] == before["media_bytes_inline"]
+    assert (after["spread_encodes"] - before["spread_encodes"] >= 1) == bool(encoders)
+
+
+HOLDER = """
+import json, sys, time
+from mserve.common.media_store import MediaStore
+from tests.helpers import make_image
+store = MediaStore(backend="tcp")  # tcp: the bytes die with the process (an shm segment would outlive it)
+print(json.dumps(store.put_image(make_image(80, 60, seed=503)).fields()), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("shared_cluster", [LLAVA_1E1P1D], indirect=True)
+def test_a_bad_ref_or_a_dead_holder_fails_the_request_clearly(shared_cluster):
+    with MediaStore() as store, Client(shared_cluster.address, timeout_s=60) as c:
+        ref = store.put_image(make_image(96, 72, seed=504))
+        lie = dataclasses.replace(ref, size=[72, 96])  # admitted (and counted) as 72x96: the bytes say 96x72
+        with pytest.raises(BadRequest, match="do not match its header facts.*the image is 96x72"):
+            c.generate(stored_chat("Describe the picture.", lie), max_tokens=MAX_TOKENS)
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+        try:
+            dead = MediaRef.from_body(json.loads(holder.stdout.readline()))
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+        with pytest.raises(BadRequest, match=f"image {dead.hash} in the media store at .* could not be pulled"):
+            c.generate(stored_chat("Describe the picture.", dead), max_tokens=MAX_TOKENS)
+        assert c.generate(stored_chat("Describe the picture.", ref), max_tokens=2).token_ids  # serving goes on
