@@ -2,8 +2,8 @@
 
 RequestState is one request's progress through its stages, and RequestTable holds one per request;
 `stage_message` builds the one message that starts a stage on a worker. ToClient / ToWorker are the
-messages the machine returns for the socket loop to send, collected in the Outbox of the entry point
-being handled; MachineSettings are its limits; Lookups is how Redis-backed cache hints reach it
+messages the machine returns for the socket loop to send, collected in the Outbox of the step
+being taken; MachineSettings are its limits; Lookups is how Redis-backed cache hints reach it
 (NoLookups: none).
 """
 
@@ -54,13 +54,14 @@ Out = Union[ToClient, ToWorker]
 
 
 class Outbox:
-    """What the entry point being handled answers, in send order, and the time it was called at.
+    """What a step's update phase answers, in send order, and the time the step is taken at.
 
-    The request machine opens it on entry (`begin`) and hands its messages to the socket loop on
-    exit (`take`); its collaborators (dispatch, lifecycle, replies) only append."""
+    The request machine's step opens it (`begin`) and hands its messages to the socket loop (`take`);
+    the parts acting in the update phase (replies, lifecycle, role switches) only append. The schedule
+    phase returns its stage messages itself (Dispatcher.schedule), sent after these."""
 
     def __init__(self) -> None:
-        self.now = 0.0  # the entry point's clock; status reads the last one
+        self.now = 0.0  # the step's clock; status reads the last one
         self._messages: list[Out] = []
 
     def begin(self, now: float) -> None:

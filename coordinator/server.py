@@ -32,6 +32,7 @@ from mserve.common.sockets import make_socket, send
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
 from mserve.coordinator.coordinator_redis import CoordinatorRedis, RedisEncodeLeases, RedisLookups
 from mserve.coordinator.admission import AdmissionError, Limits, admit
+from mserve.coordinator.events import Abort, FromWorker, Reject, Submit, SwitchRoleTo, Tick, Unreachable
 from mserve.coordinator.models import ModelTable, ModelUnavailable, ServedModel, VariantRouter, merged_status
 from mserve.coordinator.requests import Out, RequestMachine, ToClient
 from mserve.coordinator.settings import CoordinatorSettings
@@ -171,8 +172,8 @@ class Coordinator:
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker's socket is gone
                 model = self.models.of_worker(msg.worker_id)
                 if model is not None:
-                    self._send(model.machine.worker_unreachable(msg.worker_id, str(exc), msg.body.get("request_id"),
-                                                                now=time.monotonic()))
+                    self._send(model.machine.step(Unreachable(msg.worker_id, str(exc), msg.body.get("request_id")),
+                                                   time.monotonic()))
 
     def _reply(self, client: bytes, kind: MsgType, payload: Message | dict[str, Any]) -> None:
         try:
@@ -207,7 +208,7 @@ class Coordinator:
             self._on_generate(client, payload)
         elif kind is MsgType.ABORT:
             for model in self.models:  # a request id is the client's: whichever model holds it ends it
-                self._send(model.machine.abort(client, msg.request_id, now=time.monotonic()))
+                self._send(model.machine.step(Abort(client, msg.request_id), time.monotonic()))
         elif isinstance(msg, SwitchRole):
             self._on_switch_role(client, msg)
         elif isinstance(msg, Status):
@@ -228,7 +229,7 @@ class Coordinator:
         if why is not None:
             self._error(client, None, ErrorCode.BAD_REQUEST, why)
             return
-        self._send(model.machine.switch_role(msg.worker_id, msg.role, "operator", now=time.monotonic()))
+        self._send(model.machine.step(SwitchRoleTo(msg.worker_id, msg.role, "operator"), time.monotonic()))
         report = self.status()
         self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers=report.pop("workers"), report=report))
 
@@ -270,13 +271,13 @@ class Coordinator:
             admitted.admission_s = time.perf_counter() - started
             admitted.model = model.name
         except AdmissionError as exc:
-            self._send(machine.reject(client, rid, str(exc), exc.code, now=time.monotonic()))
+            self._send(machine.step(Reject(client, rid, str(exc), exc.code), time.monotonic()))
             return
         except Exception as exc:
             log.exception("%s: admission failed unexpectedly", rid_in)
             self._error(client, rid, ErrorCode.INTERNAL, f"admission failed: {exc.__class__.__name__}: {exc}")
             return
-        self._send(machine.submit(client, admitted, now=time.monotonic()))
+        self._send(machine.step(Submit(client, admitted), time.monotonic()))
 
     # -- workers ----------------------------------------------------------------------------------------
     def _on_worker_frames(self, frames: list) -> None:
@@ -292,7 +293,7 @@ class Coordinator:
         if model is None:
             log.warning("message %s from unregistered worker %s ignored", msg.KIND.name, worker_id)
             return
-        self._send(model.machine.on_worker(worker_id, msg.KIND, msg, now=time.monotonic()))
+        self._send(model.machine.step(FromWorker(worker_id, msg.KIND, msg), time.monotonic()))
 
     def _model_for_worker(self, worker_id: str, msg: Message) -> ServedModel | None:
         """The model whose machine takes a worker's message: a READY (or a heartbeat carrying the
@@ -304,14 +305,14 @@ class Coordinator:
             return current
         model = self.models.register(worker_id, info)
         if current is not None and model is not current:  # the same id, restarted for another model
-            self._send(current.machine.worker_unreachable(worker_id, f"re-registered for model {info.model!r}",
-                                                          now=time.monotonic()))
+            self._send(current.machine.step(Unreachable(worker_id, f"re-registered for model {info.model!r}"),
+                                            time.monotonic()))
         return model
 
     # -- housekeeping -------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
         for model in self.models:
-            self._send(model.machine.tick(now=now))
+            self._send(model.machine.step(Tick(), now))
         if self.redis is not None:
             loads = self.redis.tick(now, self._announced, self._started,
                                     lambda: {model.name: model.machine.alive_workers() for model in self.models})
