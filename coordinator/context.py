@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mserve.coordinator.membership import Membership
-from mserve.coordinator.records import Lookups, MachineSettings, NoLookups, Outbox, RequestTable
+from mserve.coordinator.records import Lookups, NoLookups, Outbox, RequestTable
+from mserve.coordinator.settings import MachineSettings
 from mserve.coordinator.shedding import FirstTokenRate
 from mserve.coordinator.single_flight import SingleFlight
 from mserve.coordinator.stage_queues import StageQueues

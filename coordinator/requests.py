@@ -34,7 +34,6 @@ from mserve.common.protocol import ROLES, ErrorCode, Message, MsgType, ProtocolE
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
                                                    WorkerInfo)
 from mserve.common.protocol.to_worker import Cancel, Shutdown
-from mserve.common.policy import CLASS_AGING_S
 from mserve.common.pruning import mismatch as pruning_mismatch
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
 from mserve.coordinator.admission import Admitted
@@ -43,10 +42,11 @@ from mserve.coordinator.dispatch import Dispatcher
 from mserve.coordinator.drain import holds_work, waiting_by_role
 from mserve.coordinator.events import Abort, Event, FromWorker, Reject, Submit, SwitchRoleTo, Tick, Unreachable
 from mserve.coordinator.lifecycle import Lifecycle
-from mserve.coordinator.records import (ACTIVE_STAGES, STAGE_ROLE, Lookups, MachineSettings, NoLookups, Out,
+from mserve.coordinator.records import (ACTIVE_STAGES, STAGE_ROLE, Lookups, NoLookups, Out,
                                         RequestState, RequestTable, Stage, ToClient, ToWorker, stage_message)
 from mserve.coordinator.replies import StageReplies
 from mserve.coordinator.role_switching import RoleSwitcher
+from mserve.coordinator.settings import MachineSettings
 from mserve.coordinator.shedding import choose_shed
 from mserve.coordinator.single_flight import Leases, LocalLeases, SingleFlight
 from mserve.coordinator.stage_queues import StageQueues
@@ -59,25 +59,17 @@ log = logging.getLogger("mserve.coordinator")
 
 
 class RequestMachine:
-    def __init__(self, *, stage_timeout_s: float = 60.0, dead_after_s: float = 5.0, max_attempts: int = 3,
-                 max_waiting_requests: int = 256, lookups: Lookups | None = None, detokenize: Callable[[list[int]], str] | None = None,
-                 new_id: Callable[[], str] | None = None, raise_errors: bool = False,
-                 visual_token_pruning: float | None = None, kv_hand_back: bool = False, max_stages_per_worker: int = 0,
-                 class_aging_s: float = CLASS_AGING_S, spread_encode: bool = True, route_choices: int = 0,
-                 seed: int | None = None, token_report_every: int = 1, encode_single_flight: bool = True,
-                 encode_leases: Leases | None = None, shard_id: str = "coordinator",
-                 prefix_skip: bool = True, local_prefill_tokens: int = 0, adaptive_pruning: AdaptivePruning | None = None,
-                 adaptive_lending: bool = False, role_switching: bool = False) -> None:
-        settings = MachineSettings(
-            stage_timeout_s=stage_timeout_s, dead_after_s=dead_after_s, max_attempts=max_attempts,
-            max_waiting_requests=max_waiting_requests, kv_hand_back=kv_hand_back,
-            max_stages_per_worker=max_stages_per_worker, spread_encode=spread_encode, route_choices=route_choices,
-            token_report_every=token_report_every, visual_token_pruning=visual_token_pruning, prefix_skip=prefix_skip,
-            local_prefill_tokens=local_prefill_tokens, adaptive_lending=adaptive_lending)
+    def __init__(self, settings: MachineSettings | None = None, *, lookups: Lookups | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, new_id: Callable[[], str] | None = None,
+                 raise_errors: bool = False, seed: int | None = None, encode_leases: Leases | None = None,
+                 shard_id: str = "coordinator", adaptive_pruning: AdaptivePruning | None = None) -> None:
+        """`settings`: coordinator/settings.py (the coordinator passes its CoordinatorSettings); the rest
+        is what the machine is given rather than configured with."""
+        settings = settings if settings is not None else MachineSettings()
         self.ctx = ctx = Context(
             settings, random.Random(seed), detokenize or (lambda ids: ""), lookups or NoLookups(),
-            SingleFlight(encode_leases or LocalLeases(), owner=shard_id) if encode_single_flight else None,
-            queues=StageQueues(aging_s=class_aging_s))
+            SingleFlight(encode_leases or LocalLeases(), owner=shard_id) if settings.encode_single_flight else None,
+            queues=StageQueues(aging_s=settings.class_aging_s))
         self.new_id = new_id or (lambda: uuid.uuid4().hex)
         self.raise_errors = raise_errors
         self._refused: dict[str, float | None] = {}  # worker -> the ratio it was refused for (logged once)
@@ -86,7 +78,7 @@ class RequestMachine:
         self.life = Lifecycle(ctx, self.dispatch)
         self.replies = StageReplies(ctx, self.dispatch, self.life)
         # Role switches (an operator's, or the policy's with role_switching): coordinator/role_switching.py
-        self.switcher = RoleSwitcher(ctx.members, ctx.requests, ctx.outbox, auto=role_switching)
+        self.switcher = RoleSwitcher(ctx.members, ctx.requests, ctx.outbox, auto=settings.role_switching)
 
     # What the socket loop, status and tests read.
     settings = property(lambda self: self.ctx.settings)

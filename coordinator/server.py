@@ -84,15 +84,7 @@ class Coordinator:
         settings = self.settings
         builder = PromptBuilder(path, visual_token_pruning=settings.visual_token_pruning)
         machine = RequestMachine(
-            stage_timeout_s=settings.stage_timeout_s, dead_after_s=settings.dead_after_s,
-            max_attempts=settings.max_attempts, max_waiting_requests=settings.max_waiting_requests,
-            kv_hand_back=settings.kv_hand_back, max_stages_per_worker=settings.max_stages_per_worker,
-            class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode, prefix_skip=settings.prefix_skip,
-            route_choices=settings.route_choices, token_report_every=settings.token_report_every,
-            local_prefill_tokens=settings.local_prefill_tokens, adaptive_lending=settings.adaptive_lending,
-            role_switching=settings.role_switching,
-            detokenize=builder.decode, visual_token_pruning=settings.visual_token_pruning,
-            encode_single_flight=settings.encode_single_flight, shard_id=self._shard_owner,
+            settings, detokenize=builder.decode, shard_id=self._shard_owner,
             encode_leases=RedisEncodeLeases(self.redis.store, name, self.redis.lane) if self.redis else None,
             lookups=RedisLookups(self.redis.store, builder, name) if self.redis else None,
             adaptive_pruning=self._adaptive_pruning(settings, builder) if name == self.model_name else None)
