@@ -1,9 +1,8 @@
 """The coordinator's per-request state machine: encode -> prefill -> decode (or `run` on a unified worker).
 
-Pure code: no sockets, no Redis, no clock. Every entry point takes `now` and returns the messages to
-send, as ToClient / ToWorker records, in the order they must go out; the socket loop
-(coordinator/server.py) sends them and reports a worker it cannot reach back through
-`worker_unreachable`. Admission (tokenizing) happens before: the machine receives an `Admitted`.
+Pure code: no sockets, no Redis, no clock. Each step takes an event and `now` and returns the
+messages to send, as ToClient / ToWorker records, in the order they must go out; the socket loop
+(coordinator/server.py) sends them and reports a worker it cannot reach back as an `Unreachable` event. Admission (tokenizing) happens before: the machine receives an `Admitted`.
 Redis-backed hints (who holds an image's embeddings, who holds a prompt's prefix blocks) come in
 through a `Lookups` object; the default knows nothing, which only makes routing less cache-aware.
 
