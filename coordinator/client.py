@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import zmq
 
 from mserve.common.protocol import MsgType
-from mserve.common.protocol.client import Error, StatusReply
+from mserve.common.protocol.client import Error, Signed, StatusReply
 from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.sockets import bound_address, make_socket, send
 from mserve.coordinator.async_client import AsyncClient, AsyncTokenStream
@@ -39,7 +39,7 @@ from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, B
                                             new_identity, new_request_id, normalize_client_messages, probe_body,
                                             recv_valid, send_abort, status_body)
 from mserve.coordinator.client_core import (SHARD_PROBES_UNANSWERED, Reply, ShardChooser, Unauthorized,
-                                            client_api_key, shard_gone_reply, with_api_key)
+                                            client_api_key, shard_gone_reply)
 
 __all__ = [
     "MServeError", "BadRequest", "Overloaded", "NoWorkers", "ModelNotFound", "RequestTimeout", "Aborted", "ServerError", "Lost",
@@ -224,7 +224,7 @@ class Client:
             until = min(deadline, time.monotonic() + (SHARD_PROBES_UNANSWERED + 1) * self.probe_after_s)
         while True:
             try:
-                send(self._sock, kind, with_api_key(payload, self._api_key), flags=zmq.NOBLOCK)
+                send(self._sock, kind, Signed.sign(payload, self._api_key), flags=zmq.NOBLOCK)
                 return
             except zmq.Again:
                 remaining_ms = int((until - time.monotonic()) * 1000)
@@ -264,7 +264,7 @@ class Client:
                     return shard_gone_reply(request_id, self._current)
                 unanswered += 1
                 try:  # silent for a while: does the coordinator still hold it? (answered below)
-                    send(self._sock, MsgType.STATUS, with_api_key(probe_body([request_id]), self._api_key),
+                    send(self._sock, MsgType.STATUS, Signed.sign(probe_body([request_id]), self._api_key),
                          flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass

@@ -38,7 +38,7 @@ __all__ = [
     "PROBE_AFTER_S", "probe_body", "lost_reply", "shard_gone_reply", "ShardChooser", "SHARD_PROBES_UNANSWERED",
     "GenerateResult", "normalize_client_messages", "error_from_reply", "generate_body", "new_request_id",
     "new_identity", "Assembler", "StreamState", "send_abort", "recv_valid",
-    "Unauthorized", "client_api_key", "with_api_key", "Reply", "status_body",
+    "Unauthorized", "client_api_key", "Reply", "status_body",
 ]
 
 
@@ -275,11 +275,6 @@ def client_api_key(api_key: str | None) -> str | None:
     return key or None
 
 
-def with_api_key(payload: dict[str, Any], api_key: str | None) -> dict[str, Any]:
-    """``payload`` with the client API key added (unchanged when there is none)."""
-    return {**payload, "api_key": api_key} if api_key else payload
-
-
 def new_request_id(request_id: str | None) -> str:
     """The caller's id, or a fresh random one."""
     return request_id if request_id is not None else uuid.uuid4().hex
@@ -389,7 +384,7 @@ class StreamState:
 def send_abort(sock: zmq.Socket, request_id: str, api_key: str | None = None) -> None:
     """Send ABORT without blocking; best effort (nothing to abort when no coordinator is connected)."""
     try:
-        send(sock, MsgType.ABORT, with_api_key(Abort(request_id=request_id).to_body(), api_key), flags=zmq.NOBLOCK)
+        send(sock, MsgType.ABORT, Abort(request_id=request_id, api_key=api_key).to_body(), flags=zmq.NOBLOCK)
     except zmq.ZMQError as exc:  # zmq.Again included: no coordinator connected, nothing to abort there
         logger.debug("%s ABORT not sent: %s", request_id, exc)
 

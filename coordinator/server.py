@@ -22,7 +22,7 @@ from mserve.common import pruning
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
-from mserve.common.protocol.client import FROM_CLIENT, Error, Status, StatusReply
+from mserve.common.protocol.client import FROM_CLIENT, Error, Signed, Status, StatusReply
 from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, WorkerInfo
 from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
@@ -184,6 +184,7 @@ class Coordinator:
         try:
             msg_type, payload = decode(frames[1:])
             kind = check_header(msg_type, payload, CLIENT_MESSAGES)
+            key = Signed.take_api_key(payload)  # every client message is Signed
             # A GENERATE's content is parsed once, by admission (the outside world's input; its errors name
             # the field and limit); ABORT and STATUS here.
             msg = None if kind is MsgType.GENERATE else CLIENT_MESSAGES[kind].from_body(payload)
@@ -191,7 +192,6 @@ class Coordinator:
             rid = payload.get("request_id") if isinstance(payload, dict) else None
             self._error(client, rid if isinstance(rid, str) else None, ErrorCode.BAD_MESSAGE, str(exc))
             return
-        key = payload.pop("api_key", None)  # never kept, passed on or logged
         if self._client_key is not None and not (
                 isinstance(key, str) and hmac.compare_digest(key.encode(), self._client_key)):
             self._refuse(client, kind, payload, "missing" if key is None else "wrong")
