@@ -38,7 +38,7 @@ from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, B
                                             StreamState, error_from_reply, generate_body, logger, lost_reply,
                                             new_identity, new_request_id, normalize_client_messages, probe_body,
                                             recv_valid, send_abort, status_body)
-from mserve.coordinator.client_core import (SHARD_PROBES_UNANSWERED, Reply, ShardChooser, Unauthorized,
+from mserve.coordinator.client_core import (Reply, ShardChooser, Unauthorized,
                                             client_api_key, shard_gone_reply)
 
 __all__ = [
@@ -217,11 +217,8 @@ class Client:
         self.close()
 
     def _send(self, kind: MsgType, payload: dict[str, Any], deadline: float, request_id: str | None) -> None:
-        # IMMEDIATE makes a send block while the coordinator is unreachable; bound it by the deadline. With
-        # shards, a GENERATE waits only as long as a silent shard is given, then the shard is taken for dead.
-        until = deadline
-        if self._shards.sharded and kind == MsgType.GENERATE:
-            until = min(deadline, time.monotonic() + (SHARD_PROBES_UNANSWERED + 1) * self.probe_after_s)
+        # IMMEDIATE makes a send block while the coordinator is unreachable: bound it (ShardChooser.send_until).
+        until = self._shards.send_until(deadline, self.probe_after_s) if kind == MsgType.GENERATE else deadline
         while True:
             try:
                 send(self._sock, kind, Signed.sign(payload, self._api_key), flags=zmq.NOBLOCK)
@@ -259,8 +256,7 @@ class Client:
             if reply is None:
                 if time.monotonic() >= deadline:
                     return None
-                if self._shards.sharded and unanswered >= SHARD_PROBES_UNANSWERED:
-                    self._shards.mark_down(self._current, time.monotonic())
+                if self._shards.gives_up(self._current, unanswered, time.monotonic()):
                     return shard_gone_reply(request_id, self._current)
                 unanswered += 1
                 try:  # silent for a while: does the coordinator still hold it? (answered below)
