@@ -24,7 +24,7 @@ from mserve.common.traits import read_traits
 # the trait the engine cannot honour (common/traits.py) or the case the probe failed.
 SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
                       "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
-                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio", "voxtral")
+                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio", "voxtral", "llama4")
 # Families that take audio clips, token-exact here, in a checkpoint with an audio tower (an audio_config): their
 # audio token is the one placeholder (Voxtral's count and prompt are its Tekken tokenizer's,
 # common/families/voxtral.py), but Gemma 4's, whose clip is boa + audio tokens + eoa beside its images.
@@ -103,7 +103,13 @@ class ModelFamily:
 
     @property
     def takes_images(self) -> bool:
-        return self.image_token_id != NO_TOKEN
+        return self.image_token_id != NO_TOKEN and self.rules.no_images is None
+
+    def image_unsupported(self) -> str | None:
+        """Why this checkpoint cannot take an image, or None."""
+        if self.rules.no_images is not None:
+            return self.rules.no_images
+        return None if self.takes_images else f"model_type {self.model_type} has no image input"
 
     @property
     def modalities(self) -> list[str]:
@@ -347,8 +353,10 @@ def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer:
 
     try:
         processor = build_processor(model_dir, model_type, tokenizer)
-        if model_type in AUDIO_MODEL_TYPES and getattr(processor, "image_processor", None) is None:
-            return processor  # an audio-only family: its count is common/families' audio_settings
+        if getattr(processor, "image_processor", None) is None and (
+                model_type in AUDIO_MODEL_TYPES or rules_for(model_type).no_images is not None):
+            return processor  # no image to count: an audio-only family (its count: families' audio_settings), or
+            # one whose images are refused (FamilyRules.no_images)
         probe = image_token_count(processor, 224, 224)
     except (UnsupportedModelError, OSError):
         raise
@@ -383,7 +391,8 @@ def load_family(model_dir: str | os.PathLike, tokenizer: Any = None) -> ModelFam
     audio_token_id, audio = cfg.get("audio_token_index", cfg.get("audio_token_id")), has_audio_tower(model_type, cfg)
     if image_token_id is None and not audio:
         raise UnsupportedModelError(f"{model_dir}/config.json has no image_token_id")
-    proc, where = read_image_processor_config(model_dir) if image_token_id is not None else ({}, "")
+    takes_images = image_token_id is not None and rules.no_images is None
+    proc, where = read_image_processor_config(model_dir) if takes_images else ({}, "")
     processor = _checked_processor(model_dir, model_type, tokenizer, where)
     audio_features = audio_settings(model_type, model_dir, cfg, processor) if audio else None
     if rules.processor_gap is not None and (why := rules.processor_gap(cfg, proc, processor)) is not None:

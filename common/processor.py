@@ -57,7 +57,7 @@ def processor_settings(model_dir: str | os.PathLike, cls: type) -> dict[str, Any
 
 # Parts a processor owns that the image path never runs: the video processor (it needs torchvision) and an
 # audio feature extractor (one of a checkpoint without an audio tower; a served one's is loaded: has_audio_tower).
-# They are built as None.
+# They are built as None (and so is the image processor of a family whose images are refused).
 _LEFT_OUT = ("video_processor", "feature_extractor")
 
 
@@ -65,22 +65,26 @@ def build_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: An
     """The checkpoint's processor, with the PIL image processor and no video processor."""
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
+    from mserve.common.families import rules_for
     from mserve.common.model import has_audio_tower
 
     cls = processor_class(model_type)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     attributes = cls.get_attributes()
+    # A family whose images are refused (FamilyRules.no_images: Llama 4's image processor needs torchvision)
+    # is built without its image processor: the tokenizer and chat template are what its text path runs.
+    left_out = _LEFT_OUT + (("image_processor",) if rules_for(model_type).no_images is not None else ())
     parts: dict[str, Any] = {"tokenizer": tokenizer}
-    if "image_processor" in attributes:
+    if "image_processor" in attributes and "image_processor" not in left_out:
         parts["image_processor"] = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
     if "feature_extractor" in attributes and has_audio_tower(model_type, read_model_config(model_dir)):
         parts["feature_extractor"] = AutoFeatureExtractor.from_pretrained(str(model_dir))
-    missing = [a for a in attributes if a not in parts and a not in _LEFT_OUT]
+    missing = [a for a in attributes if a not in parts and a not in left_out]
     if missing:
         raise UnsupportedModelError(f"model_type {model_type!r}: {cls.__name__} needs {', '.join(missing)}, "
                                     "which mserve does not load")
-    parts.update({a: None for a in attributes if a in _LEFT_OUT and a not in parts})
+    parts.update({a: None for a in attributes if a in left_out and a not in parts})
     return assemble_processor(cls, **parts, **processor_settings(model_dir, cls))
 
 
@@ -91,7 +95,7 @@ def assemble_processor(cls: type, **kwargs: Any) -> Any:
     # None part left out is accepted on this one instance (video sizing lives in common/video.py).
     check = processor.check_argument_for_proper_class
     processor.check_argument_for_proper_class = (
-        lambda name, arg: type(None) if arg is None and name in _LEFT_OUT else check(name, arg))
+        lambda name, arg: type(None) if arg is None else check(name, arg))
     processor.__init__(**kwargs)
     del processor.check_argument_for_proper_class
     return processor

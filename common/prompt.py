@@ -188,6 +188,8 @@ class PromptBuilder:
             raise ValueError(why)
         if not any(p.get("text", "").strip() for m in norm for p in m["content"] if p["type"] == "text") and not images:
             raise ValueError("prompt is empty: no text and no image")
+        if any(isinstance(s, tuple) for s in sizes) and (why := self.family.image_unsupported()) is not None:
+            raise ValueError(why)
         if any(isinstance(s, VideoInfo) for s in sizes):
             if (why := self.family.video_unsupported()) is not None:
                 raise ValueError(why)

@@ -21,7 +21,8 @@ SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 REFUSED_LAYER_TYPES = {
     "linear_attention": "linear attention layers (Gated DeltaNet): not supported outside the tested Qwen3.5 families "
                         "(workers/linear_state.py keeps their state; other families' state layouts are unproven)",
-    "chunked_attention": "chunked attention layers (attention_chunk_size): not supported",
+    "chunked_attention": "chunked attention layers (attention_chunk_size): not supported outside the tested Llama 4 "
+                         "family (its text model's other traits come with them there)",
     "conv": "short convolution layers (a recurrent conv state per sequence): not supported",
     "mamba": "state-space (Mamba) layers: not supported",
 }
@@ -93,6 +94,9 @@ def _layer_types(text: dict) -> tuple[str, ...]:
     if text.get("layer_types"):
         return tuple(text["layer_types"])
     n = int(text.get("num_hidden_layers") or 0)
+    if text.get("model_type") == "llama4_text" and text.get("attention_chunk_size"):  # Llama4TextConfig's rule
+        rope = text.get("no_rope_layers") or [int((i + 1) % text.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
+        return tuple("chunked_attention" if r else "full_attention" for r in rope)
     sliding = text.get("sliding_window") and text.get("use_sliding_window", True)
     return ("sliding_attention" if sliding else "full_attention",) * n
 

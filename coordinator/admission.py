@@ -179,6 +179,8 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
             admitted_images.append(video)
             sizes.append(info)
             continue
+        if (why := builder.family.image_unsupported()) is not None:
+            raise AdmissionError(f"image {i}: model {req.model or builder.model_dir} takes no image input: {why}")
         # An image in a media store comes as its ref: its facts are counted, its bytes never come here.
         ref = data if isinstance(data, MediaRef) else None
         nbytes = ref.nbytes if ref is not None else len(data)

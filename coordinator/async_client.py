@@ -16,7 +16,7 @@ import zmq
 
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.client import Error, StatusReply, Tokens
-from mserve.coordinator.client_core import (PROBE_AFTER_S, SHARD_PROBES_UNANSWERED, Aborted, Assembler,
+from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler,
                                             GenerateResult, Lost, MServeError, RequestTimeout, ServerError,
                                             ShardChooser, StreamState, client_api_key, error_from_reply,
                                             generate_body, logger, lost_reply, new_identity, new_request_id,
@@ -177,11 +177,7 @@ class AsyncClient:
         return link
 
     async def _send_generate(self, link: ShardLink, payload: dict[str, Any], deadline: float, request_id: str) -> None:
-        # IMMEDIATE makes a send wait while the coordinator is unreachable; bound it by the deadline, and
-        # with shards by the time a silent shard is given: it is then taken for dead, like a silent one.
-        until = deadline
-        if self._shards.sharded:
-            until = min(deadline, time.monotonic() + (SHARD_PROBES_UNANSWERED + 1) * self.probe_after_s)
+        until = self._shards.send_until(deadline, self.probe_after_s)  # IMMEDIATE: a send waits while unreachable
         if await link.send(MsgType.GENERATE, payload, until):
             return
         if until < deadline:
@@ -198,8 +194,7 @@ class AsyncClient:
         now = time.monotonic()
         if self._shards.sharded:
             stream._probes = [t for t in stream._probes if t > link.last_heard]
-            if len(stream._probes) >= SHARD_PROBES_UNANSWERED:
-                self._shards.mark_down(link.address, now)
+            if self._shards.gives_up(link.address, len(stream._probes), now):
                 return shard_gone_reply(stream.request_id, link.address)
             stream._probes.append(now)
         link.probe([stream.request_id])

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import zmq
 
 from mserve.common.protocol import MsgType
-from mserve.common.protocol.client import Error, StatusReply
+from mserve.common.protocol.client import Error, Signed, StatusReply
 from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.sockets import bound_address, make_socket, send
 from mserve.coordinator.async_client import AsyncClient, AsyncTokenStream
@@ -38,8 +38,8 @@ from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, B
                                             StreamState, error_from_reply, generate_body, logger, lost_reply,
                                             new_identity, new_request_id, normalize_client_messages, probe_body,
                                             recv_valid, send_abort, status_body)
-from mserve.coordinator.client_core import (SHARD_PROBES_UNANSWERED, Reply, ShardChooser, Unauthorized,
-                                            client_api_key, shard_gone_reply, with_api_key)
+from mserve.coordinator.client_core import (Reply, ShardChooser, Unauthorized,
+                                            client_api_key, shard_gone_reply)
 
 __all__ = [
     "MServeError", "BadRequest", "Overloaded", "NoWorkers", "ModelNotFound", "RequestTimeout", "Aborted", "ServerError", "Lost",
@@ -217,14 +217,11 @@ class Client:
         self.close()
 
     def _send(self, kind: MsgType, payload: dict[str, Any], deadline: float, request_id: str | None) -> None:
-        # IMMEDIATE makes a send block while the coordinator is unreachable; bound it by the deadline. With
-        # shards, a GENERATE waits only as long as a silent shard is given, then the shard is taken for dead.
-        until = deadline
-        if self._shards.sharded and kind == MsgType.GENERATE:
-            until = min(deadline, time.monotonic() + (SHARD_PROBES_UNANSWERED + 1) * self.probe_after_s)
+        # IMMEDIATE makes a send block while the coordinator is unreachable: bound it (ShardChooser.send_until).
+        until = self._shards.send_until(deadline, self.probe_after_s) if kind == MsgType.GENERATE else deadline
         while True:
             try:
-                send(self._sock, kind, with_api_key(payload, self._api_key), flags=zmq.NOBLOCK)
+                send(self._sock, kind, Signed.sign(payload, self._api_key), flags=zmq.NOBLOCK)
                 return
             except zmq.Again:
                 remaining_ms = int((until - time.monotonic()) * 1000)
@@ -259,12 +256,11 @@ class Client:
             if reply is None:
                 if time.monotonic() >= deadline:
                     return None
-                if self._shards.sharded and unanswered >= SHARD_PROBES_UNANSWERED:
-                    self._shards.mark_down(self._current, time.monotonic())
+                if self._shards.gives_up(self._current, unanswered, time.monotonic()):
                     return shard_gone_reply(request_id, self._current)
                 unanswered += 1
                 try:  # silent for a while: does the coordinator still hold it? (answered below)
-                    send(self._sock, MsgType.STATUS, with_api_key(probe_body([request_id]), self._api_key),
+                    send(self._sock, MsgType.STATUS, Signed.sign(probe_body([request_id]), self._api_key),
                          flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass

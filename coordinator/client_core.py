@@ -1,4 +1,5 @@
-"""What the sync and async clients share: errors, results, request building and reply assembly.
+"""What the sync and async clients share: results, request building and reply assembly (and, re-exported,
+the errors of coordinator/client_errors.py).
 
 ``client.py`` (``Client``, ``TokenStream``) and ``async_client.py`` (``AsyncClient``,
 ``AsyncTokenStream``) both build on this module (and on ``client_shards.py``, which picks a
@@ -23,84 +24,29 @@ from mserve.common.audio import audio_part_from_content
 from mserve.common.documents import MAX_DOCUMENT_PAGES, DocumentError, DocumentLimits, render_pdf, render_pdf_file
 from mserve.common.prompt import image_bytes_from_part
 from mserve.common.video import video_part_from_value
-from mserve.common.protocol import ErrorCode, MsgType, ProtocolError, parse_message
+from mserve.common.protocol import MsgType, ProtocolError, parse_message
 from mserve.common.protocol.client import (TO_CLIENT, Abort, Error, Generate, Result, Sampling, Status, StatusReply,
                                           Tokens)
 from mserve.common.serde import WireError
 from mserve.common.sockets import recv, send
+from mserve.coordinator.client_errors import (Aborted, BadRequest, Lost, ModelNotFound, MServeError, NoWorkers,
+                                              Overloaded, RequestTimeout, ServerError, Unauthorized, error_from_reply,
+                                              lost_reply, shard_gone_reply)
 from mserve.coordinator.client_shards import SHARD_PROBES_UNANSWERED, ShardChooser
 
 # One logger for both flavours: what a client logs reads the same whichever was used.
 logger = logging.getLogger("mserve.coordinator.client")
 
 __all__ = [
-    "MServeError", "BadRequest", "Overloaded", "NoWorkers", "RequestTimeout", "Aborted", "ServerError", "Lost",
+    "MServeError", "BadRequest", "Overloaded", "NoWorkers", "ModelNotFound", "RequestTimeout", "Aborted", "ServerError", "Lost",
     "PROBE_AFTER_S", "probe_body", "lost_reply", "shard_gone_reply", "ShardChooser", "SHARD_PROBES_UNANSWERED",
     "GenerateResult", "normalize_client_messages", "error_from_reply", "generate_body", "new_request_id",
     "new_identity", "Assembler", "StreamState", "send_abort", "recv_valid",
-    "Unauthorized", "client_api_key", "with_api_key", "Reply", "status_body",
+    "Unauthorized", "client_api_key", "Reply", "status_body",
 ]
 
 
-# --------------------------------------------------------------------------- errors and results
-
-
-class MServeError(Exception):
-    """An ERROR reply (or a client-side failure of the same kind); branch on ``code``."""
-
-    default_code = ErrorCode.INTERNAL
-
-    def __init__(self, message: str, *, code: str | None = None, request_id: str | None = None,
-                 retry_after_s: float | None = None) -> None:
-        self.code = code or self.default_code
-        self.message = message
-        self.request_id = request_id
-        self.retry_after_s = retry_after_s  # with `overloaded`: about when a retry may be admitted
-        where = f" (request {request_id})" if request_id else ""
-        super().__init__(f"{self.code}: {message}{where}")
-
-
-class BadRequest(MServeError):
-    default_code = ErrorCode.BAD_REQUEST
-
-
-class Overloaded(MServeError):
-    default_code = ErrorCode.OVERLOADED
-
-
-class NoWorkers(MServeError):
-    default_code = ErrorCode.NO_WORKERS
-
-
-class ModelNotFound(MServeError):
-    """The request names a model no live worker of this coordinator serves (the message lists the served ones)."""
-
-    default_code = ErrorCode.MODEL_NOT_FOUND
-
-
-class RequestTimeout(MServeError):
-    default_code = ErrorCode.TIMEOUT
-
-
-class Aborted(MServeError):
-    default_code = ErrorCode.ABORTED
-
-
-class ServerError(MServeError):
-    default_code = ErrorCode.INTERNAL
-
-
-class Unauthorized(MServeError):
-    """The coordinator requires a client API key and this client sent none or a wrong one."""
-
-    default_code = ErrorCode.UNAUTHORIZED
-
-
-class Lost(MServeError):
-    """The coordinator no longer holds the request (it restarted mid-request); sending it again is safe."""
-
-    default_code = ErrorCode.LOST
-
+# --------------------------------------------------------------------------- results
 
 # A request silent this long makes the client ask the coordinator whether it still holds it (a
 # coordinator that restarted does not), so no request waits out its whole timeout for nothing.
@@ -110,35 +56,6 @@ PROBE_AFTER_S = 5.0
 def probe_body(request_ids: list[str]) -> dict[str, Any]:
     """STATUS asking which of these requests the coordinator still holds (answered with unknown_requests)."""
     return Status(request_ids=list(request_ids)).to_body()
-
-
-def lost_reply(request_id: str, message: str | None = None) -> tuple[MsgType, Error]:
-    """The ERROR a probe's ``unknown_requests`` (or a shard that stopped answering) stands for."""
-    return MsgType.ERROR, Error(request_id=request_id, code=ErrorCode.LOST,
-                                message=message or "the coordinator no longer holds this request (it restarted); "
-                                                   "send it again")
-
-
-def shard_gone_reply(request_id: str, address: str) -> tuple[MsgType, Error]:
-    return lost_reply(request_id, f"the coordinator shard at {address} stopped answering; send it again (another "
-                                  "shard takes it)")
-
-
-_ERRORS_BY_CODE: dict[str, type[MServeError]] = {
-    ErrorCode.BAD_REQUEST: BadRequest, ErrorCode.BAD_MESSAGE: BadRequest, ErrorCode.TOO_LARGE: BadRequest, ErrorCode.OVERLOADED: Overloaded,
-    ErrorCode.NO_WORKERS: NoWorkers, ErrorCode.TIMEOUT: RequestTimeout, ErrorCode.ABORTED: Aborted,
-    ErrorCode.INTERNAL: ServerError, ErrorCode.LOST: Lost, ErrorCode.UNAUTHORIZED: Unauthorized,
-    ErrorCode.MODEL_NOT_FOUND: ModelNotFound,
-}
-
-
-def error_from_reply(error: Error | dict[str, Any]) -> MServeError:
-    """The exception for an ERROR (or its body); unknown codes (newer servers) become ServerError, code kept."""
-    if isinstance(error, dict):
-        error = Error.from_body({"request_id": None, **error})
-    code = error.code or ErrorCode.INTERNAL
-    cls = _ERRORS_BY_CODE.get(code, ServerError)
-    return cls(error.message, code=code, request_id=error.request_id, retry_after_s=error.retry_after_s)
 
 
 @dataclass
@@ -275,11 +192,6 @@ def client_api_key(api_key: str | None) -> str | None:
     return key or None
 
 
-def with_api_key(payload: dict[str, Any], api_key: str | None) -> dict[str, Any]:
-    """``payload`` with the client API key added (unchanged when there is none)."""
-    return {**payload, "api_key": api_key} if api_key else payload
-
-
 def new_request_id(request_id: str | None) -> str:
     """The caller's id, or a fresh random one."""
     return request_id if request_id is not None else uuid.uuid4().hex
@@ -389,7 +301,7 @@ class StreamState:
 def send_abort(sock: zmq.Socket, request_id: str, api_key: str | None = None) -> None:
     """Send ABORT without blocking; best effort (nothing to abort when no coordinator is connected)."""
     try:
-        send(sock, MsgType.ABORT, with_api_key(Abort(request_id=request_id).to_body(), api_key), flags=zmq.NOBLOCK)
+        send(sock, MsgType.ABORT, Abort(request_id=request_id, api_key=api_key).to_body(), flags=zmq.NOBLOCK)
     except zmq.ZMQError as exc:  # zmq.Again included: no coordinator connected, nothing to abort there
         logger.debug("%s ABORT not sent: %s", request_id, exc)
 

@@ -13,8 +13,9 @@ import zmq
 import zmq.asyncio
 
 from mserve.common.protocol import MsgType
+from mserve.common.protocol.client import Signed
 from mserve.common.sockets import make_socket, send
-from mserve.coordinator.client_core import Reply, logger, probe_body, recv_valid, with_api_key
+from mserve.coordinator.client_core import Reply, logger, probe_body, recv_valid
 
 __all__ = ["ShardLink"]
 
@@ -55,7 +56,7 @@ class ShardLink:
         assert self._waiter is not None
         while True:
             try:
-                send(self.sock, kind, with_api_key(payload, self._api_key), flags=zmq.NOBLOCK)
+                send(self.sock, kind, Signed.sign(payload, self._api_key), flags=zmq.NOBLOCK)
             except zmq.Again:  # IMMEDIATE: no connection to the shard right now
                 remaining_ms = int((until - time.monotonic()) * 1000)
                 if remaining_ms <= 0 or not await self._waiter.poll(remaining_ms, zmq.POLLOUT):
@@ -70,7 +71,7 @@ class ShardLink:
     def probe(self, request_ids: list[str]) -> None:
         """Ask (without waiting) whether the shard still holds these requests (``unknown_requests``)."""
         try:
-            send(self.sock, MsgType.STATUS, with_api_key(probe_body(request_ids), self._api_key), flags=zmq.NOBLOCK)
+            send(self.sock, MsgType.STATUS, Signed.sign(probe_body(request_ids), self._api_key), flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # not connected right now: the next probe asks again
             pass
 

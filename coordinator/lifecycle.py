@@ -1,43 +1,37 @@
 """A request's life at the coordinator: (re)run from its first stage, tokens out, the end, a worker's death.
 
 Owned by the request machine (coordinator/requests.py) and called by it and by the reply handlers
-(coordinator/replies.py, through their `Lifecycle` interface). Pure: it appends what must be sent to
-the entry point's Outbox, queues stages through the Dispatcher, and never touches a socket.
+(coordinator/replies.py) while a step updates request state. Pure: it appends what must be sent to
+the step's Outbox, queues stages through the Dispatcher, and never touches a socket.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.client import Tokens
 from mserve.common.protocol.to_worker import Cancel
+from mserve.coordinator.context import Context
 from mserve.coordinator.dispatch import Dispatcher
-from mserve.coordinator.membership import Membership
-from mserve.coordinator.records import MachineSettings, Outbox, RequestState, RequestTable, Stage, result_body
-from mserve.coordinator.shedding import FirstTokenRate
-from mserve.coordinator.telemetry import Telemetry
+from mserve.coordinator.records import RequestState, Stage, result_body
 
 log = logging.getLogger("mserve.coordinator")
 
 
 class Lifecycle:
-    def __init__(self, requests: RequestTable, members: Membership, dispatch: Dispatcher, outbox: Outbox,
-                 settings: MachineSettings, stats: dict[str, int], first_tokens: FirstTokenRate,
-                 telemetry: Telemetry, detokenize: Callable[[list[int]], str]) -> None:
-        self.requests, self.members, self.dispatch, self.outbox = requests, members, dispatch, outbox
-        self.settings, self.stats, self.first_tokens, self.telemetry = settings, stats, first_tokens, telemetry
-        self.detokenize = detokenize
+    def __init__(self, ctx: Context, dispatch: Dispatcher) -> None:
+        self.ctx, self.dispatch = ctx, dispatch
 
     def restart(self, st: RequestState, first: bool = False, reason: str = "", ran: bool = True) -> None:
         """(Re)run a request from its first stage, keeping the tokens the client already has. `ran`:
         False when the attempt's stage never reached a worker (it is not counted against max_attempts)."""
         if not first:
-            self.stats["reruns"] += 1
+            self.ctx.counters.count("reruns")
             st.undelivered += not ran
             self.cancel_on_worker(st)  # the stage may still be running on a live worker
-            if st.attempt + 1 - st.undelivered >= self.settings.max_attempts:
+            if st.attempt + 1 - st.undelivered >= self.ctx.settings.max_attempts:
                 unsent = f" ({st.undelivered} never reached a worker)" if st.undelivered else ""
                 self.end(st, error=(ErrorCode.INTERNAL, f"gave up after {st.attempt + 1} attempts{unsent}: {reason}"))
                 return
@@ -54,16 +48,16 @@ class Lifecycle:
         self.dispatch.advance(st)
 
     def stage_done(self, st: RequestState, timing_key: str) -> None:
-        st.timings[timing_key] += self.outbox.now - st.stage_started
+        st.timings[timing_key] += self.ctx.now - st.stage_started
         self.dispatch.uncharge(st)
         if st.trace is not None:
             st.trace.stage_ended()
 
     def emit(self, st: RequestState, tokens: list[int], relay: bool = True) -> None:
-        now = self.outbox.now
+        now = self.ctx.now
         index = len(st.output_ids)
         if index == 0:
-            self.first_tokens.record(now)
+            self.ctx.first_tokens.record(now)
             st.first_token_at = now
         st.output_ids.extend(tokens)
         if st.admitted.request.stream and relay:
@@ -71,29 +65,29 @@ class Lifecycle:
             msg = Tokens(request_id=st.client_rid, index=index, token_ids=tokens,
                          prompt_tokens=len(st.admitted.prompt_ids) if index == 0 else None,
                          model=st.admitted.model if index == 0 else None)
-            self.outbox.to_client(st.client, MsgType.TOKENS, msg.fields())
+            self.ctx.outbox.to_client(st.client, MsgType.TOKENS, msg.fields())
 
     def end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
             **error_extra: Any) -> None:
-        now = self.outbox.now
+        now = self.ctx.now
         self.dispatch.uncharge(st)
         self.dispatch.forget(st)
-        self.requests.remove(st)
+        self.ctx.requests.remove(st)
         if st.trace is not None:
             st.trace.finish({"mserve.attempts": st.attempt + 1, "mserve.output_tokens": len(st.output_ids),
                              "mserve.finish_reason": finish_reason, "mserve.embedding_cache_hits":
                              st.cache_hits["embedding"], "mserve.prefix_cache_hit_tokens": st.cache_hits["prefix_tokens"]},
                             error=None if error is None else f"{error[0]}: {error[1]}")
         if error is not None:
-            self.stats["failed"] += 1
+            self.ctx.counters.count("failed")
             log.warning("%s failed: %s", st.client_rid, error[1])
-            return self.outbox.error(st.client, st.client_rid, *error, **error_extra)
-        self.stats["completed"] += 1
-        self.telemetry.on_request(st, now)
+            return self.ctx.outbox.error(st.client, st.client_rid, *error, **error_extra)
+        self.ctx.counters.count("completed")
+        self.ctx.telemetry.on_request(st, now)
         log.info("%s done: %d tokens (%s) in %.0f ms", st.client_rid, len(st.output_ids), finish_reason,
                  (now - st.arrived) * 1e3)
-        body = result_body(st, finish_reason or "stop", self.detokenize(st.output_ids), now)
-        self.outbox.to_client(st.client, MsgType.RESULT, body)
+        body = result_body(st, finish_reason or "stop", self.ctx.detokenize(st.output_ids), now)
+        self.ctx.outbox.to_client(st.client, MsgType.RESULT, body)
 
     def cancel_on_worker(self, st: RequestState, skip: str | None = None) -> None:
         """CANCEL the request wherever it runs or has data parked (but on `skip`, which already gave up on it)."""
@@ -103,22 +97,22 @@ class Lifecycle:
             # rather than at the transfer's expiry.
             targets |= st.embedding_sources()
         for worker_id in sorted(targets - {skip}):
-            if self.members.is_alive(worker_id):
-                self.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=st.rid).fields())
+            if self.ctx.members.is_alive(worker_id):
+                self.ctx.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=st.rid).fields())
 
     def worker_died(self, worker_id: str, why: str, undelivered: str | None = None) -> None:
         """Declare the worker dead and re-run every request that needs it. `undelivered`: the request
         whose stage message to it never got there (that attempt does not count)."""
-        w = self.members.mark_dead(worker_id)
+        w = self.ctx.members.mark_dead(worker_id)
         if w is None:
             return
         log.warning("worker %s (%s) is gone: %s", worker_id, w.role, why)
-        self.dispatch.lookups.forget(worker_id)  # the prompts routed to it are cached nowhere now
-        for st in self.requests.values():
+        self.ctx.lookups.forget(worker_id)  # the prompts routed to it are cached nowhere now
+        for st in self.ctx.requests.values():
             # Its stage ran there, or data it still needs (embeddings, prefilled KV) was parked there.
             if st.needs(worker_id):
                 if worker_id in st.stage_workers():
-                    self.members.abandon(worker_id, st.rid)
+                    self.ctx.members.abandon(worker_id, st.rid)
                 self.dispatch.uncharge(st)
                 ran = not (st.rid == undelivered and st.worker_id == worker_id)
                 self.restart(st, reason=f"worker {worker_id} {why}", ran=ran)

@@ -2,8 +2,8 @@
 
 RequestState is one request's progress through its stages, and RequestTable holds one per request;
 `stage_message` builds the one message that starts a stage on a worker. ToClient / ToWorker are the
-messages the machine returns for the socket loop to send, collected in the Outbox of the entry point
-being handled; MachineSettings are its limits; Lookups is how Redis-backed cache hints reach it
+messages the machine returns for the socket loop to send, collected in the Outbox of the step
+being taken; Lookups is how Redis-backed cache hints reach it
 (NoLookups: none).
 """
 
@@ -54,13 +54,14 @@ Out = Union[ToClient, ToWorker]
 
 
 class Outbox:
-    """What the entry point being handled answers, in send order, and the time it was called at.
+    """What a step's update phase answers, in send order, and the time the step is taken at.
 
-    The request machine opens it on entry (`begin`) and hands its messages to the socket loop on
-    exit (`take`); its collaborators (dispatch, lifecycle, replies) only append."""
+    The request machine's step opens it (`begin`) and hands its messages to the socket loop (`take`);
+    the parts acting in the update phase (replies, lifecycle, role switches) only append. The schedule
+    phase returns its stage messages itself (Dispatcher.schedule), sent after these."""
 
     def __init__(self) -> None:
-        self.now = 0.0  # the entry point's clock; status reads the last one
+        self.now = 0.0  # the step's clock; status reads the last one
         self._messages: list[Out] = []
 
     def begin(self, now: float) -> None:
@@ -78,34 +79,6 @@ class Outbox:
 
     def error(self, client: bytes, request_id: str | None, code: str, message: str, **extra: Any) -> None:
         self.to_client(client, MsgType.ERROR, Error(request_id=request_id, code=code, message=message, **extra).fields())
-
-
-@dataclass
-class MachineSettings:
-    """The request machine's limits and switches (the coordinator's settings of the same names)."""
-
-    stage_timeout_s: float = 60.0
-    dead_after_s: float = 5.0
-    max_attempts: int = 3
-    max_waiting_requests: int = 256
-    kv_hand_back: bool = False  # DECODE asks for the reply's KV back (replies.py relays it to prefill)
-    # Stages open at once on one encode, prefill or unified worker (0: no cap); the rest wait in the
-    # stage queues, best class first, and bind to whichever worker frees first.
-    max_stages_per_worker: int = 0
-    spread_encode: bool = True  # share a multi-image ENCODE with idle encoders (dispatch.py)
-    prefix_skip: bool = True  # images the chosen prefill worker's cached prefix holds are not encoded (dispatch.py)
-    # 0: score every worker of the role; N: N drawn at random plus the cache holders (dispatch.py)
-    route_choices: int = 0
-    # > 1: decode and unified workers report tokens this often, streaming them to clients that
-    # gave a token sink themselves (token_route); 1: every step, all through the coordinator.
-    token_report_every: int = 1
-    # A prefill worker with this many prompt tokens waiting lends the next prompt to a decode worker
-    # with fewer, which prefills and decodes it (dispatch.py `_local_prefill`); 0: never.
-    local_prefill_tokens: int = 0
-    # Lend by routing.route_lend_adaptive instead: only where the time saved exceeds the time it costs.
-    adaptive_lending: bool = False
-    # Admission counts placeholders at this keep ratio: encoding workers must prune to the same one.
-    visual_token_pruning: float | None = None
 
 
 class Lookups(Protocol):

@@ -1,67 +1,39 @@
 """The request machine's handlers for a worker's reply to a stage: ENCODED, PREFILLED, STEP_TOKENS, FAILED.
 
-Owned by the request machine (coordinator/requests.py), which hands each decoded reply to one
-`on_*` method. A handler finds the live attempt the reply is about (stale replies of an earlier
-attempt or a re-routed stage are dropped), records what it brought, and then either queues the next
-stage (`Staging.advance`, coordinator/dispatch.py) or re-runs or ends the request (`Lifecycle`,
-coordinator/lifecycle.py): the two interfaces below are all it asks of the rest of the machine.
+Owned by the request machine (coordinator/requests.py), whose step hands each decoded reply to one
+`on_*` method while it updates request state. A handler finds the live attempt the reply is about
+(stale replies of an earlier attempt or a re-routed stage are dropped), records what it brought, and
+then either queues the next stage (`Dispatcher.advance`, coordinator/dispatch.py) or re-runs or ends
+the request (`Lifecycle`, coordinator/lifecycle.py); the step's schedule phase sends what was queued.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.to_coordinator import Encoded, Failed, Prefilled, TokenItem
 from mserve.common.protocol.to_worker import AdoptBlocks, Cancel, Embeddings
-from mserve.coordinator.membership import Membership
-from mserve.coordinator.records import (MachineSettings, Outbox, RequestState, RequestTable, Stage, direct_tokens,
-                                        part_message)
+from mserve.coordinator.context import Context
+from mserve.coordinator.dispatch import Dispatcher
+from mserve.coordinator.lifecycle import Lifecycle
+from mserve.coordinator.records import RequestState, Stage, direct_tokens, part_message
 from mserve.coordinator.telemetry import modality
 
 
-class Staging(Protocol):
-    """Where a request's next stage goes, and what its open stages charged their workers (dispatch.Dispatcher)."""
-
-    def advance(self, st: RequestState) -> None: ...
-
-    def uncharge(self, st: RequestState, worker_id: str | None = None, keep: set[str] = frozenset()) -> None: ...
-
-    def prefill_done(self, st: RequestState) -> None: ...
-
-
-class Lifecycle(Protocol):
-    """What a reply may do to its request's life (lifecycle.Lifecycle)."""
-
-    def stage_done(self, st: RequestState, timing_key: str) -> None: ...
-
-    def emit(self, st: RequestState, tokens: list[int], relay: bool = True) -> None: ...
-
-    def restart(self, st: RequestState, first: bool = False, reason: str = "", ran: bool = True) -> None: ...
-
-    def end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
-            **error_extra: Any) -> None: ...
-
-    def cancel_on_worker(self, st: RequestState, skip: str | None = None) -> None: ...
-
-
 class StageReplies:
-    def __init__(self, requests: RequestTable, members: Membership, staging: Staging, life: Lifecycle,
-                 outbox: Outbox, settings: MachineSettings, stats: dict[str, int]) -> None:
-        self.requests, self.members, self.staging, self.life = requests, members, staging, life
-        self.outbox, self.settings, self.stats = outbox, settings, stats
+    def __init__(self, ctx: Context, dispatch: Dispatcher, life: Lifecycle) -> None:
+        self.ctx, self.dispatch, self.life = ctx, dispatch, life
 
     def _current(self, worker_id: str, reply: Encoded | Prefilled | TokenItem, stage: Stage) -> RequestState | None:
         """The request a worker reply is about, if that reply is still the live attempt of that stage."""
-        st = self.requests.get(reply.request_id)
+        st = self.ctx.requests.get(reply.request_id)
         if st is None or st.attempt != reply.attempt or st.stage != stage or st.worker_id != worker_id:
             return None  # stale: an earlier attempt, a re-routed stage, or an aborted request
         return st
 
     def on_encoded(self, worker_id: str, msg: Encoded) -> None:
         for im in msg.images:
-            self.members.add_holder(im.hash, worker_id)
-        spread = self.requests.get(msg.request_id)
+            self.ctx.members.add_holder(im.hash, worker_id)
+        spread = self.ctx.requests.get(msg.request_id)
         if spread is not None and spread.parts:
             return self._on_encoded_part(spread, worker_id, msg)
         st = self._current(worker_id, msg, Stage.ENCODE)
@@ -69,12 +41,12 @@ class StageReplies:
             return
         self.life.stage_done(st, "encode_s")
         st.timings["worker_s"] += msg.worker_s
-        self.life.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s, msg.preprocess_s)
+        self.ctx.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s, msg.preprocess_s)
         st.embeddings, st.embeddings_from = msg.descriptor, worker_id
         st.image_grids = [im.grid for im in msg.images]
         st.cache_hits["embedding"] += msg.cache_hits
         st.next_stage = Stage.PREFILL
-        self.staging.advance(st)
+        self.dispatch.advance(st)
 
     def _on_encoded_part(self, st: RequestState, worker_id: str, msg: Encoded) -> None:
         """One encoder's share of a spread ENCODE. The first part in sends the request on to prefill,
@@ -84,9 +56,9 @@ class StageReplies:
         if st.attempt != msg.attempt or part is None or part.descriptor is not None:
             return  # stale: an earlier attempt, or a part already in
         part.descriptor, part.grids = msg.descriptor, [im.grid for im in msg.images]
-        self.staging.uncharge(st, worker_id)
+        self.dispatch.uncharge(st, worker_id)
         st.timings["worker_s"] += msg.worker_s
-        self.life.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s, msg.preprocess_s)
+        self.ctx.telemetry.on_encoded(modality(st.admitted.images), msg.worker_s, msg.preprocess_s)
         st.cache_hits["embedding"] += msg.cache_hits
         grids: list = [None] * len(st.admitted.images)
         for p in st.parts:
@@ -94,13 +66,13 @@ class StageReplies:
                 grids[i] = grid
         st.image_grids = grids
         if all(p.descriptor is not None for p in st.parts):
-            st.timings["encode_s"] += self.outbox.now - st.encode_started
+            st.timings["encode_s"] += self.ctx.now - st.encode_started
         if st.stage == Stage.ENCODE:
             st.next_stage = Stage.PREFILL
-            self.staging.advance(st)  # its PREFILL carries every part in by the time a prefill worker takes it
+            self.dispatch.advance(st)  # its PREFILL carries every part in by the time a prefill worker takes it
         elif st.stage == Stage.PREFILL and st.worker_id is not None:
             more = Embeddings(request_id=st.rid, attempt=st.attempt, parts=[part_message(part)])
-            self.outbox.to_worker(st.worker_id, MsgType.EMBEDDINGS, more.fields())
+            self.ctx.outbox.to_worker(st.worker_id, MsgType.EMBEDDINGS, more.fields())
 
     def on_prefilled(self, worker_id: str, msg: Prefilled) -> None:
         st = self._current(worker_id, msg, Stage.PREFILL)
@@ -118,10 +90,10 @@ class StageReplies:
             return self.life.restart(st, reason=f"{worker_id} prefilled without handing over its KV")
         st.kv, st.kv_from = {"descriptor": msg.descriptor, "state": msg.state}, worker_id
         st.next_stage = Stage.DECODE
-        self.staging.advance(st)
+        self.dispatch.advance(st)
 
     def on_step_tokens(self, worker_id: str, item: TokenItem) -> None:
-        worker = self.members.get(worker_id)
+        worker = self.ctx.members.get(worker_id)
         assert worker is not None  # the machine hands on replies of registered workers only
         stage = Stage.RUN if worker.role == "unified" else Stage.DECODE
         st = self._current(worker_id, item, stage)
@@ -129,43 +101,43 @@ class StageReplies:
         if local:  # a PREFILL lent to this decode worker (dispatch.py `_local_prefill`): it decodes on
             st = self._current(worker_id, item, Stage.PREFILL)
         if st is None:
-            if item.request_id not in self.requests and not item.finished:
+            if item.request_id not in self.ctx.requests and not item.finished:
                 # Nobody waits for it (a coordinator before this one admitted it): free the worker.
-                self.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=item.request_id).fields())
+                self.ctx.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=item.request_id).fields())
             return
-        self.stats["token_items"] += 1
+        self.ctx.counters.count("token_items")
         st.timings["transfer_s"] += item.fetch_s or 0.0
-        now = self.outbox.now
-        st.deadline = now + self.settings.stage_timeout_s  # progress resets the stage timeout
+        now = self.ctx.now
+        st.deadline = now + self.ctx.settings.stage_timeout_s  # progress resets the stage timeout
         if (stage == Stage.RUN or local) and item.first:  # unified, local: time to the first token is its prefill
             st.timings["prefill_s"] += now - st.stage_started
             st.stage, st.stage_started = stage, now
-            self.staging.prefill_done(st)  # its prompt is no longer work waiting on that worker
+            self.dispatch.prefill_done(st)  # its prompt is no longer work waiting on that worker
         # Direct tokens: the worker streamed these to the client itself; here they are only recorded.
-        self.life.emit(st, item.token_ids, relay=not direct_tokens(st, self.settings.token_report_every))
+        self.life.emit(st, item.token_ids, relay=not direct_tokens(st, self.ctx.settings.token_report_every))
         if item.finished:
             st.timings["worker_s"] += item.worker_s or 0.0
             self.life.stage_done(st, "decode_s")
             st.cache_hits["prefix_tokens"] += item.cached_tokens or 0
             st.cache_hits["embedding"] += item.embedding_hits or 0  # unified: its own embedding tiers
             self._count_skipped(st, item.skipped_images or 0)
-            if item.hand_back and st.kv_from and self.members.is_alive(st.kv_from):
+            if item.hand_back and st.kv_from and self.ctx.members.is_alive(st.kv_from):
                 # The reply's KV blocks go to the prefill worker holding the prompt's, for the next turn.
                 adopt = AdoptBlocks(request_id=st.rid, **item.hand_back.fields())
-                self.outbox.to_worker(st.kv_from, MsgType.ADOPT, adopt.fields())
+                self.ctx.outbox.to_worker(st.kv_from, MsgType.ADOPT, adopt.fields())
             self.life.end(st, finish_reason=item.finish_reason or "stop")
 
     def _count_skipped(self, st: RequestState, skipped: int) -> None:
         """Images the request's prefill did without encoding: the cached prefix held them."""
         if skipped:
             st.cache_hits["skipped_by_prefix"] = st.cache_hits.get("skipped_by_prefix", 0) + skipped
-            self.stats["encodes_skipped_by_prefix"] += skipped
+            self.ctx.counters.count("encodes_skipped_by_prefix", skipped)
 
     def on_failed(self, worker_id: str, msg: Failed) -> None:
-        st = self.requests.get(msg.request_id)
+        st = self.ctx.requests.get(msg.request_id)
         if st is None or st.attempt != msg.attempt or worker_id not in st.stage_workers() | {st.worker_id}:
             return  # stale, or from a worker this attempt no longer runs on
-        self.staging.uncharge(st)
+        self.dispatch.uncharge(st)
         if msg.retryable:
             self.life.restart(st, reason=f"{worker_id}: {msg.message}")
         else:

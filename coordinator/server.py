@@ -22,7 +22,7 @@ from mserve.common import pruning
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
-from mserve.common.protocol.client import FROM_CLIENT, Error, Status, StatusReply
+from mserve.common.protocol.client import FROM_CLIENT, Error, Signed, Status, StatusReply
 from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, WorkerInfo
 from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
@@ -32,6 +32,7 @@ from mserve.common.sockets import make_socket, send
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
 from mserve.coordinator.coordinator_redis import CoordinatorRedis, RedisEncodeLeases, RedisLookups
 from mserve.coordinator.admission import AdmissionError, Limits, admit
+from mserve.coordinator.events import Abort, FromWorker, Reject, Submit, SwitchRoleTo, Tick, Unreachable
 from mserve.coordinator.models import ModelTable, ModelUnavailable, ServedModel, VariantRouter, merged_status
 from mserve.coordinator.requests import Out, RequestMachine, ToClient
 from mserve.coordinator.settings import CoordinatorSettings
@@ -83,15 +84,7 @@ class Coordinator:
         settings = self.settings
         builder = PromptBuilder(path, visual_token_pruning=settings.visual_token_pruning)
         machine = RequestMachine(
-            stage_timeout_s=settings.stage_timeout_s, dead_after_s=settings.dead_after_s,
-            max_attempts=settings.max_attempts, max_waiting_requests=settings.max_waiting_requests,
-            kv_hand_back=settings.kv_hand_back, max_stages_per_worker=settings.max_stages_per_worker,
-            class_aging_s=settings.class_aging_s, spread_encode=settings.spread_encode, prefix_skip=settings.prefix_skip,
-            route_choices=settings.route_choices, token_report_every=settings.token_report_every,
-            local_prefill_tokens=settings.local_prefill_tokens, adaptive_lending=settings.adaptive_lending,
-            role_switching=settings.role_switching,
-            detokenize=builder.decode, visual_token_pruning=settings.visual_token_pruning,
-            encode_single_flight=settings.encode_single_flight, shard_id=self._shard_owner,
+            settings, detokenize=builder.decode, shard_id=self._shard_owner,
             encode_leases=RedisEncodeLeases(self.redis.store, name, self.redis.lane) if self.redis else None,
             lookups=RedisLookups(self.redis.store, builder, name) if self.redis else None,
             adaptive_pruning=self._adaptive_pruning(settings, builder) if name == self.model_name else None)
@@ -171,8 +164,8 @@ class Coordinator:
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker's socket is gone
                 model = self.models.of_worker(msg.worker_id)
                 if model is not None:
-                    self._send(model.machine.worker_unreachable(msg.worker_id, str(exc), msg.body.get("request_id"),
-                                                                now=time.monotonic()))
+                    self._send(model.machine.step(Unreachable(msg.worker_id, str(exc), msg.body.get("request_id")),
+                                                   time.monotonic()))
 
     def _reply(self, client: bytes, kind: MsgType, payload: Message | dict[str, Any]) -> None:
         try:
@@ -191,6 +184,7 @@ class Coordinator:
         try:
             msg_type, payload = decode(frames[1:])
             kind = check_header(msg_type, payload, CLIENT_MESSAGES)
+            key = Signed.take_api_key(payload)  # every client message is Signed
             # A GENERATE's content is parsed once, by admission (the outside world's input; its errors name
             # the field and limit); ABORT and STATUS here.
             msg = None if kind is MsgType.GENERATE else CLIENT_MESSAGES[kind].from_body(payload)
@@ -198,7 +192,6 @@ class Coordinator:
             rid = payload.get("request_id") if isinstance(payload, dict) else None
             self._error(client, rid if isinstance(rid, str) else None, ErrorCode.BAD_MESSAGE, str(exc))
             return
-        key = payload.pop("api_key", None)  # never kept, passed on or logged
         if self._client_key is not None and not (
                 isinstance(key, str) and hmac.compare_digest(key.encode(), self._client_key)):
             self._refuse(client, kind, payload, "missing" if key is None else "wrong")
@@ -207,7 +200,7 @@ class Coordinator:
             self._on_generate(client, payload)
         elif kind is MsgType.ABORT:
             for model in self.models:  # a request id is the client's: whichever model holds it ends it
-                self._send(model.machine.abort(client, msg.request_id, now=time.monotonic()))
+                self._send(model.machine.step(Abort(client, msg.request_id), time.monotonic()))
         elif isinstance(msg, SwitchRole):
             self._on_switch_role(client, msg)
         elif isinstance(msg, Status):
@@ -228,7 +221,7 @@ class Coordinator:
         if why is not None:
             self._error(client, None, ErrorCode.BAD_REQUEST, why)
             return
-        self._send(model.machine.switch_role(msg.worker_id, msg.role, "operator", now=time.monotonic()))
+        self._send(model.machine.step(SwitchRoleTo(msg.worker_id, msg.role, "operator"), time.monotonic()))
         report = self.status()
         self._reply(client, MsgType.STATUS_REPLY, StatusReply(workers=report.pop("workers"), report=report))
 
@@ -270,13 +263,13 @@ class Coordinator:
             admitted.admission_s = time.perf_counter() - started
             admitted.model = model.name
         except AdmissionError as exc:
-            self._send(machine.reject(client, rid, str(exc), exc.code, now=time.monotonic()))
+            self._send(machine.step(Reject(client, rid, str(exc), exc.code), time.monotonic()))
             return
         except Exception as exc:
             log.exception("%s: admission failed unexpectedly", rid_in)
             self._error(client, rid, ErrorCode.INTERNAL, f"admission failed: {exc.__class__.__name__}: {exc}")
             return
-        self._send(machine.submit(client, admitted, now=time.monotonic()))
+        self._send(machine.step(Submit(client, admitted), time.monotonic()))
 
     # -- workers ----------------------------------------------------------------------------------------
     def _on_worker_frames(self, frames: list) -> None:
@@ -292,7 +285,7 @@ class Coordinator:
         if model is None:
             log.warning("message %s from unregistered worker %s ignored", msg.KIND.name, worker_id)
             return
-        self._send(model.machine.on_worker(worker_id, msg.KIND, msg, now=time.monotonic()))
+        self._send(model.machine.step(FromWorker(worker_id, msg.KIND, msg), time.monotonic()))
 
     def _model_for_worker(self, worker_id: str, msg: Message) -> ServedModel | None:
         """The model whose machine takes a worker's message: a READY (or a heartbeat carrying the
@@ -304,14 +297,14 @@ class Coordinator:
             return current
         model = self.models.register(worker_id, info)
         if current is not None and model is not current:  # the same id, restarted for another model
-            self._send(current.machine.worker_unreachable(worker_id, f"re-registered for model {info.model!r}",
-                                                          now=time.monotonic()))
+            self._send(current.machine.step(Unreachable(worker_id, f"re-registered for model {info.model!r}"),
+                                            time.monotonic()))
         return model
 
     # -- housekeeping -------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
         for model in self.models:
-            self._send(model.machine.tick(now=now))
+            self._send(model.machine.step(Tick(), now))
         if self.redis is not None:
             loads = self.redis.tick(now, self._announced, self._started,
                                     lambda: {model.name: model.machine.alive_workers() for model in self.models})

@@ -1,36 +1,23 @@
-"""The coordinator's one settings object: flags and MSERVE_* environment variables, printed at start-up."""
+"""The coordinator's settings, declared once: flags and MSERVE_* environment variables, printed at start-up.
+
+MachineSettings are those of the request machine; CoordinatorSettings adds the sockets, Redis,
+admission limits and security around them."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mserve.common.policy import CLASS_AGING_S, DEFAULT_LIMITS, Limits
 
 
-class CoordinatorSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
+class MachineSettings(BaseModel):
+    """The request machine's settings (coordinator/requests.py), declared here once: CoordinatorSettings
+    takes them as flags and MSERVE_* variables, and a RequestMachine made without a coordinator (the
+    tests) takes a MachineSettings of its own."""
 
-    # The default model (requests that name none go to it), loaded at start-up. Workers bring every other
-    # model: each READY names its model and folder, and the coordinator serves it from then on
-    # (coordinator/models.py). None: every model comes with its workers.
-    model: str | None = None
-    model_name: str | None = None  # its served name and Redis cache key; defaults to the model path
-    bind: str = "tcp://127.0.0.1:5555"  # clients connect here
-    worker_bind: str = "tcp://127.0.0.1:5556"  # workers connect here
-    redis: str | None = None
-    # How long one Redis call may wait before Redis counts as down. The loop never waits on Redis for
-    # the announcement, loads or lease writes (they run on the Redis lane, common/redis_lane.py), and
-    # reads routing hints only while Redis answers (coordinator/coordinator_redis.py).
-    redis_timeout_s: float = Field(0.5, gt=0.0)
-    # Sharded coordinators (docs/scaling.md): this process is one of several, named so in Redis
-    # (`mserve:coordinator:{shard_id}`), where workers and clients find every shard. None: the only one.
-    shard_id: str | None = None
-    # The addresses a shard announces when it binds a wildcard (tcp://*:5555): what others connect to.
-    advertise: str | None = None
-    worker_advertise: str | None = None
     # A stage making no progress this long is re-run elsewhere (one merely queued at a live worker is not).
     stage_timeout_s: float = 60.0
     # Heartbeat silence after which a worker is declared dead. Workers beat from a thread of their
@@ -59,9 +46,6 @@ class CoordinatorSettings(BaseSettings):
     # Images whose placeholders the chosen prefill worker's cached prefix holds whole are neither encoded
     # nor fetched (coordinator/dispatch.py, workers/prefix_skip.py).
     prefix_skip: bool = True
-    # How often the worker loads are read from Redis, on top of the heartbeats that carry them (0: never;
-    # with many workers and shards, heartbeats alone at 1 Hz are the cheaper source).
-    load_poll_s: float = Field(0.25, ge=0.0)
     # 0: route each stage among every worker of its role (one coordinator sees every stage it sent).
     # N >= 2: among N drawn at random plus the workers holding the request's cached images or prefix
     # ("power of two choices"): for several shards, which otherwise herd onto one "least busy" worker.
@@ -87,6 +71,49 @@ class CoordinatorSettings(BaseSettings):
     # time its compute costs the requests that worker holds (routing.route_lend_adaptive); overrides
     # local_prefill_tokens' fixed threshold.
     adaptive_lending: bool = False
+    # Opt-in FasterVLM visual-token pruning (common/pruning.py): admission counts each image's
+    # placeholders at this keep ratio; encode and unified workers must run the same one (checked at READY).
+    visual_token_pruning: float | None = None
+
+    @field_validator("visual_token_pruning", mode="before")
+    @classmethod
+    def _pruning_ratio(cls, v: object) -> float | None:
+        from mserve.common.pruning import parse_ratio
+
+        return parse_ratio(v)
+
+    @field_validator("route_choices")
+    @classmethod
+    def _choices(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("route_choices must be 0 (every worker) or at least 2: one random worker ignores load")
+        return v
+
+
+class CoordinatorSettings(BaseSettings, MachineSettings):
+    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
+
+    # The default model (requests that name none go to it), loaded at start-up. Workers bring every other
+    # model: each READY names its model and folder, and the coordinator serves it from then on
+    # (coordinator/models.py). None: every model comes with its workers.
+    model: str | None = None
+    model_name: str | None = None  # its served name and Redis cache key; defaults to the model path
+    bind: str = "tcp://127.0.0.1:5555"  # clients connect here
+    worker_bind: str = "tcp://127.0.0.1:5556"  # workers connect here
+    redis: str | None = None
+    # How long one Redis call may wait before Redis counts as down. The loop never waits on Redis for
+    # the announcement, loads or lease writes (they run on the Redis lane, common/redis_lane.py), and
+    # reads routing hints only while Redis answers (coordinator/coordinator_redis.py).
+    redis_timeout_s: float = Field(0.5, gt=0.0)
+    # Sharded coordinators (docs/scaling.md): this process is one of several, named so in Redis
+    # (`mserve:coordinator:{shard_id}`), where workers and clients find every shard. None: the only one.
+    shard_id: str | None = None
+    # The addresses a shard announces when it binds a wildcard (tcp://*:5555): what others connect to.
+    advertise: str | None = None
+    worker_advertise: str | None = None
+    # How often the worker loads are read from Redis, on top of the heartbeats that carry them (0: never;
+    # with many workers and shards, heartbeats alone at 1 Hz are the cheaper source).
+    load_poll_s: float = Field(0.25, ge=0.0)
     # Admission limits (common/policy.py `Limits` says what each bounds).
     max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
     max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
@@ -105,9 +132,6 @@ class CoordinatorSettings(BaseSettings):
     # public keys (both or neither); a worker whose key is not there is refused at the handshake.
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
-    # Opt-in FasterVLM visual-token pruning (common/pruning.py): admission counts each image's
-    # placeholders at this keep ratio; encode and unified workers must run the same one (checked at READY).
-    visual_token_pruning: float | None = None
     # Opt-in SLO-adaptive pruning (coordinator/adaptive_pruning.py): per latency class, the keep ratio
     # its new requests get while the predicted TTFT breaks the class's objective in ttft_slo_ms
     # ("interactive=0.5,batch=0.25" and "interactive=2000"); lifted once the prediction stays below
@@ -126,13 +150,6 @@ class CoordinatorSettings(BaseSettings):
     # The CPU cores this process runs on (--cpus, $MSERVE_CPUS; common/cpu_placement.py): mserve/cli.py
     # pins the process before anything starts; None: every core it may use.
     cpus: str | None = None
-
-    @field_validator("visual_token_pruning", mode="before")
-    @classmethod
-    def _pruning_ratio(cls, v: object) -> float | None:
-        from mserve.common.pruning import parse_ratio
-
-        return parse_ratio(v)
 
     @model_validator(mode="after")
     def _adaptive_pruning(self) -> CoordinatorSettings:
@@ -160,13 +177,6 @@ class CoordinatorSettings(BaseSettings):
 
         return objectives(parse_per_class(self.adaptive_pruning, "adaptive_pruning"),
                           parse_per_class(self.ttft_slo_ms, "ttft_slo_ms"), self.adaptive_pruning_hold_s)
-
-    @field_validator("route_choices")
-    @classmethod
-    def _choices(cls, v: int) -> int:
-        if v == 1:
-            raise ValueError("route_choices must be 0 (every worker) or at least 2: one random worker ignores load")
-        return v
 
     @field_validator("client_api_key")
     @classmethod

@@ -50,7 +50,11 @@ def reference_model(model_dir: str, dtype: str = "float32"):
 def _reference_model(model_dir: str, dtype: str):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
+    from mserve.common.families import rules_for
+
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if rules_for(model.config.model_type).no_images is not None:  # Llama 4: its image processor needs torchvision
+        return model, None
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     return model, processor
 
@@ -92,8 +96,8 @@ def _hf_generate(model_dir: str, prompt_ids: tuple[int, ...], images: tuple[byte
         kwargs.pop("num_crops", None)  # pan-and-scan's crop counts (off): not a model input
     config = copy.deepcopy(model.generation_config)
     config.max_new_tokens, config.do_sample = max_new_tokens, False
-    if ignore_eos:
-        config.eos_token_id = None
+    if ignore_eos:  # an empty list, not None: generate() fills a None from the model's own generation_config
+        config.eos_token_id = []
     config.output_logits, config.return_dict_in_generate = True, True
     with torch.inference_mode():
         out = model.generate(**kwargs, generation_config=config)

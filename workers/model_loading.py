@@ -66,6 +66,7 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
     model, info = getattr(transformers, auto).from_pretrained(str(model_dir), dtype=resolve_dtype(device, dtype, model_dir),
                                                               output_loading_info=True)
     refuse_unloaded_weights(model_dir, model, info)
+    model = StandardLayout.of(model)
     if parts == "text":
         for name in _VISION_MODULES:
             if getattr(model.model, name, None) is not None:
@@ -77,6 +78,28 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
         drop_unread_vision_layers(model)
     gc.collect()
     return use_paged_attention(model.to(device).eval())
+
+
+class StandardLayout(torch.nn.Module):
+    """A VLM whose parts sit at its top (Llama4ForConditionalGeneration: vision_model, multi_modal_projector,
+    and language_model, a whole Llama4ForCausalLM with its own lm_head) seen in the layout every other family
+    has and the runner reads: `model.{language_model, vision_model, multi_modal_projector}` and `lm_head`,
+    the language model being the text model (hidden states out). The same modules, not copies: the view is
+    what the worker holds, so a stage dropping half of it frees that half."""
+
+    def __init__(self, vlm: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.language_model = vlm.language_model.model
+        self.model.vision_model = vlm.vision_model
+        self.model.multi_modal_projector = vlm.multi_modal_projector
+        self.lm_head = vlm.language_model.lm_head
+        self.config, self.generation_config = vlm.config, vlm.generation_config
+
+    @classmethod
+    def of(cls, vlm: torch.nn.Module) -> torch.nn.Module:
+        """`vlm` itself where it has the standard layout, else its view in it."""
+        return vlm if hasattr(vlm, "model") else cls(vlm)
 
 
 def refuse_unloaded_weights(model_dir: str | os.PathLike, model: torch.nn.Module, info: dict) -> None:

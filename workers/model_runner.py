@@ -88,6 +88,7 @@ class ModelRunner:
         # Linear-attention layers (Qwen3.5's Gated DeltaNet) keep a state per sequence, not paged K/V.
         linear = set(linear_layers(text))
         self.linear_states: LinearStates | None = None
+        self.attention_chunks: list[int | None] | None = None  # Llama 4's chunked local layers (text_traits.py)
         if self.language_model is None:  # an encoder: no KV pool, no text embeddings
             self.embed_tokens, self.kv = None, None
         else:
@@ -98,6 +99,11 @@ class ModelRunner:
             kv_heads, head_dim = shapes[0]
             self.kv = KVCache(text.num_hidden_layers, num_blocks, kv_heads, block_size, head_dim,
                               dtype=self.dtype, device=self.device, layer_shapes=shapes, kv_sources=sources)
+            # Llama 4: chunked local layers, and NoPE layers whose temperature tuning needs each token's position.
+            self.attention_chunks = text_traits.attention_chunks(text)
+            if text_traits.wrap_temperature_layers(self.language_model) and compile_decode:
+                raise ValueError("compile: not for models with temperature-tuned attention layers (Llama 4: "
+                                 "their scaling is switched per forward, outside a compiled graph); run without --compile")
             if linear:
                 if compile_decode:
                     raise ValueError("compile: not for models with linear-attention layers (their per-sequence "
@@ -146,8 +152,10 @@ class ModelRunner:
         else:
             inputs = self.family.image_inputs([im.image if isinstance(im, PreparedImage) else im for im in images])
         kwargs = {k: v for k, v in inputs.items() if k in self._image_feature_inputs}
-        # Pixels in the model's dtype, whatever the processor calls them (Video-LLaVA: pixel_values_images).
-        kwargs.update({k: v.to(self.device, self.dtype) if k.startswith("pixel_values") and v.is_floating_point()
+        # Pixels in the model's dtype, whatever the processor calls them (Video-LLaVA: pixel_values_images),
+        # unless the vision tower casts them itself (FamilyRules.casts_own_pixels).
+        pixels = self.family.rules.pixel_dtype(self.dtype)
+        kwargs.update({k: v.to(self.device, pixels) if k.startswith("pixel_values") and v.is_floating_point()
                        else v.to(self.device) for k, v in kwargs.items() if torch.is_tensor(v)})
         pruner = self.pruner_for(keep_ratio)
         with pruner.capture() if pruner else contextlib.nullcontext() as scores:
@@ -346,7 +354,8 @@ class ModelRunner:
                  for c in chunks] if self.family.bidirectional_images else None)
         batch = PagedBatch.build(self.kv, [(c.seq.block_table.block_ids, c.start, c.num_tokens) for c in chunks],
                                  self.device, image_runs=runs, exact=self.exact_attention,
-                                 images_on_sliding_only=self.family.rules.bidirectional_images_sliding_only)
+                                 images_on_sliding_only=self.family.rules.bidirectional_images_sliding_only,
+                                 layer_chunks=self.attention_chunks)
         if self.linear_states is not None:
             batch.linear = self.linear_states.rows([(c.seq.request_id, c.start, c.num_tokens) for c in chunks])
         decode = (self._compiled_decode is not None and all(c.num_tokens == 1 for c in chunks)

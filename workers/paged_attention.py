@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mserve.workers import huge_pages, paged_decode, paged_prefill
+from mserve.workers import attention_masks, huge_pages, paged_decode, paged_prefill, text_traits
 
 ATTN_IMPLEMENTATION = "mserve_paged"
 
@@ -135,8 +135,7 @@ class AttentionGroup:
     whole_uniform: bool = False
     query_pos: torch.Tensor | None = None  # [G, max_q] each query's position in its sequence
     # Exact-length attention (reduced precision): each request's context length. Requests of one
-    # length attend together over exactly their keys, never over masked padding (see _attend). None
-    # with bidirectional image runs, whose mask is not the causal one.
+    # length attend together over exactly their keys, never over masked padding (see _attend_exact).
     key_lens: tuple[int, ...] | None = None
     # A group of one prompt's first chunk (position 0, causal only): its token count. Such a chunk
     # attends causally over exactly its own keys, `is_causal` and no mask, as HF's prefill calls SDPA
@@ -148,16 +147,20 @@ class AttentionGroup:
     decode_lens: torch.Tensor | None = None
     max_len: int = 0
     causal: bool = True  # no bidirectional image runs: the mask is the causal one
-    _windowed: dict = field(default_factory=dict)  # sliding window -> mask, built on first use
+    _local: dict = field(default_factory=dict)  # (window, chunk) -> mask, built on first use
 
-    def windowed_mask(self, window: int) -> torch.Tensor:
-        """`mask` limited to the last `window` keys of each query, as transformers' sliding_window_overlay
-        (key > query - window), applied after the image groups' bidirectional part, as in HF's Gemma 3."""
-        if window not in self._windowed:
-            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            near = key_pos[None, None, :] > self.query_pos[:, :, None] - window
-            self._windowed[window] = self.mask & near[:, None]
-        return self._windowed[window]
+    def local(self, window: int | None, chunk: int | None) -> bool:
+        """Whether a sliding window or an attention chunk hides a key from some query of this group (a
+        window as long as every context, like the 32k one Qwen2-VL passes on every layer, hides none; nor
+        does a chunk no query reaches the end of)."""
+        return any(size is not None and size < self.max_len for size in (window, chunk))
+
+    def local_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
+        """`mask` limited by the layer's sliding window or attention chunk (attention_masks.local_keys)."""
+        if (window, chunk) not in self._local:
+            self._local[(window, chunk)] = self.mask & attention_masks.local_keys(
+                self.query_pos, self.mask.shape[-1], window, chunk)[:, None]
+        return self._local[(window, chunk)]
 
     @classmethod
     def build(cls, chunks: Sequence[tuple[Sequence[int], int, int, int, Sequence[tuple[int, int]]]], bs: int,
@@ -178,28 +181,17 @@ class AttentionGroup:
         qp = torch.tensor(q_pos, device=device)
         mask = key_pos[None, None, :] <= qp[:, :, None]  # causal; also bounds keys to the context
         if any(c[4] for c in chunks):
-            mask |= _same_image(chunks, max_blocks * bs, qp, device)
+            mask |= attention_masks.same_image(chunks, max_blocks * bs, qp, device)
         whole = len(dest) == total and dest == list(range(total)) and all(c[2] == max_q for c in chunks)
         return cls(block_tables=torch.tensor(tables, dtype=torch.long, device=device),
                    query_index=torch.tensor(q_index, dtype=torch.long, device=device), mask=mask[:, None],
                    out_rows=torch.tensor(out_rows, dtype=torch.long, device=device),
                    dest=torch.tensor(dest, dtype=torch.long, device=device), whole_uniform=whole, query_pos=qp,
-                   key_lens=tuple(c[1] + c[2] for c in chunks) if exact and not any(c[4] for c in chunks) else None,
+                   key_lens=tuple(c[1] + c[2] for c in chunks) if exact else None,
                    fresh_prompt=max_q if len(chunks) == 1 and chunks[0][1] == 0 and max_q > 1 and not chunks[0][4]
                    else None,
                    decode_lens=qp[:, 0] + 1 if max_q == 1 and not any(c[4] for c in chunks) else None,
                    max_len=max(c[1] + c[2] for c in chunks), causal=not any(c[4] for c in chunks))
-
-
-def _same_image(chunks: Sequence[tuple], num_keys: int, query_pos: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[G, max_q, keys]: True where query and key are tokens of one image (HF's blockwise_overlay over
-    token_type_ids groups). The scheduler computes an image in one chunk, so all its keys are written."""
-    key_image = torch.full((len(chunks), num_keys), -1, dtype=torch.long, device=device)
-    for i, c in enumerate(chunks):
-        for k, (lo, hi) in enumerate(c[4]):
-            key_image[i, lo:hi] = k
-    query_image = key_image.gather(1, query_pos)
-    return (query_image[:, :, None] == key_image[:, None, :]) & (query_image[:, :, None] >= 0)
 
 
 @dataclass
@@ -218,6 +210,11 @@ class PagedBatch:
     # The same requests attending causally only, for the layers without a sliding window when images are
     # bidirectional on sliding-window layers alone (Gemma 4); None: every layer attends through `groups`.
     full_layer_groups: list[AttentionGroup] | None = None
+    # Each packed token's position in its sequence [T] (what Llama 4's temperature tuning scales by).
+    positions: torch.Tensor | None = None
+    # Each layer's attention chunk (Llama 4's chunked local layers: a query attends within
+    # [pos // chunk * chunk, pos]), None on the others; None: no layer is chunked.
+    layer_chunks: Sequence[int | None] | None = None
 
     def groups_for(self, window: int | None) -> list[AttentionGroup]:
         """The groups one layer attends through: `window` is its sliding window, None on a full layer."""
@@ -226,13 +223,16 @@ class PagedBatch:
     @classmethod
     def build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
               image_runs: Sequence[Sequence[tuple[int, int]]] | None = None, exact: bool = False,
-              images_on_sliding_only: bool = False) -> "PagedBatch":
+              images_on_sliding_only: bool = False,
+              layer_chunks: Sequence[int | None] | None = None) -> "PagedBatch":
         """`chunks`: per request (block ids, first position computed, number of tokens). `image_runs`:
         per request, the (start, end) of each image whose tokens attend to each other both ways
         (families with bidirectional images; None: all attention is causal), on every layer, or on the
         sliding-window layers only (`images_on_sliding_only`). `exact`: attend over each request's exact
-        key count (`--attention exact`: the note under exact_setting says when that matters)."""
+        key count (`--attention exact`: the note under exact_setting says when that matters). `layer_chunks`:
+        each layer's attention chunk, or None (PagedBatch.layer_chunks)."""
         batch = cls._build(kv, chunks, device, image_runs, exact)
+        batch.layer_chunks = layer_chunks
         if images_on_sliding_only and image_runs is not None:
             batch.full_layer_groups = cls._build(kv, chunks, device, None, exact).groups
         return batch
@@ -241,10 +241,11 @@ class PagedBatch:
     def _build(cls, kv: KVCache, chunks: Sequence[tuple[Sequence[int], int, int]], device: torch.device,
                image_runs: Sequence[Sequence[tuple[int, int]]] | None, exact: bool) -> "PagedBatch":
         bs = kv.block_size
-        slots, by_len = [], {}
+        slots, by_len, positions = [], {}, []
         packed = 0
         for i, (blocks, start, n) in enumerate(chunks):
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            positions.extend(range(start, start + n))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in positions[-n:])
             # A run matters only to queries from its start on: decode tokens past every image skip it.
             runs = tuple(r for r in (image_runs[i] if image_runs else ()) if r[1] > start)
             # One query each (decode) go together; a longer chunk goes with chunks of its own length.
@@ -254,6 +255,7 @@ class PagedBatch:
             kv=kv,
             slots=torch.tensor(slots, dtype=torch.long, device=device),
             groups=[AttentionGroup.build(g, bs, packed, device, exact) for g in by_len.values()],
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
         )
 
 
@@ -277,17 +279,21 @@ def _tokens(query: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scaling: float | None, window: int | None = None) -> torch.Tensor:
-    """One group's attention output as [rows, heads, head_dim] (rows = its real tokens, in `dest` order)."""
+            scaling: float | None, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """One group's attention output as [rows, heads, head_dim] (rows = its real tokens, in `dest` order).
+    `window`: the layer's sliding window; `chunk`: its attention chunk (None: not that kind of layer)."""
     g, max_q = group.query_index.shape
     heads, _, d = query.shape
-    if (group.decode_lens is not None and group.key_lens is None and (window is None or window >= group.max_len)
+    # A window or chunk that hides keys makes the mask not the causal one: the in-place kernels, the
+    # causal-only call and exact-length attention do not apply.
+    local = group.local(window, chunk)
+    if (group.decode_lens is not None and group.key_lens is None and not local
             and paged_decode.usable(query, k_cache)):  # decode tokens: read the pool in place, no gather
         q = query.transpose(0, 1) if group.whole_uniform else _tokens(query, group.query_index[:, 0])
         return paged_decode.attend(q, k_cache, v_cache, group.block_tables, group.decode_lens, group.max_len,
                                    scaling if scaling is not None else d ** -0.5)
     if (group.decode_lens is None and group.key_lens is None and group.causal and len(group.dest) == g * max_q
-            and (window is None or window >= group.max_len) and paged_prefill.usable(query, k_cache)):
+            and not local and paged_prefill.usable(query, k_cache)):
         # prompt chunks of one length in bfloat16, padded attention: read the pool in place
         q = query.transpose(0, 1) if group.whole_uniform else _tokens(query, group.query_index.view(-1))
         out = paged_prefill.attend(q.reshape(g, max_q, heads, d), k_cache, v_cache, group.block_tables,
@@ -300,18 +306,17 @@ def _attend(group: AttentionGroup, query: torch.Tensor, k_cache: torch.Tensor, v
         q = query.view(heads, g, max_q, d).transpose(0, 1)
     else:
         q = _tokens(query, group.query_index.view(-1)).view(g, max_q, heads, d).transpose(1, 2)  # [G, heads, max_q, d]
-    # A window shorter than a context makes the mask not the causal one (a window as long as every
-    # context, like the 32k one Qwen2-VL passes on every layer, restricts nothing).
-    if group.fresh_prompt is not None and (window is None or window >= group.fresh_prompt):
+    if group.fresh_prompt is not None and not local:
         n = group.fresh_prompt
         out = F.scaled_dot_product_attention(q, k[:, :, :n].to(q.dtype), v[:, :, :n].to(q.dtype), is_causal=True,
                                              scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-    elif group.key_lens is None or (window is not None and window < max(group.key_lens)):
-        mask = group.mask if window is None else group.windowed_mask(window)
+    elif group.key_lens is None or (chunk is not None and group.local(None, chunk)):
+        # exact attention honours a sliding window itself (_attend_exact); an attention chunk takes the mask
+        mask = group.local_mask(window, chunk) if local else group.mask
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
                                              enable_gqa=q.shape[1] != k.shape[1])
     else:
-        out = _attend_exact(group, q, k.to(q.dtype), v.to(q.dtype), scaling)
+        out = _attend_exact(group, q, k.to(q.dtype), v.to(q.dtype), scaling, window)
     out = out.transpose(1, 2).reshape(g * max_q, heads, d)
     return out if group.whole_uniform else out.index_select(0, group.out_rows)
 
@@ -335,21 +340,26 @@ def exact_setting(choice: str | None) -> bool:
 
 
 def _attend_exact(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scaling: float | None) -> torch.Tensor:
-    """The group's SDPA output [G, heads, max_q, head_dim], each request over exactly its own keys.
+                  scaling: float | None, window: int | None = None) -> torch.Tensor:
+    """The group's SDPA output [G, heads, max_q, head_dim], each request over exactly the keys HF's is given.
 
-    Called as HF calls SDPA without padding: no mask where a query sees every key (decode), and
-    `is_causal` for a whole prompt in one chunk (on CUDA a mask would also pick another kernel)."""
+    Called as HF calls SDPA without padding: no mask where a query sees every key (decode: on a sliding
+    layer the last `window` keys, all DynamicSlidingWindowLayer hands it), and `is_causal` for a whole
+    causal prompt in one chunk (on CUDA a mask would also pick another kernel); a prompt whose mask is not
+    the causal one (a window shorter than it, images attending both ways) over its own keys with that mask."""
     out = q.new_empty(q.shape)
     by_len: dict[int, list[int]] = {}
     for i, n in enumerate(group.key_lens):
         by_len.setdefault(n, []).append(i)
     max_q = q.shape[2]
+    causal = group.causal and (window is None or window >= max(group.key_lens))
+    full = group.mask if window is None else group.local_mask(window, None)
     for n, rows in by_len.items():
         sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=q.device)
-        whole_prompt = n == max_q > 1  # first chunk of a prompt: causal over exactly its own tokens
-        mask = None if max_q == 1 or whole_prompt else group.mask[sel, :, :, :n]
-        out[sel] = F.scaled_dot_product_attention(q[sel], k[sel, :, :n], v[sel, :, :n], attn_mask=mask,
+        whole_prompt = causal and n == max_q > 1  # first chunk of a causal prompt: is_causal over its own tokens
+        lo = max(0, n - window) if max_q == 1 and window is not None else 0
+        mask = None if max_q == 1 or whole_prompt else full[sel, :, :, :n]
+        out[sel] = F.scaled_dot_product_attention(q[sel], k[sel, :, lo:n], v[sel, :, lo:n], attn_mask=mask,
                                                   is_causal=whole_prompt, scale=scaling,
                                                   enable_gqa=q.shape[1] != k.shape[1])
     return out
@@ -363,6 +373,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, is_causal=attention_mask is None and query.shape[2] > 1)
     layer = module.layer_idx
+    if (tuning := kwargs.get("mserve_temperature")) is not None:  # Llama 4's NoPE layers (text_traits.py)
+        query = text_traits.temperature_scaled(query, batch.positions, *tuning)
     k_cache, v_cache = batch.kv.k[layer], batch.kv.v[layer]
     # query/key/value: [1, heads, T, head_dim] for the packed batch; the pool takes [T, kv_heads, head_dim].
     _, bs, h, d = k_cache.shape
@@ -371,14 +383,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         v_cache.view(-1, h, d).index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_cache.dtype))
     # The layer's sliding window (transformers passes it for sliding-window layers, None for global ones).
     window = kwargs.get("sliding_window")
+    chunk = batch.layer_chunks[layer] if batch.layer_chunks is not None else None
     groups = batch.groups_for(window)
     if len(groups) == 1 and groups[0].whole_uniform:
-        out = _attend(groups[0], query[0], k_cache, v_cache, scaling, window)
+        out = _attend(groups[0], query[0], k_cache, v_cache, scaling, window, chunk)
     else:
         heads, total, d = query[0].shape
         out = query.new_empty((total, heads, d))
         for group in groups:
-            out.index_copy_(0, group.dest, _attend(group, query[0], k_cache, v_cache, scaling, window))
+            out.index_copy_(0, group.dest, _attend(group, query[0], k_cache, v_cache, scaling, window, chunk))
     return out.unsqueeze(0), None  # [1, T, heads, head_dim], as transformers' attention functions return
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mserve.workers import kernels, paged_decode
@@ -137,6 +138,9 @@ def vision_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
 
 AttentionInterface.register(VISION_ATTN_IMPLEMENTATION, vision_attention_forward)
+# Masks for it as for SDPA: transformers builds no mask at all for an attention name it has no mask function
+# for, and a tower whose mask is not all-True (Gemma 4's padding patches) then attends to every patch.
+AttentionMaskInterface.register(VISION_ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 def use_for_vision(model: torch.nn.Module) -> bool:

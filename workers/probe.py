@@ -188,7 +188,7 @@ class Probe:
         inputs = self.family.processor(text=[pp.text], images=pil or None, add_special_tokens=False, return_tensors="pt")
         kwargs.update({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()
                        if k in params and k not in kwargs})
-        kwargs.update({k: v.to(self.dtype) for k, v in kwargs.items()
+        kwargs.update({k: v.to(self.family.rules.pixel_dtype(self.dtype)) for k, v in kwargs.items()
                        if k.startswith("pixel_values") and torch.is_tensor(v) and v.is_floating_point()})
         for name in ("mm_token_type_ids", "token_type_ids"):  # for a processor that does not return them
             if name in params and name not in kwargs:

@@ -57,3 +57,56 @@ def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     if cap is None:
         return logits
     return torch.tanh(logits / cap) * cap
+
+
+def attention_chunks(text: Any) -> list[int | None] | None:
+    """Each layer's attention chunk where the model has chunked local layers (Llama 4's "chunked_attention"
+    layers attend within [pos // chunk * chunk, pos], HF's create_chunked_causal_mask), None on its other
+    layers; None for a model without such layers. transformers hands the attention function no chunk, so the
+    engine reads it here (workers/paged_attention.py)."""
+    chunk = getattr(text, "attention_chunk_size", None)
+    types = list(getattr(text, "layer_types", None) or ())
+    if not chunk or "chunked_attention" not in types:
+        return None
+    return [chunk if kind == "chunked_attention" else None for kind in types]
+
+
+def temperature_scaled(query: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's attention temperature tuning of a NoPE layer's queries [1, heads, T, head_dim], each token
+    at its own position in its sequence: HF's operations in HF's order (elementwise, so the same bits)."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (query * scales.view(1, 1, -1, 1)).to(query.dtype)
+
+
+class TemperatureAtPositions(torch.nn.Module):
+    """A Llama 4 NoPE attention layer whose temperature tuning runs at each packed token's own position.
+
+    HF scales the queries by `arange(T) + cache length`: the positions of one sequence, where a packed step
+    holds chunks of several, each starting where its sequence is. In an engine forward the layer's own
+    scaling is off and the paged attention function scales by the batch's positions (temperature_scaled);
+    outside one (HF generate on the same object) the layer runs as it is."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any):
+        if kwargs.get("mserve_batch") is None:
+            return self.inner(*args, **kwargs)
+        self.inner.attn_temperature_tuning = False
+        try:
+            return self.inner(*args, mserve_temperature=(self.inner.floor_scale, self.inner.attn_scale), **kwargs)
+        finally:
+            self.inner.attn_temperature_tuning = True
+
+
+def wrap_temperature_layers(language_model: torch.nn.Module) -> int:
+    """Put each decoder layer's temperature-tuned NoPE attention (Llama 4) behind TemperatureAtPositions;
+    returns how many."""
+    n = 0
+    for layer in getattr(language_model, "layers", ()):
+        attn = getattr(layer, "self_attn", None)
+        if getattr(attn, "attn_temperature_tuning", False) and not getattr(attn, "use_rope", True):
+            layer.self_attn = TemperatureAtPositions(attn)
+            n += 1
+    return n

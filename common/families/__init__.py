@@ -22,6 +22,9 @@ class FamilyRules:
     # (processor, PIL images) -> the vision tower's inputs, when the image processor alone is not
     # what the processor runs.
     image_inputs: Callable[[Any, Sequence[Any]], Any] | None = None
+    # Why the family takes no image (None: images are taken): its processor is then built without an image
+    # processor (the tokenizer and chat template still serve text), and image parts are refused at admission.
+    no_images: str | None = None
     # Why the family takes no video (None: a video is taken, generically as its frames).
     no_video: str | None = None
     # config.json (a dict) -> what the engine lacks for this checkpoint of the family, or None.
@@ -41,6 +44,14 @@ class FamilyRules:
     bidirectional_images_if: Callable[[dict], bool] | None = None
     # Why the family is served in float32 only (its reduced-precision tokens not shown to be HF's), or None.
     float32_only: str | None = None
+    # The vision tower takes the processor's float32 pixels and casts them itself, after arithmetic of its own
+    # (Gemma 4's patch embedder: 2 * (x - 0.5) in float32, then the model's dtype): pixels cast to a reduced
+    # dtype first round before that arithmetic, not after, and the image's rows leave HF's bits.
+    casts_own_pixels: bool = False
+
+    def pixel_dtype(self, model_dtype: Any) -> Any:
+        """The dtype pixel values go to the vision tower in: the model's, or the processor's own (None)."""
+        return None if self.casts_own_pixels else model_dtype
     # (rendered prompt, processor, number of images) -> the prompt with each image's placeholder
     # expanded as text, for a processor that expands before tokenizing (neighbouring text merges).
     expand_text: Callable[[str, Any, int], str] | None = None
@@ -66,13 +77,13 @@ class FamilyRules:
 
 
 def rules_for(model_type: str | None) -> FamilyRules:
-    from mserve.common.families import gemma3, gemma4, glm4v, pixtral, qwen3_vl, tiled, voxtral
+    from mserve.common.families import gemma3, gemma4, glm4v, llama4, pixtral, qwen3_vl, tiled, voxtral
 
     return {"mistral3": pixtral.RULES, "gemma3": gemma3.RULES, "gemma4": gemma4.RULES, "internvl": tiled.INTERNVL,
             "smolvlm": tiled.SMOLVLM, "idefics3": tiled.IDEFICS3, "qwen3_vl": qwen3_vl.RULES,
             "qwen3_vl_moe": qwen3_vl.RULES, "glm46v": glm4v.RULES, "glm4v": glm4v.RULES,
             "glm4v_moe": glm4v.RULES, "qwen3_5": HYBRID, "qwen3_5_moe": HYBRID,
-            "voxtral": voxtral.RULES}.get(model_type or "", FamilyRules())
+            "voxtral": voxtral.RULES, "llama4": llama4.RULES}.get(model_type or "", FamilyRules())
 
 
 def audio_settings(model_type: str, model_dir: Any, config: dict, processor: Any) -> Any:

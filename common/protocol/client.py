@@ -9,7 +9,7 @@ and the prefill -> decode hand-off; a worker turns it into its engine's Sampling
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mserve.common import sampling_rules as rules
@@ -17,6 +17,28 @@ from mserve.common.protocol.core import LATENCY_CLASSES, MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as_map, as_str, list_of,
                                           nested, one_of, optional, rest, wire)
 
+
+@dataclass
+class Signed(Message):
+    """A message a client sends the coordinator (GENERATE, ABORT, STATUS, an operator's SWITCH_ROLE).
+    `api_key`: the coordinator's client API key, when it requires one (its client_api_key;
+    docs/operations.md, "Security"); keyword-only, and never in a repr, so never in a log line. Clients
+    sign a body as they send it (`sign`: a body is built once and may go to several shards); the
+    coordinator takes the key out before anything else reads the body (`take_api_key`)."""
+
+    api_key: str | None = field(default=None, kw_only=True, repr=False,
+                                metadata={"check": optional(as_str), "send_none": False})
+
+    @staticmethod
+    def sign(payload: dict[str, Any], api_key: str | None) -> dict[str, Any]:
+        """`payload` with the API key in it (unchanged when there is none)."""
+        return {**payload, "api_key": api_key} if api_key else payload
+
+    @staticmethod
+    def take_api_key(payload: dict[str, Any]) -> Any:
+        """The key a body carries (None: none), taken out of it: never kept, passed on or logged. As it
+        came: a key that is not a string is a wrong key (ERROR unauthorized), not a bad message."""
+        return payload.pop("api_key", None)
 
 
 @dataclass
@@ -48,7 +70,7 @@ class MediaRef(Message):
 
 
 @dataclass
-class Generate(Message):
+class Generate(Signed):
     KIND: ClassVar = MsgType.GENERATE
     request_id: str = wire(as_str)
     messages: list[dict[str, Any]] = wire(list_of(as_map))
@@ -67,13 +89,13 @@ class Generate(Message):
 
 
 @dataclass
-class Abort(Message):
+class Abort(Signed):
     KIND: ClassVar = MsgType.ABORT
     request_id: str = wire(as_str)
 
 
 @dataclass
-class Status(Message):
+class Status(Signed):
     """The coordinator's status, or (with `request_ids`, a client's liveness probe) which of these
     requests it no longer holds (STATUS_REPLY's `unknown_requests`)."""
 

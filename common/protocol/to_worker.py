@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from mserve.common import sampling_rules as rules
 from mserve.common.policy import LATENCY_CLASSES
-from mserve.common.protocol.client import MediaRef, Sampling
+from mserve.common.protocol.client import MediaRef, Sampling, Signed
 from mserve.common.protocol.core import MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_float, as_int, as_list, as_map, as_str,
                                           list_of, nested, one_of, optional, wire)
@@ -164,7 +164,7 @@ SWITCHABLE_ROLES = ("prefill", "decode", "unified")
 
 
 @dataclass
-class SwitchRole(Message):
+class SwitchRole(Signed):
     """Drain, then serve as `role` (coordinator/role_switching.py): from an operator to the coordinator
     (`mserve switch-role`), and from the coordinator to the worker it names."""
 

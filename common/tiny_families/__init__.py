@@ -12,6 +12,7 @@ from mserve.common.tiny_families.gemma3 import GEMMA3
 from mserve.common.tiny_families.glm4v import GLM4V, GLM4V_MOE, GLM46V
 from mserve.common.tiny_families.gemma4 import GEMMA4
 from mserve.common.tiny_families.internvl import INTERNVL
+from mserve.common.tiny_families.llama4 import LLAMA4
 from mserve.common.tiny_families.llava import LLAVA, LLAVA_NEXT
 from mserve.common.tiny_families.mistral3 import MISTRAL3
 from mserve.common.tiny_families.qwen import QWEN2_5_VL, QWEN2_VL
@@ -23,6 +24,9 @@ from mserve.common.tiny_families.voxtral import VOXTRAL
 
 FAMILIES: dict[str, TinyFamily] = {f.arch: f for f in (LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, MISTRAL3, GEMMA3, GEMMA4,
                                                   INTERNVL, SMOLVLM, IDEFICS3, GLM46V, GLM4V,
-                                                  GLM4V_MOE, QWEN3_5, QWEN3_5_MOE, QWEN2_AUDIO, VOXTRAL)}
+                                                  GLM4V_MOE, QWEN3_5, QWEN3_5_MOE, QWEN2_AUDIO, VOXTRAL, LLAMA4)}
 # Families that take audio (and no image): their folders hold a feature extractor, no image processor.
 AUDIO_ARCHS = ("qwen2_audio", "voxtral")
+# Families served for text only: their folders hold the image processor's settings, but its class needs
+# torchvision (common/families/llama4.py).
+TEXT_ONLY_ARCHS = ("llama4",)

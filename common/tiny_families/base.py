@@ -105,26 +105,35 @@ def randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-class VideoProcessorStandIn(dict):
-    """Stands in for a video processor (Qwen2VLVideoProcessor, ...), whose class needs torchvision:
-    ProcessorMixin.save_pretrained writes a sub-processor that is a plain dict as it is (and skips
-    custom-code saving: no auto class)."""
+class SubProcessorStandIn(dict):
+    """Stands in for a sub-processor whose class needs torchvision (a video processor such as
+    Qwen2VLVideoProcessor, Llama 4's image processor): ProcessorMixin.save_pretrained writes a sub-processor
+    that is a plain dict as it is (and skips custom-code saving: no auto class)."""
 
     _auto_class = None
 
+    def save_pretrained(self, out: Path) -> None:
+        """The settings as an image processor saves its own (preprocessor_config.json, the hub's older layout)."""
+        (Path(out) / "preprocessor_config.json").write_text(json.dumps(self, indent=2, sort_keys=True) + "\n")
 
-def with_video_stand_in(cls: type, video_config: dict, **parts: Any) -> Any:
-    """A real `cls` processor whose video processor is a VideoProcessorStandIn of `video_config`.
 
-    ProcessorMixin.__init__ type-checks every sub-processor, and without torchvision the video
-    processor check cannot even run, so that one check is skipped for this one instance."""
+def with_stand_ins(cls: type, stand_ins: dict[str, dict], **parts: Any) -> Any:
+    """A real `cls` processor whose sub-processors named in `stand_ins` are SubProcessorStandIns of those settings.
+
+    ProcessorMixin.__init__ type-checks every sub-processor, and without torchvision the check of such a
+    class cannot even run, so those checks are skipped for this one instance."""
     processor = cls.__new__(cls)
     check = processor.check_argument_for_proper_class
     processor.check_argument_for_proper_class = (
-        lambda name, arg: dict if name == "video_processor" else check(name, arg))
-    processor.__init__(video_processor=VideoProcessorStandIn(video_config), **parts)
+        lambda name, arg: dict if name in stand_ins else check(name, arg))
+    processor.__init__(**{name: SubProcessorStandIn(config) for name, config in stand_ins.items()}, **parts)
     del processor.check_argument_for_proper_class
     return processor
+
+
+def with_video_stand_in(cls: type, video_config: dict, **parts: Any) -> Any:
+    """A real `cls` processor whose video processor is a SubProcessorStandIn of `video_config`."""
+    return with_stand_ins(cls, {"video_processor": video_config}, **parts)
 
 
 def save_processor_files(out: Path, processor: Any, image_processor: Any, layout: str) -> None:

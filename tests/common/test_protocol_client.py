@@ -135,3 +135,18 @@ def test_the_prefill_to_decode_state_is_typed_end_to_end():
     with pytest.raises(ProtocolError, match="DECODE.state: missing field block_size"):
         DecodeTask.from_body({**decode.to_body(), "state": {k: v for k, v in state.fields().items()
                                                             if k != "block_size"}})
+
+
+def test_the_api_key_is_a_field_of_every_client_message_never_in_a_repr():
+    from mserve.common.protocol.client import Signed
+    from mserve.common.protocol.to_worker import SwitchRole
+
+    assert all(issubclass(cls, Signed) for cls in FROM_CLIENT.values()) and issubclass(SwitchRole, Signed)
+    msg = Abort(request_id="r1", api_key="s3cret")
+    wire_body = msg.to_body()
+    assert Abort.from_body(wire_body) == msg and "s3cret" not in repr(msg)
+    assert Signed.take_api_key(wire_body) == "s3cret" and "api_key" not in wire_body
+    assert "api_key" not in Abort(request_id="r1").to_body()  # none: no field travels
+    assert Signed.sign(Status().to_body(), None) == Status().to_body()
+    with pytest.raises(ProtocolError, match="ABORT.api_key"):
+        Abort.from_body(body(request_id="r1", api_key=7))

@@ -77,12 +77,17 @@ def test_compare_greedy_stops_at_a_tie_and_names_a_real_difference():
     assert not compare_greedy([1, 2], [1, 2, 3], None, "float32").exact
 
 
-def test_auto_never_picks_a_dtype_the_family_is_refused_in(tmp_path, tiny_model_dirs):
-    """Gemma 4's reduced-precision tokens are unverified (FamilyRules.float32_only): auto gives it float32
-    on any host; a dtype named is the user's (refused at load, naming why)."""
+def test_auto_never_picks_a_dtype_the_family_is_refused_in(tmp_path, tiny_model_dirs, monkeypatch):
+    """A family whose reduced-precision tokens are unverified (FamilyRules.float32_only): auto gives it float32
+    on any host; a dtype named is the user's (refused at load, naming why). No family is such today
+    (Gemma 4's bf16 is HF's: tests/workers/test_engine_gemma4.py), so one is made up here."""
+    from mserve.common import families
     from mserve.common.serving_defaults import serving_dtype_for
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4", "dtype": "bfloat16"}))
+    assert serving_dtype_for("cuda", None, tmp_path) == "bfloat16"
+    monkeypatch.setattr(families, "rules_for", lambda model_type: families.FamilyRules(float32_only="unverified"))
     assert serving_dtype_for("cuda", None, tmp_path) == "float32"
     assert serving_dtype_for("cuda", "bfloat16", tmp_path) == "bfloat16"
+    monkeypatch.undo()
     assert serving_dtype_for("cuda", None, tiny_model_dirs["llava"]) == "bfloat16"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mserve.common.tiny_families import AUDIO_ARCHS
+from mserve.common.tiny_families import AUDIO_ARCHS, TEXT_ONLY_ARCHS
 from mserve.common.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
 
 IMAGE_TOKEN = {"llava": "<image>", "qwen2_vl": "<|image_pad|>", "llava_next": "<image>", "qwen2_5_vl": "<|image_pad|>",
@@ -49,8 +49,9 @@ QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # one tower, 
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
-# The image families; the audio ones (no image processor) are tests/common/test_tiny_audio_model.py's.
-@pytest.fixture(scope="module", params=[a for a in TINY_MODEL_ARCHS if a not in AUDIO_ARCHS])
+# The image families; the audio ones (no image processor) are tests/common/test_tiny_audio_model.py's, the
+# text-only ones (an image processor that needs torchvision) tests/workers/test_engine_llama4.py's.
+@pytest.fixture(scope="module", params=[a for a in TINY_MODEL_ARCHS if a not in AUDIO_ARCHS + TEXT_ONLY_ARCHS])
 def tiny(request, tmp_path_factory):
     """(arch, path) of a tiny model, built once per arch for the whole module."""
     arch = request.param

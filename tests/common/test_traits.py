@@ -16,7 +16,6 @@ from tests.workers.untested_families import BUILDERS
 REFUSED = {
     "qwen4_exp": "linear attention layers (Gated DeltaNet): not supported outside the tested Qwen3.5 families",
     "lfm2_vl": "short convolution layers (a recurrent conv state per sequence): not supported",
-    "llama4": "chunked attention layers (attention_chunk_size): not supported",
     "paligemma": "prefix-LM attention (bidirectional over the whole prompt, from token_type_ids): not supported",
 }
 
@@ -38,8 +37,10 @@ def test_traits_read_from_config(tiny_model_dirs):
     assert mrope.mrope and not mrope.token_type_mask and mrope.unsupported() == []
     gemma3 = read_traits(json.loads((tiny_model_dirs["gemma3"] / "config.json").read_text()))
     assert gemma3.token_type_mask and not gemma3.prefix_lm  # tested: its family module honours it
-    llama4 = read_traits(json.loads((tiny_model_dirs["llama4"] / "config.json").read_text()))
-    assert llama4.attention_chunk_size == 32 and "chunked_attention" in llama4.layer_types
+    llama4 = json.loads((tiny_model_dirs["llama4"] / "config.json").read_text())
+    assert read_traits(llama4).attention_chunk_size == 12 and "chunked_attention" in read_traits(llama4).layer_types
+    del llama4["text_config"]["layer_types"]  # an older config.json: transformers' rule from no_rope_layers
+    assert read_traits(llama4).layer_types == ("chunked_attention",) * 3 + ("full_attention",)
 
 
 def test_unknown_layer_kinds_and_softcapping_are_refused_not_ignored():
@@ -56,17 +57,21 @@ def test_every_untested_builder_is_a_type_this_repository_has_no_code_for():
     assert not set(BUILDERS) & set(SERVED_MODEL_TYPES)
 
 
-def test_a_tested_model_type_over_an_untested_trait_is_refused(tiny_model_dirs, tmp_path):
-    """A family's tests cover its own traits only: a LLaVA config over Qwen3.5's hybrid text model is not
-    served on LLaVA's tests (its linear layers are honoured for the Qwen3.5 families alone)."""
+@pytest.mark.parametrize("text_model, refusal", [
+    ("qwen3_5", "linear attention layers (Gated DeltaNet): not supported outside the tested Qwen3.5 families"),
+    ("llama4", "chunked attention layers (attention_chunk_size): not supported outside the tested Llama 4 family")])
+def test_a_tested_model_type_over_an_untested_trait_is_refused(tiny_model_dirs, tmp_path, text_model, refusal):
+    """A family's tests cover its own traits only: a LLaVA config over Qwen3.5's hybrid text model, or over
+    Llama 4's chunked one, is not served on LLaVA's tests (those layers are honoured for their families alone)."""
+    import re
     import shutil
 
-    folder = tmp_path / "llava_over_hybrid"
+    folder = tmp_path / f"llava_over_{text_model}"
     shutil.copytree(tiny_model_dirs["llava"], folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["text_config"] = json.loads((tiny_model_dirs["qwen3_5"] / "config.json").read_text())["text_config"]
+    cfg["text_config"] = json.loads((tiny_model_dirs[text_model] / "config.json").read_text())["text_config"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match=r"^model_type 'llava': linear attention layers"):
+    with pytest.raises(UnsupportedModelError, match="^model_type 'llava': " + re.escape(refusal)):
         load_family(folder)
     for served in ("qwen3_5", "gemma3", "gemma4"):  # each honours its own trait
         assert load_family(tiny_model_dirs[served]).model_type == served

@@ -9,6 +9,7 @@ from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.to_coordinator import WorkerInfo
 from mserve.coordinator.models import ModelTable, ModelUnavailable, ServedModel, serving_model
 from mserve.coordinator.requests import RequestMachine
+from mserve.coordinator.settings import MachineSettings
 
 
 def served(name: str, *roles: str) -> ServedModel:
@@ -82,7 +83,7 @@ def test_a_flood_on_one_model_sheds_that_models_lowest_class_and_leaves_the_othe
     from tests.coordinator.test_request_machine import make_admitted
 
     def make(name: str, path: str) -> ServedModel:
-        return ServedModel(name, path, builder=None, machine=RequestMachine(raise_errors=True, max_waiting_requests=2))
+        return ServedModel(name, path, builder=None, machine=RequestMachine(MachineSettings(max_waiting_requests=2), raise_errors=True))
 
     table = ModelTable(None, None, make)
     for model in ("a", "b"):

@@ -80,7 +80,7 @@ def test_a_dead_worker_gets_no_credit_for_what_it_was_sent():
     other = "u1" if run1.worker_id == "u0" else "u0"
     h.advance(3 * DEAD_AFTER, beating=(other,))  # the first one falls silent: declared dead
     assert not h.m.members.is_alive(run1.worker_id)
-    assert h.m.dispatch.lookups.prefix_hits(admitted("t2", range(100, 500)), 16) == {}
+    assert h.m.ctx.lookups.prefix_hits(admitted("t2", range(100, 500)), 16) == {}
     assert only(h.submit(admitted("t2", range(100, 500))), MsgType.RUN).worker_id == other
 
 

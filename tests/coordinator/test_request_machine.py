@@ -15,6 +15,7 @@ from mserve.common.protocol.client import Generate, Sampling
 from mserve.coordinator.admission import Admitted, AdmittedImage
 from mserve.coordinator.records import NoLookups
 from mserve.coordinator.requests import RequestMachine, Stage, ToClient, ToWorker
+from mserve.coordinator.settings import MachineSettings
 
 CLIENT = b"client-1"
 TIMEOUT = 5.0
@@ -45,9 +46,10 @@ class Harness:
                  aging: float = 10.0, **kw: Any) -> None:
         self.t = 0.0
         self.ids = iter(f"rid{i}" for i in range(1000))
-        self.m = RequestMachine(stage_timeout_s=TIMEOUT, dead_after_s=DEAD_AFTER, max_attempts=max_attempts,
-                                max_waiting_requests=max_waiting, max_stages_per_worker=max_stages, class_aging_s=aging,
-                                detokenize=lambda ids: " ".join(map(str, ids)), new_id=lambda: next(self.ids),
+        settings = MachineSettings(stage_timeout_s=TIMEOUT, dead_after_s=DEAD_AFTER, max_attempts=max_attempts,
+                                   max_waiting_requests=max_waiting, max_stages_per_worker=max_stages,
+                                   class_aging_s=aging, **{k: kw.pop(k) for k in list(kw) if k in MachineSettings.model_fields})
+        self.m = RequestMachine(settings, detokenize=lambda ids: " ".join(map(str, ids)), new_id=lambda: next(self.ids),
                                 raise_errors=True, **kw)
         for wid, role in roles:
             assert self.join(wid, role) == []

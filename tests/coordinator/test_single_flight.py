@@ -158,4 +158,4 @@ def test_a_request_waits_for_one_part_of_a_spread_encode_and_reads_it_from_that_
     out = h.encoded("e1", e1)
     enc = only(out, MsgType.ENCODE)
     assert enc.worker_id == "e1" and h.client_rid(enc) == "r1"  # y's holder; it encodes z there itself
-    assert h.m.stats["encode_deduplicated"] == 1 and h.m.dispatch.flights.leader == {"x": "rid0", "z": "rid1"}
+    assert h.m.stats["encode_deduplicated"] == 1 and h.m.ctx.flights.leader == {"x": "rid0", "z": "rid1"}

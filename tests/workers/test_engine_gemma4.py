@@ -231,12 +231,26 @@ def test_a_checkpoint_without_vision_bidirectional_attention_keeps_images_causal
     assert results["r2"] != hf_generate(model_dir, requests["r2"].prompt_ids, requests["r2"].images, MAX_NEW)
 
 
-def test_reduced_precision_is_refused_at_load_naming_the_dtype(model_dir):
-    """bfloat16 image prompts left HF bf16's tokens beyond rounding ties on this model: refused, not served."""
-    from mserve.common.processor import UnsupportedModelError
+@pytest.mark.parametrize("exact", [True, None], ids=["exact_attention", "padded_default"])
+def test_bf16_ragged_batch_matches_hf_bf16(model_dir, requests, exact):
+    """bfloat16, the serving default where the hardware has it natively: with exact attention HF bf16's ids
+    (each sliding layer over exactly the keys HF's sliding cache holds, the patch embedder given the
+    processor's float32 pixels as HF is); padded, HF bf16's up to HF's first top-2 tie (common/exactness.py),
+    the vision tower's padding patches masked as HF masks them."""
+    from mserve.common.exactness import compare_greedy
+    from tests.helpers import hf_generate_top2
 
-    with pytest.raises(UnsupportedModelError, match=r"^model_type 'gemma4' in bfloat16: .*--dtype float32"):
-        new_engine(model_dir, dtype="bfloat16")
+    engine = new_engine(model_dir, dtype="bfloat16", exact_attention=exact)
+    for rid, pp in requests.items():
+        engine.add_request(rid, pp.prompt_ids, images=pp.images, sampling=greedy())
+    out = engine.run_until_done()
+    compared = 0
+    for rid, pp in requests.items():
+        want, top2 = hf_generate_top2(model_dir, pp.prompt_ids, pp.images, MAX_NEW, dtype="bfloat16")
+        verdict = compare_greedy(want, out[rid], top2, "bfloat16")
+        assert (out[rid] == want) if exact else verdict.exact, f"{rid}: {verdict.describe()}"
+        compared += verdict.compared
+    assert compared >= 8  # not vacuous: the one-image prompt is compared over 8 steps before its first tie
 
 
 def test_a_generated_image_token_is_read_as_pad_as_hf_reads_it(model_dir, builder):

@@ -76,6 +76,36 @@ def test_ragged_batch(model_dir, builder):
     assert e.counters["steps"] < sum(len(v) for v in out.values())  # they did share steps
 
 
+def test_decode_tokens_step_together_each_state_back_in_its_sequence(model_dir, builder):
+    """A decode step runs the linear layers once for all its decode tokens (LinearStates' DecodeBatch): beside
+    an engine running each sequence alone, in lockstep, every live sequence's state stays the same after every
+    step (a row copied back into another sequence's cache would not), through prompts at different lengths,
+    a prompt chunk beside the decode batch and sequences leaving it; the tokens are HF generate's."""
+    import torch
+
+    prompts = {"short": builder.prepare_text(PROMPTS[3]), "mid": builder.prepare_text(PROMPTS[2]),
+               "long": builder.prepare_text(PROMPTS[4])}
+    batched, alone = engine(model_dir, max_num_batched_tokens=40), engine(model_dir, max_num_batched_tokens=40)
+    alone.runner.linear_states.batch_decode = False
+    for e in (batched, alone):
+        for i, (rid, pp) in enumerate(prompts.items()):
+            e.add_request(rid, pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=4 + 3 * i))
+    out: dict[str, list[int]] = {}
+    while batched.has_unfinished():
+        got = [(o.request_id, o.new_token_ids) for o in batched.step()]
+        assert got == [(o.request_id, o.new_token_ids) for o in alone.step()]
+        for rid, ids in got:
+            out.setdefault(rid, []).extend(ids)
+        for rid in prompts:
+            if rid in batched.runner.linear_states:
+                for mine, theirs in zip(batched.runner.linear_states.export(rid), alone.runner.linear_states.export(rid)):
+                    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5, msg=rid)
+    assert not alone.has_unfinished() and batched.runner.linear_states.batched_tokens > 2 * len(prompts)
+    assert alone.runner.linear_states.batched_tokens == 0
+    for i, (rid, pp) in enumerate(prompts.items()):
+        assert out[rid] == hf_generate(model_dir, pp.prompt_ids, pp.images, 4 + 3 * i), rid
+
+
 def test_chunked_prefill_ending_inside_the_image(model_dir, builder):
     pp = builder.prepare_text(PROMPTS[1], [make_image(200, 120, seed=2)])
     (start, length), = builder.family.image_spans(pp.prompt_ids)
@@ -146,7 +176,7 @@ def test_preempted_request_recomputes_its_state(model_dir, builder):
     for rid, pp in prompts.items():
         e.add_request(rid, pp.prompt_ids, sampling=SamplingParams(max_tokens=24))
     out = e.run_until_done()
-    assert e.scheduler.num_preemptions > 0
+    assert e.scheduler.num_preemptions > 0 and e.runner.linear_states.batched_tokens > 0
     for rid, pp in prompts.items():
         assert out[rid] == hf_generate(model_dir, pp.prompt_ids, [], 24), rid
     assert len(e.runner.linear_states) == 0

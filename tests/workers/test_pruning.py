@@ -20,7 +20,7 @@ from mserve.common.protocol.to_coordinator import WorkerInfo
 from mserve.common.pruning import PruningError, kept_tokens, parse_ratio
 from mserve.coordinator.admission import Limits, admit
 from mserve.coordinator.requests import RequestMachine
-from mserve.coordinator.settings import CoordinatorSettings
+from mserve.coordinator.settings import CoordinatorSettings, MachineSettings
 from mserve.workers.engine import Engine, EngineConfig
 from mserve.workers.model_loading import load_vlm
 from mserve.workers.sequence import SamplingParams
@@ -162,7 +162,7 @@ def test_refusals_name_the_setting(tiny_model_dirs):
 
 
 def test_coordinator_refuses_a_mismatched_encoder(caplog):
-    machine = RequestMachine(visual_token_pruning=0.5, raise_errors=True)
+    machine = RequestMachine(MachineSettings(visual_token_pruning=0.5), raise_errors=True)
 
     def ready(wid: str, role: str, ratio: float | None, kind: MsgType = MsgType.READY) -> None:
         info = WorkerInfo(worker_id=wid, role=role, data_address=f"tcp://{wid}", host_id="h",

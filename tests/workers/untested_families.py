@@ -170,16 +170,8 @@ def lfm2_vl(out: Path) -> Path:
                                                        "full_attn_idxs": [1, 3]}))
 
 
-def llama4(out: Path) -> Path:
-    """Llama 4: chunked local attention on three layers of four."""
-    from transformers import Llama4Config
-
-    return _config_only(out, Llama4Config(text_config={"hidden_size": 64, "num_hidden_layers": 4,
-                                                       "attention_chunk_size": 32}))
-
-
 BUILDERS.update({"llava_next_video": llava_next_video, "deepseek_vl": deepseek_vl, "video_llava": video_llava,
-                 "paligemma": paligemma, "qwen4_exp": qwen4_exp, "lfm2_vl": lfm2_vl, "llama4": llama4})
+                 "paligemma": paligemma, "qwen4_exp": qwen4_exp, "lfm2_vl": lfm2_vl})
 
 
 def llava_onevision1_5(out: Path) -> Path:
