@@ -133,3 +133,30 @@ def test_hf_reference_depends_on_audio_being_causal(model_dir, builder):
     assert set(types[inputs["input_ids"] == builder.family.audio_token_id].tolist()) == {3}  # not grouped by HF
     expected = hf_generate(model_dir, inputs)
     assert hf_generate(model_dir, {**inputs, "mm_token_type_ids": torch.where(types == 3, 1, types)}) != expected
+
+
+@pytest.mark.parametrize("exact", [True, None], ids=["exact_attention", "padded_default"])
+def test_bf16_clips_beside_an_image_match_hf_bf16(model_dir, builder, exact):
+    """bfloat16, as the image path is served (test_engine_gemma4.py): with exact attention HF bf16's ids; padded,
+    HF bf16's up to HF's first top-2 tie (common/exactness.py)."""
+    from mserve.common.exactness import compare_greedy
+
+    pps = {"two": prompt(builder, [("audio", make_audio(16000, 16000, "wav", seed=2)),
+                                   ("image", make_image(120, 90, seed=3)),
+                                   ("audio", make_audio(30000, 44100, "flac", seed=4))]),
+           "one": prompt(builder, [("audio", make_audio(20000, 22050, "mp3", seed=1))])}
+    engine = new_engine(model_dir, dtype="bfloat16", exact_attention=exact)
+    out = run(engine, pps)
+    model, _ = reference_model(model_dir, "bfloat16")
+    compared = 0
+    for rid, pp in pps.items():
+        inputs = hf_inputs(builder, pp)
+        with torch.inference_mode():
+            gen = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, output_logits=True,
+                                 return_dict_in_generate=True)
+        want = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        top2 = [tuple(step[0].float().topk(2).values.tolist()) for step in gen.logits]
+        verdict = compare_greedy(want, out[rid], top2, "bfloat16")
+        assert (out[rid] == want) if exact else verdict.exact, f"{rid}: {verdict.describe()}"
+        compared += verdict.compared
+    assert compared >= 8  # not vacuous: the two-clip prompt is compared over 8 steps before its first tie
