@@ -76,7 +76,7 @@ class HFGenerator:
 
         from PIL import Image
 
-        from mserve.common.model import ImageError, image_size_from_header
+        from mserve.common.images import ImageError, image_size_from_header
         from mserve.common.prompt import normalize_messages
 
         if not isinstance(body, dict):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mserve.common.model import ImageError
+from mserve.common.images import ImageError
 
 # A clip whose packets end this much (in seconds) before its header's duration is truncated.
 TRUNCATION_SLACK_S = 0.05

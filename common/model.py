@@ -13,32 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 
-# Image headers and decoding (common/images.py), imported from here by much of the code base.
-from mserve.common.images import PIL_MAX_PIXELS, ImageError, decode_image, image_hash, image_size_from_header  # noqa: F401
+from mserve.common.images import ImageError, image_size_from_header
 from mserve.common.checkpoint_files import CheckpointError, read_image_processor_config, read_model_config
 from mserve.common.families import FamilyRules, audio_settings, rules_for
+from mserve.common.served_models import (AUDIO_MODEL_TYPES, KNOWN_GAPS, SERVED_MODEL_TYPES, VIDEO_MODEL_TYPES,
+                                         has_audio_tower)
 from mserve.common.traits import read_traits
-
-# Families tested token-exact here (each one against Hugging Face generate). Any other model_type serves
-# only after a load-time probe proves it token-exact (workers/probe.py), and is refused at load naming
-# the trait the engine cannot honour (common/traits.py) or the case the probe failed.
-SERVED_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3", "gemma3", "gemma4", "internvl",
-                      "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "glm46v", "glm4v",
-                      "glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio", "voxtral", "llama4")
-# Families that take audio clips, token-exact here, in a checkpoint with an audio tower (an audio_config): their
-# audio token is the one placeholder (Voxtral's count and prompt are its Tekken tokenizer's,
-# common/families/voxtral.py), but Gemma 4's, whose clip is boa + audio tokens + eoa beside its images.
-AUDIO_MODEL_TYPES = ("qwen2_audio", "voxtral", "gemma4")
-# Families with a video token whose video path is verified token-exact (Qwen2.5-VL: with each video's
-# second_per_grid_ts, from its frame rate, in the M-RoPE index; Qwen3-VL and its MoE: with its per-frame-group
-# timestamps as text, common/families/qwen3_vl.py).
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-# What the engine lacks for families whose processor and model do have the generic hooks.
-KNOWN_GAPS = {
-    "llava_onevision": "image counts that depend on the prompt: with two or more images each is taken at its base "
-                       "view only, but its processor's _get_num_multimodal_tokens counts every image with its tiles",
-}
-
 
 @dataclass(frozen=True)
 class VideoInfo:
@@ -338,12 +318,6 @@ class ModelFamily:
 
 
 NO_TOKEN = -1  # the image_token_id of a family that has no image token (an audio-only one)
-
-
-def has_audio_tower(model_type: str | None, cfg: dict) -> bool:
-    """Whether this checkpoint's audio is served: a family of AUDIO_MODEL_TYPES, with an audio tower (Gemma 4's
-    larger checkpoints have none)."""
-    return model_type in AUDIO_MODEL_TYPES and cfg.get("audio_config") is not None
 
 
 def _checked_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: Any, where: str) -> Any:

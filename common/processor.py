@@ -36,7 +36,7 @@ def processor_class(model_type: str) -> type:
     cls = load() if load is not None else getattr(transformers, name, None) if name else None
     if cls is None:
         raise UnsupportedModelError(f"model_type {model_type!r}: transformers has no processor class for it")
-    from mserve.common.model import AUDIO_MODEL_TYPES
+    from mserve.common.served_models import AUDIO_MODEL_TYPES
 
     if not hasattr(cls, "_get_num_multimodal_tokens") and model_type not in AUDIO_MODEL_TYPES:  # audio: families/
         raise UnsupportedModelError(f"model_type {model_type!r}: {cls.__name__} has no _get_num_multimodal_tokens, "
@@ -66,7 +66,7 @@ def build_processor(model_dir: str | os.PathLike, model_type: str, tokenizer: An
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
     from mserve.common.families import rules_for
-    from mserve.common.model import has_audio_tower
+    from mserve.common.served_models import has_audio_tower
 
     cls = processor_class(model_type)
     if tokenizer is None:

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from mserve.common.protocol.client import MediaRef
 from mserve.common.audio import AudioInfo, AudioPart, audio_part_from_content, read_audio_header
-from mserve.common.model import ModelFamily, VideoInfo, image_size_from_header, load_family
+from mserve.common.model import ModelFamily, VideoInfo, load_family
+from mserve.common.images import image_size_from_header
 from mserve.common.video import VideoPart, describe_video, payload_bytes, video_part_from_value
 
 

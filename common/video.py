@@ -21,7 +21,8 @@ from typing import Any, Sequence
 
 from mserve.common.checkpoint_files import (IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, CheckpointError, pixel_bounds,
                                             positive_int, read_json)
-from mserve.common.model import ImageError, ModelFamily, VideoInfo, image_hash, image_size_from_header
+from mserve.common.model import ModelFamily, VideoInfo
+from mserve.common.images import ImageError, image_hash, image_size_from_header
 from mserve.common.policy import DEFAULT_LIMITS
 
 VIDEO_EXTRA = "video"  # the optional dependency group that installs PyAV

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mserve.common import sampling_rules as rules
 from mserve.common.audio import AudioInfo, AudioPart, audio_hash, read_audio_header
-from mserve.common.model import ImageError, VideoInfo, image_hash, image_size_from_header
+from mserve.common.model import VideoInfo
+from mserve.common.images import ImageError, image_hash, image_size_from_header
 from mserve.common.policy import LATENCY_CLASSES, Limits
 from mserve.common.prompt import PromptBuilder, normalize_messages
 from mserve.common.pruning import pruned_hash

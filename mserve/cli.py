@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mserve.common.cpu_placement import add_argument as add_cpus_argument
     from mserve.common.cpu_placement import add_io_argument as add_io_cpus_argument
     from mserve.coordinator.cli import add_arguments as add_coordinator_arguments
-    from mserve.common.model import SERVED_MODEL_TYPES
+    from mserve.common.served_models import SERVED_MODEL_TYPES
     from mserve.workers.cli import add_arguments as add_worker_arguments
 
     parser = argparse.ArgumentParser(prog="mserve", description="MServe: disaggregated serving for vision-language models.")

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Answer one prompt in this process and print it (or its ids with --json)."""
     from mserve.common.documents import DocumentError, DocumentLimits, render_pdf_file
-    from mserve.common.model import ImageError
+    from mserve.common.images import ImageError
     from mserve.common.prompt import PromptBuilder
     from mserve.workers.engine import Engine, EngineConfig
     from mserve.workers.paged_attention import exact_setting

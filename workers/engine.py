@@ -17,7 +17,7 @@ import torch
 
 from mserve.common import sampling_rules as rules
 from mserve.common.audio import AudioPart, decode_audio
-from mserve.common.model import decode_image
+from mserve.common.images import decode_image
 from mserve.common.hashing import ImageSpan, item_spans
 from mserve.common.histogram import STEP_BUCKETS_S, Histogram
 from mserve.common.video import VideoPart, decode_video_file, visual_hash

@@ -56,7 +56,7 @@ def load_vlm(model_dir: str | os.PathLike, device: str = "cpu", dtype: str | Non
     still reads the whole checkpoint, through transformers' own key mapping)."""
     import transformers
 
-    from mserve.common.model import AUDIO_MODEL_TYPES
+    from mserve.common.served_models import AUDIO_MODEL_TYPES
 
     if parts not in PARTS:
         raise ValueError(f"parts must be one of {PARTS}, got {parts!r}")

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from mserve.common import prefix_rules
 from mserve.common.audio import AudioPart
 from mserve.common.hashing import ImageSpan, prompt_block_hashes
-from mserve.common.model import image_size_from_header
+from mserve.common.images import image_size_from_header
 from mserve.workers.block_pool import BlockPool
 from mserve.workers.sequence import Sequence as Seq, SeqStatus
 

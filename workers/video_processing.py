@@ -20,7 +20,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mserve.common.model import ImageError, ModelFamily
+from mserve.common.model import ModelFamily
+
+from mserve.common.images import ImageError
 
 # Qwen2VLVideoProcessor's class defaults for the per-frame steps (OPENAI_CLIP_MEAN / _STD, BICUBIC).
 VIDEO_FRAME_DEFAULTS = {"resample": 3, "image_mean": [0.48145466, 0.4578275, 0.40821073],

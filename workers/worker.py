@@ -21,7 +21,7 @@ import zmq
 
 from mserve.common import tracing
 from mserve.common.cpu_placement import io_zmq_context
-from mserve.common.model import ImageError
+from mserve.common.images import ImageError
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, parse_message
 from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo

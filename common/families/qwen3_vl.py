@@ -44,7 +44,7 @@ def sample_indices(cfg: dict[str, Any], total_frames: int, fps: float | None, ta
 def _smart_resize(num_frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
                   max_pixels: int) -> tuple[int, int]:
     """Qwen3-VL's video smart_resize: the bounds cover every frame of the clip (t x h x w)."""
-    from mserve.common.model import ImageError
+    from mserve.common.images import ImageError
 
     if num_frames < temporal:
         raise ImageError(f"Qwen3-VL needs at least temporal_patch_size={temporal} frames per video, got {num_frames}")

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from mserve.common.documents import MAX_PAGE_POINTS, DocumentError, DocumentLimits, render_pdf
-from mserve.common.model import image_hash
+from mserve.common.images import image_hash
 from tests.helpers import make_pdf
 
 pytest.importorskip("pypdfium2")

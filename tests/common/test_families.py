@@ -30,9 +30,9 @@ def test_unservable_model_type_is_refused_at_load_in_one_line(tmp_path, model_ty
 
 
 def test_known_gap_is_named_at_load(tmp_path, monkeypatch):
-    from mserve.common import model
+    from mserve.common import served_models
 
-    monkeypatch.setitem(model.KNOWN_GAPS, "paligemma", "what the test says is missing")
+    monkeypatch.setitem(served_models.KNOWN_GAPS, "paligemma", "what the test says is missing")
     with pytest.raises(UnsupportedModelError, match=r"^model_type 'paligemma' needs what the test says is missing$"):
         load_family(config_only(tmp_path, "paligemma"))
 

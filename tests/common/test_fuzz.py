@@ -22,7 +22,7 @@ from PIL import Image
 
 from mserve.common import protocol
 from mserve.common.documents import DocumentError, render_pdf
-from mserve.common.model import ImageError, decode_image, image_size_from_header
+from mserve.common.images import ImageError, decode_image, image_size_from_header
 from mserve.common.protocol import MsgType, ProtocolError
 from mserve.common.protocol.client import FROM_CLIENT
 from mserve.common.serde import WireError, decode, encode

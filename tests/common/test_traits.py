@@ -52,7 +52,7 @@ def test_unknown_layer_kinds_and_softcapping_are_refused_not_ignored():
 
 
 def test_every_untested_builder_is_a_type_this_repository_has_no_code_for():
-    from mserve.common.model import SERVED_MODEL_TYPES
+    from mserve.common.served_models import SERVED_MODEL_TYPES
 
     assert not set(BUILDERS) & set(SERVED_MODEL_TYPES)
 

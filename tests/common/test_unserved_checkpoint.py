@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mserve.common.model import KNOWN_GAPS, load_family
+from mserve.common.model import load_family
+
+from mserve.common.served_models import KNOWN_GAPS
 from mserve.common.processor import UnsupportedModelError
 
 UNVERIFIED = ("model_type 'paligemma': prefix-LM attention (bidirectional over the whole prompt, from "

@@ -104,7 +104,7 @@ def test_same_image_is_encoded_once(llava_cluster, tiny_model_dirs):
     assert first.cache_hits["embedding"] == 0 and second.cache_hits["embedding"] == 1
     assert store.get_counters(encode_id)["encoded_images"] - before == 1
     assert second.token_ids == first.token_ids == expected(model, requests[:1])[0]
-    from mserve.common.model import image_hash
+    from mserve.common.images import image_hash
     from mserve.common.transfer.backends import host_id
 
     holders = store.lookup_embedding(model, image_hash(requests[0][1][0]))

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from mserve.common.model import image_hash
+from mserve.common.images import image_hash
 from mserve.common.prompt import PromptBuilder
 from mserve.common.redis_store import RedisStore
 from mserve.coordinator.client import Client

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from mserve.common.hashing import item_spans, prompt_block_hashes
-from mserve.common.model import image_hash
+from mserve.common.images import image_hash
 from mserve.common.prompt import PromptBuilder
 from mserve.common.redis_store import RedisStore
 from mserve.coordinator.async_client import AsyncClient

@@ -280,7 +280,7 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
     import redis
 
     from mserve.common.hashing import host_member
-    from mserve.common.model import image_hash
+    from mserve.common.images import image_hash
     from mserve.common.redis_store import RedisStore
     from mserve.common.transfer.backends import host_id
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mserve.common.model import ImageError
+from mserve.common.images import ImageError
 from mserve.common.prompt import PromptBuilder
 from tests.helpers import hf_generate, make_image
 from mserve.workers.engine import Engine, EngineConfig

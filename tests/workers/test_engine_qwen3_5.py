@@ -231,7 +231,7 @@ def test_visual_token_count_from_the_header_is_the_processors_and_the_encoders(m
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    from mserve.common.model import image_size_from_header
+    from mserve.common.images import image_size_from_header
 
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     encoder = engine(model_dir, parts="vision", num_blocks=4)

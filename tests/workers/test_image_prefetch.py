@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from mserve.common.model import ImageError, decode_image
+from mserve.common.images import ImageError, decode_image
 from mserve.workers.image_prefetch import ImagePrefetch
 from tests.helpers import make_image
 

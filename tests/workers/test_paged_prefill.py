@@ -217,7 +217,7 @@ def test_vision_attention_is_sdpa_to_within_bf16():
 @needs_kernel
 def test_only_padded_bf16_routes_the_vision_tower(tiny_model_dirs):
     model_dir = str(tiny_model_dirs["llava"])
-    from mserve.common.model import decode_image
+    from mserve.common.images import decode_image
     from tests.helpers import make_image
 
     impl = {}

@@ -25,7 +25,7 @@ import time
 import pytest
 import zmq
 
-from mserve.common.model import image_hash
+from mserve.common.images import image_hash
 from mserve.common.prompt import PromptBuilder
 from mserve.common.protocol import MsgType
 from mserve.common.protocol.client import Sampling

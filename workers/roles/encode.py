@@ -10,7 +10,7 @@ from typing import Any
 
 from mserve.common.audio import AudioPart
 from mserve.common.media_store import pull_image
-from mserve.common.model import ImageError
+from mserve.common.images import ImageError
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
 from mserve.common.policy import encode_batch
 from mserve.common.protocol.to_worker import EncodeTask, ImageRef
