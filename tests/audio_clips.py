@@ -6,7 +6,7 @@ import io
 
 import numpy as np
 
-from mserve.bench.traces import pcm16_wav
+from mserve.bench.media_files import pcm16_wav
 
 CODECS = {"wav": None, "flac": "flac", "mp3": "libmp3lame", "ogg": "libopus"}
 
