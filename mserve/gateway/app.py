@@ -36,8 +36,9 @@ from mserve.gateway.generation import Generation
 from mserve.gateway.media_fetch import fetcher_from_settings
 from mserve.gateway.metrics import GatewayMetrics
 from mserve.gateway.models import ModelCatalog
-from mserve.gateway.openai_api import (KEEP_RATIO_HEADER, MODEL_HEADER, ApiError, ChatRequest, chat_response, chunk, completion_id,
-                                       has_documents, parse_chat_request, pruned_marker, status_for_code, usage_of)
+from mserve.gateway.openai_api import ApiError, ChatRequest, has_documents, parse_chat_request, status_for_code
+from mserve.gateway.openai_responses import (KEEP_RATIO_HEADER, MODEL_HEADER, chat_response, chunk, completion_id,
+                                             pruned_marker, usage_of)
 from mserve.gateway.settings import GatewaySettings
 
 log = logging.getLogger("mserve.gateway")
