@@ -7,7 +7,8 @@ import io
 import pytest
 from PIL import Image
 
-from mserve.common.documents import MAX_PAGE_POINTS, DocumentError, DocumentLimits, render_pdf
+from mserve.common.documents import (MAX_PAGE_POINTS, DocumentError, DocumentLimits, PageBudget, model_page_budget,
+                                     render_pdf)
 from mserve.common.images import image_hash
 from tests.helpers import make_pdf
 
@@ -95,3 +96,33 @@ def test_files_on_disk(tmp_path):
         render_pdf_file(tmp_path / "a.pdf", DocumentLimits(max_bytes=100))
     with pytest.raises(DocumentError, match="^doc: no such file$"):
         render_pdf_file(tmp_path / "b.pdf", field="doc")
+
+
+@pytest.mark.parametrize("arch, budget", [
+    ("qwen2_vl", PageBudget("pixels", 50176)),  # max_pixels (size.longest_edge)
+    ("glm4v", PageBudget("pixels", 50176)),  # its max_pixels over temporal_patch_size (an image is 2 frames)
+    ("gemma4", PageBudget("pixels", 70 * 8 * 8)),  # max_soft_tokens x (patch x pooling)^2
+    ("internvl", PageBudget("pixels", 6 * 56 * 56)),  # max_patches x tile
+    ("llama4", PageBudget("pixels", 4 * 56 * 56)),
+    ("llava_next", PageBudget("pixels", 112 * 112)),  # the largest any-res canvas
+    ("mistral3", PageBudget("longest_edge", 168)),
+    ("idefics3", PageBudget("longest_edge", 168)),
+    ("gemma3", PageBudget("pixels", 112 * 112)),  # fixed height x width
+    ("llava", PageBudget("shortest_edge", 112)),  # CLIP: shortest edge, then a centre crop
+])
+def test_the_page_budget_is_the_pixels_each_processor_kind_keeps(arch, budget, tiny_model_dirs):
+    assert model_page_budget(tiny_model_dirs[arch]) == budget
+    assert model_page_budget(tiny_model_dirs[arch].parent) is None  # no image processor settings: the DPI default
+
+
+def test_a_budget_sizes_the_page_within_the_legibility_floor_and_the_side_cap():
+    def size(box, budget):
+        return Image.open(io.BytesIO(render_pdf(make_pdf([box], seed=4), DocumentLimits(budget=budget))[0])).size
+
+    assert size((300, 150), PageBudget("pixels", 1200 * 600)) == (1200, 600)  # the area, aspect kept
+    assert size((300, 150), PageBudget("longest_edge", 900)) == (900, 450)
+    assert size((300, 150), PageBudget("shortest_edge", 450)) == (900, 450)
+    assert size((300, 150), PageBudget("pixels", 100)) == (300, 150)  # MIN_DOCUMENT_DPI: one pixel per point
+    assert size((300, 150), PageBudget("longest_edge", 10 ** 6)) == (2048, 1024)  # MAX_PAGE_SIDE_PX
+    assert render_pdf(make_pdf([(300, 150)], seed=4), DocumentLimits(budget=PageBudget("pixels", 1200 * 600))) == \
+        render_pdf(make_pdf([(300, 150)], seed=4), DocumentLimits(budget=PageBudget("pixels", 1200 * 600)))
