@@ -150,7 +150,10 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]],
 
 
 def _document_pages(part: dict[str, Any], where: str, limits: DocumentLimits) -> list[bytes]:
-    """A ``{"type": "document", "document": bytes | path}`` part's pages (common/documents.py)."""
+    """A ``{"type": "document", "document": bytes | path}`` part's pages (common/documents.py). The client
+    knows no model's image processor, so pages render at ``limits.dpi`` (96 by default), not at the model's
+    pixel budget as the gateway renders them: send a page rendered for the model as an image part to share
+    the gateway's cache entries."""
     value, field = part.get("document"), f"{where}.document"
     try:
         if isinstance(value, (str, PurePath)):

@@ -159,8 +159,10 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
     p.add_argument("--max-document-pages", type=int,
                    help=f"most pages a PDF `file` part may have; each page is an image "
                         f"(default {d('max_document_pages')})")
-    p.add_argument("--document-dpi", type=int, help="resolution PDF pages render at, longer side capped at 2048 "
-                                                    f"pixels (default {d('document_dpi')})")
+    p.add_argument("--document-dpi", type=int,
+                   help="resolution PDF pages render at, longer side capped at 2048 pixels (default: the pixel "
+                        "budget of the requested model's image processor, at least 72 DPI; 96 DPI for a model "
+                        "without one; common/documents.py)")
     p.add_argument("--default-max-tokens", type=int,
                    help="max_tokens when a request names neither max_tokens nor max_completion_tokens "
                         "(default 256, common/sampling_rules.py)")

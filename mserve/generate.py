@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Answer one prompt in this process and print it (or its ids with --json)."""
-    from mserve.common.documents import DocumentError, DocumentLimits, render_pdf_file
+    from mserve.common.documents import DocumentError, DocumentLimits, model_page_budget, render_pdf_file
     from mserve.common.images import ImageError
     from mserve.common.prompt import PromptBuilder
     from mserve.workers.engine import Engine, EngineConfig
@@ -60,9 +60,10 @@ def main(args: argparse.Namespace) -> int:
             if not p.is_file():
                 raise SystemExit(f"error: {flag} {path}: no such file")
             out.append(p.read_bytes())
-    try:  # each PDF's pages, rendered as the gateway renders them, after the images
+    try:  # each PDF's pages, rendered as the gateway renders them (the model's pixel budget), after the images
+        limits = DocumentLimits(max_pages=args.max_document_pages, budget=model_page_budget(args.model))
         for path in args.document:
-            images.extend(render_pdf_file(path, DocumentLimits(max_pages=args.max_document_pages), f"--document {path}"))
+            images.extend(render_pdf_file(path, limits, f"--document {path}"))
     except DocumentError as exc:
         raise SystemExit(f"error: {exc}")
     try:

@@ -10,6 +10,7 @@ away aborts its request on every stage: the token stream is closed, which sends 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -95,7 +96,8 @@ class Gateway:
         # Fetches block a thread each (media_fetch.py); their own pool, so they never queue behind others.
         self._media_pool = ThreadPoolExecutor(settings.media_max_concurrent_fetches + 4,
                                               thread_name_prefix="media-fetch")
-        self.documents = DocumentLimits(max_pages=settings.max_document_pages, dpi=settings.document_dpi)
+        self.documents = DocumentLimits(max_pages=settings.max_document_pages,
+                                        **({} if settings.document_dpi is None else {"dpi": settings.document_dpi}))
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
         self.media_store: Any = None  # with --media-store-host (common/media_store.py)
         self.catalog: ModelCatalog = None  # type: ignore[assignment]
@@ -149,11 +151,25 @@ class Gateway:
             body = json.loads(raw)
         except ValueError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        documents = has_documents(body)
         parse = functools.partial(parse_chat_request, body, media_root=self.media_root, fetcher=self.fetcher,
-                                  default_max_tokens=self.settings.default_max_tokens, documents=self.documents)
-        if _REMOTE_URL.search(raw) is None and not has_documents(body):  # fetches and page renders: off the loop
+                                  default_max_tokens=self.settings.default_max_tokens,
+                                  documents=await self.document_limits(body.get("model")) if documents else self.documents)
+        if _REMOTE_URL.search(raw) is None and not documents:  # fetches and page renders: off the loop
             return parse()
         return await asyncio.get_running_loop().run_in_executor(self._media_pool, parse)
+
+    async def document_limits(self, requested: Any) -> DocumentLimits:
+        """How the requested model's document pages render: at --document-dpi when given, else at the pixel
+        budget of its image processor (common/documents.py), else at the default DPI."""
+        if self.settings.document_dpi is not None or not isinstance(requested, str):
+            return self.documents
+        try:
+            model = await self.catalog.resolve(requested)
+        except ApiError:  # the 404 comes after the parse, as for a request without documents
+            return self.documents
+        budget = await self.catalog.page_budget(model)
+        return self.documents if budget is None else dataclasses.replace(self.documents, budget=budget)
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.max_request_bytes

@@ -5,7 +5,8 @@ them (`served_models`) with each one's checkpoint folder (`models`). The catalog
 again when a request names a model it does not know (one just joined), so /v1/models and routing
 follow the workers. `--served-model-name` renames the coordinator's default model for clients;
 `--model` gives that model's folder when the coordinator's path is not readable here. A tokenizer
-(for the text deltas) is loaded per model on its first request, off the event loop.
+(for the text deltas) is loaded per model on its first request, off the event loop, and so is the
+pixel budget its image processor gives a document's page (common/documents.py, page_budget).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from mserve.common.documents import PageBudget, model_page_budget
 from mserve.gateway.openai_api import ApiError
 
 
@@ -27,6 +29,7 @@ class ModelCatalog:
         self._folders: dict[str, str] = {}  # coordinator name -> checkpoint folder
         self._served: list[str] = []  # coordinator names
         self._tokenizers: dict[str, Any] = {}  # folder -> tokenizer
+        self._page_budgets: dict[str, PageBudget | None] = {}  # folder -> model_page_budget
         self._groups: dict[str, list[str]] = {}  # variant group -> its variants (--variant-groups)
         self._verification: dict[str, str | None] = {}  # coordinator name -> "tested" / "verified at load"
         self._modalities: dict[str, list[str]] = {}  # coordinator name -> ["text", "image", "video", "audio"]
@@ -97,3 +100,13 @@ class ModelCatalog:
 
             self._tokenizers[folder] = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
         return self._tokenizers[folder]
+
+    async def page_budget(self, name: str) -> PageBudget | None:
+        """The pixels a document page gets for a coordinator model name; None where its folder is not readable
+        here (a variant group, a remote checkpoint) or it has no image processor settings."""
+        folder = self._folders.get(name)
+        if folder is None or not Path(folder).is_dir():
+            return None
+        if folder not in self._page_budgets:
+            self._page_budgets[folder] = await asyncio.to_thread(model_page_budget, folder)
+        return self._page_budgets[folder]

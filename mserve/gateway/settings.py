@@ -6,7 +6,7 @@ from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mserve.common import sampling_rules
-from mserve.common.documents import DEFAULT_DOCUMENT_DPI, MAX_DOCUMENT_PAGES
+from mserve.common.documents import MAX_DOCUMENT_PAGES
 
 
 class GatewaySettings(BaseSettings):
@@ -39,9 +39,10 @@ class GatewaySettings(BaseSettings):
     # from an in-process server. Never set it in a deployment.
     allow_loopback_media_for_tests: bool = False
     max_request_bytes: int = 64 * 1024 * 1024  # whole HTTP body, images included (base64)
-    # A PDF `file` part's pages, each an image (common/documents.py): at most this many, rendered at this DPI.
+    # A PDF `file` part's pages, each an image (common/documents.py): at most this many, rendered at this DPI;
+    # None: at the pixel budget of the requested model's image processor (else at DEFAULT_DOCUMENT_DPI).
     max_document_pages: int = MAX_DOCUMENT_PAGES
-    document_dpi: int = DEFAULT_DOCUMENT_DPI
+    document_dpi: int | None = None
     # max_tokens when a request names neither max_tokens nor max_completion_tokens
     default_max_tokens: int = sampling_rules.MAX_TOKENS
     request_timeout_s: float = 600.0
