@@ -3,13 +3,17 @@ parts in order, and every bad document is a 400 naming the field and the limit."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import pytest
 
-from mserve.common.documents import DocumentLimits, render_pdf
+from mserve.common.documents import DocumentLimits, model_page_budget, render_pdf
 from mserve.coordinator.client_core import generate_body, normalize_client_messages
+from mserve.gateway.app import Gateway
+from mserve.gateway.models import ModelCatalog
 from mserve.gateway.openai_api import ApiError, has_documents, parse_chat_request
+from mserve.gateway.settings import GatewaySettings
 from tests.helpers import make_pdf
 
 pytest.importorskip("pypdfium2")
@@ -84,3 +88,27 @@ def test_the_python_client_renders_document_parts_as_the_gateway_does(tmp_path):
     with pytest.raises(ValueError, match="2 pages, over the limit max_document_pages=1"):
         generate_body("r", doc, False, max_document_pages=1)  # client.generate(..., max_document_pages=1)
     assert len(generate_body("r", doc, False, max_document_pages=2)["messages"][0]["content"]) == 2
+
+
+def test_the_gateway_renders_pages_at_the_requested_models_budget_unless_given_a_dpi(tiny_model_dirs):
+    """Two served models, each its own processor's budget (common/documents.py); --document-dpi wins; a model
+    whose folder is not here, or one not served, keeps the DPI default."""
+    folders = {"q": str(tiny_model_dirs["qwen2_vl"]), "l": str(tiny_model_dirs["mistral3"]), "gone": "/nonexistent"}
+
+    async def status() -> dict:  # the coordinator's STATUS, as the catalog reads it
+        return {"model": "q", "served_models": list(folders), "models": {n: {"model_path": f} for n, f in folders.items()}}
+
+    async def pages(settings: GatewaySettings, model: str) -> list[bytes]:
+        gateway = Gateway(settings)
+        gateway.catalog = ModelCatalog(status, None, None)
+        await gateway.catalog.refresh()
+        req = parse_chat_request({"model": model, "messages": [{"role": "user", "content": [file_part()]}]},
+                                 documents=await gateway.document_limits(model))
+        await gateway.close()
+        return [part["image"] for part in req.messages[0]["content"]]
+
+    for model, arch in (("q", "qwen2_vl"), ("l", "mistral3")):
+        want = render_pdf(PDF, DocumentLimits(budget=model_page_budget(tiny_model_dirs[arch])))
+        assert asyncio.run(pages(GatewaySettings(), model)) == want != PAGES
+    assert asyncio.run(pages(GatewaySettings(document_dpi=96), "q")) == PAGES
+    assert asyncio.run(pages(GatewaySettings(), "gone")) == asyncio.run(pages(GatewaySettings(), "unknown")) == PAGES

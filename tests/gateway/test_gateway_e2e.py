@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mserve.common.prompt import PromptBuilder
 from mserve.coordinator.client import Client
 from mserve.coordinator.launcher import LocalCluster
-from mserve.common.documents import render_pdf
+from mserve.common.documents import DocumentLimits, model_page_budget, render_pdf
 from tests.clusters import settled_counters
 from tests.gateway.media_server import MediaServer
 from tests.helpers import hf_generate, make_image, make_pdf, wait_for
@@ -186,8 +186,9 @@ def test_a_pdf_file_part_is_answered_as_its_pages_and_a_page_seen_before_skips_i
     """OpenAI's `file` part with a 2-page PDF: the answer is HF generate's on its pages sent as images, token
     for token; its first page, sent before as an image, is not encoded again; a bad PDF is a 400 naming it."""
     served: Served = request.getfixturevalue(family)
-    pdf = make_pdf([(90, 60), (60, 90)], seed=21)  # 120x80 and 80x120 pixels at 96 DPI: under llava's MAX_PIXELS
-    pages = render_pdf(pdf)
+    pdf = make_pdf([(90, 60), (60, 90)], seed=21)  # small pages: at the tiny models' budgets, under MAX_PIXELS
+    folder = tiny_model_dirs["llava" if family == "llava" else "qwen2_vl"]
+    pages = render_pdf(pdf, DocumentLimits(budget=model_page_budget(folder)))  # as the gateway renders for the model
     doc = {"type": "file", "file": {"filename": "a.pdf",
                                     "file_data": "data:application/pdf;base64," + base64.b64encode(pdf).decode()}}
 
@@ -203,7 +204,7 @@ def test_a_pdf_file_part_is_answered_as_its_pages_and_a_page_seen_before_skips_i
     assert encoded_images(served) == before + 1, "only the page not seen before is encoded"
     raw = [{"role": "user", "content": [{"type": "image", "image": pages[0]}, {"type": "image", "image": pages[1]},
                                         {"type": "text", "text": "Summarize."}]}]
-    assert got == oracle(str(tiny_model_dirs["llava" if family == "llava" else "qwen2_vl"]), raw, 6)[1]
+    assert got == oracle(str(folder), raw, 6)[1]
     assert ask([image_part(pages[0]), image_part(pages[1]), {"type": "text", "text": "Summarize."}]) == got
     with pytest.raises(openai.BadRequestError) as info:
         ask([{"type": "file", "file": {**doc["file"], "file_data": doc["file"]["file_data"][:400]}}])

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mserve.cli import main
-from mserve.common.documents import render_pdf
+from mserve.common.documents import DocumentLimits, model_page_budget, render_pdf
 from mserve.common.prompt import PromptBuilder
 from tests.helpers import make_pdf
 
@@ -18,7 +18,7 @@ def test_a_document_is_its_pages_as_images(tiny_model_dirs, tmp_path, capsys):
     model = str(tiny_model_dirs["llava"])
     pdf = tmp_path / "a.pdf"
     pdf.write_bytes(make_pdf([(60, 45), (45, 60)], seed=7))
-    pages = render_pdf(pdf.read_bytes())
+    pages = render_pdf(pdf.read_bytes(), DocumentLimits(budget=model_page_budget(model)))  # as the gateway does
     common = ["generate", "--model", model, "--prompt", "Summarize.", "--max-tokens", "6", "--dtype", "float32",
               "--json"]
     assert main([*common, "--document", str(pdf)]) == 0
