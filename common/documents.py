@@ -7,7 +7,8 @@ the same page renders to the same PNG bytes every time (one renderer, fixed sett
 
 Resolution: a page renders at the pixel budget of the serving model's image processor where one is known
 (`page_budget`, one rule per processor kind, read from the checkpoint's processor settings), so that the
-processor neither throws away nor invents pixels; else (the Python client, which knows no model, or a
+processor neither throws away nor invents pixels (up to its own rounding, and the stretch or crop of a
+fixed-size kind to its shape); else (the Python client, which knows no model, or a
 model without image processor settings) at `DocumentLimits.dpi` dots per inch (DEFAULT_DOCUMENT_DPI, 96: a
 US-letter page is 816 x 1056 pixels). An explicit `dpi` (the gateway's --document-dpi) wins over the
 budget. A budget never renders a page under MIN_DOCUMENT_DPI (72: one pixel per point, 10-point text 10
