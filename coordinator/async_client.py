@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the store loads torch; a client without one does not
     from mserve.common.media_store import MediaStore
 
 
-class AsyncClient(RequestMaker):
+class AsyncClient(RequestMaker["AsyncTokenStream"]):
     """asyncio client: many concurrent requests; one DEALER socket and one reader task per coordinator shard.
 
     ``address`` takes the same forms as ``Client``'s: the coordinator's client address, a
@@ -86,17 +86,12 @@ class AsyncClient(RequestMaker):
         attempts = self._attempts(new_request_id(request_id), timeout_s)
         for left_s in attempts:
             try:
-                return await self._stream(messages, False, left_s, attempts.request_id, sampling).exhaust()
+                return await self._open(messages, False, left_s, attempts.request_id, sampling).exhaust()
             except Lost as exc:
                 attempts.lost(exc)
         raise AssertionError("unreachable")
 
-    def stream(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
-               request_id: str | None = None, **sampling: Any) -> AsyncTokenStream:
-        """``async for tok in client.stream(...)``; the request is sent on the first iteration."""
-        return self._stream(messages, True, timeout_s, request_id, sampling)
-
-    def _stream(self, messages: Sequence[dict[str, Any]], stream: bool, timeout_s: float | None,
+    def _open(self, messages: Sequence[dict[str, Any]], stream: bool, timeout_s: float | None,
                 request_id: str | None, sampling: dict[str, Any]) -> AsyncTokenStream:
         if self._closed:
             raise RuntimeError("client is closed")
@@ -343,9 +338,3 @@ class AsyncTokenStream(StreamState):
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: sockets may already be gone
-            pass

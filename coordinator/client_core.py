@@ -274,7 +274,8 @@ class Assembler:
 
 
 class StreamState:
-    """What the sync and async token streams share: the assembled result and whether they are done."""
+    """What the sync and async token streams share: the assembled result, whether they are done, and that
+    one dropped unfinished is closed (ABORT sent)."""
 
     _asm: Assembler
     _closed: bool
@@ -296,6 +297,15 @@ class StreamState:
     @property
     def done(self) -> bool:
         return self._closed or self._asm.finished
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: sockets may already be gone
+            pass
 
 
 def send_abort(sock: zmq.Socket, request_id: str, api_key: str | None = None) -> None:

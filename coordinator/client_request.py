@@ -10,7 +10,7 @@ socket or an event loop; the clock is passed in.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Iterator, Sequence, TypeVar
 
 from mserve.common.protocol import MsgType
 from mserve.coordinator.client_core import (Assembler, MServeError, Reply, RequestTimeout, ShardChooser, client_api_key,
@@ -20,6 +20,8 @@ if TYPE_CHECKING:  # the store loads torch; a client without one does not
     from mserve.common.media_store import MediaStore
 
 __all__ = ["ClientRequest", "Attempts", "RequestMaker"]
+
+S = TypeVar("S")  # a client's token stream: TokenStream (Client) or AsyncTokenStream (AsyncClient)
 
 
 class ClientRequest:
@@ -101,8 +103,9 @@ class Attempts:
         self._shards.resend_or_raise(self.request_id, exc, self._tries_left)
 
 
-class RequestMaker:
-    """The settings both clients share and how they make a ``ClientRequest`` (base of Client, AsyncClient)."""
+class RequestMaker(Generic[S]):
+    """What both clients share above the I/O: their settings, ``stream()``, and how they make a
+    ``ClientRequest``. A client opens a stream of one in ``_open`` (its own I/O)."""
 
     def _setup(self, address: str, timeout_s: float, probe_after_s: float, api_key: str | None,
                media_store: MediaStore | None) -> None:
@@ -113,6 +116,16 @@ class RequestMaker:
         self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
         self.timeout_s = timeout_s
         self.probe_after_s = probe_after_s  # a request this silent is checked with its coordinator
+
+    def stream(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
+               request_id: str | None = None, **sampling: Any) -> S:
+        """Like generate(), but yields token ids as they arrive (``async for`` them from an AsyncClient, whose
+        request is sent on the first iteration); ``.result`` is set once exhausted."""
+        return self._open(messages, True, timeout_s, request_id, sampling)
+
+    def _open(self, messages: Sequence[dict[str, Any]], stream: bool, timeout_s: float | None,
+              request_id: str | None, sampling: dict[str, Any]) -> S:
+        raise NotImplementedError
 
     def _attempts(self, request_id: str, timeout_s: float | None) -> Attempts:
         return Attempts(self._shards, request_id, self.timeout_s if timeout_s is None else timeout_s)
