@@ -1,7 +1,7 @@
 """The asyncio client: many concurrent requests, one DEALER socket per coordinator shard (see coordinator/client.py).
 
-Builds only on client_core and client_links (one shard's socket and reader), never on client.py, which
-re-exports AsyncClient, so either module can be imported first.
+Builds only on client_core, client_request (the sans-IO per-request core) and client_links (one shard's
+socket and reader), never on client.py, which re-exports AsyncClient, so either module can be imported first.
 """
 
 from __future__ import annotations

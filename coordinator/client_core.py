@@ -2,8 +2,9 @@
 the errors of coordinator/client_errors.py).
 
 ``client.py`` (``Client``, ``TokenStream``) and ``async_client.py`` (``AsyncClient``,
-``AsyncTokenStream``) both build on this module (and on ``client_shards.py``, which picks a
-coordinator shard) and on nothing of each other's. Messages are the typed client-link classes of
+``AsyncTokenStream``) both build on this module (and on ``client_request.py``, the sans-IO per-request
+core they run as I/O loops around, and ``client_shards.py``, which picks a coordinator shard) and on
+nothing of each other's. Messages are the typed client-link classes of
 ``common/protocol/client.py``; every reply is parsed once, in ``recv_valid``. It imports no torch
 (serde loads it only when a tensor is decoded, and client replies carry none).
 """
