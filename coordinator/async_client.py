@@ -16,9 +16,9 @@ import zmq
 
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.client import Error, StatusReply, Tokens
-from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, GenerateResult, Lost, MServeError, RequestTimeout,
-                                            ServerError, StreamState, error_from_reply, logger, lost_reply, new_identity,
-                                            new_request_id, Reply, send_abort, status_body)
+from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, GenerateResult, Lost, MServeError, Reply,
+                                            RequestTimeout, ServerError, StreamState, error_from_reply, logger,
+                                            lost_reply, new_identity, new_request_id, send_abort, status_body)
 from mserve.common.sockets import bound_address, make_socket
 from mserve.coordinator.client_links import ShardLink
 from mserve.coordinator.client_request import ClientRequest, RequestMaker
@@ -155,7 +155,7 @@ class AsyncClient(RequestMaker["AsyncTokenStream"]):
         return link
 
     async def _send_generate(self, link: ShardLink, req: ClientRequest) -> None:
-        until = req.send_until()  # IMMEDIATE: a send waits while unreachable
+        until = req.send_until(time.monotonic())  # IMMEDIATE: a send waits while unreachable
         if not await link.send(MsgType.GENERATE, req.body, until):
             raise req.unsent(until, time.monotonic())
 

@@ -114,7 +114,7 @@ class Client(RequestMaker["TokenStream"]):
         self._check_idle()
         req = self._request(messages, stream, timeout_s, new_request_id(request_id), sampling, self._sink_address)
         self._current = req.begin(time.monotonic())
-        until = req.send_until()  # IMMEDIATE makes a send block while the coordinator is unreachable: bounded
+        until = req.send_until(time.monotonic())  # IMMEDIATE: a send blocks while the shard is unreachable
         if not self._send(MsgType.GENERATE, req.body, until):
             raise req.unsent(until, time.monotonic())
         tokens = TokenStream(self, req)

@@ -51,9 +51,9 @@ class ClientRequest:
         self.deadline = now + self.timeout_s
         return self.shard
 
-    def send_until(self) -> float:
+    def send_until(self, now: float) -> float:
         """How long sending the GENERATE may wait (a send waits while the coordinator is unreachable)."""
-        return self._shards.send_until(self.deadline, self._probe_after_s)
+        return self._shards.send_until(self.deadline, self._probe_after_s, now)
 
     def unsent(self, until: float, now: float) -> MServeError:
         """The error for a GENERATE not sent by ``until``: with shards before the deadline, the shard is
