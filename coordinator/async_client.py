@@ -1,7 +1,7 @@
 """The asyncio client: many concurrent requests, one DEALER socket per coordinator shard (see coordinator/client.py).
 
-Builds only on client_core and client_links (one shard's socket and reader), never on client.py, which
-re-exports AsyncClient, so either module can be imported first.
+Builds only on client_core, client_request (the sans-IO per-request core) and client_links (one shard's
+socket and reader), never on client.py, which re-exports AsyncClient, so either module can be imported first.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import zmq
 
 from mserve.common.protocol import ErrorCode, MsgType
 from mserve.common.protocol.client import Error, StatusReply, Tokens
-from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler,
-                                            GenerateResult, Lost, MServeError, RequestTimeout, ServerError,
-                                            ShardChooser, StreamState, client_api_key, error_from_reply,
-                                            generate_body, logger, lost_reply, new_identity, new_request_id,
-                                            Reply, send_abort, shard_gone_reply, status_body)
+from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, GenerateResult, Lost, MServeError, Reply,
+                                            RequestTimeout, ServerError, StreamState, error_from_reply, logger,
+                                            lost_reply, new_identity, new_request_id, send_abort, status_body)
 from mserve.common.sockets import bound_address, make_socket
 from mserve.coordinator.client_links import ShardLink
+from mserve.coordinator.client_request import ClientRequest, RequestMaker
 
 __all__ = ["AsyncClient", "AsyncTokenStream"]
 
@@ -32,7 +31,7 @@ if TYPE_CHECKING:  # the store loads torch; a client without one does not
     from mserve.common.media_store import MediaStore
 
 
-class AsyncClient:
+class AsyncClient(RequestMaker["AsyncTokenStream"]):
     """asyncio client: many concurrent requests; one DEALER socket and one reader task per coordinator shard.
 
     ``address`` takes the same forms as ``Client``'s: the coordinator's client address, a
@@ -63,13 +62,7 @@ class AsyncClient:
                  tokens_host: str = "127.0.0.1", media_store: MediaStore | None = None) -> None:
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
-        self.address = address
-        # Images go into this store and GENERATE carries their refs (common/media_store.py); None: inline.
-        self.media_store = media_store
-        self._shards = ShardChooser(address)
-        self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
-        self.timeout_s = timeout_s
-        self.probe_after_s = probe_after_s  # a request this silent is checked with its coordinator
+        self._setup(address, timeout_s, probe_after_s, api_key, media_store)
         self.poll_interval_s = poll_interval_s
         self._ctx = zmq.Context()
         self._identity = new_identity()  # one identity on every shard's socket
@@ -90,38 +83,23 @@ class AsyncClient:
                        request_id: str | None = None, **sampling: Any) -> GenerateResult:
         """Same arguments as ``Client.generate``. With sharded coordinators, a request whose shard stopped
         answering is sent to another shard (same id, same overall deadline); with one, ``Lost`` is raised."""
-        rid = new_request_id(request_id)
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        for tries_left in self._shards.tries():
+        attempts = self._attempts(new_request_id(request_id), timeout_s)
+        for left_s in attempts:
             try:
-                async with self._stream(messages, False, deadline - time.monotonic(), rid, sampling) as s:
-                    async for _ in s:
-                        pass
+                return await self._open(messages, False, left_s, attempts.request_id, sampling).exhaust()
             except Lost as exc:
-                self._shards.resend_or_raise(rid, exc, tries_left)
-                continue
-            assert s.result is not None
-            return s.result
+                attempts.lost(exc)
         raise AssertionError("unreachable")
 
-    def stream(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
-               request_id: str | None = None, **sampling: Any) -> AsyncTokenStream:
-        """``async for tok in client.stream(...)``; the request is sent on the first iteration."""
-        return self._stream(messages, True, timeout_s, request_id, sampling)
-
-    def _stream(self, messages: Sequence[dict[str, Any]], stream: bool, timeout_s: float | None,
+    def _open(self, messages: Sequence[dict[str, Any]], stream: bool, timeout_s: float | None,
                 request_id: str | None, sampling: dict[str, Any]) -> AsyncTokenStream:
         if self._closed:
             raise RuntimeError("client is closed")
         rid = new_request_id(request_id)
         if rid in self._pending:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
-        payload = generate_body(rid, messages, stream, **sampling)
-        if self.media_store is not None:
-            payload = self.media_store.store_messages(payload)
-        if stream and self._sink is not None:
-            payload["tokens_to"] = self._sink.address
-        return AsyncTokenStream(self, rid, payload, self.timeout_s if timeout_s is None else timeout_s)
+        tokens_to = self._sink.address if self._sink is not None else None
+        return AsyncTokenStream(self, self._request(messages, stream, timeout_s, rid, sampling, tokens_to))
 
     async def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """The STATUS_REPLY body of the first shard not taken for dead (the only one, unsharded)."""
@@ -176,29 +154,20 @@ class AsyncClient:
                                                     on_reply=self._dispatch, on_reader_failed=self._fail_requests_of)
         return link
 
-    async def _send_generate(self, link: ShardLink, payload: dict[str, Any], deadline: float, request_id: str) -> None:
-        until = self._shards.send_until(deadline, self.probe_after_s)  # IMMEDIATE: a send waits while unreachable
-        if await link.send(MsgType.GENERATE, payload, until):
-            return
-        if until < deadline:
-            self._shards.mark_down(link.address, time.monotonic())
-            raise error_from_reply(shard_gone_reply(request_id, link.address)[1])
-        raise RequestTimeout(f"coordinator at {link.address} is not reachable", request_id=request_id)
+    async def _send_generate(self, link: ShardLink, req: ClientRequest) -> None:
+        until = req.send_until(time.monotonic())  # IMMEDIATE: a send waits while unreachable
+        if not await link.send(MsgType.GENERATE, req.body, until):
+            raise req.unsent(until, time.monotonic())
 
-    def _probe(self, stream: AsyncTokenStream) -> tuple[MsgType, dict[str, Any]] | None:
-        """A silent request: ask its shard whether it still holds it (answered in _dispatch). With shards,
-        the Lost reply that ends it instead once its shard left SHARD_PROBES_UNANSWERED probes in a row
-        unanswered (nothing heard from the shard since the first of them)."""
-        assert stream.shard is not None
-        link = self._links[stream.shard]
-        now = time.monotonic()
-        if self._shards.sharded:
-            stream._probes = [t for t in stream._probes if t > link.last_heard]
-            if self._shards.gives_up(link.address, len(stream._probes), now):
-                return shard_gone_reply(stream.request_id, link.address)
-            stream._probes.append(now)
-        link.probe([stream.request_id])
-        return None
+    def _silent(self, req: ClientRequest) -> tuple[MsgType, Reply] | None:
+        """A silent request: what ClientRequest.silent decides; a probe goes to its shard (answered in
+        _dispatch)."""
+        assert req.shard is not None
+        link = self._links[req.shard]
+        gone = req.silent(time.monotonic(), link.last_heard)
+        if gone is None:
+            link.probe([req.request_id])
+        return gone
 
     def _fail_requests_of(self, address: str, exc: Exception) -> None:
         for rid, queue in self._pending.items():
@@ -251,17 +220,18 @@ class AsyncClient:
 class AsyncTokenStream(StreamState):
     """Async iterator of token ids for one request of an AsyncClient; ``.result`` once exhausted."""
 
-    def __init__(self, client: AsyncClient, request_id: str, payload: dict[str, Any], timeout_s: float) -> None:
-        self.request_id = request_id
-        self.shard: str | None = None  # the coordinator shard's address, picked when the request is sent
+    def __init__(self, client: AsyncClient, req: ClientRequest) -> None:
+        self.request_id = req.request_id
         self._client = client
-        self._payload = payload
-        self._timeout_s = timeout_s
-        self._deadline = 0.0
+        self._req = req  # its shard is picked when the request is sent
         self._queue: asyncio.Queue[tuple[int | None, Any]] | None = None
-        self._probes: list[float] = []  # when the probes its shard left unanswered were sent (sharded only)
-        self._asm = Assembler(request_id, reorder=client._sink is not None)
+        self._asm = req.asm
         self._closed = False
+
+    @property
+    def shard(self) -> str | None:
+        """The coordinator shard's address, picked when the request is sent."""
+        return self._req.shard
 
     def __aiter__(self) -> AsyncTokenStream:
         return self
@@ -283,6 +253,14 @@ class AsyncTokenStream(StreamState):
             self._asm.ready.clear()
             yield ids
 
+    async def exhaust(self) -> GenerateResult:
+        """Read the whole request (generate()); its result."""
+        async with self:
+            async for _ in self:
+                pass
+        assert self.result is not None
+        return self.result
+
     async def _fill(self) -> bool:
         """Wait until tokens are ready (True) or the request is over (False); sends on first use."""
         if self._queue is None and not self._closed:
@@ -292,21 +270,24 @@ class AsyncTokenStream(StreamState):
                 self._release()
                 return False
             assert self._queue is not None
-            left = self._deadline - time.monotonic()
+            now = time.monotonic()
+            reply: tuple[Any, Any] | None
             try:
-                kind, payload = await asyncio.wait_for(self._queue.get(), min(left, self._client.probe_after_s))
+                reply = await asyncio.wait_for(self._queue.get(), self._req.wait_until(now) - now)
             except asyncio.TimeoutError:
-                if time.monotonic() >= self._deadline:
-                    self.close()
-                    raise RequestTimeout(f"no result within {self._timeout_s}s; request aborted",
-                                         request_id=self.request_id) from None
-                gone = self._client._probe(self)  # silent for a while: does its coordinator still hold it?
-                if gone is None:
-                    continue
-                kind, payload = gone
+                reply = None
             except asyncio.CancelledError:
                 self.close()
                 raise
+            if reply is None:
+                try:  # silent for a while: does its coordinator still hold it?
+                    reply = self._client._silent(self._req)
+                except RequestTimeout:
+                    self.close()
+                    raise
+                if reply is None:
+                    continue
+            kind, payload = reply
             if kind is None:  # the client failed this request locally (closed, reader died)
                 self._closed = True
                 self._release()
@@ -322,17 +303,15 @@ class AsyncTokenStream(StreamState):
         client = self._client
         if client._closed:
             raise RuntimeError("client is closed")
-        self.shard = client._shards.pick(self.request_id, time.monotonic())
-        link = client._link(self.shard)
+        link = client._link(self._req.begin(time.monotonic()))
         link.ensure_reader()
         if client._sink is not None:
             client._sink.ensure_reader()
         self._queue = asyncio.Queue()
         client._pending[self.request_id] = self._queue  # registered before sending: no reply can be missed
-        client._routes[self.request_id] = self.shard
-        self._deadline = time.monotonic() + self._timeout_s
+        client._routes[self.request_id] = link.address
         try:
-            await client._send_generate(link, self._payload, self._deadline, self.request_id)
+            await client._send_generate(link, self._req)
         except BaseException:
             self._closed = True
             self._release()
@@ -341,7 +320,7 @@ class AsyncTokenStream(StreamState):
     def close(self) -> None:
         """Stop early: sends ABORT (to its shard) unless the server already finished (or it was never sent)."""
         if not self.done and self._queue is not None and not self._client._closed:
-            send_abort(self._client._links[self.shard].sock, self.request_id, self._client._api_key)
+            send_abort(self._client._links[self._req.shard].sock, self.request_id, self._client._api_key)
         self._closed = True
         self._release()
 
@@ -359,9 +338,3 @@ class AsyncTokenStream(StreamState):
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: sockets may already be gone
-            pass

@@ -16,8 +16,9 @@ Every timeout is a deadline for the whole request; when it passes, ABORT is sent
 
 Modules: this one holds ``Client`` and ``TokenStream`` and re-exports the whole public API;
 ``async_client`` holds ``AsyncClient`` and ``AsyncTokenStream`` (``client_links`` its per-shard socket
-and reader); ``client_core`` what both share (errors, ``GenerateResult``, request building, reply
-assembly, shard choice). None of them imports torch.
+and reader); ``client_request`` the sans-IO per-request core both run as I/O loops around (the body,
+deadline, probes, when to give up on a shard, generate()'s retry); ``client_core`` the rest they share
+(errors, ``GenerateResult``, request building, reply assembly, shard choice). None of them imports torch.
 """
 
 from __future__ import annotations
@@ -33,13 +34,12 @@ from mserve.common.protocol.client import Error, Signed, StatusReply
 from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.sockets import bound_address, make_socket, send
 from mserve.coordinator.async_client import AsyncClient, AsyncTokenStream
-from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, Assembler, BadRequest, GenerateResult, Lost,
-                                            MServeError, ModelNotFound, NoWorkers, Overloaded, RequestTimeout, ServerError,
-                                            StreamState, error_from_reply, generate_body, logger, lost_reply,
+from mserve.coordinator.client_core import (PROBE_AFTER_S, Aborted, BadRequest, GenerateResult, Lost, MServeError,
+                                            ModelNotFound, NoWorkers, Overloaded, Reply, RequestTimeout, ServerError,
+                                            StreamState, Unauthorized, error_from_reply, logger, lost_reply,
                                             new_identity, new_request_id, normalize_client_messages, probe_body,
                                             recv_valid, send_abort, status_body)
-from mserve.coordinator.client_core import (Reply, ShardChooser, Unauthorized,
-                                            client_api_key, shard_gone_reply)
+from mserve.coordinator.client_request import ClientRequest, RequestMaker
 
 __all__ = [
     "MServeError", "BadRequest", "Overloaded", "NoWorkers", "ModelNotFound", "RequestTimeout", "Aborted", "ServerError", "Lost",
@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # the store loads torch; a client without one does not
 # --------------------------------------------------------------------------- sync client
 
 
-class Client:
+class Client(RequestMaker["TokenStream"]):
     """Synchronous client; one request at a time, not thread-safe.
 
     ``address`` is the coordinator's client address; for sharded coordinators (docs/scaling.md) a
@@ -66,17 +66,12 @@ class Client:
     def __init__(self, address: str, *, timeout_s: float = 120.0, probe_after_s: float = PROBE_AFTER_S,
                  api_key: str | None = None, direct_tokens: bool = False, tokens_host: str = "127.0.0.1",
                  media_store: MediaStore | None = None) -> None:
-        self.address = address
-        # Images go into this store and GENERATE carries their refs (common/media_store.py); None: inline.
-        self.media_store = media_store
-        self._shards = ShardChooser(address)
-        self._api_key = client_api_key(api_key)  # sent in every message; default $MSERVE_CLIENT_API_KEY
-        self.timeout_s = timeout_s
-        self.probe_after_s = probe_after_s  # a request this silent is checked with the coordinator
+        self._setup(address, timeout_s, probe_after_s, api_key, media_store)
         self._ctx = zmq.Context()
         self._identity = new_identity()
         self._socks: dict[str, zmq.Socket] = {}  # one DEALER per shard, opened when first used
         self._current = self._shards.addresses[0]  # the shard of the request in flight
+        self._last_heard = 0.0  # when a reply last came (a probe sent before it was answered)
         # direct_tokens: a token sink (a PULL socket bound on tokens_host, an address the workers can reach)
         # to which decode workers push a streamed request's tokens themselves, when the coordinator runs
         # with --token-report-every > 1 (docs/scaling.md); otherwise the tokens still come through it.
@@ -106,40 +101,25 @@ class Client:
 
         With sharded coordinators, a request whose shard stopped answering is sent to another shard
         (nothing of it was handed out yet); with one coordinator, ``Lost`` is raised."""
-        rid = new_request_id(request_id)
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        for tries_left in self._shards.tries():
+        attempts = self._attempts(new_request_id(request_id), timeout_s)
+        for left_s in attempts:
             try:
-                with self._start(messages, False, deadline - time.monotonic(), rid, sampling) as s:
-                    for _ in s:
-                        pass
+                return self._open(messages, False, left_s, attempts.request_id, sampling).exhaust()
             except Lost as exc:
-                self._shards.resend_or_raise(rid, exc, tries_left)
-                continue
-            assert s.result is not None
-            return s.result
+                attempts.lost(exc)
         raise AssertionError("unreachable")
 
-    def stream(self, messages: Sequence[dict[str, Any]], *, timeout_s: float | None = None,
-               request_id: str | None = None, **sampling: Any) -> TokenStream:
-        """Like generate(), but yields token ids as they arrive; ``.result`` is set once exhausted."""
-        return self._start(messages, True, timeout_s, request_id, sampling)
-
-    def _start(self, messages: Sequence[dict[str, Any]], stream: bool, timeout_s: float | None,
+    def _open(self, messages: Sequence[dict[str, Any]], stream: bool, timeout_s: float | None,
                request_id: str | None, sampling: dict[str, Any]) -> TokenStream:
         self._check_idle()
-        rid = new_request_id(request_id)
-        payload = generate_body(rid, messages, stream, **sampling)
-        if self.media_store is not None:
-            payload = self.media_store.store_messages(payload)
-        if stream and self._sink_address is not None:
-            payload["tokens_to"] = self._sink_address
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        self._current = self._shards.pick(rid, time.monotonic())
-        self._send(MsgType.GENERATE, payload, time.monotonic() + timeout, rid)
-        stream = TokenStream(self, rid, time.monotonic() + timeout, timeout)
-        self._active = weakref.ref(stream)
-        return stream
+        req = self._request(messages, stream, timeout_s, new_request_id(request_id), sampling, self._sink_address)
+        self._current = req.begin(time.monotonic())
+        until = req.send_until(time.monotonic())  # IMMEDIATE: a send blocks while the shard is unreachable
+        if not self._send(MsgType.GENERATE, req.body, until):
+            raise req.unsent(until, time.monotonic())
+        tokens = TokenStream(self, req)
+        self._active = weakref.ref(tokens)
+        return tokens
 
     def _check_idle(self) -> None:
         if self._closed:
@@ -159,9 +139,7 @@ class Client:
         for i, address in enumerate(shards):
             self._current = address
             until = deadline if i == len(shards) - 1 else time.monotonic() + (deadline - time.monotonic()) / 2
-            try:
-                self._send(MsgType.STATUS, status_body(), until, None)
-            except RequestTimeout:
+            if not self._send(MsgType.STATUS, status_body(), until):
                 if i < len(shards) - 1:
                     self._shards.mark_down(address, time.monotonic())
                 continue
@@ -182,7 +160,8 @@ class Client:
         self._check_idle()
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         self._current = self._shards.up(time.monotonic())[0]
-        self._send(MsgType.SWITCH_ROLE, SwitchRole(worker_id=worker_id, role=role).to_body(), deadline, None)
+        if not self._send(MsgType.SWITCH_ROLE, SwitchRole(worker_id=worker_id, role=role).to_body(), deadline):
+            raise RequestTimeout(f"coordinator at {self._current} is not reachable")
         while (reply := self._recv(deadline)) is not None:
             answer = reply[1]
             if isinstance(answer, StatusReply) and answer.unknown_requests is None:
@@ -216,21 +195,16 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _send(self, kind: MsgType, payload: dict[str, Any], deadline: float, request_id: str | None) -> None:
-        # IMMEDIATE makes a send block while the coordinator is unreachable: bound it (ShardChooser.send_until).
-        until = self._shards.send_until(deadline, self.probe_after_s) if kind == MsgType.GENERATE else deadline
+    def _send(self, kind: MsgType, payload: dict[str, Any], until: float) -> bool:
+        """Send to the current shard, waiting until ``until`` at most for it to be reachable: whether it went."""
         while True:
             try:
                 send(self._sock, kind, Signed.sign(payload, self._api_key), flags=zmq.NOBLOCK)
-                return
+                return True
             except zmq.Again:
                 remaining_ms = int((until - time.monotonic()) * 1000)
                 if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLOUT):
-                    if until < deadline:
-                        self._shards.mark_down(self._current, time.monotonic())
-                        raise error_from_reply(shard_gone_reply(request_id or "", self._current)[1]) from None
-                    raise RequestTimeout(f"coordinator at {self._current} is not reachable",
-                                         request_id=request_id) from None
+                    return False
 
     def _recv(self, deadline: float) -> tuple[MsgType, Reply] | None:
         """The next valid reply (from the coordinator, or a worker through the token sink), or None once the
@@ -246,19 +220,19 @@ class Client:
             for sock in ready:
                 reply = recv_valid(sock)
                 if reply is not None:
+                    self._last_heard = time.monotonic()
                     return reply
         return None
 
-    def _next_reply(self, request_id: str, deadline: float) -> tuple[MsgType, Reply] | None:
-        unanswered = 0  # probes in a row that the shard left unanswered
+    def _next_reply(self, req: ClientRequest) -> tuple[MsgType, Reply]:
+        """The request's next reply; RequestTimeout past its deadline (ClientRequest.silent decides)."""
+        request_id = req.request_id
         while True:
-            reply = self._recv(min(deadline, time.monotonic() + self.probe_after_s))
+            reply = self._recv(req.wait_until(time.monotonic()))
             if reply is None:
-                if time.monotonic() >= deadline:
-                    return None
-                if self._shards.gives_up(self._current, unanswered, time.monotonic()):
-                    return shard_gone_reply(request_id, self._current)
-                unanswered += 1
+                gone = req.silent(time.monotonic(), self._last_heard)
+                if gone is not None:
+                    return gone
                 try:  # silent for a while: does the coordinator still hold it? (answered below)
                     send(self._sock, MsgType.STATUS, Signed.sign(probe_body([request_id]), self._api_key),
                          flags=zmq.NOBLOCK)
@@ -266,7 +240,6 @@ class Client:
                     pass
                 continue
             kind, payload = reply
-            unanswered = 0
             if isinstance(payload, StatusReply) and request_id in (payload.unknown_requests or ()):
                 return lost_reply(request_id)
             rid = getattr(payload, "request_id", None)
@@ -280,12 +253,11 @@ class Client:
 class TokenStream(StreamState):
     """Iterator of token ids for one request of a sync Client; ``.result`` once exhausted."""
 
-    def __init__(self, client: Client, request_id: str, deadline: float, timeout_s: float) -> None:
-        self.request_id = request_id
+    def __init__(self, client: Client, req: ClientRequest) -> None:
+        self.request_id = req.request_id
         self._client = client
-        self._deadline = deadline
-        self._timeout_s = timeout_s
-        self._asm = Assembler(request_id, reorder=client._sink is not None)
+        self._req = req
+        self._asm = req.asm
         self._closed = False
 
     def __iter__(self) -> TokenStream:
@@ -295,17 +267,20 @@ class TokenStream(StreamState):
         while not self._asm.ready:
             if self.done:
                 raise StopIteration
-            reply = self._client._next_reply(self.request_id, self._deadline)
-            if reply is None:
-                self.close()
-                raise RequestTimeout(f"no result within {self._timeout_s}s; request aborted",
-                                     request_id=self.request_id)
             try:
-                self._asm.feed(*reply)
-            except MServeError:
+                self._asm.feed(*self._client._next_reply(self._req))
+            except MServeError:  # RequestTimeout included
                 self.close()
                 raise
         return self._asm.ready.popleft()
+
+    def exhaust(self) -> GenerateResult:
+        """Read the whole request (generate()); its result."""
+        with self:
+            for _ in self:
+                pass
+        assert self.result is not None
+        return self.result
 
     def close(self) -> None:
         """Stop early: sends ABORT unless the server already finished the request."""
@@ -318,9 +293,3 @@ class TokenStream(StreamState):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: sockets may already be gone
-            pass

@@ -2,8 +2,9 @@
 the errors of coordinator/client_errors.py).
 
 ``client.py`` (``Client``, ``TokenStream``) and ``async_client.py`` (``AsyncClient``,
-``AsyncTokenStream``) both build on this module (and on ``client_shards.py``, which picks a
-coordinator shard) and on nothing of each other's. Messages are the typed client-link classes of
+``AsyncTokenStream``) both build on this module (and on ``client_request.py``, the sans-IO per-request
+core they run as I/O loops around, and ``client_shards.py``, which picks a coordinator shard) and on
+nothing of each other's. Messages are the typed client-link classes of
 ``common/protocol/client.py``; every reply is parsed once, in ``recv_valid``. It imports no torch
 (serde loads it only when a tensor is decoded, and client replies carry none).
 """
@@ -277,7 +278,8 @@ class Assembler:
 
 
 class StreamState:
-    """What the sync and async token streams share: the assembled result and whether they are done."""
+    """What the sync and async token streams share: the assembled result, whether they are done, and that
+    one dropped unfinished is closed (ABORT sent)."""
 
     _asm: Assembler
     _closed: bool
@@ -299,6 +301,15 @@ class StreamState:
     @property
     def done(self) -> bool:
         return self._closed or self._asm.finished
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: sockets may already be gone
+            pass
 
 
 def send_abort(sock: zmq.Socket, request_id: str, api_key: str | None = None) -> None:

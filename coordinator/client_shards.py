@@ -70,13 +70,13 @@ class ShardChooser:
             logger.info("coordinator shards now: %s", ", ".join(addresses))
             self.addresses = addresses
 
-    def send_until(self, deadline: float, probe_after_s: float) -> float:
+    def send_until(self, deadline: float, probe_after_s: float, now: float) -> float:
         """How long a GENERATE's send may wait for its shard (a send waits while the coordinator is
         unreachable): until the request's deadline, or with shards only as long as a silent shard is
         given; then the shard is taken for dead and the request tries another."""
         if not self.sharded:
             return deadline
-        return min(deadline, time.monotonic() + (SHARD_PROBES_UNANSWERED + 1) * probe_after_s)
+        return min(deadline, now + (SHARD_PROBES_UNANSWERED + 1) * probe_after_s)
 
     def gives_up(self, address: str, unanswered: int, now: float) -> bool:
         """True once the shard at `address` left SHARD_PROBES_UNANSWERED probes in a row unanswered (with
