@@ -152,12 +152,12 @@ def engine_prompts_match_the_gathers(model_dir: str, monkeypatch, chunk: int) ->
     compared = []
     attend, usable = paged_attention._attend, paged_prefill.usable
 
-    def both(group, query, k_cache, v_cache, scaling, window=None):
-        out = attend(group, query, k_cache, v_cache, scaling, window)
+    def both(group, query, k_cache, v_cache, scaling, window=None, chunk=None):
+        out = attend(group, query, k_cache, v_cache, scaling, window, chunk)
         if group.decode_lens is None and usable(query, k_cache):
             monkeypatch.setattr(paged_prefill, "usable", lambda *a: False)
             try:
-                want = attend(group, query, k_cache, v_cache, scaling, window)
+                want = attend(group, query, k_cache, v_cache, scaling, window, chunk)
             finally:
                 monkeypatch.setattr(paged_prefill, "usable", usable)
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2 ** -6)

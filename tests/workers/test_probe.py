@@ -17,7 +17,7 @@ def test_sliding_window_ignored_is_refused_naming_the_case(tiny_model_dirs, monk
     """llava_next_video's text layers all slide over 24 keys, shorter than every probe prompt."""
     attend = paged_attention._attend
     monkeypatch.setattr(paged_attention, "_attend",
-                        lambda group, q, k, v, scaling, window=None: attend(group, q, k, v, scaling, None))
+                        lambda group, q, k, v, scaling, window=None, chunk=None: attend(group, q, k, v, scaling, None, chunk))
     verdict = probe.verify(str(tiny_model_dirs["llava_next_video"]), dtype="float32")
     assert not verdict.served
     assert verdict.reason.startswith("case 'text only': token 0 differs from Hugging Face generate (expected ")
