@@ -23,7 +23,7 @@ from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
 from mserve.common.protocol.client import FROM_CLIENT, Error, Signed, Status, StatusReply
-from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, WorkerInfo
+from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, registration_of
 from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
 from mserve.common.shards import advertised
@@ -290,7 +290,7 @@ class Coordinator:
     def _model_for_worker(self, worker_id: str, msg: Message) -> ServedModel | None:
         """The model whose machine takes a worker's message: a READY (or a heartbeat carrying the
         registration) says which model, and joins it; anything else goes where the worker registered."""
-        info = msg if isinstance(msg, WorkerInfo) else msg.registration() if isinstance(msg, Heartbeat) else None
+        info = registration_of(msg)
         current = self.models.of_worker(worker_id)
         if info is None or (current is not None and isinstance(msg, Heartbeat)
                             and current.machine.members.is_alive(worker_id)):
