@@ -289,7 +289,7 @@ class RequestMachine:
             if not holds_work(self.requests, worker_id):
                 self.members.mark_shutdown_sent(worker_id)
                 log.info("worker %s drained: no work of this coordinator left on it; SHUTDOWN sent", worker_id)
-                self.ctx.outbox.to_worker(worker_id, MsgType.SHUTDOWN, Shutdown().fields())
+                self.ctx.outbox.to_worker(worker_id, Shutdown())
 
     def _on_ready(self, worker_id: str, info: WorkerInfo) -> None:
         role = info.role
@@ -308,6 +308,6 @@ class RequestMachine:
         if self.members.is_alive(worker_id):  # a restarted process with the same id: its old work is lost
             self.life.worker_died(worker_id, "re-registered")
         for rid in self.members.join(worker_id, info, self.ctx.now):  # only stalled: stop its stale work
-            self.ctx.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=rid).fields())
+            self.ctx.outbox.to_worker(worker_id, Cancel(request_id=rid))
         self.switcher.on_join(worker_id, role)
         log.info("worker %s joined as %s (data plane %s)", worker_id, role, info.data_address)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from mserve.common.protocol import ErrorCode, MsgType
-from mserve.common.protocol.client import Generate, Sampling
+from mserve.common.protocol.client import Error, Generate, Sampling
 from mserve.common.protocol.to_coordinator import Heartbeat, WorkerInfo, WorkerLoad
 from mserve.coordinator.admission import Admitted, AdmittedImage
 from mserve.coordinator.records import NoLookups
@@ -551,8 +551,7 @@ def test_duplicate_request_id_is_refused_while_in_flight_and_reject_counts():
     assert kinds(out) == [("ERROR", CLIENT)] and out[0].body["code"] == ErrorCode.BAD_REQUEST
     assert "already in flight" in out[0].body["message"]
     out = h.m.reject(CLIENT, "bad", "max_tokens too big", now=h.t)
-    assert out == [ToClient(CLIENT, MsgType.ERROR, {"request_id": "bad", "code": ErrorCode.BAD_REQUEST,
-                                                    "message": "max_tokens too big"})]
+    assert out == [ToClient(CLIENT, Error(request_id="bad", code=ErrorCode.BAD_REQUEST, message="max_tokens too big"))]
     assert h.m.stats["admitted"] == 1 and h.m.stats["rejected"] == 1
 
 
