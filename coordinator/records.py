@@ -36,36 +36,30 @@ ACTIVE_STAGES = (Stage.ENCODE, Stage.PREFILL, Stage.DECODE, Stage.RUN)
 STAGE_ROLE = {Stage.ENCODE: "encode", Stage.PREFILL: "prefill", Stage.DECODE: "decode", Stage.RUN: "unified"}
 
 
-@dataclass(frozen=True)
-class ToClient:
-    """A typed message for a client: the socket loop turns it into its body as it sends."""
+class Outgoing:
+    """A typed message queued for a socket: the socket loop makes its body (`to_body()`) as it sends."""
 
+    msg: Message
+
+    @property
+    def kind(self) -> MsgType:
+        return self.msg.KIND
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.msg.fields()
+
+
+@dataclass(frozen=True)
+class ToClient(Outgoing):
     identity: bytes
     msg: Message
 
-    @property
-    def kind(self) -> MsgType:
-        return self.msg.KIND
-
-    @property
-    def body(self) -> dict[str, Any]:
-        return self.msg.fields()
-
 
 @dataclass(frozen=True)
-class ToWorker:
-    """A typed message for a worker: the socket loop turns it into its body as it sends."""
-
+class ToWorker(Outgoing):
     worker_id: str
     msg: Message
-
-    @property
-    def kind(self) -> MsgType:
-        return self.msg.KIND
-
-    @property
-    def body(self) -> dict[str, Any]:
-        return self.msg.fields()
 
 
 Out = Union[ToClient, ToWorker]
