@@ -157,13 +157,13 @@ class Dispatcher:
             if st.trace is not None else None
         sends = []
         for w, part in shares:
-            kind, payload, tokens = stage_message(st, stage, hand_back=self.ctx.settings.kv_hand_back, part=part,
+            msg, tokens = stage_message(st, stage, hand_back=self.ctx.settings.kv_hand_back, part=part,
                                                   report_every=self.ctx.settings.token_report_every, trace=trace)
             if stage in (Stage.PREFILL, Stage.RUN):  # the cached prefix there is no work (routing's estimate)
                 tokens = max(0, tokens - st.prefix_credit)
             self.ctx.members.charge(w.worker_id, tokens)
             st.charged.append((w.worker_id, tokens))
-            sends.append(ToWorker(w.worker_id, kind, payload))
+            sends.append(ToWorker(w.worker_id, msg))
         return sends
 
     def _holders(self, hashes: list[str]) -> dict[str, set[str]]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.protocol import ErrorCode
 from mserve.common.protocol.client import Tokens
 from mserve.common.protocol.to_worker import Cancel
 from mserve.coordinator.context import Context
 from mserve.coordinator.dispatch import Dispatcher
-from mserve.coordinator.records import RequestState, Stage, result_body
+from mserve.coordinator.records import RequestState, Stage, result_message
 
 log = logging.getLogger("mserve.coordinator")
 
@@ -65,7 +65,7 @@ class Lifecycle:
             msg = Tokens(request_id=st.client_rid, index=index, token_ids=tokens,
                          prompt_tokens=len(st.admitted.prompt_ids) if index == 0 else None,
                          model=st.admitted.model if index == 0 else None)
-            self.ctx.outbox.to_client(st.client, MsgType.TOKENS, msg.fields())
+            self.ctx.outbox.to_client(st.client, msg)
 
     def end(self, st: RequestState, *, finish_reason: str | None = None, error: tuple[str, str] | None = None,
             **error_extra: Any) -> None:
@@ -86,8 +86,8 @@ class Lifecycle:
         self.ctx.telemetry.on_request(st, now)
         log.info("%s done: %d tokens (%s) in %.0f ms", st.client_rid, len(st.output_ids), finish_reason,
                  (now - st.arrived) * 1e3)
-        body = result_body(st, finish_reason or "stop", self.ctx.detokenize(st.output_ids), now)
-        self.ctx.outbox.to_client(st.client, MsgType.RESULT, body)
+        self.ctx.outbox.to_client(st.client, result_message(st, finish_reason or "stop",
+                                                            self.ctx.detokenize(st.output_ids), now))
 
     def cancel_on_worker(self, st: RequestState, skip: str | None = None) -> None:
         """CANCEL the request wherever it runs or has data parked (but on `skip`, which already gave up on it)."""
@@ -98,7 +98,7 @@ class Lifecycle:
             targets |= st.embedding_sources()
         for worker_id in sorted(targets - {skip}):
             if self.ctx.members.is_alive(worker_id):
-                self.ctx.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=st.rid).fields())
+                self.ctx.outbox.to_worker(worker_id, Cancel(request_id=st.rid))
 
     def worker_died(self, worker_id: str, why: str, undelivered: str | None = None) -> None:
         """Declare the worker dead and re-run every request that needs it. `undelivered`: the request

@@ -6,13 +6,18 @@ on a worker is the request machine's business (coordinator/requests.py); this ta
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from mserve.common.policy import DEFAULT_ENGINE
+from mserve.common.protocol.to_coordinator import WorkerInfo, WorkerLoad
 from mserve.coordinator.routing import WorkerView
 
-LOAD_INTS = ("queue_len", "running", "free_blocks", "total_blocks")
+# The figures of a worker's load that its routing view keeps (the fields WorkerLoad and WorkerView share;
+# `inflight` is the coordinator's own count, never taken from a report).
+VIEW_FIGURES = tuple(f.name for f in dataclasses.fields(WorkerLoad)
+                     if f.name in {v.name for v in dataclasses.fields(WorkerView)} and f.name != "inflight")
 
 
 @dataclass
@@ -20,7 +25,7 @@ class WorkerRecord:
     """One worker as the coordinator knows it: what routing reads (`view`) and the bookkeeping around it."""
 
     view: WorkerView  # role, liveness, reported load, and the stages charged to it (routing.py)
-    info: dict[str, Any]  # its registration (READY body)
+    info: WorkerInfo  # its registration (READY)
     last_seen: float
     load_at: float = 0.0  # when the load last applied was measured (the worker's clock; 0: none yet)
     queued: set[str] = field(default_factory=set)  # requests it holds but has not started
@@ -67,16 +72,16 @@ class Membership:
         rec = self._records.get(worker_id)
         return rec is not None and rec.draining
 
-    def join(self, worker_id: str, role: str, payload: dict[str, Any], now: float) -> set[str]:
+    def join(self, worker_id: str, info: WorkerInfo, now: float) -> set[str]:
         """Register (or re-register) a live worker; returns the requests it was abandoned with, to cancel."""
         old = self._records.get(worker_id)
         # Draining, SHUTDOWN and the load's clock start anew (a restarted process); its last queue and
         # counters stand until its next report.
         self._records[worker_id] = WorkerRecord(
-            WorkerView(worker_id, role, host_id=str(payload.get("host_id") or "")), info=dict(payload), last_seen=now,
+            WorkerView(worker_id, info.role, host_id=info.host_id), info=info, last_seen=now,
             queued=old.queued if old else set(), counters=old.counters if old else {})
-        self.block_size = int(payload.get("block_size") or self.block_size)
-        self.apply_load(worker_id, payload.get("load") or {})
+        self.block_size = info.block_size or self.block_size
+        self.apply_load(worker_id, info.load)
         return old.abandoned if old else set()
 
     def draining_to_release(self) -> list[str]:
@@ -95,32 +100,28 @@ class Membership:
     def seen(self, worker_id: str, now: float) -> None:
         self._records[worker_id].last_seen = now
 
-    def apply_load(self, worker_id: str, load: dict[str, Any]) -> None:
+    def apply_load(self, worker_id: str, load: WorkerLoad) -> None:
         """Take a worker's load report unless an earlier one: a heartbeat and a Redis read can arrive
-        out of order, and a stale "idle" must never overwrite a fresh "busy"."""
+        out of order, and a stale "idle" must never overwrite a fresh "busy". A field left out (None)
+        leaves what the coordinator had."""
         rec = self._records.get(worker_id)
         if rec is None:
             return
-        w = rec.view
-        at = load.get("at")
-        if isinstance(at, (int, float)):
-            if at < rec.load_at:
+        if load.at is not None:
+            if load.at < rec.load_at:
                 return
-            rec.load_at = float(at)
-        if "draining" in load:
-            rec.draining = bool(load["draining"])
-        if isinstance(load.get("queued"), list):
-            rec.queued = {str(r) for r in load["queued"]}
-        if isinstance(load.get("counters"), dict):
-            rec.counters = {str(k): v for k, v in load["counters"].items() if isinstance(v, (int, float))}
-        if isinstance(load.get("histograms"), dict):
-            rec.histograms = {str(k): v for k, v in load["histograms"].items() if isinstance(v, dict)}
-        for key in LOAD_INTS:
-            if key in load:
-                setattr(w, key, int(load[key]))
-        for key in ("tokens_per_s", "rss_mib", "weights_mib", "kv_pool_mib", "encode_s_per_image", "state_kib_per_seq"):
-            if isinstance(load.get(key), (int, float)):
-                setattr(w, key, float(load[key]))
+            rec.load_at = load.at
+        if load.draining is not None:
+            rec.draining = load.draining
+        if load.queued is not None:
+            rec.queued = set(load.queued)
+        if load.counters is not None:
+            rec.counters = {str(k): v for k, v in load.counters.items() if isinstance(v, (int, float))}
+        if load.histograms is not None:
+            rec.histograms = {str(k): v for k, v in load.histograms.items() if isinstance(v, dict)}
+        for name in VIEW_FIGURES:
+            if (value := getattr(load, name)) is not None:
+                setattr(rec.view, name, value)
 
     def silent(self, now: float, dead_after_s: float) -> list[tuple[str, float]]:
         """Live workers not heard from for more than dead_after_s, with how long they have been silent."""
@@ -176,7 +177,5 @@ class Membership:
 
 
 def _load_shown(w: WorkerView) -> dict[str, Any]:
-    return {"queue_len": w.queue_len, "running": w.running, "free_blocks": w.free_blocks,
-            "total_blocks": w.total_blocks, "tokens_per_s": w.tokens_per_s, "inflight": w.inflight,
-            "rss_mib": w.rss_mib, "weights_mib": w.weights_mib, "kv_pool_mib": w.kv_pool_mib,
-            "state_kib_per_seq": w.state_kib_per_seq}
+    """A worker's load as STATUS_REPLY shows it: the figures routing reads, and the stages in flight there."""
+    return WorkerLoad(**{name: getattr(w, name) for name in VIEW_FIGURES}, inflight=w.inflight).fields()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterator, Protocol, Union
 
-from mserve.common.protocol import MsgType
+from mserve.common.protocol import Message, MsgType
 from mserve.common.protocol.client import Error, Result
 from mserve.common.protocol.to_worker import DecodeTask, EmbeddingPart, EncodeTask, ImageRef, PrefillTask, RunTask
 from mserve.coordinator.admission import Admitted
@@ -36,18 +36,30 @@ ACTIVE_STAGES = (Stage.ENCODE, Stage.PREFILL, Stage.DECODE, Stage.RUN)
 STAGE_ROLE = {Stage.ENCODE: "encode", Stage.PREFILL: "prefill", Stage.DECODE: "decode", Stage.RUN: "unified"}
 
 
+class Outgoing:
+    """A typed message queued for a socket: the socket loop makes its body (`to_body()`) as it sends."""
+
+    msg: Message
+
+    @property
+    def kind(self) -> MsgType:
+        return self.msg.KIND
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.msg.fields()
+
+
 @dataclass(frozen=True)
-class ToClient:
+class ToClient(Outgoing):
     identity: bytes
-    kind: MsgType
-    body: dict[str, Any]
+    msg: Message
 
 
 @dataclass(frozen=True)
-class ToWorker:
+class ToWorker(Outgoing):
     worker_id: str
-    kind: MsgType
-    body: dict[str, Any]
+    msg: Message
 
 
 Out = Union[ToClient, ToWorker]
@@ -71,14 +83,14 @@ class Outbox:
         out, self._messages = self._messages, []
         return out
 
-    def to_worker(self, worker_id: str, kind: MsgType, body: dict[str, Any]) -> None:
-        self._messages.append(ToWorker(worker_id, kind, body))
+    def to_worker(self, worker_id: str, msg: Message) -> None:
+        self._messages.append(ToWorker(worker_id, msg))
 
-    def to_client(self, client: bytes, kind: MsgType, body: dict[str, Any]) -> None:
-        self._messages.append(ToClient(client, kind, body))
+    def to_client(self, client: bytes, msg: Message) -> None:
+        self._messages.append(ToClient(client, msg))
 
     def error(self, client: bytes, request_id: str | None, code: str, message: str, **extra: Any) -> None:
-        self.to_client(client, MsgType.ERROR, Error(request_id=request_id, code=code, message=message, **extra).fields())
+        self.to_client(client, Error(request_id=request_id, code=code, message=message, **extra))
 
 
 class Lookups(Protocol):
@@ -235,7 +247,7 @@ class RequestTable:
 
 
 def stage_message(st: RequestState, stage: Stage, hand_back: bool = False, part: list[int] | None = None,
-                  report_every: int = 1, trace: str | None = None) -> tuple[MsgType, dict[str, Any], int]:
+                  report_every: int = 1, trace: str | None = None) -> tuple[Message, int]:
     """The message that starts `stage` of a request on a worker, and the prompt tokens it charges there.
     `hand_back`: a DECODE asks for the reply's KV blocks at the end (the coordinator's kv_hand_back).
     `part`: an ENCODE of only these images (by index; a spread encode). `report_every`: a DECODE or RUN
@@ -269,7 +281,7 @@ def stage_message(st: RequestState, stage: Stage, hand_back: bool = False, part:
         msg = RunTask(**ids, prompt_ids=a.prompt_ids, output_ids=list(st.output_ids), sampling=req.sampling,
                       images=images, **classes, **token_route(st, report_every))
         tokens = len(a.prompt_ids)
-    return msg.KIND, msg.fields(), tokens
+    return msg, tokens
 
 
 def direct_tokens(st: RequestState, report_every: int) -> bool:
@@ -302,10 +314,10 @@ def part_message(p: EncodePart) -> EmbeddingPart:
     return EmbeddingPart(descriptor=p.descriptor or {}, images=p.images, grids=p.grids)
 
 
-def result_body(st: RequestState, finish_reason: str, text: str, now: float) -> dict[str, Any]:
+def result_message(st: RequestState, finish_reason: str, text: str, now: float) -> Result:
     """The RESULT a finished request ends with."""
     timings = {**{k: round(v, 6) for k, v in st.timings.items()}, "total_s": round(now - st.arrived, 6)}
     return Result(request_id=st.client_rid, token_ids=st.output_ids, text=text, finish_reason=finish_reason,
                   prompt_tokens=len(st.admitted.prompt_ids), visual_tokens=st.admitted.visual_tokens,
                   timings=timings, cache_hits=st.cache_hits, attempts=st.attempt + 1,
-                  visual_keep_ratio=st.admitted.keep_ratio, model=st.admitted.model).fields()
+                  visual_keep_ratio=st.admitted.keep_ratio, model=st.admitted.model)

@@ -9,7 +9,7 @@ the request (`Lifecycle`, coordinator/lifecycle.py); the step's schedule phase s
 
 from __future__ import annotations
 
-from mserve.common.protocol import ErrorCode, MsgType
+from mserve.common.protocol import ErrorCode
 from mserve.common.protocol.to_coordinator import Encoded, Failed, Prefilled, TokenItem
 from mserve.common.protocol.to_worker import AdoptBlocks, Cancel, Embeddings
 from mserve.coordinator.context import Context
@@ -72,7 +72,7 @@ class StageReplies:
             self.dispatch.advance(st)  # its PREFILL carries every part in by the time a prefill worker takes it
         elif st.stage == Stage.PREFILL and st.worker_id is not None:
             more = Embeddings(request_id=st.rid, attempt=st.attempt, parts=[part_message(part)])
-            self.ctx.outbox.to_worker(st.worker_id, MsgType.EMBEDDINGS, more.fields())
+            self.ctx.outbox.to_worker(st.worker_id, more)
 
     def on_prefilled(self, worker_id: str, msg: Prefilled) -> None:
         st = self._current(worker_id, msg, Stage.PREFILL)
@@ -103,7 +103,7 @@ class StageReplies:
         if st is None:
             if item.request_id not in self.ctx.requests and not item.finished:
                 # Nobody waits for it (a coordinator before this one admitted it): free the worker.
-                self.ctx.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=item.request_id).fields())
+                self.ctx.outbox.to_worker(worker_id, Cancel(request_id=item.request_id))
             return
         self.ctx.counters.count("token_items")
         st.timings["transfer_s"] += item.fetch_s or 0.0
@@ -124,7 +124,7 @@ class StageReplies:
             if item.hand_back and st.kv_from and self.ctx.members.is_alive(st.kv_from):
                 # The reply's KV blocks go to the prefill worker holding the prompt's, for the next turn.
                 adopt = AdoptBlocks(request_id=st.rid, **item.hand_back.fields())
-                self.ctx.outbox.to_worker(st.kv_from, MsgType.ADOPT, adopt.fields())
+                self.ctx.outbox.to_worker(st.kv_from, adopt)
             self.life.end(st, finish_reason=item.finish_reason or "stop")
 
     def _count_skipped(self, st: RequestState, skipped: int) -> None:

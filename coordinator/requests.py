@@ -24,6 +24,7 @@ from the socket to the PREFILL it triggers:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import uuid
@@ -31,7 +32,7 @@ from typing import Any, Callable
 
 from mserve.common.protocol import ROLES, ErrorCode, Message, MsgType, ProtocolError
 from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, Heartbeat, Prefilled, StepTokens,
-                                                   WorkerInfo)
+                                                   WorkerInfo, WorkerLoad)
 from mserve.common.protocol.to_worker import Cancel, Shutdown
 from mserve.common.pruning import mismatch as pruning_mismatch
 from mserve.coordinator.adaptive_pruning import AdaptivePruning
@@ -262,7 +263,7 @@ class RequestMachine:
         numbers: whether a worker drains is its own word, in its heartbeats (another process under the
         same id on a shared Redis must not stop this one's routing)."""
         for worker_id, load in loads.items():
-            self.members.apply_load(worker_id, {k: v for k, v in load.items() if k != "draining"})
+            self.members.apply_load(worker_id, dataclasses.replace(WorkerLoad.read(load), draining=None))
 
     def alive_workers(self) -> list[str]:
         return self.members.alive_ids()
@@ -288,7 +289,7 @@ class RequestMachine:
             if not holds_work(self.requests, worker_id):
                 self.members.mark_shutdown_sent(worker_id)
                 log.info("worker %s drained: no work of this coordinator left on it; SHUTDOWN sent", worker_id)
-                self.ctx.outbox.to_worker(worker_id, MsgType.SHUTDOWN, Shutdown().fields())
+                self.ctx.outbox.to_worker(worker_id, Shutdown())
 
     def _on_ready(self, worker_id: str, info: WorkerInfo) -> None:
         role = info.role
@@ -306,7 +307,7 @@ class RequestMachine:
         self._refused.pop(worker_id, None)
         if self.members.is_alive(worker_id):  # a restarted process with the same id: its old work is lost
             self.life.worker_died(worker_id, "re-registered")
-        for rid in self.members.join(worker_id, role, info.fields(), self.ctx.now):  # only stalled: stop its stale work
-            self.ctx.outbox.to_worker(worker_id, MsgType.CANCEL, Cancel(request_id=rid).fields())
+        for rid in self.members.join(worker_id, info, self.ctx.now):  # only stalled: stop its stale work
+            self.ctx.outbox.to_worker(worker_id, Cancel(request_id=rid))
         self.switcher.on_join(worker_id, role)
         log.info("worker %s joined as %s (data plane %s)", worker_id, role, info.data_address)

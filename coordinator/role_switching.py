@@ -22,7 +22,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from mserve.common.protocol import MsgType
 from mserve.common.protocol.to_worker import SWITCHABLE_ROLES, SwitchRole
 from mserve.coordinator.membership import Membership
 from mserve.coordinator.records import Outbox, RequestTable, Stage
@@ -91,7 +90,7 @@ class RoleSwitcher:
         assert w is not None
         self.switching[worker_id] = Switch(w.role, role, self.outbox.now, reason)
         log.info("worker %s switches role %s -> %s (%s): draining first", worker_id, w.role, role, reason)
-        self.outbox.to_worker(worker_id, MsgType.SWITCH_ROLE, SwitchRole(worker_id=worker_id, role=role).fields())
+        self.outbox.to_worker(worker_id, SwitchRole(worker_id=worker_id, role=role))
 
     def on_bye(self, worker_id: str, switching_to: str | None) -> None:
         sw = self.switching.get(worker_id)

@@ -21,9 +21,9 @@ import zmq
 from mserve.common import pruning
 from mserve.common.policy import LATENCY_CLASSES
 from mserve.common.perf import freeze_startup_heap, resident_mib
-from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, body, check_header, parse_message
+from mserve.common.protocol import ErrorCode, Message, MsgType, ProtocolError, check_header, parse_message
 from mserve.common.protocol.client import FROM_CLIENT, Error, Signed, Status, StatusReply
-from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, WorkerInfo
+from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Heartbeat, registration_of
 from mserve.common.protocol.to_worker import SwitchRole
 from mserve.common.security import CurveKeys, Gate, check_curve_settings
 from mserve.common.shards import advertised
@@ -157,20 +157,19 @@ class Coordinator:
     def _send(self, out: list[Out]) -> None:
         for msg in out:
             if isinstance(msg, ToClient):
-                self._reply(msg.identity, msg.kind, msg.body)
+                self._reply(msg.identity, msg.kind, msg.msg)
                 continue
             try:
-                send(self.worker_sock, msg.kind, body(**msg.body), identity=msg.worker_id.encode(), flags=zmq.NOBLOCK)
+                send(self.worker_sock, msg.kind, msg.msg.to_body(), identity=msg.worker_id.encode(), flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker's socket is gone
                 model = self.models.of_worker(msg.worker_id)
                 if model is not None:
-                    self._send(model.machine.step(Unreachable(msg.worker_id, str(exc), msg.body.get("request_id")),
+                    self._send(model.machine.step(Unreachable(msg.worker_id, str(exc), getattr(msg.msg, "request_id", None)),
                                                    time.monotonic()))
 
-    def _reply(self, client: bytes, kind: MsgType, payload: Message | dict[str, Any]) -> None:
+    def _reply(self, client: bytes, kind: MsgType, msg: Message) -> None:
         try:
-            send(self.client_sock, kind, payload.to_body() if isinstance(payload, Message) else body(**payload),
-                 identity=client, flags=zmq.NOBLOCK)
+            send(self.client_sock, kind, msg.to_body(), identity=client, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # client gone or its queue full: its request ends anyway
             log.warning("client %r unreachable (%s); dropping %s", client[:8], exc, kind.name)
 
@@ -290,7 +289,7 @@ class Coordinator:
     def _model_for_worker(self, worker_id: str, msg: Message) -> ServedModel | None:
         """The model whose machine takes a worker's message: a READY (or a heartbeat carrying the
         registration) says which model, and joins it; anything else goes where the worker registered."""
-        info = msg if isinstance(msg, WorkerInfo) else msg.registration() if isinstance(msg, Heartbeat) else None
+        info = registration_of(msg)
         current = self.models.of_worker(worker_id)
         if info is None or (current is not None and isinstance(msg, Heartbeat)
                             and current.machine.members.is_alive(worker_id)):

@@ -115,16 +115,22 @@ def _role_key(role: str) -> tuple[int, str]:
     return (ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER), role)
 
 
+# The load figures a worker's row shows, as WorkerLoad (common/protocol/to_coordinator.py) names them.
+ROW_FIGURES = ("queue_len", "running", "free_blocks", "total_blocks", "tokens_per_s", "rss_mib", "state_kib_per_seq")
+
+
 def _worker_row(wid: str, cw: dict[str, Any] | None, reg: dict[str, Any] | None, rload: dict[str, Any] | None,
                 coordinator_up: bool, now: float) -> dict[str, Any]:
+    from mserve.common.protocol.to_coordinator import WorkerLoad  # the one spelling of the load's keys
+
     cload = cw.get("load") if cw and isinstance(cw.get("load"), dict) else None
-    load = cload if cload is not None else (rload or {})
+    load = WorkerLoad.read(cload if cload is not None else (rload or {}))
     if cw is not None:
         alive: bool | None = bool(cw.get("alive"))
     else:  # registered in Redis (its key lives while it heartbeats), unknown to the coordinator
         alive = None if coordinator_up else True
     role = (cw or {}).get("role") or (reg or {}).get("role") or "?"
-    free, total = _int(load.get("free_blocks")), _int(load.get("total_blocks"))
+    free, total = load.free_blocks, load.total_blocks
     published = _num((rload or {}).get("updated_at"))
     # Cache figures a worker reports beside its load (in Redis, in the coordinator's view of it, or in the
     # per-worker "counters" a newer coordinator adds): hits, and cached blocks.
@@ -137,12 +143,9 @@ def _worker_row(wid: str, cw: dict[str, Any] | None, reg: dict[str, Any] | None,
         # a role switch under way: "decode->prefill (draining)", then "(reloading)" (coordinator/role_switching.py)
         "switching": (cw or {}).get("switching"),
         "seen_by": [s for s, seen in (("coordinator", cw is not None), ("redis", reg is not None)) if seen],
-        "queue_len": _int(load.get("queue_len")), "running": _int(load.get("running")),
-        "inflight": _int((cload or {}).get("inflight")),
-        "free_blocks": free, "total_blocks": total,
+        # The load's figures under WorkerLoad's names (`inflight`: the coordinator's, never Redis's).
+        **{name: getattr(load, name) for name in ROW_FIGURES}, "inflight": WorkerLoad.read(cload).inflight,
         "kv_used": total - free if free is not None and total else None,
-        "tokens_per_s": _num(load.get("tokens_per_s")), "rss_mib": _num(load.get("rss_mib")),
-        "state_kib_per_seq": _num(load.get("state_kib_per_seq")),
         "heartbeat_age_s": round(max(0.0, now - published), 2) if published is not None else None,
         "load_hits": hits,
     }

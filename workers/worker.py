@@ -10,6 +10,7 @@ worker's registration, load and cache indexes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from mserve.common.cpu_placement import io_zmq_context
 from mserve.common.images import ImageError
 from mserve.common.perf import freeze_startup_heap, resident_mib
 from mserve.common.protocol import ROLE_ACCEPTS, MsgType, ProtocolError, parse_message
-from mserve.common.protocol.to_coordinator import Bye, Failed, WorkerInfo
+from mserve.common.protocol.to_coordinator import Bye, Failed, Heartbeat, WorkerInfo, WorkerLoad
 from mserve.common.protocol.to_worker import TO_WORKER, Cancel, SwitchRole
 from mserve.common.protocol.typed import Message
 from mserve.common.security import CurveKeys, check_curve_settings
@@ -68,11 +69,11 @@ class Worker:
         require_verified(settings.model, settings.device, settings.dtype)
         self.engine = Engine(self.engine_config(settings))
         runner = self.engine.runner
-        self.memory_mib = {  # what this role holds, for `rss_mib` to be read against
-            "weights_mib": round(runner.weight_bytes() / 2**20, 1),
-            "kv_pool_mib": round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0,
+        self.memory = WorkerLoad(  # what this role holds, for `rss_mib` to be read against
+            weights_mib=round(runner.weight_bytes() / 2**20, 1),
+            kv_pool_mib=round(runner.kv.bytes_per_block * runner.kv.num_blocks / 2**20, 1) if runner.kv else 0.0,
             # a hybrid model's linear-attention state, held per running sequence beside the pool
-            "state_kib_per_seq": round(runner.linear_state_bytes() / 2**10, 1)}
+            state_kib_per_seq=round(runner.linear_state_bytes() / 2**10, 1))
         self.ctx = zmq.Context.instance()
         io_zmq_context(self.ctx)  # zmq's socket threads beside the other IO threads (common/cpu_placement.py)
         self.transfer = TransferEngine(self.worker_id, backend=settings.transfer, host=settings.host, ctx=self.ctx,
@@ -245,14 +246,15 @@ class Worker:
         self.transfer.close()
         log.info("worker %s stopped", self.worker_id)
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> WorkerLoad:
         queued = self.queued_ids()
-        return {"queue_len": len(queued), "running": len(self.engine.scheduler.running), "queued": queued,
-                "free_blocks": self.engine.pool.num_free_blocks, "total_blocks": self.engine.pool.num_blocks,
-                "tokens_per_s": round(self._tokens_ewma, 2), "rss_mib": round(resident_mib(), 1), **self.memory_mib,
-                "draining": self.drain.active, "counters": {**self.engine.stats(), **self.transfer.counters()},
-                "histograms": {"step_seconds": self.engine.step_seconds.snapshot()},
-                "at": time.time()}  # lets the coordinator drop a report older than one it already has
+        return dataclasses.replace(
+            self.memory, queue_len=len(queued), running=len(self.engine.scheduler.running), queued=queued,
+            free_blocks=self.engine.pool.num_free_blocks, total_blocks=self.engine.pool.num_blocks,
+            tokens_per_s=round(self._tokens_ewma, 2), rss_mib=round(resident_mib(), 1), draining=self.drain.active,
+            counters={**self.engine.stats(), **self.transfer.counters()},
+            histograms={"step_seconds": self.engine.step_seconds.snapshot()},
+            at=time.time())  # lets the coordinator drop a report older than one it already has
 
     def count_tokens(self, n: int) -> None:
         self._tokens_since += n
@@ -269,7 +271,7 @@ class Worker:
             # tokens. The registration rides along: a coordinator that restarted (or declared this
             # worker dead) re-admits it from its next heartbeat.
             info = self.info()
-            self._send_locked(info, MsgType.HEARTBEAT)
+            self._send_locked(Heartbeat.of(info))
             refused = self.links.handshake_failures()
         if refused and time.monotonic() >= self._next_refusal_log:
             self._next_refusal_log = time.monotonic() + 60.0

@@ -7,9 +7,11 @@ The embedding index is the embedding tiers' (workers/embedding_tiers.py): they q
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
+from mserve.common.protocol.to_coordinator import WorkerLoad
 from mserve.common.redis_store import RedisStore
 from mserve.common.shards import ShardRegistry, is_redis_url
 from mserve.workers.cache_index import PrefixIndexPublisher
@@ -27,10 +29,10 @@ CACHE_COUNTERS = ("embedding_l1_hits", "embedding_l2_hits", "encoded_images", "p
                   "prefix_skip_fallbacks")
 
 
-def redis_load(load: dict[str, Any]) -> dict[str, Any]:
+def redis_load(load: WorkerLoad) -> dict[str, Any]:
     """The load as Redis keeps it (a flat hash): the queued ids, other counters and histograms go to the coordinator only."""
-    counters = load.get("counters") or {}
-    return {**{k: v for k, v in load.items() if k not in ("queued", "counters", "histograms")},
+    counters = load.counters or {}
+    return {**dataclasses.replace(load, queued=None, counters=None, histograms=None).fields(),
             **{k: counters[k] for k in CACHE_COUNTERS if k in counters}}
 
 
@@ -52,7 +54,7 @@ class WorkerRedis:
         self._seen_losses = 0  # state losses and recoveries republished for
 
     # -- in line: before READY ------------------------------------------------------------------------
-    def register(self, fields: dict[str, Any], load: dict[str, Any]) -> None:
+    def register(self, fields: dict[str, Any], load: WorkerLoad) -> None:
         """Registration and load in Redis before the coordinator hears of this worker; the registry's shards."""
         if self.store is not None:
             self.store.register_worker(self.worker_id, fields, ttl_s=self.ttl_s)
@@ -62,7 +64,7 @@ class WorkerRedis:
             self._next_registry_read = time.monotonic() + REGISTRY_READ_S
 
     # -- queued on the lane ------------------------------------------------------------------------------
-    def beat(self, load: dict[str, Any]) -> None:
+    def beat(self, load: WorkerLoad) -> None:
         """From the pulse: the newest load replaces one still waiting for a slow Redis."""
         if self.store is not None:
             self.lane.submit(self._beat, redis_load(load), key="heartbeat")

@@ -114,17 +114,18 @@ class FakeCluster:
             send(sock, MsgType.READY, self._info(wid, role).to_body())
 
     def _info(self, wid: str, role: str) -> Any:
-        from mserve.common.protocol.to_coordinator import WorkerInfo
+        from mserve.common.protocol.to_coordinator import WorkerInfo, WorkerLoad
 
-        load = {"queue_len": 0, "running": len(self.decoding) if role == "decode" else 0, "queued": [],
-                "free_blocks": 2000, "total_blocks": 2048, "tokens_per_s": 100.0, "rss_mib": 900.0,
-                "weights_mib": 104.2, "kv_pool_mib": 512.0, "counters": {"steps": 1, "decode_tokens": 1},
-                "at": time.time()}
+        load = WorkerLoad(queue_len=0, running=len(self.decoding) if role == "decode" else 0, queued=[],
+                          free_blocks=2000, total_blocks=2048, tokens_per_s=100.0, rss_mib=900.0,
+                          weights_mib=104.2, kv_pool_mib=512.0, counters={"steps": 1, "decode_tokens": 1},
+                          at=time.time())
         return WorkerInfo(worker_id=wid, role=role, data_address="tcp://127.0.0.1:1", host_id="calib", pid=1,
                           model=self.model, model_path=self.model, block_size=16, num_blocks=2048, load=load)
 
     def heartbeat(self) -> None:
         from mserve.common.protocol import MsgType
+        from mserve.common.protocol.to_coordinator import Heartbeat
         from mserve.common.sockets import send
         from mserve.workers.worker_redis import redis_load
 
@@ -134,7 +135,7 @@ class FakeCluster:
         self._next_beat = now + HEARTBEAT_S
         for wid, (role, socks) in self.workers.items():
             info = self._info(wid, role)
-            body = info.to_body()
+            body = Heartbeat.of(info).to_body()
             for sock in socks:
                 send(sock, MsgType.HEARTBEAT, body)
                 self._count(sock, "to_coordinator")

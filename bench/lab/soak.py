@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mserve.bench.traces import make_trace
+from mserve.common.protocol.to_coordinator import WorkerLoad
 from mserve.coordinator.client import AsyncClient, Client, MServeError
 from mserve.coordinator.launcher import LocalCluster
 
@@ -57,9 +58,9 @@ def kv_state(status: dict[str, Any]) -> dict[str, dict[str, int]]:
     for wid, w in status.get("workers", {}).items():
         if w.get("role") == "encode" or not w.get("alive"):
             continue
-        load, counters = w.get("load") or {}, w.get("counters") or {}
-        out[wid] = {"used": int(counters.get("used_blocks", 0)), "free": int(load.get("free_blocks", 0)),
-                    "total": int(load.get("total_blocks", 0))}
+        load, counters = WorkerLoad.read(w.get("load")), w.get("counters") or {}
+        out[wid] = {"used": int(counters.get("used_blocks", 0)), "free": load.free_blocks or 0,
+                    "total": load.total_blocks or 0}
     return out
 
 

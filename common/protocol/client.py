@@ -69,20 +69,29 @@ class MediaRef(Message):
     kind: str = wire(one_of("image"), "image")  # the modality (images only, for now)
 
 
+@dataclass(kw_only=True)
+class RequestClass(Message):
+    """What every message that carries a request says of it beyond its content: its class and its trace.
+    GENERATE declares them here, and so do the stage tasks the coordinator sends for it (ENCODE, PREFILL,
+    RUN, common/protocol/to_worker.py): one declaration, one default and one check at every hop."""
+
+    priority: int = wire(as_int, rules.PRIORITY)
+    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
+    # A W3C traceparent (common/tracing.py): on GENERATE the caller's span, the request's trace continuing
+    # under it; on a stage task the coordinator's span of that stage.
+    trace: str | None = wire(optional(as_str), None)
+
+
 @dataclass
-class Generate(Signed):
+class Generate(Signed, RequestClass):
     KIND: ClassVar = MsgType.GENERATE
     request_id: str = wire(as_str)
     messages: list[dict[str, Any]] = wire(list_of(as_map))
     sampling: Sampling = wire(nested(Sampling), Sampling)
-    priority: int = wire(as_int, rules.PRIORITY)
-    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     stream: bool = wire(as_bool, False)
     # The client's token sink (a tcp:// address it binds): with the coordinator's token_report_every > 1
     # the decode worker streams this request's tokens there itself (docs/scaling.md). Ignored otherwise.
     tokens_to: str | None = wire(optional(as_str), None)
-    # The caller's span as a W3C traceparent: the request's trace continues under it (common/tracing.py).
-    trace: str | None = wire(optional(as_str), None)
     # The served model name (a worker's --model-name) this request is for; None: the coordinator's default
     # (its --model, or the only model it serves). coordinator/models.py maps it to that model's pools.
     model: str | None = wire(optional(as_str), None)
@@ -162,5 +171,5 @@ class StatusReply(Message):
 FROM_CLIENT: dict[MsgType, type[Message]] = {cls.KIND: cls for cls in (Generate, Abort, Status)}
 TO_CLIENT: dict[MsgType, type[Message]] = {cls.KIND: cls for cls in (Tokens, Result, Error, StatusReply)}
 
-__all__ = ["FROM_CLIENT", "LATENCY_CLASSES", "TO_CLIENT", "Abort", "Error", "Generate", "MediaRef", "Result", "Sampling", "Status",
-           "StatusReply", "Tokens"]
+__all__ = ["FROM_CLIENT", "LATENCY_CLASSES", "TO_CLIENT", "Abort", "Error", "Generate", "MediaRef", "RequestClass", "Result",
+           "Sampling", "Status", "StatusReply", "Tokens"]

@@ -2,18 +2,63 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mserve.common.protocol.core import MsgType
+from mserve.common.protocol.core import MsgType, ProtocolError
 from mserve.common.protocol.to_worker import KVState
 from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as_list, as_map, as_str, list_of,
                                           nested, optional, wire)
 
 
 @dataclass
+class WorkerLoad(Message):
+    """A worker's load report (READY and HEARTBEAT `load`; Redis keeps a flat copy, workers/worker_redis.py).
+    Every field may be left out, None meaning "not reported": the coordinator keeps what it had. The one
+    spelling of each load key: the coordinator, `mserve status`, the gateway's metrics and dashboard and
+    the autoscaler read these attributes (or `read()` a snapshot into them)."""
+
+    queue_len: int | None = wire(optional(as_int), None)  # requests held, not started
+    running: int | None = wire(optional(as_int), None)
+    free_blocks: int | None = wire(optional(as_int), None)  # of its KV pool
+    total_blocks: int | None = wire(optional(as_int), None)
+    tokens_per_s: float | None = wire(optional(as_float), None)  # EWMA
+    rss_mib: float | None = wire(optional(as_float), None)  # the process's resident memory, and what it holds:
+    weights_mib: float | None = wire(optional(as_float), None)
+    kv_pool_mib: float | None = wire(optional(as_float), None)
+    state_kib_per_seq: float | None = wire(optional(as_float), None)  # a hybrid model's linear state per sequence
+    encode_s_per_image: float | None = wire(optional(as_float), None)  # an encoder's measured vision time per image
+    queued: list[str] | None = wire(optional(list_of(as_str)), None)  # the request ids behind `queue_len`
+    draining: bool | None = wire(optional(as_bool), None)  # SIGTERM (or a role switch): route it nothing new
+    counters: dict[str, Any] | None = wire(optional(as_map), None)  # engine and transfer counters
+    histograms: dict[str, Any] | None = wire(optional(as_map), None)  # {"step_seconds": snapshot}
+    at: float | None = wire(optional(as_float), None)  # the worker's wall clock when measured
+    # Not a worker's: the stages the coordinator handed it and has not seen finish (STATUS_REPLY only).
+    inflight: int | None = wire(optional(as_int), None)
+
+    @classmethod
+    def read(cls, snapshot: Any) -> WorkerLoad:
+        """A load as a report or a Redis hash holds it (status tools, the autoscaler, the coordinator's
+        Redis read): each field whose value checks, the others None (a reader of snapshots never raises).
+        Redis keeps a flag as 0 or 1 (common/redis_store.py): read back as the flag."""
+        if not isinstance(snapshot, dict):
+            return cls()
+        values = {}
+        for f in dataclasses.fields(cls):
+            v = snapshot.get(f.name)
+            if f.type == "bool | None" and v in (0, 1) and not isinstance(v, bool):
+                v = bool(v)
+            try:
+                values[f.name] = f.metadata["check"](v, f.name)
+            except ProtocolError:
+                pass
+        return cls(**values)
+
+
+@dataclass
 class WorkerInfo(Message):
-    """READY, and every HEARTBEAT: the registration rides along so a restarted coordinator re-admits."""
+    """READY; every HEARTBEAT carries it too (`Heartbeat.info`), so a restarted coordinator re-admits."""
 
     KIND: ClassVar = MsgType.READY
     worker_id: str = wire(as_str)
@@ -24,7 +69,7 @@ class WorkerInfo(Message):
     model: str = wire(as_str, "")
     block_size: int = wire(as_int, 16)
     num_blocks: int = wire(as_int, 0)
-    load: dict[str, Any] = wire(as_map, {})  # queue_len, running, free_blocks, total_blocks, tokens_per_s
+    load: WorkerLoad = wire(nested(WorkerLoad), WorkerLoad)
     data_key: str | None = wire(optional(as_str), None)  # the data plane's CURVE public key (Z85), when it has one
     # The FasterVLM keep ratio this worker prunes images to (None: off); the coordinator refuses an
     # encode or unified worker whose ratio differs from its own (common/pruning.py).
@@ -36,27 +81,22 @@ class WorkerInfo(Message):
 
 @dataclass
 class Heartbeat(Message):
-    """HEARTBEAT: the load, and (from current workers) the whole registration, as in READY."""
+    """HEARTBEAT: the load, and the worker's registration (its READY, less the load that travels once, at
+    the top): a coordinator that restarted, or declared the worker dead, re-admits it from it."""
 
     KIND: ClassVar = MsgType.HEARTBEAT
     worker_id: str = wire(as_str)
-    load: dict[str, Any] = wire(as_map)
-    role: str | None = wire(optional(as_str), None)
-    data_address: str | None = wire(optional(as_str), None)
-    host_id: str | None = wire(optional(as_str), None)
-    block_size: int | None = wire(optional(as_int), None)
-    visual_token_pruning: float | None = wire(optional(as_float), None)
-    model: str | None = wire(optional(as_str), None)  # as in READY
-    model_path: str | None = wire(optional(as_str), None)
+    load: WorkerLoad = wire(nested(WorkerLoad))
+    info: WorkerInfo | None = wire(optional(nested(WorkerInfo)), None)
+
+    @classmethod
+    def of(cls, info: WorkerInfo) -> Heartbeat:
+        """The heartbeat that repeats `info`."""
+        return cls(worker_id=info.worker_id, load=info.load, info=dataclasses.replace(info, load=WorkerLoad()))
 
     def registration(self) -> WorkerInfo | None:
-        """The READY this heartbeat repeats, if it carries one."""
-        if self.role is None or self.data_address is None or self.host_id is None:
-            return None
-        return WorkerInfo(worker_id=self.worker_id, role=self.role, data_address=self.data_address,
-                          host_id=self.host_id, block_size=self.block_size or 16, load=self.load,
-                          visual_token_pruning=self.visual_token_pruning, model=self.model or "",
-                          model_path=self.model_path or "")
+        """The READY this heartbeat repeats, with its load, if it carries one."""
+        return None if self.info is None else dataclasses.replace(self.info, load=self.load)
 
 
 @dataclass
@@ -143,6 +183,11 @@ class Bye(Message):
     KIND: ClassVar = MsgType.BYE
     worker_id: str = wire(as_str)
     switching_to: str | None = wire(optional(as_str), None)  # it leaves to come back as this role (SWITCH_ROLE)
+
+
+def registration_of(msg: Message) -> WorkerInfo | None:
+    """The registration a worker's message carries: a READY's, or a HEARTBEAT's that repeats it."""
+    return msg if isinstance(msg, WorkerInfo) else msg.registration() if isinstance(msg, Heartbeat) else None
 
 
 TO_COORDINATOR: dict[MsgType, type[Message]] = {

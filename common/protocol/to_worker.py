@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from mserve.common import sampling_rules as rules
 from mserve.common.policy import LATENCY_CLASSES
-from mserve.common.protocol.client import MediaRef, Sampling, Signed
+from mserve.common.protocol.client import MediaRef, RequestClass, Sampling, Signed
 from mserve.common.protocol.core import MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_bytes, as_float, as_int, as_list, as_map, as_str,
                                           list_of, nested, one_of, optional, wire)
@@ -43,14 +43,27 @@ class ImageRef(Message):
 
 
 @dataclass
-class EncodeTask(Message):
-    KIND: ClassVar = MsgType.ENCODE
+class StageTask(RequestClass):
+    """A stage of one attempt of one request (ENCODE, PREFILL, RUN): the ids its worker echoes back, and
+    the request's class and the stage's trace span (RequestClass)."""
+
     request_id: str = wire(as_str)
     attempt: int = wire(as_int)
+
+
+@dataclass
+class PromptTask(StageTask):
+    """A stage that runs the prompt (PREFILL, RUN): its tokens, how to sample, and what was streamed."""
+
+    prompt_ids: list[int] = wire(list_of(as_int))
+    sampling: Sampling = wire(nested(Sampling))
+    output_ids: list[int] = wire(list_of(as_int), [])  # tokens an earlier attempt already streamed
+
+
+@dataclass
+class EncodeTask(StageTask):
+    KIND: ClassVar = MsgType.ENCODE
     images: list[ImageRef] = wire(list_of(nested(ImageRef)))
-    priority: int = wire(as_int, rules.PRIORITY)
-    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
-    trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
     # This request's own pruning ratio (SLO-adaptive pruning); None: the worker's --visual-token-pruning.
     keep_ratio: float | None = wire(optional(as_float), None)
 
@@ -63,18 +76,11 @@ class EmbeddingPart(Message):
 
 
 @dataclass
-class PrefillTask(Message):
+class PrefillTask(PromptTask):
     KIND: ClassVar = MsgType.PREFILL
-    request_id: str = wire(as_str)
-    attempt: int = wire(as_int)
-    prompt_ids: list[int] = wire(list_of(as_int))
-    sampling: Sampling = wire(nested(Sampling))
-    output_ids: list[int] = wire(list_of(as_int), [])  # tokens an earlier attempt already streamed
     image_hashes: list[str] = wire(list_of(as_str), [])
     embeddings: dict[str, Any] | None = wire(optional(as_map), None)  # transfer descriptor (on an encode worker)
     grids: list[Any] | None = wire(optional(list_of(optional(list_of(as_int)))), None)  # Qwen2-VL (t, h, w)
-    priority: int = wire(as_int, rules.PRIORITY)
-    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     # Images encoded on several encode workers at once (instead of `embeddings`): each part's
     # descriptor, and which of the request's images (by index) its tensors img0..imgK are.
     embedding_parts: list[EmbeddingPart] | None = wire(optional(list_of(nested(EmbeddingPart))), None)
@@ -82,7 +88,6 @@ class PrefillTask(Message):
     # visual tokens (so the prompt's placeholder runs map to images before they arrive).
     pending_images: list[int] = wire(list_of(as_int), [])
     image_tokens: list[int] = wire(list_of(as_int), [])
-    trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
     # Each image's sampled frame rate (a video's; None for an image or an unknown rate): Qwen2.5-VL's
     # M-RoPE spaces a video's temporal positions by it (second_per_grid_ts). None: no video.
     item_fps: list[float | None] | None = wire(optional(list_of(optional(as_float))), None)
@@ -126,18 +131,11 @@ class DecodeTask(Message):
 
 
 @dataclass
-class RunTask(Message):
+class RunTask(PromptTask):
     """All three stages on a unified worker."""
 
     KIND: ClassVar = MsgType.RUN
-    request_id: str = wire(as_str)
-    attempt: int = wire(as_int)
-    prompt_ids: list[int] = wire(list_of(as_int))
-    sampling: Sampling = wire(nested(Sampling))
-    output_ids: list[int] = wire(list_of(as_int), [])
     images: list[ImageRef] = wire(list_of(nested(ImageRef)), [])
-    priority: int = wire(as_int, rules.PRIORITY)
-    latency_class: str = wire(one_of(*LATENCY_CLASSES), "interactive")
     # Tokens off the coordinator (its --token-report-every, docs/scaling.md): the worker reports this
     # request's tokens to the coordinator only every `report_every` tokens (and its first and last), and
     # when the client gave `tokens_to` (its token sink) it streams each step's tokens there itself, as
@@ -145,7 +143,6 @@ class RunTask(Message):
     report_every: int = wire(as_int, 1)
     tokens_to: str | None = wire(optional(as_str), None)
     client_rid: str | None = wire(optional(as_str), None)
-    trace: str | None = wire(optional(as_str), None)  # the coordinator's stage span (common/tracing.py)
 
 
 @dataclass

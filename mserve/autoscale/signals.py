@@ -25,6 +25,7 @@ from typing import Any
 
 from mserve.autoscale import POOLS
 from mserve.autoscale.policy import SLO, Observation, PoolObservation
+from mserve.common.protocol.to_coordinator import WorkerLoad
 
 log = logging.getLogger("mserve.autoscale")
 
@@ -113,7 +114,7 @@ class Signals:
         return Snapshot(Observation(now=now, pools={p: PoolObservation(ready=0) for p in POOLS}), source="none",
                         note="neither the coordinator nor Redis answered")
 
-    def _pools(self, workers: dict[str, tuple[str, bool, dict[str, Any], float | None]],
+    def _pools(self, workers: dict[str, tuple[str, bool, WorkerLoad, float | None]],
                waiting: dict[str, Any], stage_p90: dict[str, float | None]) -> tuple[dict, dict, dict]:
         """workers: id -> (role, draining, load, inflight)."""
         pools, ready_ids, draining_ids = {}, {}, {}
@@ -125,12 +126,12 @@ class Signals:
             work = 0.0
             used = total = 0.0
             for _, load, inflight in ready:
-                reported = _num(load.get("queue_len")) + _num(load.get("running"))
+                reported = _num(load.queue_len) + _num(load.running)
                 work += max(reported, inflight or 0.0)
-                t = _num(load.get("total_blocks"))
+                t = _num(load.total_blocks)
                 if t > 0:
                     total += t
-                    used += t - _num(load.get("free_blocks"))
+                    used += t - _num(load.free_blocks)
             w = waiting.get(pool) if isinstance(waiting.get(pool), dict) else {}
             pools[pool] = PoolObservation(
                 ready=len(ready), draining=len(draining_ids[pool]), load=work,
@@ -144,9 +145,9 @@ class Signals:
         for wid, w in status["workers"].items():
             if not isinstance(w, dict) or not w.get("alive"):
                 continue
-            load = w.get("load") if isinstance(w.get("load"), dict) else {}
+            load = WorkerLoad.read(w.get("load"))
             workers[str(wid)] = (str(w.get("role")), bool(w.get("draining")), load,
-                                 _num(load.get("inflight")) if "inflight" in load else None)
+                                 None if load.inflight is None else float(load.inflight))
         tel = status.get("telemetry") if isinstance(status.get("telemetry"), dict) else {}
         hists = tel.get("histograms") if isinstance(tel.get("histograms"), dict) else {}
         counters = tel.get("counters") if isinstance(tel.get("counters"), dict) else {}
@@ -172,8 +173,8 @@ class Signals:
     def _from_redis(self, now: float, registry: dict[str, Any], loads: dict[str, Any]) -> Snapshot:
         workers = {}
         for wid, info in registry.items():
-            load = loads.get(wid) if isinstance(loads.get(wid), dict) else {}
-            workers[str(wid)] = (str((info or {}).get("role")), bool(_num(load.get("draining"))), load, None)
+            load = WorkerLoad.read(loads.get(wid))
+            workers[str(wid)] = (str((info or {}).get("role")), bool(load.draining), load, None)
         pools, ready_ids, draining_ids = self._pools(workers, {}, {})
         return Snapshot(Observation(now=now, pools=pools), ready_ids, draining_ids, source="redis",
                         note="coordinator unreachable: Redis loads only (no SLO, parked or in-flight counts)")

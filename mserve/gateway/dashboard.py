@@ -15,6 +15,8 @@ from collections import deque
 from importlib import resources
 from typing import Any, Awaitable, Callable
 
+from mserve.common.protocol.to_coordinator import WorkerLoad
+
 __all__ = ["Dashboard", "PANELS", "page", "quantile"]
 
 SAMPLE_EVERY_S = 2.0
@@ -96,14 +98,14 @@ def extract(status: dict[str, Any]) -> dict[str, Any]:
     for wid, w in sorted((status.get("workers") or {}).items()):
         if not w.get("alive"):
             continue
-        load, counters = w.get("load") or {}, w.get("counters") or {}
+        load, counters = WorkerLoad.read(w.get("load")), w.get("counters") or {}
         stage = ROLE_STAGE.get(str(w.get("role")))
         step = (w.get("histograms") or {}).get("step_seconds")
         if stage and isinstance(step, dict):
             steps[stage] = _add(steps.get(stage), step)
-        total = load.get("total_blocks") or 0
+        total = load.total_blocks or 0
         if w.get("role") != "encode" and total:
-            kv[wid] = (total - (load.get("free_blocks") or 0)) / total
+            kv[wid] = (total - (load.free_blocks or 0)) / total
         for key in cache:
             cache[key] += counters.get(key, 0) or 0
     queued = {stage: sum((status.get("queued") or {}).get(stage, {}).values()) for stage in STAGES}

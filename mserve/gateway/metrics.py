@@ -15,11 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 
+from mserve.common.protocol.to_coordinator import WorkerLoad
 from mserve.coordinator.telemetry import LATENCY_BUCKETS_S
 
 __all__ = ["GatewayMetrics", "WORKER_GAUGES", "WORKER_COUNTERS"]
 
-# load field -> (metric name, help, scale)
+# WorkerLoad field -> (metric name, help, scale); a name that is not a field fails at import.
 WORKER_GAUGES = {
     "queue_len": ("mserve_worker_queue_depth", "Requests queued at the worker, not started", 1),
     "running": ("mserve_worker_running_requests", "Requests running on the worker", 1),
@@ -30,6 +31,7 @@ WORKER_GAUGES = {
     "weights_mib": ("mserve_worker_weights_bytes", "Model weights the worker holds (on its device)", 2**20),
     "kv_pool_mib": ("mserve_worker_kv_pool_bytes", "The worker's KV pool (on its device)", 2**20),
 }
+assert WORKER_GAUGES.keys() <= WorkerLoad.__dataclass_fields__.keys(), "a gauge names no WorkerLoad field"
 # engine counter -> (metric name without _total, help, kind)
 WORKER_COUNTERS = {
     "encoded_images": ("mserve_worker_encoded_images", "Images run through the vision tower", "counter"),
@@ -212,10 +214,10 @@ class ClusterCollector:
         for wid, w in sorted(workers.items()):
             lv = [wid, str(w.get("role", ""))]
             up.add_metric(lv, 1 if w.get("alive") else 0)
-            load = w.get("load") or {}
+            load = WorkerLoad.read(w.get("load"))
             for key, (_, _, scale) in WORKER_GAUGES.items():
-                if isinstance(load.get(key), (int, float)):
-                    gauges[key].add_metric(lv, load[key] * scale)
+                if (value := getattr(load, key)) is not None:
+                    gauges[key].add_metric(lv, value * scale)
             for key, value in (w.get("counters") or {}).items():
                 if key in counters and isinstance(value, (int, float)):
                     counters[key].add_metric(lv, value)

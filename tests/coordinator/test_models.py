@@ -104,11 +104,11 @@ def test_a_flood_on_one_model_sheds_that_models_lowest_class_and_leaves_the_othe
 
 
 def test_a_pool_whose_last_worker_drains_parks_requests_rather_than_refusing_them():
-    from mserve.common.protocol.to_coordinator import Heartbeat
+    from mserve.common.protocol.to_coordinator import Heartbeat, WorkerLoad
 
     model = served("a", "prefill", "decode")
     model.machine.on_worker("a-decode-1", MsgType.HEARTBEAT, Heartbeat(worker_id="a-decode-1",
-                                                                       load={"draining": True}), now=0.1)
+                                                                       load=WorkerLoad(draining=True)), now=0.1)
     assert model.machine.members.routable() and "decode" not in {w.role for w in model.machine.members.routable()}
     assert serving_model("a", {"a": model}, None) is model  # its replacement is on the way: wait for it
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from mserve.common.protocol import ErrorCode, MsgType
-from mserve.common.protocol.client import Generate, Sampling
+from mserve.common.protocol.client import Error, Generate, Sampling
+from mserve.common.protocol.to_coordinator import Heartbeat, WorkerInfo, WorkerLoad
 from mserve.coordinator.admission import Admitted, AdmittedImage
 from mserve.coordinator.records import NoLookups
 from mserve.coordinator.requests import RequestMachine, Stage, ToClient, ToWorker
@@ -55,9 +56,11 @@ class Harness:
             assert self.join(wid, role) == []
 
     def join(self, wid: str, role: str, kind: MsgType = MsgType.READY, **load: Any) -> list:
-        payload = {"worker_id": wid, "role": role, "data_address": f"tcp://{wid}", "host_id": "h", "block_size": 16,
-                   "load": {"queue_len": 0, "running": 0, "free_blocks": 1000, "total_blocks": 1000, **load}}
-        return self.m.on_worker(wid, kind, payload, now=self.t)
+        info = WorkerInfo(worker_id=wid, role=role, data_address=f"tcp://{wid}", host_id="h", block_size=16,
+                          load=WorkerLoad(**{"queue_len": 0, "running": 0, "free_blocks": 1000, "total_blocks": 1000,
+                                             **load}))
+        return self.m.on_worker(wid, kind, (info if kind == MsgType.READY else Heartbeat.of(info)).to_body(),
+                                now=self.t)
 
     def worker(self, wid: str, kind: MsgType, **payload: Any) -> list:
         return self.m.on_worker(wid, kind, payload, now=self.t)
@@ -548,8 +551,7 @@ def test_duplicate_request_id_is_refused_while_in_flight_and_reject_counts():
     assert kinds(out) == [("ERROR", CLIENT)] and out[0].body["code"] == ErrorCode.BAD_REQUEST
     assert "already in flight" in out[0].body["message"]
     out = h.m.reject(CLIENT, "bad", "max_tokens too big", now=h.t)
-    assert out == [ToClient(CLIENT, MsgType.ERROR, {"request_id": "bad", "code": ErrorCode.BAD_REQUEST,
-                                                    "message": "max_tokens too big"})]
+    assert out == [ToClient(CLIENT, Error(request_id="bad", code=ErrorCode.BAD_REQUEST, message="max_tokens too big"))]
     assert h.m.stats["admitted"] == 1 and h.m.stats["rejected"] == 1
 
 

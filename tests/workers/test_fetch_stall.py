@@ -19,9 +19,9 @@ import time
 import pytest
 import zmq
 
-from mserve.common.protocol import MsgType
+from mserve.common.protocol import MsgType, parse_message
 from mserve.common.protocol.client import Sampling
-from mserve.common.protocol.to_coordinator import Failed, Prefilled, StepTokens, WorkerInfo
+from mserve.common.protocol.to_coordinator import TO_COORDINATOR, Failed, Prefilled, StepTokens, registration_of
 from mserve.common.protocol.to_worker import DecodeTask, PrefillTask, Shutdown
 from mserve.common.sockets import bound_address, make_socket, recv, send
 from tests.helpers import hf_generate
@@ -60,8 +60,8 @@ def test_a_stalled_kv_sender_delays_only_its_own_request(tiny_model_dirs, tmp_pa
     try:
         seen = set()
         while seen != {"prefill-under-test", "decode-under-test"}:  # READY may be dropped; heartbeats repeat it
-            _, body, _ = _next(router, {MsgType.READY, MsgType.HEARTBEAT})
-            seen.add(WorkerInfo.from_body(body).worker_id)
+            kind, body, _ = _next(router, {MsgType.READY, MsgType.HEARTBEAT})
+            seen.add(registration_of(parse_message(kind, body, TO_COORDINATOR)).worker_id)
         sampling = Sampling(max_tokens=TOKENS, ignore_eos=True)
         for rid, ids in prompts.items():
             send(router, MsgType.PREFILL, PrefillTask(request_id=rid, attempt=0, prompt_ids=ids,

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from mserve.common import pruning
 from mserve.common.prompt import PromptBuilder
 from mserve.common.protocol import MsgType
-from mserve.common.protocol.to_coordinator import WorkerInfo
+from mserve.common.protocol.to_coordinator import Heartbeat, WorkerInfo
 from mserve.common.pruning import PruningError, kept_tokens, parse_ratio
 from mserve.coordinator.admission import Limits, admit
 from mserve.coordinator.requests import RequestMachine
@@ -167,7 +167,7 @@ def test_coordinator_refuses_a_mismatched_encoder(caplog):
     def ready(wid: str, role: str, ratio: float | None, kind: MsgType = MsgType.READY) -> None:
         info = WorkerInfo(worker_id=wid, role=role, data_address=f"tcp://{wid}", host_id="h",
                           visual_token_pruning=ratio)
-        machine.on_worker(wid, kind, info.to_body(), now=0.0)
+        machine.on_worker(wid, kind, (info if kind == MsgType.READY else Heartbeat.of(info)).to_body(), now=0.0)
 
     with caplog.at_level(logging.ERROR, logger="mserve.coordinator"):
         ready("enc-off", "encode", None)

@@ -11,9 +11,10 @@ import pytest
 import torch
 import zmq
 
-from mserve.common.protocol import MsgType, ProtocolError
+from mserve.common.protocol import MsgType, ProtocolError, parse_message
 from mserve.common.protocol.client import Sampling
-from mserve.common.protocol.to_coordinator import Encoded, Failed, HandBack, StepTokens, TokenItem, WorkerInfo
+from mserve.common.protocol.to_coordinator import (TO_COORDINATOR, Encoded, Failed, HandBack, StepTokens, TokenItem,
+                                                   registration_of)
 from mserve.common.protocol.to_worker import EncodeTask, ImageRef, PrefillTask, RunTask, Shutdown
 from mserve.common.sockets import bound_address, make_socket, recv, send
 from mserve.common.transfer import TransferEngine
@@ -69,8 +70,8 @@ def test_encode_worker_refuses_other_roles_and_encodes_exactly(tiny_model_dirs, 
     receiver = TransferEngine("test-receiver")
     try:
         # READY may be dropped while the DEALER still connects; every heartbeat repeats it.
-        _, ready = _expect(router, {MsgType.READY, MsgType.HEARTBEAT})
-        info = WorkerInfo.from_body(ready)
+        kind, ready = _expect(router, {MsgType.READY, MsgType.HEARTBEAT})
+        info = registration_of(parse_message(kind, ready, TO_COORDINATOR))
         assert (info.worker_id, info.role) == ("enc-under-test", "encode")
         ident = info.worker_id.encode()
         # A prefill stage sent to an encoder is refused at once, retryable, so it can go elsewhere.

@@ -11,7 +11,7 @@ from typing import Any
 from mserve.common.audio import AudioPart
 from mserve.common.media_store import pull_image
 from mserve.common.images import ImageError
-from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo
+from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo, WorkerLoad
 from mserve.common.policy import encode_batch
 from mserve.common.protocol.to_worker import EncodeTask, ImageRef
 from mserve.common.video import VideoPart
@@ -68,8 +68,8 @@ class EncodeWorker(Worker):
         self.prefetch.close()
         super().close()
 
-    def load(self) -> dict[str, Any]:
-        return {**super().load(), "encode_s_per_image": round(self.encode_s_per_image, 5)}
+    def load(self) -> WorkerLoad:
+        return dataclasses.replace(super().load(), encode_s_per_image=round(self.encode_s_per_image, 5))
 
     def engine_config(self, s: WorkerSettings) -> EngineConfig:
         return dataclasses.replace(super().engine_config(s), num_blocks=16)  # an encoder keeps no KV

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mserve.common.protocol.to_coordinator import StepTokens, TokenItem
+from mserve.common.protocol.to_coordinator import StepTokens, TokenItem, WorkerLoad
 from mserve.common.protocol.typed import Message
 from mserve.workers.prefix_skip import PREFIX_SKIP_MISSED
 from mserve.workers.engine import StepOutput
@@ -119,10 +119,10 @@ class SteppingWorker(Worker):
         self.sinks.close()
         super().close()
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> WorkerLoad:
         load = super().load()
-        if self.sinks.sent or self.sinks.dropped:  # TOKENS pushed to clients' sinks, and those dropped
-            load["counters"].update(tokens_direct=self.sinks.sent, tokens_direct_dropped=self.sinks.dropped)
+        if load.counters is not None and (self.sinks.sent or self.sinks.dropped):  # TOKENS to clients' sinks, dropped
+            load.counters.update(tokens_direct=self.sinks.sent, tokens_direct_dropped=self.sinks.dropped)
         return load
 
     def fetch(self, descriptor: Any, what: str = "embedding.transfer") -> Timed:
