@@ -32,7 +32,7 @@ def processor_class() -> type:
 
 def unservable(config: dict[str, Any]) -> str | None:
     """What this Gemma 4 checkpoint turns on that the engine does not serve token-exact, or None. An audio tower
-    (E2B, E4B) is no gap (tests/workers/test_engine_gemma4_audio.py); nor are the mixture-of-experts layers
+    (E2B, E4B) is no gap (tests/workers/test_engine_audio_families.py); nor are the mixture-of-experts layers
     (26B-A4B): the model's own, row by row (tests/workers/test_engine_gemma4.py)."""
     text = config.get("text_config") or {}
     if text.get("use_bidirectional_attention") == "all":

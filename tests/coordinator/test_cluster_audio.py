@@ -13,7 +13,7 @@ from mserve.coordinator.client import AsyncClient
 from mserve.coordinator.client_core import BadRequest
 from tests.audio_clips import make_audio
 from tests.clusters import family_1e1p1d
-from tests.workers.test_engine_audio import hf_generate_audio
+from tests.audio_references import hf_generate_audio
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 8
@@ -139,7 +139,7 @@ def test_the_official_openai_client_sends_input_audio_through_the_gateway(cluste
 def test_voxtral_through_1e1p1d_matches_hf(shared_clusters):
     """Voxtral (its Tekken tokenizer's prompt, 30 s chunks) through the families' 1e1p1d cluster: one clip and
     two clips are HF's tokens, admission's counts are the processor's, and a repeated clip is an embedding hit."""
-    from tests.workers.test_engine_voxtral import hf_generate
+    from tests.audio_references import voxtral_generate as hf_generate
 
     lean = family_1e1p1d("voxtral")
     vox = shared_clusters.get(lean)

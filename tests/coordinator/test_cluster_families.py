@@ -148,7 +148,7 @@ def test_a_clip_an_image_and_text_in_one_request_through_1e1p1d(family_cluster):
         pytest.skip("a family that takes images and audio in one prompt")
     from mserve.common.prompt import PromptBuilder
     from tests.audio_clips import make_audio
-    from tests.workers.test_engine_gemma4_audio import MAX_NEW, hf_generate, hf_inputs
+    from tests.audio_references import MAX_NEW, gemma4_inputs as hf_inputs, gemma4_generate as hf_generate
 
     conversation = [{"role": "user", "content": [
         {"type": "audio", "audio": make_audio(20000, 22050, "mp3", seed=1)},
