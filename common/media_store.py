@@ -30,6 +30,7 @@ import torch
 from mserve.common.images import ImageError, image_hash
 from mserve.common.media_facts import MediaError, check_facts, read_facts
 from mserve.common.protocol.client import MEDIA_KINDS, MediaRef
+from mserve.common.sockets import is_loopback
 from mserve.common.transfer.descriptor import TransferError, as_descriptor
 from mserve.common.transfer.engine import TransferEngine
 from mserve.common.transfer.shm_pool import owner_gone, reap_orphans
@@ -140,7 +141,10 @@ def pull_media(transfer: TransferEngine, ref: MediaRef, timeout_s: float) -> byt
         if not source.shared or [(e.name, e.dtype, e.shape) for e in source.tensors] != [(_TENSOR, torch.uint8, (ref.nbytes,))]:
             raise TransferError(f"not a media store item of {ref.nbytes} bytes (a shared transfer of one "
                                 f"uint8 tensor {_TENSOR!r})")  # checked before a byte is pulled
-        if source.host_id != transfer.host_id and _loopback(source.address):
+        if source.key is None and transfer.key is not None:
+            raise TransferError("the store has no CURVE keys and this worker's data plane admits CURVE peers "
+                                "only: with --curve-dir, its owner must send media inline (--media-store-host none)")
+        if source.host_id != transfer.host_id and is_loopback(source.address):
             raise TransferError("the store is bound on a loopback address of another host: its owner's "
                                 "--media-store-host must be an address the workers reach (or none: media inline)")
         with transfer.fetch_view(source, timeout_s) as tensors:  # one copy: out of the store's segment
@@ -152,7 +156,3 @@ def pull_media(transfer: TransferEngine, ref: MediaRef, timeout_s: float) -> byt
     check_facts(ref, data, where)
     return data
 
-
-def _loopback(address: str) -> bool:
-    host = address.rpartition("//")[2].rpartition(":")[0].strip("[]")
-    return host == "localhost" or host.startswith("127.") or host == "::1"

@@ -124,9 +124,10 @@ class Gateway:
         if self.settings.media_store_host is None:
             return None
         from mserve.common.media_store import MediaStore  # loads torch: only when the store is on
+        from mserve.common.sockets import is_loopback
 
         host = self.settings.media_store_host
-        if _loopback(host) and not _loopback(self.settings.host):
+        if is_loopback(host) and not is_loopback(self.settings.host):
             log.warning("media store on %s: only workers on this host can pull from it; with workers on other "
                         "hosts set --media-store-host to an address of this host they reach (or none)", host)
         self.media_store = MediaStore(host)
@@ -376,6 +377,3 @@ def serve(settings: GatewaySettings) -> None:
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
                 access_log=settings.access_log, timeout_graceful_shutdown=5)
 
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")

@@ -36,6 +36,9 @@ def test_bytes_that_do_not_match_the_facts_fail_clearly():
                 pull_media(enc, dataclasses.replace(ref, **lie), 5.0)
         with pytest.raises(MediaError, match=f"not a media store item of {len(image) + 1} bytes"):
             pull_media(enc, dataclasses.replace(ref, nbytes=len(image) + 1), 5.0)  # refused before pulling
+        elsewhere = dataclasses.replace(ref, source={**ref.source, "host_id": "another-host/1"})
+        with pytest.raises(MediaError, match="bound on a loopback address of another host: .*--media-store-host"):
+            pull_media(enc, elsewhere, 5.0)  # a gateway's default store, seen by a worker on another host
         store.engine.release(ref.source["id"])  # the holder dropped it
         with pytest.raises(MediaError, match=f"image {ref.hash} in the media store at .* could not be pulled"):
             pull_media(enc, ref, 5.0)
