@@ -55,7 +55,13 @@ class AudioPart:
 
 def audio_hash(part: AudioPart) -> str:
     """What caches key a clip on: its bytes, and the length it is held to (two lengths, two encodings)."""
-    return hashlib.blake2b(b"audio:%d:" % (part.samples or 0) + part.data, digest_size=16).hexdigest()
+    return audio_key(hashlib.blake2b(part.data, digest_size=16).hexdigest(), part.samples)
+
+
+def audio_key(content_hash: str, samples: int | None) -> str:
+    """`audio_hash` from the bytes' blake2b-128 (common/images.py image_hash), as a media store's ref
+    carries it: an inline and a stored copy of one clip share their cache entries."""
+    return hashlib.blake2b(b"audio:%d:%s" % (samples or 0, content_hash.encode()), digest_size=16).hexdigest()
 
 
 def _riff_truncation(data: bytes) -> str | None:

@@ -100,10 +100,12 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
                 if not isinstance(text, str):
                     raise ValueError(f"messages[{i}] has a text part whose text is not a string")
                 parts.append({"type": "text", "text": text})
+            elif kind in ("image", "video", "audio") and "media" in part:
+                # An item in a media store (common/media_store.py): its ref, not its bytes.
+                images.append(_stored(part["media"], kind, f"messages[{i}] {kind} part's media"))
+                parts.append({"type": kind})
             elif kind in ("image", "image_url"):
-                # An image in a media store (common/media_store.py): its ref, not its bytes.
-                images.append(MediaRef.parse(part["media"], f"messages[{i}] image part's media") if "media" in part
-                              else image_bytes_from_part(part, allow_paths))
+                images.append(image_bytes_from_part(part, allow_paths))
                 parts.append({"type": "image"})
             elif kind == "video":
                 images.append(video_part_from_value(part.get("video"), allow_paths, part.get("fps")))
@@ -115,6 +117,13 @@ def normalize_messages(messages: Sequence[dict[str, Any]],
                 raise ValueError(f"messages[{i}] has an unsupported content part type {kind!r}")
         out.append({"role": role, "content": parts})
     return out, images
+
+
+def _stored(value: Any, kind: str, where: str) -> MediaRef:
+    ref = MediaRef.parse(value, where)
+    if ref.kind != kind:
+        raise ValueError(f"{where} is a stored {ref.kind}, not a {kind} (its kind must be the part's type)")
+    return ref
 
 
 def _videos_as_frames(norm: list[dict[str, Any]], sizes: Any) -> list[dict[str, Any]]:

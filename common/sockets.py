@@ -153,3 +153,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host_or_address: str) -> bool:
+    """Whether a host ("127.0.0.1", "localhost", "::1") or a "tcp://host:port" address is this machine's loopback:
+    a peer on another host cannot reach it."""
+    host = host_or_address.rpartition("//")[2] if "//" in host_or_address else host_or_address
+    if "//" in host_or_address or host.count(":") == 1:
+        host = host.rpartition(":")[0]
+    host = host.strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -166,8 +166,16 @@ def video_hash(video: VideoPart) -> str:
         if video.fps is not None:  # the same frames at another rate take other M-RoPE positions
             h.update(f"fps={video.fps!r}".encode())
     else:
-        h.update(b"file\0" + bytes.fromhex(image_hash(video.data or b"")))
-        h.update(",".join(str(i) for i in video.indices or ()).encode())
+        return video_file_key(image_hash(video.data or b""), video.indices or ())
+    return h.hexdigest()
+
+
+def video_file_key(content_hash: str, indices: Sequence[int]) -> str:
+    """`video_hash` of a file from its bytes' blake2b-128, as a media store's ref carries it: an inline and
+    a stored copy of one file, sampled alike, share their cache entries."""
+    h = hashlib.blake2b(b"mserve-video\0", digest_size=16)
+    h.update(b"file\0" + bytes.fromhex(content_hash))
+    h.update(",".join(str(i) for i in indices).encode())
     return h.hexdigest()
 
 
@@ -237,7 +245,14 @@ def describe_video(video: VideoPart, target_fps: float = DEFAULT_LIMITS.video_fp
                 raise VideoError(f"video frame {i} is {size[0]}x{size[1]} but frame 0 is {sizes[0][0]}x{sizes[0][1]}: "
                                  "all frames of a video must have the same size")
         return video, VideoInfo(len(sizes), *sizes[0], frame_seconds(range(len(sizes)), video.fps))
-    probe = probe_video(video.data or b"")
+    indices, fps, info = sample_video(probe_video(video.data or b""), target_fps, max_frames, family)
+    return VideoPart(data=video.data, indices=indices, fps=fps), info
+
+
+def sample_video(probe: VideoProbe, target_fps: float, max_frames: int,
+                 family: ModelFamily | None = None) -> tuple[tuple[int, ...], float | None, VideoInfo]:
+    """A video file's frames to use (its `indices` and their `fps`) and its VideoInfo, from its probe alone
+    (read here, or a media store ref's facts: common/media_facts.py)."""
     if probe.total_frames < 1:
         raise VideoError("video file has no frames")
     if family is not None and family.timestamped_video and family.video_config is not None:
@@ -249,8 +264,7 @@ def describe_video(video: VideoPart, target_fps: float = DEFAULT_LIMITS.video_fp
         indices = tuple(sample_indices(probe.total_frames, probe.fps, target_fps, max_frames))
     # transformers' VideoMetadata.sampled_fps: the file's rate times the share of its frames kept.
     fps = len(indices) / probe.total_frames * probe.fps if probe.fps else None
-    return (VideoPart(data=video.data, indices=indices, fps=fps),
-            VideoInfo(len(indices), probe.width, probe.height, frame_seconds(indices, probe.fps)))
+    return indices, fps, VideoInfo(len(indices), probe.width, probe.height, frame_seconds(indices, probe.fps))
 
 
 def decode_video_file(data: bytes, indices: Sequence[int], max_pixels: int | None = None) -> list[Any]:

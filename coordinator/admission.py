@@ -17,13 +17,13 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mserve.common import sampling_rules as rules
-from mserve.common.audio import AudioInfo, AudioPart, audio_hash, read_audio_header
+from mserve.common.audio import AudioInfo, AudioPart, audio_hash, audio_key, read_audio_header
 from mserve.common.model import VideoInfo
 from mserve.common.images import ImageError, image_hash, image_size_from_header
 from mserve.common.policy import LATENCY_CLASSES, Limits
 from mserve.common.prompt import PromptBuilder, normalize_messages
 from mserve.common.pruning import pruned_hash
-from mserve.common.video import VideoPart, describe_video, video_hash
+from mserve.common.video import VideoPart, VideoProbe, describe_video, sample_video, video_file_key, video_hash
 from mserve.common.protocol import ErrorCode
 from mserve.common.protocol.client import Generate, MediaRef, Sampling
 
@@ -159,8 +159,8 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
         messages, images = normalize_messages(req.messages, allow_paths=False)
     except ValueError as exc:
         raise AdmissionError(str(exc)) from None
-    n_images = sum(1 for x in images if not isinstance(x, (VideoPart, AudioPart)))
-    n_audio = sum(1 for x in images if isinstance(x, AudioPart))
+    n_images = sum(1 for x in images if _kind(x) == "image")
+    n_audio = sum(1 for x in images if _kind(x) == "audio")
     if n_audio > limits.max_audio_per_request:
         raise AdmissionError(f"{n_audio} audio clips is over the limit max_audio_per_request={limits.max_audio_per_request}")
     if n_images > limits.max_images_per_request:
@@ -169,13 +169,13 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
     admitted_images: list[AdmittedImage] = []
     sizes: list[tuple[int, int] | VideoInfo | AudioInfo] = []
     for i, data in enumerate(images):
-        if isinstance(data, AudioPart):
+        if _kind(data) == "audio":
             clip, audio = _admit_audio(builder, limits, i, data, req.model)
             admitted_images.append(clip)
             images[i] = AudioPart(clip.data, clip.audio_samples)
             sizes.append(audio)
             continue
-        if isinstance(data, VideoPart):
+        if _kind(data) == "video":
             video, info = _admit_video(builder, limits, i, data, ratio)
             admitted_images.append(video)
             sizes.append(info)
@@ -212,13 +212,25 @@ def admit(builder: PromptBuilder, limits: Limits, payload: dict[str, Any],
     return Admitted(req.to_wire(), prompt.prompt_ids, admitted_images, keep_ratio=ratio)
 
 
+def _kind(item: Any) -> str:
+    """An item's modality: "image", "video" or "audio", inline or in a media store."""
+    if isinstance(item, MediaRef):
+        return item.kind
+    return "audio" if isinstance(item, AudioPart) else "video" if isinstance(item, VideoPart) else "image"
+
+
+def _check_source(ref: MediaRef) -> None:
+    # The worker parses the whole descriptor when it pulls (the coordinator loads no torch for it).
+    if ref.source.get("shared") is not True or ref.source.get("backend") not in ("auto", "shm", "tcp"):
+        raise ImageError("its media ref's source must be a media store's shared shm/tcp transfer descriptor")
+
+
 def _stored_size(ref: MediaRef) -> tuple[int, int]:
     """A stored image's (width, height) from its ref, once the ref is one an encoder can pull."""
     if len(ref.size) != 2 or min(ref.size) < 1:
-        raise ImageError(f"its media ref's size must be [width, height], both positive (got {ref.size})")
-    # The encoder parses the whole descriptor when it pulls (the coordinator loads no torch for it).
-    if ref.source.get("shared") is not True or ref.source.get("backend") not in ("auto", "shm", "tcp"):
-        raise ImageError("its media ref's source must be a media store's shared shm/tcp transfer descriptor")
+        raise ImageError(f"its media ref's size must be [width, height], both positive (got {ref.size}; "
+                         "0x0: the client could not read its header)")
+    _check_source(ref)
     return ref.size[0], ref.size[1]
 
 
@@ -237,18 +249,21 @@ def _place(family: Any, prompt_ids: list[int], images: list[AdmittedImage]) -> N
         im.skippable = not im.is_video and (im.grid is not None or not family.uses_mrope)
 
 
-def _admit_audio(builder: PromptBuilder, limits: Limits, i: int, part: AudioPart,
+def _admit_audio(builder: PromptBuilder, limits: Limits, i: int, part: AudioPart | MediaRef,
                  model: str | None) -> tuple[AdmittedImage, AudioInfo]:
-    """Check one audio clip against the limits and count its tokens from its container header (no sample decoded)."""
+    """Check one audio clip against the limits and count its tokens from its container header (no sample
+    decoded): read here from inline bytes, or the facts of a stored clip's ref (common/media_facts.py)."""
     family = builder.family
     if family.audio_unsupported() is not None:
         raise AdmissionError(f"audio {i}: model {model or builder.model_dir} takes no audio input "
                              f"(model_type {family.model_type} has no audio tower mserve serves)")
-    if len(part.data) > limits.max_audio_bytes:
-        raise AdmissionError(f"audio {i} is {len(part.data)} bytes, over the limit max_audio_bytes={limits.max_audio_bytes}",
+    ref = part if isinstance(part, MediaRef) else None
+    nbytes = ref.nbytes if ref is not None else len(part.data)
+    if nbytes > limits.max_audio_bytes:
+        raise AdmissionError(f"audio {i} is {nbytes} bytes, over the limit max_audio_bytes={limits.max_audio_bytes}",
                              ErrorCode.TOO_LARGE)
     try:
-        info = read_audio_header(part.data)
+        info = _stored_audio(ref) if ref is not None else read_audio_header(part.data)
     except ImageError as exc:
         raise AdmissionError(f"audio {i}: {exc}") from None
     if info.seconds > limits.max_audio_seconds:
@@ -259,15 +274,29 @@ def _admit_audio(builder: PromptBuilder, limits: Limits, i: int, part: AudioPart
         raise AdmissionError(f"audio {i} is {info.seconds:.3f} s, too short for one audio token of "
                              f"{family.model_type} (a clip must be at least {family.audio_features.min_seconds:.3f} s)")
     samples = info.resampled_samples(family.audio_features.sampling_rate)
+    if ref is not None:
+        return AdmittedImage(audio_key(ref.hash, samples), b"", (0, 0), tokens, audio_samples=samples, media=ref), info
     return AdmittedImage(audio_hash(AudioPart(part.data, samples)), part.data, (0, 0), tokens,
                          audio_samples=samples), info
 
 
-def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart,
+def _stored_audio(ref: MediaRef) -> AudioInfo:
+    """A stored clip's header facts, as read_audio_header gives an inline clip's."""
+    if ref.sample_rate < 1 or ref.samples < 0:
+        raise ImageError(f"its media ref's sample_rate must be positive and samples not negative (got "
+                         f"sample_rate={ref.sample_rate}, samples={ref.samples}; 0: the client could not read its header)")
+    _check_source(ref)
+    return AudioInfo(sample_rate=ref.sample_rate, samples=ref.samples, codec="stored")
+
+
+def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart | MediaRef,
                  ratio: float | None = None) -> tuple[AdmittedImage, VideoInfo]:
-    """Check one video against the limits and count its tokens, decoding no pixel (a file is demuxed only)."""
+    """Check one video against the limits and count its tokens, decoding no pixel (a file is demuxed only;
+    a stored file's probe is its ref's facts, common/media_facts.py)."""
     if (why := builder.family.video_unsupported()) is not None:
         raise AdmissionError(f"video {i}: {why}")
+    if isinstance(part, MediaRef):
+        return _admit_stored_video(builder, limits, i, part, ratio)
     if part.frames is not None:
         if len(part.frames) > limits.max_video_frames:
             raise AdmissionError(f"video {i} has {len(part.frames)} frames, over the limit "
@@ -281,13 +310,38 @@ def _admit_video(builder: PromptBuilder, limits: Limits, i: int, part: VideoPart
                              f"max_image_bytes={limits.max_image_bytes}", ErrorCode.TOO_LARGE)
     try:
         part, info = describe_video(part, limits.video_fps, limits.max_video_frames, builder.family)
-        if info.width * info.height > limits.max_image_pixels:
-            raise AdmissionError(f"video {i} frames are {info.width}x{info.height} = {info.width * info.height} "
-                                 f"pixels, over the limit max_image_pixels={limits.max_image_pixels}", ErrorCode.TOO_LARGE)
-        tokens = builder.family.visual_token_count(info, ratio)
+        tokens = _video_tokens(builder, limits, i, info, ratio)
     except ImageError as exc:
         raise AdmissionError(f"video {i}: {exc}") from None
     admitted = AdmittedImage(pruned_hash(video_hash(part), ratio), part.data or b"", (info.width, info.height), tokens,
                              frames=list(part.frames) if part.frames is not None else None,
                              frame_indices=list(part.indices) if part.indices is not None else None, fps=part.fps)
     return admitted, info
+
+
+def _video_tokens(builder: PromptBuilder, limits: Limits, i: int, info: VideoInfo, ratio: float | None) -> int:
+    if info.width * info.height > limits.max_image_pixels:
+        raise AdmissionError(f"video {i} frames are {info.width}x{info.height} = {info.width * info.height} "
+                             f"pixels, over the limit max_image_pixels={limits.max_image_pixels}", ErrorCode.TOO_LARGE)
+    return builder.family.visual_token_count(info, ratio)
+
+
+def _admit_stored_video(builder: PromptBuilder, limits: Limits, i: int, ref: MediaRef,
+                        ratio: float | None) -> tuple[AdmittedImage, VideoInfo]:
+    """A video file in a media store: sampled and counted from its ref's facts (frames, fps, size)."""
+    if ref.nbytes > limits.max_image_bytes:
+        raise AdmissionError(f"video {i} is {ref.nbytes} bytes, over the limit max_image_bytes={limits.max_image_bytes}",
+                             ErrorCode.TOO_LARGE)
+    try:
+        if len(ref.size) != 2 or min(ref.size) < 1 or ref.frames < 1 or ref.fps < 0:
+            raise ImageError(f"its media ref's size must be [width, height], both positive, frames positive and fps "
+                             f"not negative (got size={ref.size}, frames={ref.frames}, fps={ref.fps}; 0: the client "
+                             "could not read its header)")
+        _check_source(ref)
+        probe = VideoProbe(ref.frames, ref.fps or None, ref.size[0], ref.size[1])
+        indices, fps, info = sample_video(probe, limits.video_fps, limits.max_video_frames, builder.family)
+        tokens = _video_tokens(builder, limits, i, info, ratio)
+    except ImageError as exc:
+        raise AdmissionError(f"video {i}: {exc}") from None
+    return AdmittedImage(pruned_hash(video_file_key(ref.hash, indices), ratio), b"", (info.width, info.height), tokens,
+                         frame_indices=list(indices), fps=fps, media=ref), info

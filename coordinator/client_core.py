@@ -118,8 +118,8 @@ def normalize_client_messages(messages: Sequence[dict[str, Any]],
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 parts.append(dict(part))
-            elif kind == "image" and "media" in part:  # already in a media store: its ref (common/media_store.py)
-                parts.append({"type": "image", "media": dict(part["media"])})
+            elif kind in ("image", "audio", "video") and "media" in part:  # in a media store: its ref (common/media_store.py)
+                parts.append({"type": kind, "media": dict(part["media"])})
             elif kind in ("image", "image_url"):
                 if isinstance(part.get("image"), PurePath):  # image_bytes_from_part takes str paths
                     part = {**part, "image": str(part["image"])}

@@ -314,9 +314,11 @@ class LocalCluster:
         from mserve.common.sockets import free_port
 
         port = port or free_port()
+        # A media store has no CURVE keys, and workers with keys refuse a keyless data plane: media go inline.
+        no_store = ["--media-store-host", "none"] if self.curve_dir is not None else []
         self._spawn("gateway", [sys.executable, "-m", "mserve.cli", "gateway", "--coordinator", self.address,
                                 "--port", str(port), "--model", self.model, *self._cpus(self.placement.control),
-                                *extra_args])
+                                *no_store, *extra_args])
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while True:

@@ -125,9 +125,11 @@ def add_gateway_arguments(p: argparse.ArgumentParser, *, standalone: bool = True
                             "--token-report-every > 1 to pay); they connect to --tokens-host")
         p.add_argument("--tokens-host", help="address the workers reach this gateway's token sink on (default "
                                              "127.0.0.1)")
-        p.add_argument("--media-store-host", help="put request images in a media store bound on this address (the "
-                                                  "encode / unified workers pull them from it) instead of sending "
-                                                  "their bytes through the coordinator; default: inline")
+        p.add_argument("--media-store-host", help="put request images, audio clips and video files in a media store "
+                                                  "bound on this address (the encode / unified workers pull them "
+                                                  "from it) instead of sending their bytes through the coordinator; "
+                                                  "default 127.0.0.1 (workers on this host); workers on other hosts "
+                                                  "need an address of this host they reach; 'none': media inline")
         p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
         p.add_argument("--port", type=int, help="HTTP port (default 8000)")
         p.add_argument("--model", help="checkpoint folder for the tokenizer (default: the coordinator's model path)")

@@ -17,6 +17,9 @@ from mserve.common.protocol.core import LATENCY_CLASSES, MsgType
 from mserve.common.protocol.typed import (Message, as_bool, as_float, as_int, as_map, as_str, list_of,
                                           nested, one_of, optional, rest, wire)
 
+# The kinds of item a media store holds, as the content part's "type" names them.
+MEDIA_KINDS = ("image", "audio", "video")
+
 
 @dataclass
 class Signed(Message):
@@ -57,16 +60,24 @@ class Sampling(Message):
 
 @dataclass
 class MediaRef(Message):
-    """A media item in a media store (common/media_store.py) instead of its bytes: a GENERATE image part
-    `{"type": "image", "media": MediaRef}` and an ENCODE / RUN ImageRef carry it. Admission counts the
-    item's tokens from its header facts (`size`); the encoder pulls the bytes from `source` and checks
-    them against `hash`, `nbytes` and `size` before decoding."""
+    """A media item in a media store (common/media_store.py) instead of its bytes: a GENERATE image, audio
+    or video part `{"type": KIND, "media": MediaRef}` and an ENCODE / RUN ImageRef carry it. Admission
+    counts the item's tokens from its header facts (an image's `size`; a clip's `sample_rate` and
+    `samples`; a video file's `size`, `frames` and `fps`) by the model's own rules, as it does inline
+    bytes; the worker pulls the bytes from `source` and checks them against `hash`, `nbytes` and the
+    facts of its kind (common/media_facts.py) before decoding."""
 
-    hash: str = wire(as_str)  # common/images.py image_hash of the bytes
+    hash: str = wire(as_str)  # common/images.py image_hash of the bytes (whatever the kind)
     nbytes: int = wire(as_int)
-    size: list[int] = wire(list_of(as_int))  # (width, height) from the image's header
+    size: list[int] = wire(list_of(as_int))  # (width, height) from an image's header or a video's stream
     source: dict[str, Any] = wire(as_map)  # the store's shared transfer descriptor (common/transfer/descriptor.py)
-    kind: str = wire(one_of("image"), "image")  # the modality (images only, for now)
+    kind: str = wire(one_of(*MEDIA_KINDS), "image")
+    # Audio: the container's sample rate and length in samples per channel at it (common/audio.py AudioInfo).
+    sample_rate: int = wire(as_int, 0)
+    samples: int = wire(as_int, 0)
+    # A video file: its frame count (packets of its first video stream) and rate (0: unknown), as probed.
+    frames: int = wire(as_int, 0)
+    fps: float = wire(as_float, 0.0)
 
 
 @dataclass(kw_only=True)

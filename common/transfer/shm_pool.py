@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "HEADER", "DEFAULT_POOL_BYTES", "size_class", "transfer_tag", "read_header", "reap_orphans",
+    "HEADER", "DEFAULT_POOL_BYTES", "size_class", "transfer_tag", "read_header", "owner_gone", "reap_orphans",
     "Segment", "SegmentPool",
 ]
 
@@ -76,6 +76,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def owner_gone(name: str) -> bool:
+    """Whether a segment of ours (by its name, as `_segment_name` made it) was created by a process of this
+    PID namespace that is gone; False for any other name."""
+    parts = name.split("_")
+    return (_PID_NS != "0" and len(parts) == 4 and parts[0] == _PREFIX and parts[1] == _PID_NS
+            and parts[2].isdigit() and not pid_alive(int(parts[2])))
+
+
 def reap_orphans() -> int:
     """Unlink segments whose creator (a process of this PID namespace) is gone; returns how
     many. A receiver still mapping one keeps its bytes; only the name goes away."""
@@ -83,10 +91,7 @@ def reap_orphans() -> int:
         return 0
     reaped = 0
     for name in os.listdir(_SHM_DIR):
-        parts = name.split("_")
-        if len(parts) != 4 or parts[0] != _PREFIX or parts[1] != _PID_NS or not parts[2].isdigit():
-            continue
-        if pid_alive(int(parts[2])):
+        if not owner_gone(name):
             continue
         try:
             os.unlink(os.path.join(_SHM_DIR, name))

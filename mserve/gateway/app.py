@@ -99,7 +99,7 @@ class Gateway:
         self.documents = DocumentLimits(max_pages=settings.max_document_pages,
                                         **({} if settings.document_dpi is None else {"dpi": settings.document_dpi}))
         self.client: AsyncClient = None  # type: ignore[assignment]  # made in the app's event loop
-        self.media_store: Any = None  # with --media-store-host (common/media_store.py)
+        self.media_store: Any = None  # unless --media-store-host none (common/media_store.py)
         self.catalog: ModelCatalog = None  # type: ignore[assignment]
         self.metrics = GatewayMetrics()
         self.dashboard = Dashboard(lambda: self.client.status(timeout_s=2.0))
@@ -120,12 +120,17 @@ class Gateway:
         log.info("gateway for %s ready, serving %s", self.settings.coordinator, self.catalog.names())
 
     def _media_store(self) -> Any:
-        """The media store request images go into (--media-store-host), None: they go inline."""
+        """The media store request media go into (--media-store-host), None (`none`): they go inline."""
         if self.settings.media_store_host is None:
             return None
         from mserve.common.media_store import MediaStore  # loads torch: only when the store is on
+        from mserve.common.sockets import is_loopback
 
-        self.media_store = MediaStore(self.settings.media_store_host)
+        host = self.settings.media_store_host
+        if is_loopback(host) and not is_loopback(self.settings.host):
+            log.warning("media store on %s: only workers on this host can pull from it; with workers on other "
+                        "hosts set --media-store-host to an address of this host they reach (or none)", host)
+        self.media_store = MediaStore(host)
         return self.media_store
 
     async def close(self) -> None:
@@ -371,3 +376,4 @@ def serve(settings: GatewaySettings) -> None:
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
                 access_log=settings.access_log, timeout_graceful_shutdown=5)
+

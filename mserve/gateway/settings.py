@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import SecretStr
+from pydantic import SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mserve.common import sampling_rules
@@ -54,11 +54,19 @@ class GatewaySettings(BaseSettings):
     # the workers must reach) instead of through the coordinator; pays with --token-report-every > 1 there.
     direct_tokens: bool = False
     tokens_host: str = "127.0.0.1"
-    # Put request images in a media store bound on this address, which the encode / unified workers must
-    # reach, and send the coordinator their refs, not their bytes (common/media_store.py); None: inline.
-    media_store_host: str | None = None
+    # Put request images, audio clips and video files in a media store bound on this address, which the
+    # encode / unified workers must reach, and send the coordinator their refs, not their bytes
+    # (common/media_store.py). On by default: 127.0.0.1 serves workers on this host (shm, or tcp on
+    # loopback); workers on other hosts need an address of this host they reach. None ("none"): inline.
+    media_store_host: str | None = "127.0.0.1"
     # OpenTelemetry traces to this OTLP/HTTP endpoint (common/tracing.py); None: the OTEL_* variables, else off.
     otlp_endpoint: str | None = None
     # The CPU cores this process runs on (--cpus, $MSERVE_CPUS; common/cpu_placement.py): mserve/cli.py
     # pins the process before anything starts; None: every core it may use.
     cpus: str | None = None
+
+    @field_validator("media_store_host", mode="before")
+    @classmethod
+    def _store_off(cls, value: object) -> object:
+        """--media-store-host none (or MSERVE_MEDIA_STORE_HOST=none): no store, media inline."""
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none", "off") else value

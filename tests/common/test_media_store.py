@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from mserve.common.images import image_hash
-from mserve.common.media_store import MediaError, MediaStore, pull_image
+from mserve.common.media_store import MediaError, MediaStore, pull_media
 from mserve.common.transfer.engine import TransferEngine
 from mserve.coordinator.client_core import generate_body
 from tests.helpers import chat, make_image, wait_for
@@ -23,7 +23,7 @@ def test_an_item_is_pulled_by_any_receiver_any_number_of_times(backend):
         assert (ref.hash, ref.nbytes, ref.size) == (image_hash(image), len(image), [64, 48])
         assert store.put_image(image) is ref and store.published == 1  # a held item is not staged again
         for receiver in (a, b, a):  # a retry, another encoder, the first again
-            assert pull_image(receiver, ref, 5.0) == image
+            assert pull_media(receiver, ref, 5.0) == image
         wait_for(lambda: store.stats()["served"] == 3, what="the three pulls counted (shm acks come async)")
 
 
@@ -33,12 +33,15 @@ def test_bytes_that_do_not_match_the_facts_fail_clearly():
         ref = store.put_image(image)
         for lie, said in (({"size": [32, 32]}, "size=32x32"), ({"hash": "0" * 32}, "their hash is")):
             with pytest.raises(MediaError, match=f"do not match its header facts.*{said}"):
-                pull_image(enc, dataclasses.replace(ref, **lie), 5.0)
+                pull_media(enc, dataclasses.replace(ref, **lie), 5.0)
         with pytest.raises(MediaError, match=f"not a media store item of {len(image) + 1} bytes"):
-            pull_image(enc, dataclasses.replace(ref, nbytes=len(image) + 1), 5.0)  # refused before pulling
+            pull_media(enc, dataclasses.replace(ref, nbytes=len(image) + 1), 5.0)  # refused before pulling
+        elsewhere = dataclasses.replace(ref, source={**ref.source, "host_id": "another-host/1"})
+        with pytest.raises(MediaError, match="bound on a loopback address of another host: .*--media-store-host"):
+            pull_media(enc, elsewhere, 5.0)  # a gateway's default store, seen by a worker on another host
         store.engine.release(ref.source["id"])  # the holder dropped it
         with pytest.raises(MediaError, match=f"image {ref.hash} in the media store at .* could not be pulled"):
-            pull_image(enc, ref, 5.0)
+            pull_media(enc, ref, 5.0)
 
 
 def test_generate_carries_refs_not_bytes():
@@ -49,3 +52,69 @@ def test_generate_carries_refs_not_bytes():
     part = stored["messages"][0]["content"][0]
     assert part["type"] == "image" and set(part["media"]) >= {"hash", "nbytes", "size", "source"}
     assert len(msgpack.packb(inline)) > len(image) > 40 * len(msgpack.packb(stored))
+
+
+def test_audio_and_video_files_carry_their_header_facts_and_are_checked_on_pull():
+    """A clip's sample rate and samples, a video file's size, frames and rate: read once by the store,
+    counted by admission, read again from the pulled bytes; a ref that says otherwise fails by the fact."""
+    from tests.audio_clips import make_audio
+    from tests.helpers import make_frames, make_video_file
+
+    clip = make_audio(24000, 22050, "flac", seed=7)
+    video = make_video_file(make_frames(64, 48, 3), fps=2)
+    with MediaStore() as store, TransferEngine("enc") as enc:
+        audio_ref, video_ref = store.put(clip, "audio"), store.put(video, "video")
+        assert (audio_ref.kind, audio_ref.sample_rate, audio_ref.samples) == ("audio", 22050, 24000)
+        assert (video_ref.kind, video_ref.size, video_ref.frames, video_ref.fps) == ("video", [64, 48], 3, 2.0)
+        assert pull_media(enc, audio_ref, 5.0) == clip and pull_media(enc, video_ref, 5.0) == video
+        with pytest.raises(MediaError, match="its samples is 24000, the request said samples=12000"):
+            pull_media(enc, dataclasses.replace(audio_ref, samples=12000), 5.0)
+        with pytest.raises(MediaError, match="its frames is 3, the request said frames=30"):
+            pull_media(enc, dataclasses.replace(video_ref, frames=30), 5.0)
+        body = store.store_messages(generate_body("r", [{"role": "user", "content": [
+            {"type": "audio", "audio": clip}, {"type": "video", "video": video}, {"type": "text", "text": "?"}]}], False))
+        assert [p.get("media", {}).get("kind") for p in body["messages"][0]["content"]] == ["audio", "video", None]
+        assert store.published == 2  # the same bytes again: the held items' refs
+
+
+OWNER = """
+import json, time
+from mserve.common.media_store import MediaStore
+from tests.helpers import make_image
+store = MediaStore()  # auto: the item sits in an shm segment named after this process
+print(json.dumps(store.put_image(make_image(80, 60, seed=9)).fields()), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_stores_segments_are_swept():
+    """kill -9 of a store's process (its resource tracker with it: the process group) leaves its segment
+    in /dev/shm; a worker that pulls from it finds the owner gone and sweeps (the pull still gets the
+    bytes, as a request in flight needs them), as the next transfer engine started on the host would
+    (tests/common/test_transfer_pool.py); a live store's segment stays."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mserve.common.protocol.client import MediaRef
+    from tests.common.test_transfer_pool import on_disk
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True, cwd=os.path.dirname(__file__) + "/../..")
+    try:
+        ref = MediaRef.from_body(json.loads(owner.stdout.readline()))
+        with MediaStore() as live, TransferEngine("enc") as enc:
+            mine = live.put_image(make_image(32, 32, seed=10)).source["shm"]
+            assert on_disk(ref.source["shm"]) and on_disk(mine)
+            os.killpg(owner.pid, signal.SIGKILL)
+            owner.wait(10)
+            wait_for(lambda: not os.path.exists(f"/proc/{owner.pid}"), what="the owner gone")
+            assert on_disk(ref.source["shm"]), "nothing unlinked it: the process was killed outright"
+            assert pull_media(enc, ref, 5.0) == make_image(80, 60, seed=9)  # the bytes, then the sweep
+            assert not on_disk(ref.source["shm"]) and on_disk(mine)
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
+            owner.wait(10)

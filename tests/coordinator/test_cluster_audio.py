@@ -49,6 +49,36 @@ def test_clips_match_hf_and_a_repeated_clip_is_cached(cluster):
     assert again[0].token_ids == hf_generate_audio(model, builder.prepare(turn([b, a], "Compare them.")), MAX_NEW)
 
 
+def test_clips_through_a_media_store_match_hf_and_carry_no_bytes_inline(cluster):
+    """Clips in the client's media store: admission counts them from the refs' header facts (sample rate,
+    samples) by the model's rules, the encode worker pulls and checks them; HF generate's tokens, no byte
+    through the coordinator, and a ref whose samples lie fails that request by the fact."""
+    import dataclasses
+
+    from mserve.common.media_store import MediaStore
+
+    a, b = make_audio(20000, 22050, "mp3", seed=41), make_audio(12000, 16000, "wav", seed=42)
+    conversations = [turn([a], "What is this sound?"), turn([a, b], "Compare them.")]
+
+    async def run():
+        with MediaStore() as store:
+            async with AsyncClient(cluster.address, timeout_s=120, media_store=store) as client:
+                before = (await client.status())["stats"]["media_bytes_inline"]
+                results = [await client.generate(c, max_tokens=MAX_NEW) for c in conversations]
+                lie = dataclasses.replace(store.put(b, "audio"), samples=6000)
+                with pytest.raises(BadRequest, match="its samples is 12000, the request said samples=6000"):
+                    await client.generate([{"role": "user", "content": [{"type": "audio", "media": lie.fields()},
+                                                                        {"type": "text", "text": "?"}]}], max_tokens=2)
+                after = (await client.status())["stats"]["media_bytes_inline"]
+                return results, after - before, store.stats()["items"]
+
+    results, inline, items = asyncio.run(run())
+    builder = PromptBuilder(cluster.model)
+    for i, (res, conv) in enumerate(zip(results, conversations)):
+        assert res.token_ids == hf_generate_audio(cluster.model, builder.prepare(conv), MAX_NEW), f"request {i}"
+    assert inline == 0 and items == 2
+
+
 def test_a_unified_worker_serves_clips_exactly(shared_clusters, tiny_model_dirs):
     """The unified role: the clip decoded on its IO thread (workers/roles/unified.py), a repeat from its L1."""
     from tests.clusters import Lean

@@ -98,3 +98,23 @@ def test_a_bad_ref_or_a_dead_holder_fails_the_request_clearly(shared_cluster):
         with pytest.raises(BadRequest, match=f"image {dead.hash} in the media store at .* could not be pulled"):
             c.generate(stored_chat("Describe the picture.", dead), max_tokens=MAX_TOKENS)
         assert c.generate(stored_chat("Describe the picture.", ref), max_tokens=2).token_ids  # serving goes on
+
+
+@pytest.mark.parametrize("shared_cluster", [LLAVA_1E1P1D], indirect=True)
+def test_a_video_file_goes_through_the_store_sampled_from_its_facts(shared_cluster):
+    """A video file in the store: admission samples its frames from the ref's facts (frames, fps, size), the
+    encoder pulls the file and decodes those frames; HF generate's tokens, none of its bytes inline."""
+    from mserve.common.prompt import PromptBuilder
+    from mserve.common.video import decode_video_file
+    from tests.coordinator.test_cluster_video import png
+    from tests.helpers import hf_generate_visual, make_frames, make_video_file
+
+    model, clip = shared_cluster.model, make_video_file(make_frames(112, 84, 6, seed=24), fps=4)
+    req = [{"role": "user", "content": [{"type": "video", "video": clip}, {"type": "text", "text": "What happens?"}]}]
+    with MediaStore() as store, Client(shared_cluster.address, timeout_s=60, media_store=store) as c:
+        before = inline_bytes(c)
+        result = c.generate(req, max_tokens=MAX_TOKENS)
+        assert inline_bytes(c) == before and store.stats()["items"] == 1
+    pp = PromptBuilder(model).prepare(req)
+    decoded = [png(f) for f in decode_video_file(clip, pp.images[0].indices)]
+    assert result.token_ids == hf_generate_visual(model, pp.prompt_ids, [decoded], MAX_TOKENS)

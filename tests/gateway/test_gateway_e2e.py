@@ -104,10 +104,11 @@ def llava(tiny_model_dirs, redis_server):
 
 @pytest.fixture(scope="module")
 def qwen(tiny_model_dirs, redis_server):
-    """A unified worker behind a gateway whose images go through its media store (--media-store-host)."""
+    """A unified worker behind a gateway whose images go inline, through the coordinator (--media-store-host
+    none; every other gateway here runs its media store, the default)."""
     pools = {"unified": 1, "encode": 0, "prefill": 0, "decode": 0}
     cluster, served = serve(str(tiny_model_dirs["qwen2_vl"]), redis_server.url, pools,
-                            gateway_args=["--media-store-host", "127.0.0.1"])
+                            gateway_args=["--media-store-host", "none"])
     with cluster:
         yield served
 
@@ -139,8 +140,9 @@ def test_chat_with_images_matches_hf_streaming_and_not(family, request, tiny_mod
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want)
     assert chunks[-1].usage.prompt_tokens == prompt_len
     assert all(c.usage is None for c in chunks[:-1])
-    # The qwen gateway's images went to the worker through its media store, none through the coordinator.
-    assert (served.status()["stats"]["media_bytes_inline"] == 0) == (family == "qwen")
+    # The llava gateway's images went to the workers through its media store (the default), none through the
+    # coordinator; the qwen gateway's (--media-store-host none) went inline.
+    assert (served.status()["stats"]["media_bytes_inline"] == 0) == (family == "llava")
 
 
 def test_remote_media_urls_are_fetched_safely_and_answered_as_the_same_image_inline(llava):

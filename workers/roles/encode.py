@@ -9,7 +9,8 @@ from collections import OrderedDict
 from typing import Any
 
 from mserve.common.audio import AudioPart
-from mserve.common.media_store import pull_image
+from mserve.common.media_store import pull_media
+from mserve.common.transfer.engine import TransferEngine
 from mserve.common.images import ImageError
 from mserve.common.protocol.to_coordinator import Encoded, EncodedImageInfo, WorkerLoad
 from mserve.common.policy import encode_batch
@@ -37,6 +38,13 @@ def visual_input(ref: ImageRef) -> bytes | VideoPart | AudioPart:
     return ref.data
 
 
+def pulled_input(transfer: TransferEngine, ref: ImageRef, timeout_s: float) -> bytes | VideoPart | AudioPart:
+    """`visual_input` of an item in a media store: its bytes pulled from it (checked against its facts),
+    in the ImageRef's place (an audio clip's samples, a video file's frames, as admission fixed them)."""
+    assert ref.media is not None
+    return visual_input(dataclasses.replace(ref, data=pull_media(transfer, ref.media, timeout_s), media=None))
+
+
 def next_encode_batch(queue: list[EncodeTask], max_images: int) -> tuple[list[EncodeTask], list[EncodeTask]]:
     """(the requests for one vision forward, the rest), by the policy's encode-batch rule."""
     return encode_batch(queue, priority=lambda t: t.priority, latency_class=lambda t: t.latency_class,
@@ -59,9 +67,9 @@ class EncodeWorker(Worker):
         self.prefetch = ImagePrefetch(lambda im: self.engine.decode_visual(self.pulled_input(im)))
 
     def pulled_input(self, ref: ImageRef) -> bytes | VideoPart | AudioPart:
-        """`visual_input`, an image in a media store pulled from it first (checked against its facts)."""
+        """`visual_input`, an item in a media store pulled from it first (checked against its facts)."""
         if ref.media is not None:
-            return pull_image(self.transfer, ref.media, self.s.fetch_timeout_s)
+            return pulled_input(self.transfer, ref, self.s.fetch_timeout_s)
         return visual_input(ref)
 
     def close(self) -> None:

@@ -15,8 +15,7 @@ from mserve.common.video import visual_hash
 from mserve.workers.embedding_tiers import embedding_tiers
 from mserve.workers.engine import StepOutput
 from mserve.workers.requests import WorkerRequest
-from mserve.common.media_store import pull_image
-from mserve.workers.roles.encode import visual_input
+from mserve.workers.roles.encode import pulled_input, visual_input
 from mserve.workers.roles.stepping import SteppingWorker
 from mserve.workers.sequence import SamplingParams, Sequence
 
@@ -29,22 +28,21 @@ class UnifiedWorker(SteppingWorker):
         self.engine.tiers = self.tiers = embedding_tiers(self)
 
     def transfers(self, task: RunTask) -> Callable[[], dict[str, Any]] | None:
-        """On an IO thread (workers/fetcher.py) while the loop steps: the images in a media store pulled
+        """On an IO thread (workers/fetcher.py) while the loop steps: the items in a media store pulled
         from it (common/media_store.py), and the images not in L1 decoded and run through the image
         processor: the model's thread then only runs the vision forward."""
         limit = self.s.max_image_bytes
-        stored = [im.media for im in task.images if im.media is not None]
+        stored = {i: im for i, im in enumerate(task.images) if im.media is not None}
         inline = [visual_input(im) for im in task.images if im.media is None and not self.tiers.in_memory(im.hash)
                   and all(len(d or b"") <= limit for d in (im.frames or [im.data]))]  # over: refused on the loop
-        to_decode = {im.media.hash for im in task.images if im.media is not None and not self.tiers.in_memory(im.hash)}
         if not inline and not stored:
             return None
         runner, timeout_s = self.engine.runner, self.s.fetch_timeout_s
 
         def pull_and_decode() -> dict[str, Any]:
-            pulled = {ref.hash: pull_image(self.transfer, ref, timeout_s) for ref in stored}  # MediaError fails it
+            pulled = {i: pulled_input(self.transfer, im, timeout_s) for i, im in stored.items()}  # MediaError fails it
             decoded = {}
-            for item in inline + [data for h, data in pulled.items() if h in to_decode]:
+            for item in inline + [pulled[i] for i, im in stored.items() if not self.tiers.in_memory(im.hash)]:
                 try:
                     out = self.engine.decode_visual(item)
                     # a video's frames and an audio clip's waveform go to the tower as they are
@@ -60,8 +58,8 @@ class UnifiedWorker(SteppingWorker):
         self.engine.predecoded.update(decoded)
         try:
             return self.engine.add_request(task.request_id, task.prompt_ids,
-                                           images=[pulled[im.media.hash] if im.media is not None else visual_input(im)
-                                                   for im in task.images],
+                                           images=[pulled[i] if im.media is not None else visual_input(im)
+                                                   for i, im in enumerate(task.images)],
                                            sampling=SamplingParams.from_wire(task.sampling), priority=task.priority,
                                            output_ids=task.output_ids, latency_class=task.latency_class)
         finally:
