@@ -31,12 +31,19 @@ PREFILL_HEAVY, DECODE_HEAVY = "prefill-heavy", "decode-heavy"
 
 @dataclass(frozen=True)
 class RolePolicy:
-    """The thresholds, one place: the regimes' edges, and how long they must hold."""
+    """The thresholds, one place: the regimes' edges, and how long they must hold.
+
+    Set against the scale model (`cd bench && python -m lab.role_sweep`, bench/README.md "Role switching,
+    in the scale model"): prefill_heavy_tokens 1024-4096 made no difference (a prefill-behind pool held 5-20 k
+    tokens per worker); decode_heavy_seqs 8-24 moved prefill workers to decode where a second decode worker
+    only split the batch, 48 never fired at 32 requests in flight; sustain 2 s flapped. decode_light_seqs was
+    4: a decode pool at 4-8 sequences per worker while prompts queued kept the slow layout; 12 (< half of
+    decode_heavy_seqs, so the workers left do not turn decode-heavy at once) gave 2.38 req/s for 2.08 there."""
 
     prefill_heavy_tokens: int = 2048  # prompt tokens per prefill worker: prefill is behind
     prefill_light_tokens: int = 256  # ... prefill keeps up
     decode_heavy_seqs: int = 32  # sequences per decode worker: decode batches are full (half of max_num_seqs 64)
-    decode_light_seqs: int = 4  # ... decode batches are small
+    decode_light_seqs: int = 12  # ... decode has room to give a worker away (was 4; see above)
     sustain_s: float = 5.0  # a regime counts once it held this long without a break
     cooldown_s: float = 30.0  # no switch within this long of the last one started
 

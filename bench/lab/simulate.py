@@ -74,6 +74,7 @@ def summarize(reqs: list[Req], cluster: Cluster, slo_ms: dict[str, float], wall_
         "coordinator_max_queue": max(c.max_queue for c in cluster.coords),
         "worker_cpu_per_role": {r: sum(v) / len(v) for r, v in roles.items()},
         "prompts_lent": sum(c.lent for c in cluster.coords),
+        "role_switches": [(round(t, 1), wid, role) for t, wid, role in cluster.roles.switches] if cluster.roles else [],
         "events": cluster.loop.events, "sim_wall_s": wall_s,
     }
 
@@ -83,7 +84,7 @@ def simulate(costs: Costs, requests: list[SimRequest], *, encode: int = 1, prefi
              until_s: float = math.inf, **cluster_options: Any) -> dict[str, Any]:
     """One configuration over one request list; returns the summary. `cluster_options`: the other
     `Cluster` fields (coordinator_cost_scale, stream_via_coordinator, heartbeat_cost_scale,
-    local_prefill_tokens)."""
+    local_prefill_tokens, role_policy)."""
     t0 = time.perf_counter()
     cluster = Cluster(costs, encode=encode, prefill=prefill, decode=decode, coordinators=coordinators,
                       **cluster_options)

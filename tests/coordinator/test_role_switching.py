@@ -99,6 +99,46 @@ def test_the_regimes_are_named_as_the_docs_name_them():
     assert SWITCHABLE == SWITCHABLE_ROLES  # mserve switch-role's choices are the wire's
 
 
+# -- the defaults, in the regimes the scale model showed (bench/lab/role_sweep.py, 32 requests in flight) -------
+@pytest.mark.parametrize("workers, to", [
+    # A wrong 1e1p2d start under image prompts: ~17 k prompt tokens queued at the prefill worker, 3 sequences a
+    # decode worker; and under the mixed trace, 4-8 a decode worker (the hand-set decode_light_seqs 4 held there).
+    ([prefill("p0", 17394), decode("d0", 3), decode("d1", 3)], "prefill"),
+    ([prefill("p0", 8360), decode("d0", 8), decode("d1", 3)], "prefill"),
+    # The shift trace's decode-heavy half from 1e2p1d: one decode worker holds all 32, no prompt queued.
+    ([prefill("p0", 0), prefill("p1", 0), decode("d0", 32)], "decode"),
+])
+def test_the_default_thresholds_move_a_worker_where_the_model_gained(workers, to):
+    policy = RolePolicy()
+    memory, decisions = RoleMemory(), []
+    for now in (0.0, policy.sustain_s / 2, policy.sustain_s):
+        d, memory = decide(workers, 0, 0, 0, memory, now, policy)
+        decisions.append(d)
+    assert decisions[:2] == [None, None] and decisions[2] is not None and decisions[2].role == to
+
+
+@pytest.mark.parametrize("workers", [
+    [prefill("p0", 669), prefill("p1", 669), decode("d0", 30)],  # 1e2p1d, decode-heavy image: prompts still queue
+    [prefill("p0", 4804), prefill("p1", 4804), decode("d0", 13)],  # 1e2p1d, prefill-heavy mixed: decode not light
+])
+def test_the_default_thresholds_hold_where_no_layout_was_better(workers):
+    policy, memory = RolePolicy(), RoleMemory()
+    for now in range(0, 120, 1):
+        d, memory = decide(workers, 0, 0, 0, memory, float(now), policy)
+        assert d is None
+
+
+def test_a_decode_worker_given_away_at_the_light_edge_leaves_the_others_under_decode_heavy():
+    """Two decode workers at decode_light_seqs each: after one leaves, the other holds twice that, and must not be
+    decode-heavy at once (no switch straight back)."""
+    policy = RolePolicy()
+    after = [prefill("p0", 0), prefill("p1", 0), decode("d0", 2 * policy.decode_light_seqs)]
+    memory = RoleMemory()
+    for now in range(0, 60, 1):
+        d, memory = decide(after, 0, 0, 0, memory, float(now), policy)
+        assert d is None
+
+
 # -- the request machine ----------------------------------------------------------------------------------
 
 def test_a_switch_drains_the_worker_then_it_serves_its_new_role():

@@ -26,7 +26,9 @@ Mirrors the real processes closely enough for capacity and latency:
   be an older request; here always the newcomer);
 * sharded coordinators (``coordinators=K``): requests are partitioned by request id; each shard
   routes with its own inflight counts and the shared reported loads, and pays the heartbeat and
-  Redis cost of every worker.
+  Redis cost of every worker;
+* role switching (``role_policy``: the coordinator's --role-switching with those thresholds): see
+  bench/lab/sim/roles.py.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from typing import Any
 
 from lab.sim.core import CpuPool, Loop
 from lab.sim.costs import Costs
+from lab.sim.roles import RELOAD_S, RoleSwitching
 from lab.sim.workers import DecodeWorker, EncodeWorker, PrefillWorker, Req, Worker
 from lab.sim.workload import SimRequest
 from mserve.common.policy import request_blocks
+from mserve.coordinator.role_policy import RolePolicy
 from mserve.coordinator.routing import (WorkerView, route_decode, route_encode, route_lend_adaptive, route_local_prefill,
                                        route_prefill)
 from mserve.coordinator.settings import CoordinatorSettings
@@ -263,6 +267,8 @@ class Cluster:
     # The coordinator's lending backlog (coordinator/settings.py, its default): 0, never lend.
     local_prefill_tokens: int = CoordinatorSettings.model_fields["local_prefill_tokens"].default
     adaptive_lending: bool = CoordinatorSettings.model_fields["adaptive_lending"].default
+    role_policy: RolePolicy | None = None  # None: no role switching (the coordinator's default)
+    switch_reload_s: float = RELOAD_S
     loop: Loop = field(default_factory=Loop)
 
     def __post_init__(self) -> None:
@@ -285,6 +291,7 @@ class Cluster:
         self.worker = {w.wid: w for w in self.workers}
         self.coords = [Coordinator(self, i) for i in range(self.coordinators)]
         self.client: Client | None = None
+        self.roles = RoleSwitching(self, self.role_policy, self.switch_reload_s) if self.role_policy else None
 
     def to_coord(self, q: Req, msg: Any) -> None:
         self.loop.after(self.hop, q.coord.receive, msg)
@@ -295,6 +302,8 @@ class Cluster:
         cost = self.costs.coord_housekeeping_s(len(self.workers), self.heartbeat_s) * self.heartbeat_cost_scale
         for c in self.coords:
             c.receive(("housekeeping", cost))
+        if self.roles is not None:
+            self.roles.tick(self.loop.now)
         self.loop.after(self.heartbeat_s, self._housekeeping)
 
     def run(self, requests: list[SimRequest], max_concurrency: int | None = None,

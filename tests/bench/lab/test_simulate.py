@@ -11,6 +11,7 @@ from lab.sim.core import CpuPool, Loop
 from lab.sim.costs import COSTS_DIR, Costs
 from lab.sim.workload import sim_trace
 from lab.simulate import parse_config, simulate
+from mserve.coordinator.role_policy import RolePolicy
 
 
 def make_costs(**over) -> Costs:
@@ -210,3 +211,24 @@ def test_adaptive_lending_lends_where_prefill_is_behind_and_not_where_decode_is_
     else:
         assert adaptive["prompts_lent"] <= 8  # in the opening burst only, while the decode worker holds little
         assert adaptive["request_throughput"] >= 0.95 * off["request_throughput"]
+
+
+@pytest.mark.parametrize("regime, costs_over, pools, concurrency, max_tokens, to", [
+    ("prefill-heavy", {"prefill__per_token_s": 1e-3}, (1, 2), 16, 16, "prefill"),  # 0.2 s a prompt, 5 ms steps
+    ("decode-heavy", {"decode__per_seq_s": 4e-3}, (2, 1), 96, 128, "decode"),  # 0.39 s a step of 96
+])
+def test_role_switching_moves_a_worker_to_the_slower_stage_and_loses_nothing(regime, costs_over, pools, concurrency,
+                                                                              max_tokens, to):
+    """bench/lab/sim/roles.py: coordinator/role_policy.py's own `decide` on the model's ticks. The worker of the
+    pool with slack drains, reloads and serves the slower stage; every request gets all its tokens, and the
+    cluster serves more than with the layout it started from."""
+    costs = make_costs(**costs_over)
+    reqs = trace(costs, "text", 160, words=200, max_tokens=max_tokens)
+    policy = RolePolicy(sustain_s=1.0, cooldown_s=5.0)
+    fixed = simulate(costs, reqs, prefill=pools[0], decode=pools[1], max_concurrency=concurrency)
+    switched = simulate(costs, reqs, prefill=pools[0], decode=pools[1], max_concurrency=concurrency,
+                        role_policy=policy, switch_reload_s=0.5)
+    assert fixed["role_switches"] == [] and [role for _, _, role in switched["role_switches"]] == [to]
+    assert switched["completed"] == fixed["completed"] == 160
+    assert switched["output_throughput"] / switched["request_throughput"] == pytest.approx(max_tokens)
+    assert switched["request_throughput"] > 1.2 * fixed["request_throughput"]
