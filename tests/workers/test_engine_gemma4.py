@@ -249,8 +249,10 @@ def test_bf16_ragged_batch_matches_hf_bf16(model_dir, requests, exact):
         want, top2 = hf_generate_top2(model_dir, pp.prompt_ids, pp.images, MAX_NEW, dtype="bfloat16")
         verdict = compare_greedy(want, out[rid], top2, "bfloat16")
         assert (out[rid] == want) if exact else verdict.exact, f"{rid}: {verdict.describe()}"
-        compared += verdict.compared
-    assert compared >= 8  # not vacuous: the one-image prompt is compared over 8 steps before its first tie
+        compared += len(want) if exact else verdict.compared  # exact: every step was compared
+    # Not vacuous. Where HF's own first top-2 tie falls depends on the host's bf16 kernels: the one-image
+    # prompt is compared over 8 steps on an AMX Xeon, over 5 on an AVX2-only EPYC (no native bf16).
+    assert compared >= 5
 
 
 def test_a_generated_image_token_is_read_as_pad_as_hf_reads_it(model_dir, builder):
