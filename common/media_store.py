@@ -134,19 +134,25 @@ class MediaStore:
 
 
 def pull_media(transfer: TransferEngine, ref: MediaRef, timeout_s: float) -> bytes:
-    """The item's bytes from its store, checked against the ref's facts; MediaError naming the item otherwise."""
+    """The item's bytes from its store, checked against the ref's facts; MediaError naming the item otherwise
+    (each cause its own words: not a store item, a store this worker may not or cannot reach by its address,
+    or a store that did not serve it)."""
     where = f"{ref.kind} {ref.hash} in the media store at {ref.source.get('address', '?')}"
     try:
         source = as_descriptor(ref.source)
-        if not source.shared or [(e.name, e.dtype, e.shape) for e in source.tensors] != [(_TENSOR, torch.uint8, (ref.nbytes,))]:
-            raise TransferError(f"not a media store item of {ref.nbytes} bytes (a shared transfer of one "
-                                f"uint8 tensor {_TENSOR!r})")  # checked before a byte is pulled
-        if source.key is None and transfer.key is not None:
-            raise TransferError("the store has no CURVE keys and this worker's data plane admits CURVE peers "
-                                "only: with --curve-dir, its owner must send media inline (--media-store-host none)")
-        if source.host_id != transfer.host_id and is_loopback(source.address):
-            raise TransferError("the store is bound on a loopback address of another host: its owner's "
-                                "--media-store-host must be an address the workers reach (or none: media inline)")
+    except (TransferError, KeyError) as exc:
+        raise MediaError(f"{where} is not a media store item: {exc}") from None
+    if not source.shared or [(e.name, e.dtype, e.shape) for e in source.tensors] != [(_TENSOR, torch.uint8, (ref.nbytes,))]:
+        raise MediaError(f"{where} is not a media store item of {ref.nbytes} bytes (a shared transfer of one "
+                         f"uint8 tensor {_TENSOR!r})")  # checked before a byte is pulled
+    if source.key is None and transfer.key is not None:
+        raise MediaError(f"{where} cannot be pulled: the store has no CURVE keys and this worker's data plane "
+                         "admits CURVE peers only: with --curve-dir, its owner must send media inline "
+                         "(--media-store-host none)")
+    if source.host_id != transfer.host_id and is_loopback(source.address):
+        raise MediaError(f"{where} cannot be pulled: the store is bound on a loopback address of another host: "
+                         "its owner's --media-store-host must be an address the workers reach (or none: media inline)")
+    try:
         with transfer.fetch_view(source, timeout_s) as tensors:  # one copy: out of the store's segment
             data = tensors[_TENSOR].numpy().tobytes()
     except (TransferError, KeyError) as exc:
@@ -155,4 +161,3 @@ def pull_media(transfer: TransferEngine, ref: MediaRef, timeout_s: float) -> byt
         reap_orphans()  # its store was killed outright: nothing unlinks its segments but a sweep
     check_facts(ref, data, where)
     return data
-

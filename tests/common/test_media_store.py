@@ -7,9 +7,11 @@ import dataclasses
 
 import msgpack
 import pytest
+import zmq
 
 from mserve.common.images import image_hash
 from mserve.common.media_store import MediaError, MediaStore, pull_media
+from mserve.common.security import CurveKeys
 from mserve.common.transfer.engine import TransferEngine
 from mserve.coordinator.client_core import generate_body
 from tests.helpers import chat, make_image, wait_for
@@ -27,7 +29,7 @@ def test_an_item_is_pulled_by_any_receiver_any_number_of_times(backend):
         wait_for(lambda: store.stats()["served"] == 3, what="the three pulls counted (shm acks come async)")
 
 
-def test_bytes_that_do_not_match_the_facts_fail_clearly():
+def test_bytes_that_do_not_match_the_facts_fail_clearly(tmp_path):
     image = make_image(64, 48, seed=2)
     with MediaStore() as store, TransferEngine("enc") as enc:
         ref = store.put_image(image)
@@ -37,8 +39,13 @@ def test_bytes_that_do_not_match_the_facts_fail_clearly():
         with pytest.raises(MediaError, match=f"not a media store item of {len(image) + 1} bytes"):
             pull_media(enc, dataclasses.replace(ref, nbytes=len(image) + 1), 5.0)  # refused before pulling
         elsewhere = dataclasses.replace(ref, source={**ref.source, "host_id": "another-host/1"})
-        with pytest.raises(MediaError, match="bound on a loopback address of another host: .*--media-store-host"):
+        with pytest.raises(MediaError, match="bound on a loopback address of another host: .*--media-store-host") as e:
             pull_media(enc, elsewhere, 5.0)  # a gateway's default store, seen by a worker on another host
+        assert "holder is gone" not in str(e.value)  # each cause its own words: the holder is fine here
+        with TransferEngine("enc-curve", curve=CurveKeys(*zmq.curve_keypair(), authorized=tmp_path)) as curve_enc:
+            with pytest.raises(MediaError, match="the store has no CURVE keys.*--media-store-host none") as e:
+                pull_media(curve_enc, ref, 5.0)
+            assert "holder is gone" not in str(e.value)
         store.engine.release(ref.source["id"])  # the holder dropped it
         with pytest.raises(MediaError, match=f"image {ref.hash} in the media store at .* could not be pulled"):
             pull_media(enc, ref, 5.0)
