@@ -20,6 +20,7 @@ finds their owner gone, unlinks them.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from typing import Any
@@ -41,6 +42,11 @@ __all__ = ["MediaError", "MediaStore", "pull_media"]
 DEFAULT_TTL_S = 600.0
 DEFAULT_CAPACITY_BYTES = 1 << 30
 _TENSOR = "bytes"
+# A store that let a pull run out its whole timeout (its holder killed, or unreachable) is remembered, by its
+# engine's name (new in every process), for this long: a worker's further pulls from it fail at once instead
+# of each holding the worker for another timeout (a killed gateway's in-flight items, one after another).
+UNANSWERED_MEMORY_S = 60.0
+_unanswered: dict[str, float] = {}  # store's engine name -> when a pull from it ran out its timeout
 
 
 class MediaStore:
@@ -152,12 +158,25 @@ def pull_media(transfer: TransferEngine, ref: MediaRef, timeout_s: float) -> byt
     if source.host_id != transfer.host_id and is_loopback(source.address):
         raise MediaError(f"{where} cannot be pulled: the store is bound on a loopback address of another host: "
                          "its owner's --media-store-host must be an address the workers reach (or none: media inline)")
+    started, unanswered_at = time.monotonic(), _unanswered.get(source.sender)
+    if unanswered_at is not None and started - unanswered_at < UNANSWERED_MEMORY_S:
+        raise MediaError(f"{where} could not be pulled (its holder is gone?): a pull from its store ran out "
+                         f"its timeout {started - unanswered_at:.0f} s ago")
     try:
         with transfer.fetch_view(source, timeout_s) as tensors:  # one copy: out of the store's segment
             data = tensors[_TENSOR].numpy().tobytes()
     except (TransferError, KeyError) as exc:
+        if time.monotonic() - started >= 0.9 * timeout_s:
+            _remember_unanswered(source.sender)
         raise MediaError(f"{where} could not be pulled (its holder is gone or dropped it): {exc}") from None
     if source.shm is not None and source.host_id == transfer.host_id and owner_gone(source.shm):
         reap_orphans()  # its store was killed outright: nothing unlinks its segments but a sweep
     check_facts(ref, data, where)
     return data
+
+
+def _remember_unanswered(store: str) -> None:
+    now = time.monotonic()
+    for name in [n for n, t in _unanswered.items() if now - t >= UNANSWERED_MEMORY_S]:
+        _unanswered.pop(name, None)  # pull threads race here: each drop is harmless twice
+    _unanswered[store] = now
