@@ -20,6 +20,7 @@ finds their owner gone, unlinks them.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from typing import Any
@@ -41,6 +42,11 @@ __all__ = ["MediaError", "MediaStore", "pull_media"]
 DEFAULT_TTL_S = 600.0
 DEFAULT_CAPACITY_BYTES = 1 << 30
 _TENSOR = "bytes"
+# A store that let a pull run out its whole timeout (its holder killed, or unreachable) is remembered, by its
+# engine's name (new in every process), for this long: a worker's further pulls from it fail at once instead
+# of each holding the worker for another timeout (a killed gateway's in-flight items, one after another).
+UNANSWERED_MEMORY_S = 60.0
+_unanswered: dict[str, float] = {}  # store's engine name -> when a pull from it ran out its timeout
 
 
 class MediaStore:
@@ -134,25 +140,43 @@ class MediaStore:
 
 
 def pull_media(transfer: TransferEngine, ref: MediaRef, timeout_s: float) -> bytes:
-    """The item's bytes from its store, checked against the ref's facts; MediaError naming the item otherwise."""
+    """The item's bytes from its store, checked against the ref's facts; MediaError naming the item otherwise
+    (each cause its own words: not a store item, a store this worker may not or cannot reach by its address,
+    or a store that did not serve it)."""
     where = f"{ref.kind} {ref.hash} in the media store at {ref.source.get('address', '?')}"
     try:
         source = as_descriptor(ref.source)
-        if not source.shared or [(e.name, e.dtype, e.shape) for e in source.tensors] != [(_TENSOR, torch.uint8, (ref.nbytes,))]:
-            raise TransferError(f"not a media store item of {ref.nbytes} bytes (a shared transfer of one "
-                                f"uint8 tensor {_TENSOR!r})")  # checked before a byte is pulled
-        if source.key is None and transfer.key is not None:
-            raise TransferError("the store has no CURVE keys and this worker's data plane admits CURVE peers "
-                                "only: with --curve-dir, its owner must send media inline (--media-store-host none)")
-        if source.host_id != transfer.host_id and is_loopback(source.address):
-            raise TransferError("the store is bound on a loopback address of another host: its owner's "
-                                "--media-store-host must be an address the workers reach (or none: media inline)")
+    except (TransferError, KeyError) as exc:
+        raise MediaError(f"{where} is not a media store item: {exc}") from None
+    if not source.shared or [(e.name, e.dtype, e.shape) for e in source.tensors] != [(_TENSOR, torch.uint8, (ref.nbytes,))]:
+        raise MediaError(f"{where} is not a media store item of {ref.nbytes} bytes (a shared transfer of one "
+                         f"uint8 tensor {_TENSOR!r})")  # checked before a byte is pulled
+    if source.key is None and transfer.key is not None:
+        raise MediaError(f"{where} cannot be pulled: the store has no CURVE keys and this worker's data plane "
+                         "admits CURVE peers only: with --curve-dir, its owner must send media inline "
+                         "(--media-store-host none)")
+    if source.host_id != transfer.host_id and is_loopback(source.address):
+        raise MediaError(f"{where} cannot be pulled: the store is bound on a loopback address of another host: "
+                         "its owner's --media-store-host must be an address the workers reach (or none: media inline)")
+    started, unanswered_at = time.monotonic(), _unanswered.get(source.sender)
+    if unanswered_at is not None and started - unanswered_at < UNANSWERED_MEMORY_S:
+        raise MediaError(f"{where} could not be pulled (its holder is gone?): a pull from its store ran out "
+                         f"its timeout {started - unanswered_at:.0f} s ago")
+    try:
         with transfer.fetch_view(source, timeout_s) as tensors:  # one copy: out of the store's segment
             data = tensors[_TENSOR].numpy().tobytes()
     except (TransferError, KeyError) as exc:
+        if time.monotonic() - started >= 0.9 * timeout_s:
+            _remember_unanswered(source.sender)
         raise MediaError(f"{where} could not be pulled (its holder is gone or dropped it): {exc}") from None
     if source.shm is not None and source.host_id == transfer.host_id and owner_gone(source.shm):
         reap_orphans()  # its store was killed outright: nothing unlinks its segments but a sweep
     check_facts(ref, data, where)
     return data
 
+
+def _remember_unanswered(store: str) -> None:
+    now = time.monotonic()
+    for name in [n for n, t in _unanswered.items() if now - t >= UNANSWERED_MEMORY_S]:
+        _unanswered.pop(name, None)  # pull threads race here: each drop is harmless twice
+    _unanswered[store] = now

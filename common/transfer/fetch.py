@@ -21,6 +21,7 @@ from mserve.common.transfer import backends as tb
 from mserve.common.transfer.channel import Channels
 from mserve.common.transfer.descriptor import Descriptor, LayoutEntry, TransferError
 from mserve.common.transfer.shm_mappings import MappingCache
+from mserve.common.transfer.shm_pool import owner_gone
 from mserve.common.transfer.torch_pairs import TorchReceiver
 
 __all__ = ["Fetcher", "Fetched"]
@@ -88,6 +89,11 @@ class Fetcher:
             except ValueError as exc:
                 raise TransferError(f"{where}: unknown transfer id {tid!r}: {exc}") from exc
             except OSError as exc:
+                if owner_gone(str(desc.shm)):
+                    # Its sender was killed and a sweep unlinked its segments: nothing serves it over tcp
+                    # either, so say so now rather than wait out the timeout for a connection.
+                    raise TransferError(f"{where}: its sender's process is gone and its shared memory segment "
+                                        f"{desc.shm!r} was swept with it") from exc
                 if backend != "auto":
                     raise TransferError(
                         f"{where}: cannot open shared memory segment {desc.shm!r}: unknown "

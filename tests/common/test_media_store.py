@@ -3,13 +3,22 @@ every pull, a released item refused clearly, and the GENERATE body that carries 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import msgpack
 import pytest
+import zmq
 
 from mserve.common.images import image_hash
 from mserve.common.media_store import MediaError, MediaStore, pull_media
+from mserve.common.security import CurveKeys
 from mserve.common.transfer.engine import TransferEngine
 from mserve.coordinator.client_core import generate_body
 from tests.helpers import chat, make_image, wait_for
@@ -27,7 +36,7 @@ def test_an_item_is_pulled_by_any_receiver_any_number_of_times(backend):
         wait_for(lambda: store.stats()["served"] == 3, what="the three pulls counted (shm acks come async)")
 
 
-def test_bytes_that_do_not_match_the_facts_fail_clearly():
+def test_bytes_that_do_not_match_the_facts_fail_clearly(tmp_path):
     image = make_image(64, 48, seed=2)
     with MediaStore() as store, TransferEngine("enc") as enc:
         ref = store.put_image(image)
@@ -37,8 +46,13 @@ def test_bytes_that_do_not_match_the_facts_fail_clearly():
         with pytest.raises(MediaError, match=f"not a media store item of {len(image) + 1} bytes"):
             pull_media(enc, dataclasses.replace(ref, nbytes=len(image) + 1), 5.0)  # refused before pulling
         elsewhere = dataclasses.replace(ref, source={**ref.source, "host_id": "another-host/1"})
-        with pytest.raises(MediaError, match="bound on a loopback address of another host: .*--media-store-host"):
+        with pytest.raises(MediaError, match="bound on a loopback address of another host: .*--media-store-host") as e:
             pull_media(enc, elsewhere, 5.0)  # a gateway's default store, seen by a worker on another host
+        assert "holder is gone" not in str(e.value)  # each cause its own words: the holder is fine here
+        with TransferEngine("enc-curve", curve=CurveKeys(*zmq.curve_keypair(), authorized=tmp_path)) as curve_enc:
+            with pytest.raises(MediaError, match="the store has no CURVE keys.*--media-store-host none") as e:
+                pull_media(curve_enc, ref, 5.0)
+            assert "holder is gone" not in str(e.value)
         store.engine.release(ref.source["id"])  # the holder dropped it
         with pytest.raises(MediaError, match=f"image {ref.hash} in the media store at .* could not be pulled"):
             pull_media(enc, ref, 5.0)
@@ -78,43 +92,69 @@ def test_audio_and_video_files_carry_their_header_facts_and_are_checked_on_pull(
 
 
 OWNER = """
-import json, time
+import json, sys, time
 from mserve.common.media_store import MediaStore
 from tests.helpers import make_image
-store = MediaStore()  # auto: the item sits in an shm segment named after this process
-print(json.dumps(store.put_image(make_image(80, 60, seed=9)).fields()), flush=True)
+store = MediaStore(backend=sys.argv[1])  # auto: each item in an shm segment named after this process
+for seed in (9, 11):
+    print(json.dumps(store.put_image(make_image(80, 60, seed=seed)).fields()), flush=True)
 time.sleep(600)
 """
 
 
-def test_a_killed_stores_segments_are_swept():
-    """kill -9 of a store's process (its resource tracker with it: the process group) leaves its segment
-    in /dev/shm; a worker that pulls from it finds the owner gone and sweeps (the pull still gets the
-    bytes, as a request in flight needs them), as the next transfer engine started on the host would
-    (tests/common/test_transfer_pool.py); a live store's segment stays."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-
+@contextlib.contextmanager
+def killable_owner(backend: str):
+    """A process holding a store of two items: (kill -9 of it and its process group, the two items' refs)."""
     from mserve.common.protocol.client import MediaRef
-    from tests.common.test_transfer_pool import on_disk
 
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, backend], stdout=subprocess.PIPE, text=True,
                              start_new_session=True, cwd=os.path.dirname(__file__) + "/../..")
+
+    def kill() -> None:
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        wait_for(lambda: not os.path.exists(f"/proc/{owner.pid}"), what="the owner gone")
+
     try:
-        ref = MediaRef.from_body(json.loads(owner.stdout.readline()))
-        with MediaStore() as live, TransferEngine("enc") as enc:
-            mine = live.put_image(make_image(32, 32, seed=10)).source["shm"]
-            assert on_disk(ref.source["shm"]) and on_disk(mine)
-            os.killpg(owner.pid, signal.SIGKILL)
-            owner.wait(10)
-            wait_for(lambda: not os.path.exists(f"/proc/{owner.pid}"), what="the owner gone")
-            assert on_disk(ref.source["shm"]), "nothing unlinked it: the process was killed outright"
-            assert pull_media(enc, ref, 5.0) == make_image(80, 60, seed=9)  # the bytes, then the sweep
-            assert not on_disk(ref.source["shm"]) and on_disk(mine)
+        yield kill, [MediaRef.from_body(json.loads(owner.stdout.readline())) for _ in range(2)]
     finally:
         if owner.poll() is None:
             os.killpg(owner.pid, signal.SIGKILL)
             owner.wait(10)
+
+
+def test_a_killed_stores_segments_are_swept():
+    """kill -9 of a store's process (its resource tracker with it: the process group) leaves its segments
+    in /dev/shm; a worker that pulls from it finds the owner gone and sweeps (the pull still gets the
+    bytes), as the next transfer engine started on the host would (tests/common/test_transfer_pool.py); a
+    live store's segment stays. The dead store's other item, swept with it, then fails at once by that
+    cause, not after a timeout spent waiting for its tcp."""
+    from tests.common.test_transfer_pool import on_disk
+
+    with killable_owner("auto") as (kill, (ref, other)), MediaStore() as live, TransferEngine("enc") as enc:
+        mine = live.put_image(make_image(32, 32, seed=10)).source["shm"]
+        assert on_disk(ref.source["shm"]) and on_disk(other.source["shm"]) and on_disk(mine)
+        kill()
+        assert on_disk(ref.source["shm"]), "nothing unlinked it: the process was killed outright"
+        assert pull_media(enc, ref, 5.0) == make_image(80, 60, seed=9)  # the bytes, then the sweep
+        assert not on_disk(ref.source["shm"]) and not on_disk(other.source["shm"]) and on_disk(mine)
+        t0 = time.monotonic()
+        with pytest.raises(MediaError, match=f"image {other.hash} .* its sender's process is gone and its "
+                                             "shared memory segment .* was swept"):
+            pull_media(enc, other, 5.0)
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_a_store_that_ran_out_a_pulls_timeout_fails_the_next_pulls_at_once():
+    """A killed tcp store: the first pull waits out its timeout; the store's next item fails at once, naming
+    why, instead of holding the worker for another timeout (a killed holder's requests, one after another)."""
+    with killable_owner("tcp") as (kill, (ref, other)), TransferEngine("enc") as enc:
+        kill()
+        t0 = time.monotonic()
+        with pytest.raises(MediaError, match=f"image {ref.hash} .* could not be pulled .*cannot connect"):
+            pull_media(enc, ref, 1.0)
+        t1 = time.monotonic()
+        with pytest.raises(MediaError, match=f"image {other.hash} .*\\(its holder is gone\\?\\): a pull from its "
+                                             "store ran out its timeout 0 s ago"):
+            pull_media(enc, other, 1.0)
+        assert t1 - t0 >= 0.9 and time.monotonic() - t1 < 0.2

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 
 
-async def generate_all(address: str, requests, max_tokens: int = MAX_TOKENS, **kw):
-    async with AsyncClient(address, timeout_s=120) as client:
+async def generate_all(address: str, requests, max_tokens: int = MAX_TOKENS, media_store=None, **kw):
+    async with AsyncClient(address, timeout_s=120, media_store=media_store) as client:
         return await asyncio.gather(*[client.generate(chat(text, images), max_tokens=max_tokens, **kw)
                                       for text, images in requests])
 

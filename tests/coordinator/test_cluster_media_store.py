@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -118,3 +119,79 @@ def test_a_video_file_goes_through_the_store_sampled_from_its_facts(shared_clust
     pp = PromptBuilder(model).prepare(req)
     decoded = [png(f) for f in decode_video_file(clip, pp.images[0].indices)]
     assert result.token_ids == hf_generate_visual(model, pp.prompt_ids, [decoded], MAX_TOKENS)
+
+
+HOLDER_OF_THREE = """
+import json, time
+from mserve.common.media_store import MediaStore
+from tests.helpers import make_image
+store = MediaStore(backend="tcp")  # tcp: the bytes die with the process (an shm segment would outlive it)
+for seed in (507, 508, 510):
+    print(json.dumps(store.put_image(make_image(88, 66, seed=seed)).fields()), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("shared_cluster", [LLAVA_1E1P1D], indirect=True)
+def test_kill_9_of_the_stores_holder_mid_request_ends_each_request_once(shared_cluster):
+    """The process holding the store is killed outright while its requests wait on the encoder (frozen with
+    SIGSTOP, so they surely are accepted and dispatched, not yet pulled): a request whose image the encoder
+    pulled before the kill ends with HF generate's tokens, one whose image was never pulled ends with an
+    error naming the item and its store (bounded by the worker's fetch timeout, never a hang), each exactly
+    once, and the cluster serves a new store's request on."""
+    import asyncio
+
+    from mserve.coordinator.client import AsyncClient
+
+    cluster, model = shared_cluster, shared_cluster.model
+    encode = cluster.worker_names("encode")[0]
+    held_image = make_image(88, 66, seed=507)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER_OF_THREE], stdout=subprocess.PIPE, text=True)
+    try:
+        held, *lost = (MediaRef.from_body(json.loads(holder.stdout.readline())) for _ in range(3))
+        with Client(cluster.address, timeout_s=60) as c:
+            before = c.status()["stats"]
+            warm = c.generate(stored_chat("Describe the picture.", held), max_tokens=MAX_TOKENS)  # pulled: held
+        sent = [("What colour is it?", held), ("Is it bright?", held), ("What is in it?", lost[0]),
+                ("What is in it?", lost[1])]
+
+        async def run() -> list:
+            async with AsyncClient(cluster.address, timeout_s=60) as client:
+                cluster.kill_worker(encode, signal.SIGSTOP)
+                try:
+                    tasks = [asyncio.ensure_future(client.generate(stored_chat(t, ref), max_tokens=MAX_TOKENS))
+                             for t, ref in sent]
+                    deadline = asyncio.get_running_loop().time() + 3  # well inside --dead-after-s (5 s)
+                    while True:  # all accepted, the lost image's encode dispatched to the frozen encoder
+                        status = await client.status()
+                        if (status["stats"]["admitted"] - before["admitted"] == 1 + len(sent)
+                                and status["workers"][encode]["load"]["inflight"] >= 1):
+                            break
+                        assert asyncio.get_running_loop().time() < deadline, status["stats"]
+                        await asyncio.sleep(0.01)
+                    holder.send_signal(signal.SIGKILL)
+                    holder.wait()
+                finally:
+                    cluster.kill_worker(encode, signal.SIGCONT)
+                return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)  # none hangs
+
+        outcomes = asyncio.run(run())
+    finally:
+        if holder.poll() is None:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+    want = expected(model, [("Describe the picture.", [held_image])] + [(t, [held_image]) for t, _ in sent[:2]],
+                    MAX_TOKENS)
+    assert [warm.token_ids] + [r.token_ids for r in outcomes[:2]] == want
+    for ref, outcome in zip(lost, outcomes[2:]):  # the first waits out the fetch timeout, the second not
+        assert isinstance(outcome, BadRequest), outcome
+        assert re.search(f"image {ref.hash} in the media store at .* could not be pulled \\(its holder is gone",
+                         str(outcome)), outcome
+    with Client(cluster.address, timeout_s=60) as c:
+        after = wait_for(lambda: (s := c.status())["requests_in_flight"] == 0 and s, what="nothing left in flight")
+        ended = {k: after["stats"][k] - before[k] for k in ("admitted", "completed", "failed")}
+        assert ended == {"admitted": 5, "completed": 3, "failed": 2}  # each accepted request ended exactly once
+        fresh = make_image(72, 96, seed=509)
+        with MediaStore() as store, Client(cluster.address, timeout_s=60, media_store=store) as again:
+            result = again.generate(chat("Describe the picture.", [fresh]), max_tokens=MAX_TOKENS)
+    assert result.token_ids == expected(model, [("Describe the picture.", [fresh])], MAX_TOKENS)[0]

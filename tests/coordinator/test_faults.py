@@ -17,7 +17,7 @@ from mserve.common.sockets import make_socket, recv, send
 from mserve.coordinator.client import AsyncClient, BadRequest, Client
 from mserve.coordinator.launcher import LocalCluster
 from tests.clusters import LLAVA_1E1P1D
-from tests.coordinator.test_cluster import expected, generate_all
+from tests.coordinator.test_cluster import MAX_TOKENS, expected, generate_all
 from tests.helpers import chat, request_mix, wait_for
 
 pytestmark = pytest.mark.slow
@@ -272,13 +272,36 @@ def test_coordinator_killed_mid_stream_no_request_hangs(tiny_model_dirs, redis_u
                 proc.wait(10)
 
 
+async def flush_while_in_flight(cluster: LocalCluster, redis_url: str, requests, media: MediaStore) -> list:
+    """Send `requests` (each with images, from `media`) to a frozen encoder (SIGSTOP, so they are surely
+    accepted and waiting, their refs not yet pulled), FLUSHALL Redis, thaw the encoder; every outcome."""
+    encode = cluster.worker_names("encode")[0]
+    async with AsyncClient(cluster.address, timeout_s=60, media_store=media) as client:
+        cluster.kill_worker(encode, signal.SIGSTOP)
+        try:
+            tasks = [asyncio.ensure_future(client.generate(chat(t, ims), max_tokens=MAX_TOKENS))
+                     for t, ims in requests]
+            deadline = time.monotonic() + 3  # well inside --dead-after-s (5 s)
+            while True:
+                status = await client.status()
+                if status["requests_in_flight"] == len(requests) and status["workers"][encode]["load"]["inflight"]:
+                    break
+                assert time.monotonic() < deadline, "the requests never reached the frozen encoder"
+                await asyncio.sleep(0.01)
+            flush = redis.Redis.from_url(redis_url)
+            flush.flushall()
+            flush.close()
+        finally:
+            cluster.kill_worker(encode, signal.SIGCONT)
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)  # none hangs
+
+
 @pytest.mark.parametrize("how", ["flushall", "restart"])
 def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
     """FLUSHALL, or a restart without persistence: every registration, load and index entry is gone.
     The workers notice at their next heartbeat, register again and republish their embedding and
-    prefix indexes; requests never stop being served, token-exact."""
-    import redis
-
+    prefix indexes; requests never stop being served, token-exact. The images go through a media store;
+    FLUSHALL lands while requests with refs not yet pulled wait on the encoder, and each ends once, exact."""
     from mserve.common.hashing import host_member
     from mserve.common.images import image_hash
     from mserve.common.redis_store import RedisStore
@@ -286,20 +309,22 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
 
     model = str(tiny_model_dirs["llava"])
     requests = request_mix(3, seed=41)  # text, one image, two images
+    in_flight = [r for r in request_mix(6, seed=42) if r[1]]  # images the encoder has not seen
     image = requests[1][1][0]
     from mserve.common.redis_server import free_port
 
-    with RedisServer(port=free_port()) as redis_srv:  # a fixed port: the restart comes back on it
+    with RedisServer(port=free_port()) as redis_srv, MediaStore() as media:  # a fixed port: the restart comes back on it
         # Prefix skips off: the repeated requests must reach the encoder, to show the republished embedding index.
         with LocalCluster(model, encode=1, prefill=1, decode=1, redis_url=redis_srv.url,
                           extra_coordinator_args=["--prefix-skip", "off"]) as cluster:
-            first = asyncio.run(generate_all(cluster.address, requests))
+            first = asyncio.run(generate_all(cluster.address, requests, media_store=media))
             store = RedisStore(redis_srv.url)
             encode = cluster.worker_names("encode")[0]
             holders = {encode, host_member(host_id())}  # the encoder (L1) and its host's shared cache (L2)
             assert store.lookup_embedding(model, image_hash(image)) == holders
+            flushed: list = []
             if how == "flushall":
-                redis.Redis.from_url(redis_srv.url).flushall()
+                flushed = asyncio.run(flush_while_in_flight(cluster, redis_srv.url, in_flight, media))
             else:
                 redis_srv.stop()
                 redis_srv.start()
@@ -313,17 +338,21 @@ def test_redis_losing_its_state_is_rebuilt_by_the_workers(tiny_model_dirs, how):
             while not rebuilt():
                 assert time.monotonic() < deadline, "redis state was not rebuilt by the workers"
                 time.sleep(0.1)
-            again = asyncio.run(generate_all(cluster.address, requests))
+            again = asyncio.run(generate_all(cluster.address, requests, media_store=media))
             # The coordinator's store turns healthy at its next successful Redis call (a probe, or a
             # lookup): wait for it rather than race it.
             deadline = time.monotonic() + 30
             while Client(cluster.address).status()["redis_healthy"] is not True:
                 assert time.monotonic() < deadline, "the coordinator never saw Redis healthy again"
                 time.sleep(0.1)
+            status = Client(cluster.address).status()
             store.close()
     want = expected(model, requests)
     assert [r.token_ids for r in first] == [r.token_ids for r in again] == want
     assert again[1].cache_hits["embedding"] == 1  # the republished index routed it to the cached copy
+    if how == "flushall":
+        assert [r.token_ids for r in flushed] == expected(model, in_flight)  # each ended once, exactly
+    assert status["requests_in_flight"] == 0 and status["stats"]["media_bytes_inline"] == 0
 
 
 def test_kill_9_of_an_encode_worker_holding_work_reruns_it_elsewhere(tiny_model_dirs, redis_url):
