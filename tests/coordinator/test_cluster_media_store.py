@@ -1,17 +1,23 @@
 """Images through a media store in a real cluster: the coordinator carries none of their bytes, the tokens stay
-HF generate's, an image the encoder already holds is never pulled, and a bad ref or a dead holder ends its
-request with a clear error (never a hang) while the cluster serves on.
+HF generate's, an image the encoder already holds is never pulled, and a bad ref or a dead holder (a store's
+process, or a real gateway, killed mid-request) ends each of its requests exactly once, never a hang, while the
+cluster serves on.
 
 One shared cluster (LLAVA_1E1P1D, shm between its workers) serves every test here."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +27,7 @@ from mserve.coordinator.client import BadRequest, Client
 from tests.clusters import LLAVA_1E1P1D, LLAVA_2E1P1D_LENDING, LLAVA_UNIFIED
 from tests.coordinator.test_cluster import encoders_idle, expected
 from tests.helpers import chat, make_image, wait_for
+from tests.logged_process import LoggedProcess
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -195,3 +202,121 @@ def test_kill_9_of_the_stores_holder_mid_request_ends_each_request_once(shared_c
         with MediaStore() as store, Client(cluster.address, timeout_s=60, media_store=store) as again:
             result = again.generate(chat("Describe the picture.", [fresh]), max_tokens=MAX_TOKENS)
     assert result.token_ids == expected(model, [("Describe the picture.", [fresh])], MAX_TOKENS)[0]
+
+
+
+class Gateway(LoggedProcess):
+    """A real `mserve gateway` (its media store on, the default) on a free port of 127.0.0.1, in its own process:
+    not the cluster's start_gateway, which counts it among the shared cluster's processes (a dead one there
+    makes the next user restart the whole cluster). Spawned at once; `ready` waits for its /health."""
+
+    def __init__(self, address: str, model: str, log: Path) -> None:
+        from mserve.common.sockets import free_port
+
+        port = free_port()
+        super().__init__([sys.executable, "-m", "mserve.cli", "gateway", "--coordinator", address, "--host",
+                          "127.0.0.1", "--port", str(port), "--model", model, "--served-model-name", "tiny"], log)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def ready(self) -> Gateway:
+        import httpx
+
+        def healthy() -> bool:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, timeout_s=60, what="the gateway's /health", every_s=0.1)
+        return self
+
+    def chat(self, text: str, image: bytes, stream: bool = False) -> list:
+        """One image request's token ids (non-streaming), or its stream's lines."""
+        import httpx
+
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        body = {"model": "tiny", "max_tokens": MAX_TOKENS, "return_token_ids": True, "stream": stream,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": text}]}]}
+        if not stream:
+            reply = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=60)
+            reply.raise_for_status()
+            return reply.json()["choices"][0]["token_ids"]
+        with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=60) as reply:
+            return list(reply.iter_lines())
+
+
+def shm_segments_of(pid: int) -> list[str]:
+    """The shared-memory segments a process created (common/transfer/shm_pool.py names them after it)."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith("mserve_") and n.split("_")[2:3] == [str(pid)]]
+
+
+@pytest.mark.parametrize("shared_cluster", [LLAVA_1E1P1D], indirect=True)
+def test_kill_9_of_the_uploading_gateway_mid_request_ends_each_request_once(shared_cluster, tmp_path):
+    """A real gateway is killed outright while its image requests (in its media store's shm segments, GENERATE
+    carrying only their refs; two plain, one streamed) wait on the encoder, frozen with SIGSTOP so they surely
+    are admitted and dispatched but not pulled. Each HTTP caller sees its connection drop. The coordinator has
+    no notion of a client link dying: nothing cancels the gateway's requests; it learns of the gateway only
+    when a reply to its identity is refused (ROUTER_MANDATORY), and drops that reply. So each request runs on
+    to its end: the encoder pulls its image from the dead gateway's segment, which outlives it until a sweep
+    unlinks it (a pull that finds the segment's owner gone sweeps, as does any transfer engine starting on the
+    host); a pulled image's request completes, a swept one's fails at once naming the item and its store. Either
+    way each request ends exactly once, within one fetch timeout, never hangs, and leaves no KV block used; a
+    fresh gateway then serves an image request with HF generate's tokens, and nothing of the dead one's shared
+    memory is left."""
+    import httpx
+
+    cluster, model = shared_cluster, shared_cluster.model
+    encode = cluster.worker_names("encode")[0]
+    warm_image, fresh = make_image(84, 64, seed=511), make_image(64, 84, seed=515)
+    sent = [("What colour is it?", make_image(88, 66, seed=512), False),
+            ("Is it bright?", make_image(66, 88, seed=513), False),
+            ("What is in it?", make_image(80, 80, seed=514), True)]
+    with Client(cluster.address, timeout_s=10) as c:
+        wait_for(lambda: c.status()["requests_in_flight"] == 0, what="nothing in flight before the test")
+        before = c.status()["stats"]
+    with Gateway(cluster.address, model, tmp_path / "gateway.log") as gateway:
+        want = expected(model, [("Describe the picture.", [warm_image]), ("Describe the picture.", [fresh])],
+                        MAX_TOKENS)  # while the gateway starts
+        warm = gateway.ready().chat("Describe the picture.", warm_image)  # its request path is hot
+        with Client(cluster.address, timeout_s=10) as c, ThreadPoolExecutor(len(sent)) as callers:
+            cluster.kill_worker(encode, signal.SIGSTOP)
+            try:
+                calls = [callers.submit(gateway.chat, text, image, stream) for text, image, stream in sent]
+                deadline = time.monotonic() + 3  # well inside --dead-after-s (5 s)
+                while True:  # all admitted, an encode dispatched to the frozen encoder
+                    status = c.status()
+                    if (status["stats"]["admitted"] - before["admitted"] == 1 + len(sent)
+                            and status["workers"][encode]["load"]["inflight"] >= 1):
+                        break
+                    assert time.monotonic() < deadline, status["stats"]
+                    time.sleep(0.01)
+                assert shm_segments_of(gateway.proc.pid)  # the images wait in the gateway's shared memory
+                gateway.proc.send_signal(signal.SIGKILL)
+                gateway.proc.wait()
+                killed_at = time.monotonic()
+            finally:
+                cluster.kill_worker(encode, signal.SIGCONT)
+            for call in calls:  # none was answered before the kill: each caller's connection drops
+                with pytest.raises(httpx.TransportError):
+                    call.result(timeout=10)
+            after = wait_for(lambda: (s := c.status())["requests_in_flight"] == 0 and s, timeout_s=30,
+                             what="the dead gateway's requests to end")
+            assert time.monotonic() - killed_at < 10 + 5  # within one fetch timeout (the workers' 10 s): no hang
+    ended = {k: after["stats"][k] - before[k] for k in ("admitted", "completed", "failed")}
+    assert ended["admitted"] == 1 + len(sent) and ended["completed"] + ended["failed"] == ended["admitted"], ended
+    with Gateway(cluster.address, model, tmp_path / "fresh-gateway.log") as again:
+
+        def kv_free() -> bool:
+            with Client(cluster.address, timeout_s=10) as c:
+                workers = c.status()["workers"].values()
+            return all(w["counters"].get("used_blocks", 0) == 0 for w in workers if w["role"] != "encode")
+
+        wait_for(kv_free, what="every KV block free again")  # while the fresh gateway starts
+        with Client(cluster.address, timeout_s=10) as c:
+            inline = inline_bytes(c)
+            result = again.ready().chat("Describe the picture.", fresh)
+            assert inline_bytes(c) == inline  # through the fresh gateway's store, not inline
+    assert [warm, result] == want
+    assert not shm_segments_of(gateway.proc.pid)  # swept: by a pull, or by the fresh gateway's engine at its start
