@@ -259,12 +259,13 @@ def test_kill_9_of_the_uploading_gateway_mid_request_ends_each_request_once(shar
     are admitted and dispatched but not pulled. Each HTTP caller sees its connection drop. The coordinator has
     no notion of a client link dying: nothing cancels the gateway's requests; it learns of the gateway only
     when a reply to its identity is refused (ROUTER_MANDATORY), and drops that reply. So each request runs on
-    to its end: the encoder pulls its image from the dead gateway's segment, which outlives it until a sweep
-    unlinks it (a pull that finds the segment's owner gone sweeps, as does any transfer engine starting on the
-    host); a pulled image's request completes, a swept one's fails at once naming the item and its store. Either
-    way each request ends exactly once, within one fetch timeout, never hangs, and leaves no KV block used; a
-    fresh gateway then serves an image request with HF generate's tokens, and nothing of the dead one's shared
-    memory is left."""
+    to its end: the encoder pulls its image from the dead gateway's segment. The gateway's multiprocessing
+    resource tracker (a child that outlives it) unlinks its segments as soon as it dies, so a pull fails at
+    once, naming the item and its store; had the tracker died too (its whole group killed), the segments would
+    outlive it until a sweep (a pull that finds their owner gone, or any transfer engine starting on the host)
+    and a pull before it would complete the request. Either way each request ends exactly once, within one
+    fetch timeout, never hangs, and leaves no KV block used; a fresh gateway then serves an image request with
+    HF generate's tokens, and nothing of the dead one's shared memory is left."""
     import httpx
 
     cluster, model = shared_cluster, shared_cluster.model
@@ -319,4 +320,4 @@ def test_kill_9_of_the_uploading_gateway_mid_request_ends_each_request_once(shar
             result = again.ready().chat("Describe the picture.", fresh)
             assert inline_bytes(c) == inline  # through the fresh gateway's store, not inline
     assert [warm, result] == want
-    assert not shm_segments_of(gateway.proc.pid)  # swept: by a pull, or by the fresh gateway's engine at its start
+    assert not shm_segments_of(gateway.proc.pid)  # unlinked: by its tracker, a pull, or the fresh gateway's start
