@@ -1,20 +1,22 @@
-"""The prepared device check of issue 24, in one run (bench/gpu_check.md says how to start it on the GPU machine):
+"""The prepared device check of issue 24, in one run (bench/gpu_check.md says how to start it on the GPU machine;
+bench/gpu_check.py is the launcher it names):
 
 1. `exact`: bf16 exactness of the engine against HF `generate` in bf16, on the device, for tiny
    LLaVA and Qwen2-VL checkpoints (a ragged batch decoded together);
 2. `cluster`: a 1e1p1d cluster on the one device (three worker processes) with each transfer backend
    named in --transfers (default torch: CUDA IPC between processes on one GPU, NCCL across GPUs,
    gloo on CPU), tokens against the same HF run;
-3. `big`: a 7B-class random-weight LLaVA built on the device (bench/gpu_big.py): engine throughput at
+3. `big`: a 7B-class random-weight LLaVA built on the device (bench/lab/gpu/big.py): engine throughput at
    --batches beside HF's own batched generate on the same weights, a short serving run, memory per role;
 4. `attention` (not run by default): padded attention's tokens against HF's, and a profile of a decode
-   step exact and padded (bench/gpu_attention.py).
+   step exact and padded (bench/lab/gpu/attention.py).
 
 It writes gpu_check.json and gpu_check.md under --out (default $OUT) after every part, so a run cut
 short keeps what it measured. A part that fails is recorded with its error and the rest still run.
 
-    python -m mserve.bench.gpu_check --device cuda --out $OUT
-    python -m mserve.bench.gpu_check --device cpu --big tiny --requests 3 --out /tmp/gc    # dry run
+    python3 bench/gpu_check.py --device cuda --out $OUT
+    python3 bench/gpu_check.py --device cpu --big tiny --requests 3 --out /tmp/gc    # dry run
+    (or, from bench/: python -m lab.gpu.check ...)
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ from typing import Any
 
 import torch
 
-from mserve.bench import gpu_big
-from mserve.bench.gpu_report import render
+from lab.gpu import big as gpu_big
+from lab.gpu.report import render
 
-log = logging.getLogger("mserve.bench.gpu_check")
+log = logging.getLogger("lab.gpu.check")
 PARTS = ("exact", "cluster", "big", "attention")
 DEFAULT_PARTS = ("exact", "cluster", "big")
 FAMILIES = ("llava", "qwen2_vl")
@@ -49,13 +51,13 @@ SIZES = ((224, 224), (336, 252), (200, 150), (640, 480), (120, 90), (300, 400))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mserve.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench/gpu_check.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run); default cuda")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results/gpu_check",
                    help="folder for gpu_check.json and gpu_check.md (default $OUT)")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"which of {','.join(PARTS)}, comma-separated (default {','.join(DEFAULT_PARTS)}); attention: "
-                        "what exact-length attention costs (bench/gpu_attention.py)")
+                        "what exact-length attention costs (bench/lab/gpu/attention.py)")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"tiny checkpoints checked (default {','.join(FAMILIES)})")
     p.add_argument("--requests", type=int, default=9, help="requests per family for exact and cluster (default 9)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per exactness request (default 16)")
@@ -310,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if "big" in parts:
         report["big"] = record("big", args.big or "", lambda: check_big(work, args))
     if "attention" in parts:
-        from mserve.bench.gpu_attention import check_attention
+        from lab.gpu.attention import check_attention
 
         report["attention"] = record("attention", "", lambda: check_attention(references, work, args))
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
