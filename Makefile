@@ -55,7 +55,7 @@ test-deploy: install
 
 # The wheels the GPU machine's image lacks, for bench/gpu_check.py (bench/gpu_check.md): into .whl/.
 gpu-wheels:
-	bench/gpu_wheels.sh .whl
+	bench/lab/gpu/wheels.sh .whl
 
 clean:
 	rm -rf $(VENV) models

@@ -261,7 +261,7 @@ def test_every_module_the_docs_name_exists():
 
 def test_the_module_check_sees_the_docs_modules():
     found = {name for doc in DOCS for name in _cited_modules(doc.read_text())}
-    assert {"mserve.bench.gpu_check", "mserve.healthcheck", "lab.scale"} <= found
+    assert {"lab.gpu.check", "mserve.healthcheck", "lab.scale"} <= found
     assert not _resolves("mserve.workers.no_such_module") and not _resolves("mserve.common.policy.NO_SUCH")
 
 

@@ -118,7 +118,7 @@ def refuse_unloaded_weights(model_dir: str | os.PathLike, model: torch.nn.Module
 
 def use_paged_attention(model):
     """The model's language model reads and writes the paged pool (a model built in memory, e.g. by
-    bench/gpu_big.py, is made ready for the engine the same way as a loaded one)."""
+    bench/lab/gpu/big.py, is made ready for the engine the same way as a loaded one)."""
     language_model = getattr(model.model, text_module_name(model))
     if language_model is not None:
         # Only the language model reads the paged pool; the vision tower keeps its own attention.

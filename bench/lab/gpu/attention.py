@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's `attention` part: what exact-length attention costs on the device, and why.
+"""The GPU check's `attention` part (bench/lab/gpu/check.py): what exact-length attention costs on the device, and why.
 
 - `padded_tokens`: the tiny checkpoints' requests with padded attention (`--attention padded`) in bf16,
   against the `exact` part's HF ids: how often one padded SDPA call per group changes a greedy token;
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mserve.bench import gpu_big
+from lab.gpu import big as gpu_big
 
 
 def padded_tokens(reference: dict[str, Any], args) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def padded_tokens(reference: dict[str, Any], args) -> dict[str, Any]:
     for i, pp in enumerate(prepared):
         engine.add_request(f"r{i}", pp.prompt_ids, images=pp.images, sampling=SamplingParams(max_tokens=args.new_tokens))
     results = engine.run_until_done()
-    from mserve.bench.gpu_check import compare
+    from lab.gpu.check import compare
 
     result = compare([results[f"r{i}"] for i in range(len(prepared))], reference["want"], reference["requests"])
     return {"requests": result["requests"], "equal": result["equal"],
@@ -103,7 +103,7 @@ def check_attention(references: dict[str, Any], work, args) -> dict[str, Any]:
                                    **decode_profile(engine, prompts[:b], args.device)})
     # The `big` part's serving run (exact there), padded: what a user choosing speed gets.
     engine.runner.exact_attention = False
-    from mserve.bench.gpu_check import TEXTS
+    from lab.gpu.check import TEXTS
 
     serve = gpu_big.serving_requests(args.serve_requests, args.prompt_tokens // 2, builder, engine.family.image_token_id,
                                      TEXTS)

@@ -1,13 +1,19 @@
-"""bench/gpu_check.py as a CPU dry run at tiny sizes: every part runs its real path and reports it."""
+"""The GPU check (bench/lab/gpu/check.py, started by bench/gpu_check.py) as a CPU dry run at tiny sizes:
+every part runs its real path and reports it."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from mserve.bench import gpu_check
+from lab.gpu import check as gpu_check
 from mserve.workers import kernels
+
+LAUNCHER = Path(__file__).resolve().parents[3] / "bench" / "gpu_check.py"
 
 TINY = ["--device", "cpu", "--big", "tiny", "--requests", "3", "--new-tokens", "4", "--batches", "1,2",
         "--prompt-tokens", "16", "--bench-new-tokens", "4", "--serve-requests", "4", "--serve-rate", "50"]
@@ -59,3 +65,10 @@ def test_dry_run_cluster_part_matches_hf(tmp_path):
     assert cluster.get("error") is None, cluster
     assert cluster["equal"] == cluster["requests"] == 3
     assert set(cluster["memory"]) == {"coordinator", "encode-0", "prefill-0", "decode-0"}
+
+
+def test_launcher_runs_the_lab_check_from_outside_the_checkout(tmp_path):
+    """bench/gpu_check.py, the path bench/gpu_check.md runs, reaches the lab's main from any folder."""
+    done = subprocess.run([sys.executable, str(LAUNCHER), "--device", "cpu", "--parts", "exact,gpu",
+                           "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "unknown part(s) ['gpu']" in done.stderr, done.stderr[-2000:]

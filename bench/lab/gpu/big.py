@@ -1,6 +1,7 @@
-"""A 7B-class random-weight LLaVA built on the device (never downloaded), for bench/gpu_check.py: the
-engine's decode throughput at several batch sizes and a short in-process serving run, beside HF's
-own batched `generate` on the same device and the same weights, with memory per role.
+"""A 7B-class random-weight LLaVA built on the device (never downloaded), for the GPU check
+(bench/lab/gpu/check.py): the engine's decode throughput at several batch sizes and a short in-process
+serving run, beside HF's own batched `generate` on the same device and the same weights, with memory
+per role.
 
 The checkpoint folder holds what the engine reads besides weights (config, tiny tokenizer, the
 CLIP processor at 336 px): the weights are drawn straight into device memory by transformers'
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("mserve.bench.gpu_check")
+log = logging.getLogger("lab.gpu.check")
 
 # llava-hf/llava-1.5-7b-hf's shapes: CLIP ViT-L/14 at 336 px and a Llama-2-7B (Vicuna) text model.
 # "tiny" stands in on a CPU dry run (the same code path, a model that builds in a second), "small" for CPU figures.
