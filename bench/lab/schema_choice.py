@@ -6,7 +6,9 @@ code, the same strictness and the same speed? The candidates are lab.schema_stru
 classes, with common/sampling_rules.py's bounds). Each decode path is what a socket does with frame 1: today
 `serde.decode` + `parse_message` (+ `MediaRef.parse` of a GENERATE's stored image part, as admission does);
 msgspec `Decoder(type).decode` (+ `msgspec.convert` of the part's ref); pydantic `msgpack.unpackb` +
-`model_validate` (strict). msgspec is needed only here (`pip install msgspec`).
+`model_validate` (strict). Beside them: msgpack alone (today's share of the decode), msgspec.convert of serde's
+decoded dict (msgspec behind today's framing, no media refs) and, for GENERATE, admission's GenerateIn (the
+coordinator's edge today). msgspec is needed only here (`pip install msgspec`).
 
 Usage (from the repository root; on a shared host read the medians and minimums of the interleaved samples):
     PYTHONPATH=bench .venv/bin/python -m lab.schema_choice [--calls 1000] [--samples 15] [--items 32]
@@ -200,6 +202,8 @@ def main() -> None:
         paths = {"decode typed.py": lambda: decoders[kind]["typed.py"](raw),
                  "  of which msgpack": lambda: serde.decode([head, raw]),
                  "decode msgspec": lambda: decoders[kind]["msgspec"](raw),
+                 "  msgspec.convert after msgpack": lambda: msgspec.convert(serde.decode([head, raw])[1],
+                                                                            structs[kind]),
                  "decode pydantic": lambda: decoders[kind]["pydantic"](raw),
                  "encode typed.py": lambda: serde.encode(int(msg.KIND), msg.to_body()),
                  "encode msgspec": lambda: [head, enc.encode(ms_obj)],
