@@ -204,7 +204,6 @@ def test_kill_9_of_the_stores_holder_mid_request_ends_each_request_once(shared_c
     assert result.token_ids == expected(model, [("Describe the picture.", [fresh])], MAX_TOKENS)[0]
 
 
-
 class Gateway(LoggedProcess):
     """A real `mserve gateway` (its media store on, the default) on a free port of 127.0.0.1, in its own process:
     not the cluster's start_gateway, which counts it among the shared cluster's processes (a dead one there
