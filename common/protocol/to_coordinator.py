@@ -46,13 +46,13 @@ class WorkerLoad(Message):
             return cls()
         values = {}
         for f in dataclasses.fields(cls):
-            v = snapshot.get(f.name)
-            if f.type == "bool | None" and v in (0, 1) and not isinstance(v, bool):
-                v = bool(v)
-            try:
-                values[f.name] = f.metadata["check"](v, f.name)
-            except ProtocolError:
-                pass
+            v, check = snapshot.get(f.name), f.metadata["check"]
+            for value in (v, bool(v)) if v in (0, 1) and not isinstance(v, bool) else (v,):
+                try:  # a flag refuses 0 or 1 as a number, then reads it as the flag
+                    values[f.name] = check(value, f.name)
+                    break
+                except ProtocolError:
+                    pass
         return cls(**values)
 
 

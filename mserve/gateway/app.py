@@ -376,4 +376,3 @@ def serve(settings: GatewaySettings) -> None:
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
                 access_log=settings.access_log, timeout_graceful_shutdown=5)
-
