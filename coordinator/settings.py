@@ -91,7 +91,7 @@ class MachineSettings(BaseModel):
 
 
 class CoordinatorSettings(BaseSettings, MachineSettings):
-    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore", env_ignore_empty=True)  # VAR= is unset
 
     # The default model (requests that name none go to it), loaded at start-up. Workers bring every other
     # model: each READY names its model and folder, and the coordinator serves it from then on

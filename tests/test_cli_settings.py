@@ -31,6 +31,23 @@ def test_every_flag_names_a_settings_field(command, cls_path):
     assert dests - set(cls.model_fields) == set()
 
 
+@pytest.mark.parametrize("cls_path,var,field", [
+    ("mserve.workers.settings.WorkerSettings", "MSERVE_DTYPE", "dtype"),
+    ("mserve.coordinator.settings.CoordinatorSettings", "MSERVE_DEAD_AFTER_S", "dead_after_s"),
+    ("mserve.gateway.settings.GatewaySettings", "MSERVE_ALLOW_LOOPBACK_MEDIA_FOR_TESTS", "allow_loopback_media_for_tests"),
+])
+def test_an_empty_variable_is_unset_not_a_value(monkeypatch, cls_path, var, field):
+    """`VAR= mserve up ...` (a shell's way of clearing one) leaves the default: it was a start-up traceback
+    ("Input should be a valid boolean ... input_value=''") for the gateway's flag."""
+    module, _, name = cls_path.rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    required = {"role": "unified", "model": "m"} if name == "WorkerSettings" else {}
+    monkeypatch.delenv(var, raising=False)
+    default = getattr(cls(**required), field)
+    monkeypatch.setenv(var, "")
+    assert getattr(cls(**required), field) == default
+
+
 def test_worker_flags_reach_the_worker_settings(monkeypatch):
     from mserve.workers.settings import WorkerSettings
 

@@ -16,7 +16,7 @@ CPU_ENCODE_IMAGES, GPU_ENCODE_IMAGES = 1, 8  # max_encode_images' defaults
 
 
 class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore", env_ignore_empty=True)  # VAR= is unset
 
     role: Literal["encode", "prefill", "decode", "unified"]
     model: str

@@ -10,7 +10,7 @@ from mserve.common.documents import MAX_DOCUMENT_PAGES
 
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="MSERVE_", extra="ignore", env_ignore_empty=True)  # VAR= is unset
 
     coordinator: str = "tcp://127.0.0.1:5555"  # the coordinator's client address
     host: str = "127.0.0.1"
